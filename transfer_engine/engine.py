@@ -1,0 +1,626 @@
+"""The Engine: one per process; owns transports, segments, peers and transfers.
+
+    with Engine("decode-0") as engine:                      # control endpoint + transports
+        seg = engine.register(kv_tensor)                    # a Segment (context manager)
+        peer = engine.connect("tcp://10.0.0.5:7000")        # peer-to-peer handshake
+        dst = peer.segment("kv")
+        h = engine.write(peer, [(Descriptor(seg, 0, n), Descriptor(dst, 0, n))],
+                         notify=b"req-17")
+        h.wait(timeout=5)
+
+Closing the engine closes, in reverse order of creation, its peers (their rails fail
+in-flight transfers with ``ClosedError``), its transports, its segments and its control
+endpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import socket
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from transfer_engine.control.messages import (
+    ErrorReply,
+    Hello,
+    Message,
+    SegmentsReply,
+    SegmentsRequest,
+    Welcome,
+    decode,
+    encode,
+)
+from transfer_engine.descriptor import Descriptor, Extent, Op
+from transfer_engine.errors import (
+    ClosedError,
+    ConnectError,
+    InvalidDescriptorError,
+    NotSupportedError,
+    PeerLostError,
+    ProtocolError,
+    TransferEngineError,
+    TransferError,
+    UnknownPeerError,
+)
+from transfer_engine.handle import TransferHandle
+from transfer_engine.notify import ImmediateCounter, Notification
+from transfer_engine.peer import ControlClient, Peer
+from transfer_engine.planner import plan_transfer
+from transfer_engine.segment import RemoteSegment, Segment, describe_memory
+from transfer_engine.transport import load_transport
+from transfer_engine.transport.base import Completion, Immediate, Transport, Work
+from transfer_engine.transport.shm import host_id
+
+__all__ = ["Engine"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TRANSPORTS = ("shm", "tcp")
+# Failures after which the same transfer is repeated over the peer's next transport.
+_FALLBACK_ERRORS = (NotSupportedError, PeerLostError)
+
+
+@dataclass(eq=False)
+class _Transfer:
+    """Engine-side state of one transfer across its attempts."""
+
+    handle: TransferHandle
+    peer: Peer
+    op: Op
+    pairs: list[tuple[Extent, Extent]]
+    notify: bytes | None
+    transports: list[str]
+    local_segments: list[Segment]
+    remaining: int = 0
+    error: TransferError | None = None
+    notifying: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Engine:
+    """A transfer engine instance.
+
+    :param name: unique name of this engine among its peers.
+    :param host: address the control endpoint and the TCP transport listen on.
+    :param port: control endpoint port; 0 picks a free one.
+    :param transports: transport names (``"tcp"``, ``"shm"``, ``"rdma"``, or
+        ``"module:Class"``) or built :class:`Transport` objects, best first. Default:
+        ``$TE_TRANSPORTS`` or ``shm,tcp``. A named transport that cannot load here
+        (missing library or device) is skipped with a log line; built ones are used as
+        given.
+    :param timeout: seconds for handshakes and control requests.
+    """
+
+    def __init__(self, name: str, *, host: str = "127.0.0.1", port: int = 0,
+                 transports: Sequence[str | Transport] | None = None,
+                 timeout: float = 10.0) -> None:
+        self.name = name
+        self.host = host
+        self.timeout = timeout
+        self.host_id = host_id()
+        self._lock = threading.RLock()
+        self._closed = False
+        self._stack = ExitStack()
+        self._segments: dict[int, Segment] = {}
+        self._segment_names: dict[str, Segment] = {}
+        self._seg_ids = itertools.count(1)
+        self._transfer_ids = itertools.count(1)
+        self._wr_ids = itertools.count(1)
+        self._peers: dict[str, Peer] = {}
+        self._live: dict[int, _Transfer] = {}
+        self._counter = ImmediateCounter()
+        self._notes: collections.deque[Notification] = collections.deque()
+        self._notes_cond = threading.Condition(self._lock)
+        self._callbacks: list[Callable[[Notification], None]] = []
+        self.stats = collections.Counter[str]()
+        try:
+            self._start_control(host, port)
+            self._transports = self._start_transports(transports)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    # --- set-up -----------------------------------------------------------------------
+
+    def _start_control(self, host: str, port: int) -> None:
+        self._zctx: zmq.Context[Any] = zmq.Context()
+        self._stack.callback(self._zctx.term)
+        self._router = self._zctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, 8 << 20)
+        self._stack.callback(self._router.close, 0)
+        if ":" in host and not host.startswith("["):
+            self._router.setsockopt(zmq.IPV6, 1)
+            bind_host = f"[{host}]"
+        else:
+            bind_host = host
+        if port:
+            self._router.bind(f"tcp://{bind_host}:{port}")
+        else:
+            port = self._router.bind_to_random_port(f"tcp://{bind_host}")
+        self.endpoint = f"tcp://{bind_host}:{port}"
+        self._control_stop = threading.Event()
+        self._control_thread = threading.Thread(target=self._control_loop, daemon=True,
+                                                name=f"te-control-{self.name}")
+        self._control_thread.start()
+        self._stack.callback(self._control_thread.join, 5)
+        self._stack.callback(self._control_stop.set)
+
+    def _start_transports(self, specs: Sequence[str | Transport] | None
+                          ) -> dict[str, Transport]:
+        if specs is None:
+            env = os.environ.get("TE_TRANSPORTS")
+            specs = [s.strip() for s in env.split(",") if s.strip()] if env else list(
+                DEFAULT_TRANSPORTS)
+        out: dict[str, Transport] = {}
+        self._transport_info: dict[str, dict[str, Any]] = {}
+        first_error: Exception | None = None
+        for spec in specs:
+            if isinstance(spec, Transport):
+                transport = spec
+            else:
+                try:
+                    kwargs = {"host": self.host} if spec == "tcp" else {}
+                    transport = load_transport(spec, **kwargs)
+                except TransferEngineError as exc:
+                    log.info("transport %s unavailable: %s", spec, exc)
+                    first_error = first_error or exc
+                    continue
+            self._stack.callback(transport.close)
+            self._transport_info[transport.name] = transport.start(self)
+            out[transport.name] = transport
+        if not out:
+            raise NotSupportedError(f"no usable transport among {list(specs)}: {first_error}")
+        return out
+
+    # --- Host protocol (called by transports) -----------------------------------------
+
+    def local_segment(self, segment_id: int, *, peer: str | None = None,
+                      op: str | None = None) -> Segment:
+        seg = self._segments.get(segment_id)
+        if seg is None or seg.closed:
+            raise InvalidDescriptorError("unknown or deregistered segment", peer=peer, op=op,
+                                         segment=segment_id)
+        return seg
+
+    def deliver_immediate(self, peer: str, imm: Immediate) -> None:
+        with self._lock:
+            try:
+                note = self._counter.arrive(peer, imm.transfer_id, imm.expected, imm.notify)
+            except ValueError as exc:
+                log.warning("bad immediate from %s: %s", peer, exc)
+                return
+            if note is None:
+                return
+            self._notes.append(note)
+            self.stats["notifications"] += 1
+            self._notes_cond.notify_all()
+            callbacks = list(self._callbacks)
+        for cb in callbacks:
+            try:
+                cb(note)
+            except Exception:
+                log.exception("notification callback failed")
+
+    # --- metadata and control endpoint ------------------------------------------------
+
+    def metadata(self) -> dict[str, Any]:
+        with self._lock:
+            segments = [s.to_wire() for s in self._segments.values() if not s.closed]
+        return {"name": self.name, "host_id": self.host_id, "hostname": socket.gethostname(),
+                "pid": os.getpid(), "control": self.endpoint,
+                "transports": dict(self._transport_info), "segments": segments}
+
+    def _control_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        while not self._control_stop.is_set():
+            try:
+                if not poller.poll(100):
+                    continue
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                if self._control_stop.is_set():
+                    return
+                continue
+            if len(frames) != 2:
+                self.stats["control_rejected"] += 1
+                continue
+            ident, data = frames
+            try:
+                reply = self._handle_control(decode(data, peer="?"))
+            except TransferError as exc:
+                self.stats["control_rejected"] += 1
+                log.warning("control message rejected: %s", exc)
+                reply = ErrorReply(str(exc))
+            except Exception as exc:  # never let a message kill the endpoint
+                log.exception("control message failed")
+                reply = ErrorReply(f"internal error: {exc!r}")
+            try:
+                self._router.send_multipart([ident, encode(reply)], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def _handle_control(self, msg: Message) -> Message:
+        if isinstance(msg, Hello):
+            name = msg.meta.get("name")
+            if not isinstance(name, str) or not name:
+                raise ProtocolError("hello without a name")
+            if name == self.name:
+                raise ProtocolError(f"peer uses our own name {name!r}")
+            return Welcome(self.metadata())
+        if isinstance(msg, SegmentsRequest):
+            return SegmentsReply(self.metadata()["segments"])
+        raise ProtocolError(f"unexpected {msg.kind} on the control endpoint")
+
+    # --- segments ---------------------------------------------------------------------
+
+    def register(self, obj: Any, name: str | None = None) -> Segment:
+        """Registers memory so that peers can reach it; returns a :class:`Segment` that
+        deregisters on ``close()`` (or at the end of a ``with`` block).
+
+        ``obj``: a CPU torch tensor, a numpy array, a writable buffer (bytearray,
+        memoryview, mmap) or a raw ``(address, length)`` tuple (the caller keeps that
+        memory alive). Raises :class:`RegistrationError`; nothing stays registered.
+        """
+        self._check_open("register")
+        info = describe_memory(obj)
+        with self._lock:
+            seg_id = next(self._seg_ids)
+            name = name or f"{self.name}/seg{seg_id}"
+            if name in self._segment_names:
+                from transfer_engine.errors import RegistrationError
+                raise RegistrationError("a segment of that name is registered", segment=name)
+            seg = Segment(seg_id, name, info, on_close=self._deregister)
+            done: list[Transport] = []
+            try:
+                for transport in self._transports.values():
+                    keys = transport.register(seg)
+                    done.append(transport)
+                    if keys:
+                        seg.keys[transport.name] = keys
+            except BaseException:
+                for transport in done:
+                    transport.deregister(seg)
+                raise
+            self._segments[seg_id] = seg
+            self._segment_names[name] = seg
+            self._stack.callback(seg.close)
+        return seg
+
+    def _deregister(self, seg: Segment) -> None:
+        with self._lock:
+            self._segments.pop(seg.id, None)
+            self._segment_names.pop(seg.name, None)
+        for transport in self._transports.values():
+            transport.deregister(seg)
+
+    @property
+    def segments(self) -> dict[str, Segment]:
+        with self._lock:
+            return dict(self._segment_names)
+
+    # --- peers ------------------------------------------------------------------------
+
+    def connect(self, address: str, timeout: float | None = None) -> Peer:
+        """Handshakes with the engine at ``address`` (its ``endpoint``) and opens rails on
+        every transport both sides share, best first. Returns the :class:`Peer`."""
+        self._check_open("connect")
+        timeout = self.timeout if timeout is None else timeout
+        client = ControlClient(self._zctx, address, peer=address)
+        try:
+            reply = client.request(Hello(self.metadata()), timeout)
+            if not isinstance(reply, Welcome):
+                raise ProtocolError(f"expected welcome, got {reply.kind}", peer=address)
+            meta = reply.meta
+            name = meta.get("name")
+            if not isinstance(name, str) or not name:
+                raise ProtocolError("welcome without a name", peer=address)
+            client.peer = name
+            peer = Peer(meta, client, timeout)
+        except BaseException:
+            client.close()
+            raise
+        try:
+            self._open_rails(peer, timeout)
+        except BaseException:
+            peer.close()
+            raise
+        with self._lock:
+            old = self._peers.pop(peer.name, None)
+            self._peers[peer.name] = peer
+            self._stack.callback(peer.close)
+        if old is not None:
+            old.close()
+        return peer
+
+    def _open_rails(self, peer: Peer, timeout: float) -> None:
+        errors: list[str] = []
+        for name, transport in self._transports.items():
+            info = peer.meta.get("transports", {}).get(name)
+            if not info or not transport.reachable(peer.meta):
+                continue
+            rails = []
+            try:
+                for _ in range(max(1, transport.capabilities.default_rails)):
+                    rails.append(transport.connect(peer.name, info, self._on_complete,
+                                                   timeout))
+            except TransferError as exc:
+                for rail in rails:
+                    rail.close()
+                errors.append(f"{name}: {exc}")
+                log.info("no %s rails to %s: %s", name, peer.name, exc)
+                continue
+            peer.rails[name] = rails
+            peer.order.append(name)
+        if not peer.order:
+            raise ConnectError(f"no common transport ({'; '.join(errors) or 'none shared'})",
+                               peer=peer.name, op="connect")
+
+    def peer(self, name: str) -> Peer:
+        with self._lock:
+            peer = self._peers.get(name)
+        if peer is None:
+            raise UnknownPeerError("no connected peer of that name", peer=name)
+        return peer
+
+    @property
+    def peers(self) -> dict[str, Peer]:
+        with self._lock:
+            return dict(self._peers)
+
+    # --- transfers --------------------------------------------------------------------
+
+    def write(self, peer: Peer | str, pairs: Sequence[tuple[Descriptor, Descriptor]],
+              notify: bytes | None = None) -> TransferHandle:
+        """Writes each local descriptor's bytes to its remote descriptor.
+
+        ``notify`` (bytes, at most 64 KiB) reaches the peer's :meth:`notifications` once
+        every byte has landed, exactly once. Raises :class:`InvalidDescriptorError` or
+        :class:`UnknownPeerError` before anything moves.
+        """
+        return self._submit(Op.WRITE, peer, pairs, notify)
+
+    def read(self, peer: Peer | str, pairs: Sequence[tuple[Descriptor, Descriptor]],
+             notify: bytes | None = None) -> TransferHandle:
+        """Reads each remote descriptor's bytes into its local descriptor; ``notify``
+        reaches the peer after all of them arrived here."""
+        return self._submit(Op.READ, peer, pairs, notify)
+
+    def _submit(self, op: Op, peer_ref: Peer | str,
+                pairs: Sequence[tuple[Descriptor, Descriptor]],
+                notify: bytes | None) -> TransferHandle:
+        self._check_open(str(op))
+        peer = self.peer(peer_ref if isinstance(peer_ref, str) else peer_ref.name)
+        if peer.order == [] or peer.transport is None:
+            raise PeerLostError("peer has no open rails", peer=peer.name, op=str(op))
+        if notify is not None and (not isinstance(notify, bytes | bytearray)
+                                   or len(notify) > 65536):
+            raise InvalidDescriptorError("notify must be bytes of at most 64 KiB",
+                                         peer=peer.name, op=str(op))
+        extents, locals_ = self._validate(op, peer, pairs)
+        nbytes = sum(loc.length for loc, _ in extents)
+        handle = TransferHandle(next(self._transfer_ids), op, peer.name, nbytes)
+        pinned: list[Segment] = []
+        try:
+            for seg in locals_:
+                seg.pin()
+                pinned.append(seg)
+        except TransferError as exc:
+            for seg in pinned:
+                seg.unpin()
+            raise exc.with_context(peer=peer.name, op=str(op))
+        xfer = _Transfer(handle, peer, op, extents, bytes(notify) if notify is not None else None,
+                         list(peer.order), pinned)
+        with self._lock:
+            self._live[handle.id] = xfer
+        self.stats["transfers"] += 1
+        self._start_attempt(xfer)
+        return handle
+
+    def _validate(self, op: Op, peer: Peer, pairs: Sequence[tuple[Descriptor, Descriptor]]
+                  ) -> tuple[list[tuple[Extent, Extent]], list[Segment]]:
+        if not pairs:
+            raise InvalidDescriptorError("a transfer needs at least one pair", peer=peer.name,
+                                         op=str(op))
+        extents: list[tuple[Extent, Extent]] = []
+        locals_: dict[int, Segment] = {}
+        for pair in pairs:
+            try:
+                local, remote = pair
+            except (TypeError, ValueError) as exc:
+                raise InvalidDescriptorError(f"not a (local, remote) pair: {pair!r:.80}",
+                                             peer=peer.name, op=str(op)) from exc
+            if not isinstance(local, Descriptor) or not isinstance(remote, Descriptor):
+                raise InvalidDescriptorError("pairs hold Descriptor objects", peer=peer.name,
+                                             op=str(op))
+            lseg, rseg = local.segment, remote.segment
+            if not isinstance(lseg, Segment) or self._segments.get(lseg.id) is not lseg:
+                raise InvalidDescriptorError(
+                    "local descriptor does not name a segment registered with this engine",
+                    peer=peer.name, op=str(op), segment=getattr(lseg, "name", lseg),
+                    offset=local.offset, length=local.length)
+            if not isinstance(rseg, RemoteSegment) or rseg.peer != peer.name:
+                raise InvalidDescriptorError(
+                    "remote descriptor does not name a segment of this peer", peer=peer.name,
+                    op=str(op), segment=getattr(rseg, "name", rseg), offset=remote.offset,
+                    length=remote.length)
+            if local.length != remote.length:
+                raise InvalidDescriptorError(
+                    f"local length {local.length} != remote length {remote.length}",
+                    peer=peer.name, op=str(op), segment=rseg.name, offset=remote.offset,
+                    length=remote.length)
+            lseg.check(local.offset, local.length, write=op is Op.READ, op=str(op),
+                       peer=peer.name)
+            if remote.offset < 0 or remote.offset + remote.length > rseg.length:
+                raise InvalidDescriptorError(
+                    f"range out of bounds of remote segment of {rseg.length} bytes",
+                    peer=peer.name, op=str(op), segment=rseg.name, offset=remote.offset,
+                    length=remote.length)
+            if op is Op.WRITE and not rseg.writable:
+                raise InvalidDescriptorError("remote segment is read-only", peer=peer.name,
+                                             op=str(op), segment=rseg.name,
+                                             offset=remote.offset, length=remote.length)
+            locals_[lseg.id] = lseg
+            extents.append((Extent(lseg.id, local.offset, local.length),
+                            Extent(rseg.id, remote.offset, remote.length)))
+        return extents, list(locals_.values())
+
+    def _start_attempt(self, xfer: _Transfer) -> None:
+        name = xfer.transports[0]
+        transport = self._transports[name]
+        rails = xfer.peer.rails[name]
+        caps = transport.capabilities
+        plan = plan_transfer(xfer.pairs, num_rails=len(rails), slice_size=caps.slice_size,
+                             max_sge=caps.max_sge, max_wr_bytes=caps.max_wr_bytes,
+                             remote_scatter=caps.remote_scatter)
+        transfer_id = next(self._transfer_ids)  # fresh per attempt: counts never mix
+        notify_pending = xfer.notify is not None and xfer.op is Op.WRITE
+        works: list[Work] = []
+        for wr in plan.requests:
+            imm = None
+            if wr.imm and xfer.op is Op.WRITE and xfer.notify is not None:
+                imm = Immediate(transfer_id, plan.rails_used,
+                                xfer.notify if notify_pending else None)
+                notify_pending = False
+            works.append(Work(next(self._wr_ids), xfer.op, wr.local, wr.remote, wr.nbytes,
+                              imm, self._views(wr.local), xfer))
+        with xfer.lock:
+            xfer.handle.transport = name
+            xfer.remaining = len(works)
+            xfer.error = None
+        self._post(xfer, [(rails[wr.rail], w) for wr, w in zip(plan.requests, works)])
+
+    def _views(self, extents: list[Extent]) -> list[memoryview]:
+        return [self._segments[e.segment].view(e.offset, e.length) for e in extents]
+
+    def _post(self, xfer: _Transfer, items: list[tuple[Any, Work]]) -> None:
+        for i, (rail, work) in enumerate(items):
+            try:
+                rail.post(work)
+            except TransferError as exc:
+                for _, unposted in items[i:]:
+                    self._on_complete(Completion(unposted, exc))
+                return
+
+    def _on_complete(self, done: Completion) -> None:
+        xfer: _Transfer = done.work.context
+        with xfer.lock:
+            if done.error is not None:
+                xfer.error = xfer.error or done.error
+            else:
+                xfer.handle._add_bytes(done.work.nbytes)
+            xfer.remaining -= 1
+            if xfer.remaining > 0:
+                return
+            error = xfer.error
+        if error is not None:
+            if (isinstance(error, _FALLBACK_ERRORS) and len(xfer.transports) > 1
+                    and not xfer.notifying and not self._closed):
+                failed = xfer.transports.pop(0)
+                xfer.peer.demote(failed)
+                self.stats[f"fallback_{failed}"] += 1
+                log.info("transfer %d to %s: %s failed (%s); retrying over %s",
+                         xfer.handle.id, xfer.peer.name, failed, error, xfer.transports[0])
+                xfer.handle._bytes_done = 0
+                self._start_attempt(xfer)
+                return
+            self._finish(xfer, error)
+            return
+        if xfer.op is Op.READ and xfer.notify is not None and not xfer.notifying:
+            xfer.notifying = True
+            name = xfer.transports[0]
+            work = Work(next(self._wr_ids), Op.WRITE, [], [], 0,
+                        Immediate(next(self._transfer_ids), 1, xfer.notify), [], xfer)
+            with xfer.lock:
+                xfer.remaining = 1
+            self._post(xfer, [(xfer.peer.rails[name][0], work)])
+            return
+        self._finish(xfer, None)
+
+    def _finish(self, xfer: _Transfer, error: TransferError | None) -> None:
+        for seg in xfer.local_segments:
+            seg.unpin()
+        xfer.local_segments = []
+        with self._lock:
+            self._live.pop(xfer.handle.id, None)
+        self.stats["transfers_failed" if error else "transfers_done"] += 1
+        if error is None:
+            self.stats[f"bytes_{xfer.op}"] += xfer.handle.nbytes
+        xfer.handle._finish(error)
+
+    # --- notifications ----------------------------------------------------------------
+
+    def notifications(self, timeout: float | None = 0.0, max_count: int | None = None
+                      ) -> list[Notification]:
+        """Returns the notifications received so far (waiting up to ``timeout`` seconds
+        for the first one; ``None`` waits without bound)."""
+        with self._notes_cond:
+            if not self._notes and timeout != 0:
+                self._notes_cond.wait_for(lambda: bool(self._notes) or self._closed, timeout)
+            out = []
+            while self._notes and (max_count is None or len(out) < max_count):
+                out.append(self._notes.popleft())
+            return out
+
+    def on_notify(self, callback: Callable[[Notification], None]) -> None:
+        """Calls ``callback(notification)`` from a transport thread for each one (they
+        are also kept for :meth:`notifications`)."""
+        with self._lock:
+            self._callbacks.append(callback)
+
+    # --- life cycle -------------------------------------------------------------------
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise ClosedError("engine is closed", op=op)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Closes peers, transports, segments and the control endpoint. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._notes_cond.notify_all()
+        try:
+            self._stack.close()
+        finally:
+            with self._lock:
+                live = list(self._live.values())
+            for xfer in live:
+                self._finish(xfer, ClosedError("engine closed", peer=xfer.peer.name,
+                                               op=str(xfer.op)))
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        try:
+            warnings.warn(f"Engine {self.name!r} was not closed", ResourceWarning,
+                          stacklevel=2)
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        state = " CLOSED" if self._closed else ""
+        return (f"<Engine {self.name!r} transports=[{','.join(self._transports)}] "
+                f"peers={len(self._peers)} segments={len(self._segments)}{state}>")

@@ -1,0 +1,92 @@
+"""Transfer handles: what ``Engine.write`` / ``Engine.read`` return."""
+
+from __future__ import annotations
+
+import enum
+import threading
+from typing import TYPE_CHECKING
+
+from transfer_engine.descriptor import Op
+from transfer_engine.errors import TransferError, TransferTimeout
+
+if TYPE_CHECKING:
+    from transfer_engine.errors import TransferEngineError
+
+__all__ = ["TransferState", "TransferHandle"]
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"  # every byte landed (and the notification, if any, was sent)
+    FAILED = "failed"
+
+
+class TransferHandle:
+    """Tracks one transfer. ``wait`` returns once every byte landed, or raises.
+
+    On failure, any prefix of the destination may have been written and the notification
+    was not delivered; ``error`` says what went wrong, with peer, op and transport.
+    """
+
+    __slots__ = ("id", "op", "peer", "nbytes", "transport", "_state", "_error",
+                 "_bytes_done", "_event", "_lock", "__weakref__")
+
+    def __init__(self, transfer_id: int, op: Op, peer: str, nbytes: int) -> None:
+        self.id = transfer_id
+        self.op = op
+        self.peer = peer
+        self.nbytes = nbytes
+        self.transport: str | None = None
+        self._state = TransferState.PENDING
+        self._error: TransferError | None = None
+        self._bytes_done = 0
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+
+    @property
+    def state(self) -> TransferState:
+        return self._state
+
+    @property
+    def error(self) -> TransferError | None:
+        return self._error
+
+    @property
+    def bytes_done(self) -> int:
+        return self._bytes_done
+
+    def done(self) -> bool:
+        return self._state is not TransferState.PENDING
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until the transfer finished; raises its error, or ``TransferTimeout``
+        (the transfer goes on; wait again or close the engine to abandon it)."""
+        if not self._event.wait(timeout):
+            raise TransferTimeout(f"transfer {self.id} not finished after {timeout}s",
+                                  peer=self.peer, op=str(self.op), transport=self.transport,
+                                  length=self.nbytes)
+        if self._error is not None:
+            raise self._error
+
+    # engine side
+    def _add_bytes(self, n: int) -> None:
+        with self._lock:
+            self._bytes_done += n
+
+    def _finish(self, error: TransferEngineError | None = None) -> bool:
+        with self._lock:
+            if self._state is not TransferState.PENDING:
+                return False
+            if error is not None:
+                assert isinstance(error, TransferError)
+                self._error = error.with_context(peer=self.peer, op=str(self.op),
+                                                 transport=self.transport)
+                self._state = TransferState.FAILED
+            else:
+                self._state = TransferState.DONE
+        self._event.set()
+        return True
+
+    def __repr__(self) -> str:
+        return (f"<TransferHandle {self.id:#x} {self.op.name} \u2192{self.peer} "
+                f"{self._bytes_done}/{self.nbytes}B via {self.transport} {self._state.name}>")

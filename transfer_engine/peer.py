@@ -1,0 +1,146 @@
+"""The engine's view of another engine: metadata, rails per transport, health."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from transfer_engine.control.messages import (
+    ErrorReply,
+    Message,
+    SegmentsReply,
+    SegmentsRequest,
+    decode,
+    encode,
+)
+from transfer_engine.errors import (
+    ClosedError,
+    InvalidDescriptorError,
+    ProtocolError,
+    RemoteError,
+    TransferTimeout,
+)
+from transfer_engine.segment import RemoteSegment
+
+if TYPE_CHECKING:
+    from transfer_engine.transport.base import Rail
+
+__all__ = ["Peer", "ControlClient"]
+
+
+class ControlClient:
+    """A DEALER socket to a peer's control endpoint; one request at a time."""
+
+    def __init__(self, zctx: zmq.Context[Any], address: str, peer: str) -> None:
+        self.address = address
+        self.peer = peer
+        self._lock = threading.Lock()
+        self._sock = zctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 8 << 20)
+        self._sock.connect(address)
+        self._closed = False
+
+    def request(self, msg: Message, timeout: float) -> Message:
+        with self._lock:
+            if self._closed:
+                raise ClosedError("control client is closed", peer=self.peer)
+            self._sock.send(encode(msg))
+            if not self._sock.poll(int(timeout * 1000), zmq.POLLIN):
+                # The late answer would pair with the next request: start afresh.
+                self._reset()
+                raise TransferTimeout(f"no answer from {self.address} in {timeout}s",
+                                      peer=self.peer, op=msg.kind)
+            reply = decode(self._sock.recv(), peer=self.peer)
+        if isinstance(reply, ErrorReply):
+            raise RemoteError(f"peer refused {msg.kind}: {reply.message}", peer=self.peer,
+                              op=msg.kind)
+        return reply
+
+    def _reset(self) -> None:
+        zctx = self._sock.context
+        self._sock.close(linger=0)
+        self._sock = zctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.address)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._sock.close(linger=0)
+
+
+class Peer:
+    """A connected engine. Made by :meth:`Engine.connect`; closed by the engine."""
+
+    def __init__(self, meta: dict[str, Any], client: ControlClient,
+                 timeout: float = 10.0) -> None:
+        self.name: str = str(meta["name"])
+        self.meta = meta
+        self.rails: dict[str, list[Rail]] = {}
+        self.order: list[str] = []  # transports in preference order, best first
+        self.failures: dict[str, int] = {}
+        self._client = client
+        self._timeout = timeout
+        self._segments: dict[str, RemoteSegment] = {}
+        self._by_id: dict[int, RemoteSegment] = {}
+        self._set_segments(meta.get("segments", []))
+        self._closed = False
+
+    def _set_segments(self, wire: list[dict[str, Any]]) -> None:
+        try:
+            segs = [RemoteSegment.from_wire(self.name, s) for s in wire]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"bad segment metadata: {exc}", peer=self.name) from exc
+        self._segments = {s.name: s for s in segs}
+        self._by_id = {s.id: s for s in segs}
+
+    @property
+    def transport(self) -> str | None:
+        """The transport new transfers use (best one not demoted)."""
+        return self.order[0] if self.order else None
+
+    @property
+    def segments(self) -> dict[str, RemoteSegment]:
+        return dict(self._segments)
+
+    def refresh(self) -> None:
+        """Asks the peer for its current segments."""
+        reply = self._client.request(SegmentsRequest(""), self._timeout)
+        if not isinstance(reply, SegmentsReply):
+            raise ProtocolError(f"expected segments, got {reply.kind}", peer=self.name)
+        self._set_segments(reply.segments)
+
+    def segment(self, name: str) -> RemoteSegment:
+        """The peer's segment called ``name`` (asks the peer if we do not know it)."""
+        seg = self._segments.get(name)
+        if seg is None:
+            self.refresh()
+            seg = self._segments.get(name)
+        if seg is None:
+            raise InvalidDescriptorError("peer has no segment of that name", peer=self.name,
+                                         segment=name)
+        return seg
+
+    def demote(self, transport: str) -> None:
+        """Moves ``transport`` behind the others after it failed."""
+        self.failures[transport] = self.failures.get(transport, 0) + 1
+        if transport in self.order and len(self.order) > 1:
+            self.order.remove(transport)
+            self.order.append(transport)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for rails in self.rails.values():
+            for rail in rails:
+                rail.close()
+        self._client.close()
+
+    def __repr__(self) -> str:
+        rails = ",".join(f"{t}x{len(r)}" for t, r in self.rails.items())
+        return f"<Peer {self.name!r} via {self.transport} rails=[{rails}] segments={len(self._segments)}>"

@@ -1,0 +1,185 @@
+"""The Transport and Rail interfaces every data path implements.
+
+Protocol (who calls what, in which order):
+
+1. The engine builds each transport, then calls ``start(host)`` once. The transport
+   begins accepting peers and returns the endpoint info (a msgpack-able dict) that the
+   engine publishes in its handshake metadata.
+2. ``register(segment)`` for every segment the engine registers; the returned dict (the
+   segment's keys for this transport: an RDMA rkey, nothing for TCP) travels with the
+   segment's metadata. ``deregister(segment)`` when it closes.
+3. To reach a peer the engine checks ``reachable(peer_meta)`` and calls
+   ``connect(peer, info, on_complete)`` once per rail it wants, with the ``info`` that
+   peer published for this transport.
+4. The engine posts :class:`Work` with ``rail.post(work)``. A rail keeps the order of
+   the work posted to it. ``on_complete`` is called exactly once per posted work, from
+   a transport thread: with ``error=None`` once its bytes are in place at the
+   destination (WRITE: in the peer's memory; READ: in ours), otherwise with a
+   :class:`~transfer_engine.errors.TransferError`. Work that carries an immediate is
+   counted by the peer (``host.deliver_immediate``) after its bytes, and those of all
+   earlier work on the same rail, have landed.
+5. Target side: a transport resolves incoming remote extents with
+   ``host.local_segment(id)`` and :meth:`Segment.check`, pins the segment while bytes
+   land, and never touches memory that failed the check.
+6. ``close()`` closes every rail (their pending work fails with ``ClosedError``) and
+   stops accepting. Closing twice is a no-op.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from transfer_engine.descriptor import Extent, Op
+
+if TYPE_CHECKING:
+    from transfer_engine.errors import TransferError
+    from transfer_engine.segment import Segment
+
+__all__ = ["Capabilities", "Immediate", "Work", "Completion", "OnComplete", "Host",
+           "Transport", "Rail"]
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """Facts the planner and the engine's transport choice need."""
+
+    max_sge: int  # local pieces per work request
+    max_wr_bytes: int  # bytes per work request
+    remote_scatter: bool  # may one work request land in several remote ranges?
+    same_host_only: bool = False
+    device_memory: bool = False  # can move cuda:N memory without host staging
+    default_rails: int = 1
+    slice_size: int = 1 << 20  # preferred work request size
+
+
+@dataclass(frozen=True, slots=True)
+class Immediate:
+    """The 'with immediate' part of a write: counted by the target after the bytes."""
+
+    transfer_id: int
+    expected: int  # immediates the target must see before notifying
+    notify: bytes | None = None  # carried by one immediate per transfer
+
+
+@dataclass(slots=True)
+class Work:
+    """One posted work request, resolved for the rail."""
+
+    wr_id: int
+    op: Op
+    local: list[Extent]
+    remote: list[Extent]
+    nbytes: int
+    imm: Immediate | None = None
+    views: list[memoryview] | None = None  # local byte views (host-memory transports)
+    context: Any = None  # the engine's bookkeeping; transports leave it alone
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    work: Work
+    error: TransferError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+OnComplete = Callable[[Completion], None]
+
+
+class Host(Protocol):
+    """What a transport needs from the engine that owns it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def host_id(self) -> str: ...
+
+    def local_segment(self, segment_id: int, *, peer: str | None = None,
+                      op: str | None = None) -> Segment:
+        """The open segment of that id, or raises ``InvalidDescriptorError``."""
+        ...
+
+    def deliver_immediate(self, peer: str, imm: Immediate) -> None: ...
+
+
+class Rail(abc.ABC):
+    """One independent ordered path to one peer (a TCP connection, an RDMA QP)."""
+
+    __slots__ = ()
+
+    @abc.abstractmethod
+    def post(self, work: Work) -> None:
+        """Queues ``work``; never blocks on the network. Raises ``ClosedError`` or
+        ``PeerLostError`` at once when the rail is already down."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Fails pending work with ``ClosedError``, then releases the path. Idempotent."""
+
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool: ...
+
+    @property
+    @abc.abstractmethod
+    def inflight(self) -> int:
+        """Work posted and not yet completed."""
+
+    def __enter__(self) -> Rail:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Transport(abc.ABC):
+    """A way of moving bytes (tcp, shm, rdma). Opens rails to peers."""
+
+    __slots__ = ()
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def start(self, host: Host) -> dict[str, Any]:
+        """Starts accepting peers; returns the endpoint info peers need to connect."""
+
+    @abc.abstractmethod
+    def register(self, segment: Segment) -> dict[str, Any]:
+        """Makes ``segment`` reachable; returns its keys for this transport. Raises
+        ``RegistrationError`` (nothing stays registered)."""
+
+    @abc.abstractmethod
+    def deregister(self, segment: Segment) -> None: ...
+
+    @abc.abstractmethod
+    def reachable(self, peer_meta: dict[str, Any]) -> bool:
+        """Whether a peer with this handshake metadata can be reached this way."""
+
+    @abc.abstractmethod
+    def connect(self, peer: str, info: dict[str, Any], on_complete: OnComplete,
+                timeout: float | None = None) -> Rail:
+        """Opens one rail to ``peer`` (``info`` is what the peer's ``start`` returned).
+        Raises ``ConnectError`` or ``TransferTimeout``."""
+
+    @property
+    @abc.abstractmethod
+    def capabilities(self) -> Capabilities: ...
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Closes every rail and stops accepting. Idempotent."""
+
+    def info(self, key: str) -> Any:
+        """Transport-specific facts (e.g. 'devices' for rdma); None when unknown."""
+        return None
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
