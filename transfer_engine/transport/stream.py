@@ -309,8 +309,7 @@ class StreamRail(Rail):
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        # wake the sender so queued work fails too
-        self._queue.put(None)
+        # fail queued work, then wake the sender so that it ends
         while True:
             try:
                 work = self._queue.get_nowait()
@@ -318,6 +317,7 @@ class StreamRail(Rail):
                 break
             if work is not None:
                 self._complete(work, error)
+        self._queue.put(None)
 
     def close(self) -> None:
         with self._lock:

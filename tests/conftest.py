@@ -1,0 +1,68 @@
+"""Shared fixtures: loopback engine pairs, resource tracking, hardware skips."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from transfer_engine import Engine
+
+
+def _hardware_reasons() -> dict[str, Callable[[], str | None]]:
+    try:
+        from tests import hardware  # noqa: PLC0415
+    except ImportError:
+        return {}
+    return {"rdma": hardware.rdma_skip_reason, "gpu": hardware.gpu_skip_reason}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reasons: dict[str, str | None] = {}
+    checks = _hardware_reasons()
+    for item in items:
+        for marker in ("rdma", "gpu"):
+            if item.get_closest_marker(marker) is None:
+                continue
+            if marker not in reasons:
+                check = checks.get(marker)
+                reasons[marker] = check() if check else f"no {marker} device check available"
+            if reasons[marker]:
+                item.add_marker(pytest.mark.skip(reason=reasons[marker]))
+
+
+def _engine_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("te-") and t.is_alive()]
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads() -> Iterator[None]:
+    """Every engine thread a test started must be gone once its engines are closed."""
+    before = set(_engine_threads())
+    yield
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        leaked = [t for t in _engine_threads() if t not in before]
+        if not leaked:
+            return
+        time.sleep(0.02)
+    pytest.fail(f"engine threads still alive after the test: {[t.name for t in leaked]}")
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., Engine]]:
+    """Builds engines on 127.0.0.1 with free ports and closes all of them afterwards."""
+    engines: list[Engine] = []
+
+    def make(name: str, **kwargs: Any) -> Engine:
+        kwargs.setdefault("timeout", 5.0)
+        engine = Engine(name, **kwargs)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in reversed(engines):
+        engine.close()

@@ -1,0 +1,7 @@
+from __future__ import annotations
+
+from tests.transport_contract import TransportContract
+
+
+class TestTcpContract(TransportContract):
+    transports = ["tcp"]
