@@ -1,0 +1,61 @@
+"""Fault-injecting transports: subclasses of the real ones, shared by the fault tests."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import numpy as np
+
+from transfer_engine.errors import NotSupportedError
+from transfer_engine.transport.shm import ShmServer, ShmTransport
+from transfer_engine.transport.stream import Connection, recv_into_views
+from transfer_engine.transport.tcp import TcpServer, TcpTransport
+
+
+class RefusingShmServer(ShmServer):
+    """Behaves as a kernel that forbids cross-memory attach (EPERM)."""
+
+    def land(self, conn: Connection, views: list[memoryview], remote: np.ndarray,
+             local: np.ndarray | None) -> None:
+        raise NotSupportedError("cross-memory attach refused: Operation not permitted",
+                                peer=conn.peer, op="write", transport="shm")
+
+
+class RefusingShmTransport(ShmTransport):
+    """An shm transport whose target side refuses every copy."""
+
+    def start(self, host: Any) -> dict[str, Any]:
+        info = super().start(host)
+        server = self._server
+        assert server is not None
+        server.__class__ = RefusingShmServer
+        return info
+
+
+class DroppingTcpServer(TcpServer):
+    """Resets the connection after ``drop_after`` payload bytes of a WRITE landed."""
+
+    drop_after = 1 << 20
+
+    def land(self, conn: Connection, views: list[memoryview], remote: np.ndarray,
+             local: np.ndarray | None) -> None:
+        budget = self.drop_after
+        partial = []
+        for v in views:
+            if budget <= 0:
+                break
+            partial.append(v[:budget])
+            budget -= len(v)
+        recv_into_views(conn.sock, partial)
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        conn.sock.close()  # RST: the initiator sees a reset mid-transfer
+        raise ConnectionResetError("fault injected: connection dropped")
+
+
+class DroppingTcpTransport(TcpTransport):
+    def start(self, host: Any) -> dict[str, Any]:
+        info = super().start(host)
+        assert self._server is not None
+        self._server.__class__ = DroppingTcpServer
+        return info

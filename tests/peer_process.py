@@ -1,0 +1,26 @@
+"""A target engine in its own process, for tests that kill or spawn peers.
+
+Usage: python -m tests.peer_process NAME SIZE SEED TRANSPORTS
+Prints 'ENDPOINT <endpoint>' once ready, then serves until stdin closes.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from transfer_engine import Engine
+
+
+def main() -> None:
+    name, size, seed, transports = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    buf = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    with Engine(name, transports=transports.split(",")) as engine:
+        engine.register(buf, name="dst")
+        print("ENDPOINT", engine.endpoint, flush=True)
+        sys.stdin.read()  # parent closes stdin (or dies) to stop us
+
+
+if __name__ == "__main__":
+    main()

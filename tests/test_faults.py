@@ -1,0 +1,209 @@
+"""Faults: killed peers, dropped connections, refused paths, malformed messages."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import zmq
+
+from tests.faults import DroppingTcpTransport, RefusingShmTransport
+from tests.transport_contract import random_bytes
+from transfer_engine import Descriptor, Engine, PeerLostError, TransferState
+from transfer_engine.transport.tcp import TcpTransport
+
+MiB = 1 << 20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def spawn_peer() -> Iterator[Callable[..., tuple[subprocess.Popen[str], str]]]:
+    procs: list[subprocess.Popen[str]] = []
+
+    def spawn(name: str, size: int, seed: int, transports: str = "tcp"
+              ) -> tuple[subprocess.Popen[str], str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.peer_process", name, str(size), str(seed),
+             transports], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True)
+        procs.append(proc)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # bounded by the test timeout
+        assert line.startswith("ENDPOINT "), line
+        return proc, line.split()[1]
+
+    yield spawn
+    for proc in procs:
+        if proc.poll() is None:
+            assert proc.stdin is not None
+            proc.stdin.close()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        else:
+            proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None and not stream.closed:
+                stream.close()
+
+
+@pytest.mark.parametrize("transports", ["tcp", "shm"])
+def test_cross_process_roundtrip(make_engine: Callable[..., Engine],
+                                 spawn_peer: Callable[..., tuple[subprocess.Popen[str], str]],
+                                 transports: str) -> None:
+    size = 16 * MiB
+    _, endpoint = spawn_peer("remote", size, 7, transports)
+    a = make_engine("a", transports=[transports])
+    src = random_bytes(size, 8)
+    seg = a.register(src)
+    peer = a.connect(endpoint)
+    assert peer.transport == transports
+    remote = peer.segment("dst")
+    expected_remote = random_bytes(size, 7)
+    back = np.zeros(size, dtype=np.uint8)
+    back_seg = a.register(back)
+    a.read(peer, [(Descriptor(back_seg, 0, size), Descriptor(remote, 0, size))]).wait(30)
+    assert np.array_equal(back, expected_remote)
+    a.write(peer, [(Descriptor(seg, 0, size), Descriptor(remote, 0, size))]).wait(30)
+    a.read(peer, [(Descriptor(back_seg, 0, size), Descriptor(remote, 0, size))]).wait(30)
+    assert np.array_equal(back, src)
+
+
+@pytest.mark.parametrize("transports", ["tcp", "shm"])
+def test_peer_killed_mid_transfer(make_engine: Callable[..., Engine],
+                                  spawn_peer: Callable[..., tuple[subprocess.Popen[str], str]],
+                                  transports: str) -> None:
+    size = 64 * MiB
+    proc, endpoint = spawn_peer("victim", size, 3, transports)
+    _, endpoint2 = spawn_peer("survivor", 1 * MiB, 4, "tcp")
+    a = make_engine("a", transports=[transports, "tcp"] if transports != "tcp" else ["tcp"])
+    src = random_bytes(size, 5)
+    seg = a.register(src)
+    victim = a.connect(endpoint)
+    survivor = a.connect(endpoint2)
+    remote = victim.segment("dst")
+    pairs = [(Descriptor(seg, 0, size), Descriptor(remote, 0, size))]
+    handles = [a.write(victim, pairs) for _ in range(16)]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    started = time.monotonic()
+    failures = 0
+    for h in handles:
+        try:
+            h.wait(10)
+        except PeerLostError as exc:
+            failures += 1
+            assert exc.peer == "victim"
+    assert failures >= 1, "16 x 64 MiB cannot all land before the kill"
+    assert time.monotonic() - started < 10
+    assert all(h.state is not TransferState.PENDING for h in handles)
+    with pytest.raises(PeerLostError):
+        a.write(victim, pairs).wait(10)
+    # the engine keeps serving other peers
+    rs = survivor.segment("dst")
+    a.write(survivor, [(Descriptor(seg, 0, MiB), Descriptor(rs, 0, MiB))]).wait(10)
+    back = np.zeros(MiB, dtype=np.uint8)
+    bseg = a.register(back)
+    a.read(survivor, [(Descriptor(bseg, 0, MiB), Descriptor(rs, 0, MiB))]).wait(10)
+    assert np.array_equal(back, src[:MiB])
+
+
+def test_connection_reset_mid_transfer(make_engine: Callable[..., Engine]) -> None:
+    a = make_engine("a", transports=["tcp"])
+    b = make_engine("b", transports=[DroppingTcpTransport()])
+    other = make_engine("c", transports=["tcp"])
+    src = random_bytes(8 * MiB, 1)
+    seg = a.register(src)
+    b.register(np.zeros(8 * MiB, dtype=np.uint8), name="dst")
+    other_dst = np.zeros(MiB, dtype=np.uint8)
+    other.register(other_dst, name="dst")
+    peer = a.connect(b.endpoint)
+    h = a.write(peer, [(Descriptor(seg, 0, 8 * MiB), Descriptor(peer.segment("dst"), 0, 8 * MiB))],
+                notify=b"never")
+    with pytest.raises(PeerLostError) as info:
+        h.wait(10)
+    assert info.value.peer == "b" and info.value.transport == "tcp"
+    assert b.notifications(timeout=0.2) == []
+    p2 = a.connect(other.endpoint)
+    a.write(p2, [(Descriptor(seg, 0, MiB), Descriptor(p2.segment("dst"), 0, MiB))]).wait(10)
+    assert np.array_equal(other_dst, src[:MiB])
+
+
+def test_shm_refused_falls_back_to_tcp(make_engine: Callable[..., Engine]) -> None:
+    """The same-host path fails mid-transfer: the transfer completes over TCP, byte-exact,
+    with exactly one notification."""
+    a = make_engine("a", transports=["shm", "tcp"])
+    b = make_engine("b", transports=[RefusingShmTransport(), TcpTransport()])
+    size = 16 * MiB
+    src = random_bytes(size, 11)
+    dst = random_bytes(size, 12)
+    seg = a.register(src)
+    b.register(dst, name="dst")
+    peer = a.connect(b.endpoint)
+    assert peer.transport == "shm"
+    remote = peer.segment("dst")
+    pairs = [(Descriptor(seg, k, 65536), Descriptor(remote, k, 65536))
+             for k in range(0, size, 65536)]
+    h = a.write(peer, pairs, notify=b"once")
+    h.wait(20)
+    assert h.transport == "tcp" and h.bytes_done == size
+    assert np.array_equal(dst, src)
+    notes = b.notifications(timeout=2)
+    time.sleep(0.2)
+    notes += b.notifications(timeout=0)
+    assert [n.payload for n in notes] == [b"once"]
+    assert peer.transport == "tcp" and a.stats["fallback_shm"] == 1
+
+
+def test_malformed_rail_bytes_do_not_stop_the_target(make_engine: Callable[..., Engine]) -> None:
+    a = make_engine("a", transports=["tcp"])
+    b = make_engine("b", transports=["tcp"])
+    dst = random_bytes(MiB, 2)
+    b.register(dst, name="dst")
+    snapshot = dst.copy()
+    info = b.metadata()["transports"]["tcp"]
+    rng = np.random.default_rng(0)
+    for i in range(50):
+        with socket.create_connection((info["host"], info["port"]), timeout=5) as s:
+            s.sendall(rng.integers(0, 256, int(rng.integers(1, 4096)), dtype=np.uint8).tobytes())
+    assert np.array_equal(dst, snapshot)
+    src = random_bytes(MiB, 3)
+    seg = a.register(src)
+    peer = a.connect(b.endpoint)
+    a.write(peer, [(Descriptor(seg, 0, MiB), Descriptor(peer.segment("dst"), 0, MiB))]).wait(10)
+    assert np.array_equal(dst, src)
+
+
+def test_malformed_control_messages_are_answered_not_fatal(
+        make_engine: Callable[..., Engine]) -> None:
+    b = make_engine("b", transports=["tcp"])
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(b.endpoint)
+        rng = np.random.default_rng(1)
+        for _ in range(300):
+            sock.send(rng.integers(0, 256, int(rng.integers(0, 512)), dtype=np.uint8).tobytes())
+        answered = 0
+        while sock.poll(2000):
+            sock.recv()
+            answered += 1
+            if answered == 300:
+                break
+        assert answered == 300
+        sock.close()
+    finally:
+        ctx.term()
+    assert b.stats["control_rejected"] >= 300
+    a = make_engine("a", transports=["tcp"])
+    assert a.connect(b.endpoint).name == "b"
