@@ -37,11 +37,16 @@ class ControlClient:
         self.address = address
         self.peer = peer
         self._lock = threading.Lock()
-        self._sock = zctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 8 << 20)
-        self._sock.connect(address)
+        self._sock = self._open(zctx)
         self._closed = False
+
+    def _open(self, zctx: zmq.Context[Any]) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)  # accepts IPv4 endpoints too
+        sock.setsockopt(zmq.MAXMSGSIZE, 8 << 20)
+        sock.connect(self.address)
+        return sock
 
     def request(self, msg: Message, timeout: float) -> Message:
         with self._lock:
@@ -62,9 +67,7 @@ class ControlClient:
     def _reset(self) -> None:
         zctx = self._sock.context
         self._sock.close(linger=0)
-        self._sock = zctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(self.address)
+        self._sock = self._open(zctx)
 
     def close(self) -> None:
         with self._lock:
