@@ -16,26 +16,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 
-from transfer_engine.descriptor import Extent
 
 __all__ = ["Pair", "WorkRequest", "Plan", "coalesce", "slice_pairs", "pack",
            "assign_rails", "plan_transfer"]
 
-Pair = tuple[Extent, Extent]  # (local, remote)
-
+Span = tuple[int, int, int]  # (segment, offset, length): an Extent or a plain tuple
+# Plain tuples on the hot path: building a NamedTuple costs ten times more.
+Pair = tuple[Span, Span]  # (local, remote)
 
 @dataclass(slots=True)
 class WorkRequest:
     """One unit a rail posts: gather ``local`` pieces into ``remote`` ranges.
 
+    Pieces are ``(segment id, offset, length)`` tuples (plain or :class:`Extent`).
     ``sum(local lengths) == sum(remote lengths) == nbytes``; the bytes are laid out in
     order, so the k-th byte of the local gather lands at the k-th byte of the remote
     scatter.
     """
 
-    local: list[Extent]
-    remote: list[Extent]
+    local: list[Span]
+    remote: list[Span]
     nbytes: int
     rail: int = 0
     imm: bool = False  # carries the transfer's immediate (last request on its rail)
@@ -62,20 +64,16 @@ def coalesce(pairs: Sequence[Pair]) -> list[Pair]:
     """
     if not pairs:
         return []
-    ordered = sorted(pairs, key=lambda p: (p[1].segment, p[1].offset, p[0].segment,
-                                           p[0].offset))
+    ordered = sorted(pairs, key=itemgetter(1))
     out: list[Pair] = []
-    (l0, r0) = ordered[0]
-    cl_seg, cl_off, cr_seg, cr_off, clen = l0.segment, l0.offset, r0.segment, r0.offset, l0.length
-    for loc, rem in ordered[1:]:
-        if (loc.segment == cl_seg and rem.segment == cr_seg
-                and loc.offset == cl_off + clen and rem.offset == cr_off + clen):
-            clen += loc.length
+    (ls, lo, n), (rs, ro, _) = ordered[0]
+    for (ls2, lo2, n2), (rs2, ro2, _) in ordered[1:]:
+        if ls2 == ls and rs2 == rs and lo2 == lo + n and ro2 == ro + n:
+            n += n2
             continue
-        out.append((Extent(cl_seg, cl_off, clen), Extent(cr_seg, cr_off, clen)))
-        cl_seg, cl_off, cr_seg, cr_off, clen = (loc.segment, loc.offset, rem.segment,
-                                                rem.offset, loc.length)
-    out.append((Extent(cl_seg, cl_off, clen), Extent(cr_seg, cr_off, clen)))
+        out.append(((ls, lo, n), (rs, ro, n)))
+        ls, lo, n, rs, ro = ls2, lo2, n2, rs2, ro2
+    out.append(((ls, lo, n), (rs, ro, n)))
     return out
 
 
@@ -86,18 +84,19 @@ def slice_pairs(pairs: Sequence[Pair], slice_size: int) -> list[Pair]:
     """
     if slice_size <= 0:
         raise ValueError("slice_size must be positive")
+    if all(loc[2] <= slice_size for loc, _ in pairs):
+        return list(pairs)
     out: list[Pair] = []
-    for loc, rem in pairs:
-        n = loc.length
+    for pair in pairs:
+        (ls, lo, n), (rs, ro, _) = pair
         if n <= slice_size:
-            out.append((loc, rem))
+            out.append(pair)
             continue
         count = -(-n // slice_size)
         step = -(-n // count)
         for start in range(0, n, step):
             size = min(step, n - start)
-            out.append((Extent(loc.segment, loc.offset + start, size),
-                        Extent(rem.segment, rem.offset + start, size)))
+            out.append(((ls, lo + start, size), (rs, ro + start, size)))
     return out
 
 
@@ -106,30 +105,38 @@ def pack(pieces: Sequence[Pair], *, max_sge: int, max_wr_bytes: int,
     """Packs pieces, in order, into work requests within the transport's bounds.
 
     With ``remote_scatter`` False (RDMA WRITE/READ: one remote address per request) a
-    request only grows while the remote side stays contiguous; local pieces may be
-    anywhere (that is what the scatter-gather list is for).
+    request only grows while the remote side stays contiguous, and remote pieces that
+    touch are merged into one range; local pieces may be anywhere (that is what the
+    scatter-gather list is for). With ``remote_scatter`` True every piece keeps its own
+    remote entry.
     """
     if max_sge < 1 or max_wr_bytes < 1:
         raise ValueError("max_sge and max_wr_bytes must be positive")
     out: list[WorkRequest] = []
-    cur: WorkRequest | None = None
-    for loc, rem in pieces:
-        if cur is not None:
-            last = cur.remote[-1]
-            fits = (len(cur.local) < max_sge and cur.nbytes + loc.length <= max_wr_bytes
-                    and (remote_scatter or len(cur.remote) < max_sge))
-            contiguous = rem.segment == last.segment and rem.offset == last.end
-            if fits and (remote_scatter or contiguous):
-                cur.local.append(loc)
-                if contiguous:
-                    cur.remote[-1] = Extent(last.segment, last.offset, last.length + rem.length)
-                else:
-                    cur.remote.append(rem)
-                cur.nbytes += loc.length
-                continue
-        cur = WorkRequest([loc], [rem], loc.length)
-        out.append(cur)
+    start = count = nbytes = 0
+    last_seg = last_end = -1
+    for i, (loc, rem) in enumerate(pieces):
+        n = loc[2]
+        if count and count < max_sge and nbytes + n <= max_wr_bytes and (
+                remote_scatter or (rem[0] == last_seg and rem[1] == last_end)):
+            count += 1
+            nbytes += n
+        else:
+            if count:
+                out.append(_request(pieces[start:i], nbytes, remote_scatter))
+            start, count, nbytes = i, 1, n
+        last_seg, last_end = rem[0], rem[1] + n
+    if count:
+        out.append(_request(pieces[start:], nbytes, remote_scatter))
     return out
+
+
+def _request(group: Sequence[Pair], nbytes: int, remote_scatter: bool) -> WorkRequest:
+    local = [p[0] for p in group]
+    if remote_scatter:
+        return WorkRequest(local, [p[1] for p in group], nbytes)
+    seg, off = group[0][1][0], group[0][1][1]
+    return WorkRequest(local, [(seg, off, nbytes)], nbytes)
 
 
 def assign_rails(requests: Sequence[WorkRequest], num_rails: int,
@@ -170,7 +177,7 @@ def plan_transfer(pairs: Sequence[Pair], *, num_rails: int, slice_size: int,
     gets a share.
     """
     merged = coalesce(pairs) if merge else list(pairs)
-    total = sum(loc.length for loc, _ in merged)
+    total = sum(loc[2] for loc, _ in merged)
     cap = min(slice_size, max_wr_bytes, max(min_split, -(-total // num_rails)))
     pieces = slice_pairs(merged, cap)
     requests = pack(pieces, max_sge=max_sge, max_wr_bytes=cap,

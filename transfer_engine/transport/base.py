@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from transfer_engine.descriptor import Extent, Op
+from transfer_engine.descriptor import Op
 
 if TYPE_CHECKING:
     from transfer_engine.errors import TransferError
@@ -70,8 +70,8 @@ class Work:
 
     wr_id: int
     op: Op
-    local: list[Extent]
-    remote: list[Extent]
+    local: list[tuple[int, int, int]]  # (segment id, offset, length) pieces, in order
+    remote: list[tuple[int, int, int]]
     nbytes: int
     imm: Immediate | None = None
     views: list[memoryview] | None = None  # local byte views (host-memory transports)

@@ -161,10 +161,8 @@ class ShmRail(StreamRail):
     transport_name = "shm"
 
     def _request_parts(self, work: Work) -> list[Any]:
-        local = np.empty(len(work.local), dtype=LOCAL_DT)
-        for i, ext in enumerate(work.local):
-            seg = self._host.local_segment(ext.segment)
-            local[i] = (seg.address + ext.offset, ext.length)
+        local = np.array([(self._host.local_segment(seg_id).address + offset, length)
+                          for seg_id, offset, length in work.local], dtype=LOCAL_DT)
         kind = KIND_WRITE if work.op is Op.WRITE else KIND_READ
         return encode_request(kind, work, local=local)
 

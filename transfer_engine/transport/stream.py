@@ -101,9 +101,11 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray:
 
 
 def send_views(sock: socket.socket, bufs: Iterable[Any]) -> None:
-    """Sends every buffer in order, gathering with sendmsg (no concatenation copies)."""
-    pending = [memoryview(b).cast("B") for b in bufs]
-    pending = [b for b in pending if len(b)]
+    """Sends every buffer in order, gathering with sendmsg (no concatenation copies).
+
+    Buffers are bytes or byte-format memoryviews (``len`` is their size in bytes).
+    """
+    pending = [b for b in bufs if len(b)]
     i = 0
     while i < len(pending):
         try:
@@ -149,9 +151,9 @@ def encode_request(kind: int, work: Work | None, body: bytes = b"",
     n_local = 0 if local is None else len(local)
     header = HEADER.pack(kind, flags, len(remote), n_local, 0, len(body), work.wr_id,
                          imm.transfer_id if imm else 0, imm.expected if imm else 0)
-    parts: list[Any] = [header, remote]
+    parts: list[Any] = [header, remote.tobytes()]
     if local is not None:
-        parts.append(local)
+        parts.append(local.tobytes())
     if body:
         parts.append(body)
     return parts
@@ -181,6 +183,7 @@ class StreamRail(Rail):
     """One connection to a peer's stream server."""
 
     transport_name = "stream"
+    inline_bytes = 512 << 10  # largest work an idle rail sends in the caller's thread
 
     def __init__(self, sock: socket.socket, peer: str, index: int, on_complete: OnComplete,
                  host: Host) -> None:
@@ -194,6 +197,8 @@ class StreamRail(Rail):
         self._queue: queue.SimpleQueue[Work | None] = queue.SimpleQueue()
         self._closed = False
         self._failure: TransferError | None = None
+        self._send_lock = threading.Lock()
+        self._busy = 0  # work queued or being sent
         self.bytes_sent = 0
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                         name=f"te-{self.transport_name}-send-{peer}#{index}")
@@ -220,13 +225,27 @@ class StreamRail(Rail):
             return len(self._pending) + self._queue.qsize()
 
     def post(self, work: Work) -> None:
+        # An idle rail sends small work in the caller's thread: a thread hand-off costs
+        # more than sending a few hundred KiB. Busy rails queue, keeping order.
         with self._lock:
             if self._closed:
                 raise ClosedError("rail is closed", peer=self.peer, op=str(work.op),
                                   transport=self.transport_name)
             if self._failure is not None:
                 raise self._failure
-            self._queue.put(work)
+            inline = self._busy == 0 and work.nbytes <= self.inline_bytes
+            self._busy += 1
+            if inline:
+                self._send_lock.acquire()  # free: nothing queued or being sent
+            else:
+                self._queue.put(work)
+        if inline:
+            try:
+                self._send_one(work)
+            finally:
+                self._send_lock.release()
+                with self._lock:
+                    self._busy -= 1
 
     def _error(self, exc_type: type[TransferError], message: str, work: Work | None = None
                ) -> TransferError:
@@ -238,23 +257,31 @@ class StreamRail(Rail):
             work = self._queue.get()
             if work is None:
                 return
-            with self._lock:
-                if self._failure is not None or self._closed:
-                    failed = self._failure or self._error(ClosedError, "rail is closed", work)
-                else:
-                    failed = None
-                    self._pending.append(work)
-            if failed is not None:
-                self._complete(work, failed)
-                continue
             try:
-                send_views(self._sock, self._request_parts(work))
-                self.bytes_sent += work.nbytes
-            except PeerClosed as exc:
-                self._fail_all(self._error(PeerLostError, f"connection lost while sending: {exc}"))
-            except Exception as exc:  # a bug must not leave a handle waiting forever
-                log.exception("rail %s#%d send failed", self.peer, self.index)
-                self._fail_all(self._error(ProtocolError, f"send failed: {exc!r}"))
+                with self._send_lock:
+                    self._send_one(work)
+            finally:
+                with self._lock:
+                    self._busy -= 1
+
+    def _send_one(self, work: Work) -> None:
+        with self._lock:
+            if self._failure is not None or self._closed:
+                failed = self._failure or self._error(ClosedError, "rail is closed", work)
+            else:
+                failed = None
+                self._pending.append(work)
+        if failed is not None:
+            self._complete(work, failed)
+            return
+        try:
+            send_views(self._sock, self._request_parts(work))
+            self.bytes_sent += work.nbytes
+        except PeerClosed as exc:
+            self._fail_all(self._error(PeerLostError, f"connection lost while sending: {exc}"))
+        except Exception as exc:  # a bug must not leave a handle waiting forever
+            log.exception("rail %s#%d send failed", self.peer, self.index)
+            self._fail_all(self._error(ProtocolError, f"send failed: {exc!r}"))
 
     def _read_loop(self) -> None:
         try:
@@ -483,16 +510,22 @@ class StreamServer:
     def _resolve(self, conn: Connection, op: Op, remote: np.ndarray,
                  pinned: list[Any]) -> list[memoryview]:
         """Checks every entry before any byte moves; pins the segments."""
-        views: list[memoryview] = []
-        segs: dict[int, Any] = {}
         write = op is Op.WRITE
-        for seg_id, offset, length in remote.tolist():
-            seg = segs.get(seg_id)
-            if seg is None:
-                seg = self._host.local_segment(seg_id, peer=conn.peer, op=str(op))
-                segs[seg_id] = seg
-            seg.check(offset, length, write=write, op=str(op), peer=conn.peer)
-            views.append(seg.view(offset, length))
+        opname = str(op)
+        views: list[memoryview] = []
+        ids = remote["segment"]
+        offsets = remote["offset"].astype(np.int64)
+        lengths = remote["length"].astype(np.int64)
+        segs: dict[int, Any] = {}
+        for seg_id in np.unique(ids).tolist() if len(ids) else ():
+            seg = self._host.local_segment(seg_id, peer=conn.peer, op=opname)
+            mask = ids == seg_id
+            ok = (lengths[mask] > 0) & (offsets[mask] + lengths[mask] <= seg.length)
+            if write and not seg.writable or not bool(ok.all()):
+                bad = int(np.flatnonzero(~ok)[0]) if not bool(ok.all()) else 0
+                seg.check(int(offsets[mask][bad]), int(lengths[mask][bad]), write=write,
+                          op=opname, peer=conn.peer)
+            segs[seg_id] = seg
         try:
             for seg in segs.values():
                 seg.pin()
@@ -502,6 +535,13 @@ class StreamServer:
                 seg.unpin()
             pinned.clear()
             raise
+        if len(segs) == 1:
+            base = next(iter(segs.values())).view()
+            views = [base[o:o + n] for o, n in zip(offsets.tolist(), lengths.tolist())]
+        else:
+            bases = {i: seg.view() for i, seg in segs.items()}
+            views = [bases[i][o:o + n] for i, o, n in zip(ids.tolist(), offsets.tolist(),
+                                                          lengths.tolist())]
         return views
 
     def _answer(self, wr_id: int, exc: TransferError | None) -> list[Any]:
