@@ -1,0 +1,140 @@
+"""GPU helpers: the overlap schedule everywhere, byte-exact CUDA round trips on a GPU.
+
+Tests marked ``gpu`` skip with the reason from ``tests.hardware.gpu_skip_reason``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from transfer_engine.errors import NotSupportedError
+from transfer_engine.gpu import (
+    IpcHandle,
+    StagingPool,
+    chunks,
+    cuda_unavailable_reason,
+    dmabuf_fd,
+    overlapped,
+    recv_device_memory,
+    send_device_memory,
+)
+
+
+def test_chunks_cover_the_range() -> None:
+    assert list(chunks(10, 4)) == [(0, 4), (4, 4), (8, 2)]
+    assert list(chunks(0, 4)) == []
+    with pytest.raises(ValueError):
+        list(chunks(10, 0))
+
+
+def test_overlap_starts_next_copy_before_consuming_current() -> None:
+    log: list[tuple[str, int]] = []
+    pieces = list(chunks(10, 3))
+
+    def start(buf: int, off: int, size: int) -> int:
+        log.append(("copy", off))
+        return off
+
+    def consume(buf: int, off: int, size: int) -> None:
+        log.append(("send", off))
+
+    overlapped(pieces, start, lambda token: log.append(("wait", token)), consume)
+    assert log[:3] == [("copy", 0), ("copy", 3), ("wait", 0)]
+    assert log.index(("copy", 6)) < log.index(("send", 3))  # copy k+1 runs before send k
+    assert [e for e in log if e[0] == "send"] == [("send", o) for o, _ in pieces]
+    for off, _ in pieces:  # every copy is waited for before its send
+        assert log.index(("wait", off)) < log.index(("send", off))
+    with pytest.raises(ValueError):
+        overlapped(pieces, start, lambda t: None, consume, depth=0)
+
+
+def test_overlap_reuses_buffers_round_robin() -> None:
+    used: list[int] = []
+    overlapped(list(chunks(50, 10)), lambda b, o, n: b, lambda t: None,
+               lambda b, o, n: used.append(b), depth=2)
+    assert used == [0, 1, 0, 1, 0]
+
+
+def test_ipc_handle_wire_round_trip() -> None:
+    handle = IpcHandle(b"\x01" * 64, 128, 4096, 1)
+    assert IpcHandle.from_wire(handle.to_wire()) == handle
+
+
+def test_without_cuda_helpers_say_why() -> None:
+    reason = cuda_unavailable_reason()
+    if reason is None:
+        pytest.skip("a CUDA GPU is present")
+    with pytest.raises(NotSupportedError, match="no CUDA GPU"):
+        dmabuf_fd(0x1000, 4096)
+    with pytest.raises(NotSupportedError, match="no CUDA GPU"):
+        StagingPool()
+
+
+@pytest.mark.gpu
+def test_staged_send_and_receive_are_byte_exact() -> None:
+    import cupy as cp
+
+    rng = np.random.default_rng(5)
+    host = rng.integers(0, 256, (3 << 20) + 17, dtype=np.uint8)
+    src = cp.asarray(host)
+    dst = cp.zeros_like(src)
+    sent: list[bytes] = []
+    with StagingPool(buffer_bytes=1 << 20, count=2) as pool:
+        send_device_memory(src.data.ptr, src.nbytes, lambda v: sent.append(bytes(v)), pool)
+        stream = iter(sent)
+
+        def recv_into(view: memoryview) -> None:
+            view[:] = next(stream)
+
+        recv_device_memory(dst.data.ptr, dst.nbytes, recv_into, pool)
+    assert b"".join(sent) == host.tobytes()
+    assert np.array_equal(cp.asnumpy(dst), host)
+
+
+@pytest.mark.gpu
+def test_ipc_handle_export() -> None:
+    """CUDA refuses to open a handle in the process that exported it, so this checks
+    export and the offset into the allocation; the shm transport maps it across
+    processes."""
+    import cupy as cp
+
+    from transfer_engine.gpu import export_ipc
+
+    buf = cp.arange(1 << 16, dtype=cp.uint8)
+    handle = export_ipc(buf.data.ptr + 256, 1024, buf.device.id)
+    assert handle.offset == 256 and handle.length == 1024 and len(handle.handle) == 64
+
+
+@pytest.mark.gpu
+def test_dmabuf_export_where_supported() -> None:
+    import os
+
+    import cupy as cp
+
+    buf = cp.zeros(1 << 21, dtype=cp.uint8)
+    try:
+        fd, offset = dmabuf_fd(buf.data.ptr + 100, 4096)
+    except NotSupportedError as exc:
+        pytest.skip(f"no dma-buf export on this driver: {exc}")
+    os.close(fd)
+    assert offset % 4096 == 100 % 4096
+
+
+@pytest.mark.gpu
+@pytest.mark.rdma
+def test_gpu_memory_registers_with_rdma() -> None:
+    import cupy as cp
+
+    from transfer_engine.segment import Segment, describe_memory
+    from transfer_engine.transport import load_transport
+
+    buf = cp.zeros(1 << 20, dtype=cp.uint8)
+    with load_transport("rdma", host="127.0.0.1") as transport:
+        seg = Segment(1, "gpu", describe_memory(buf))
+        keys: dict[str, Any] = transport.register(seg)
+        assert keys["mrs"]
+        transport.deregister(seg)
+

@@ -1,0 +1,1105 @@
+"""RDMA transport over pyverbs: RC queue pairs, one rail per NIC pair, write-with-imm.
+
+pyverbs (rdma-core's Python bindings, a distribution package) is imported when the
+transport is built, never by ``import transfer_engine``. Without pyverbs, without a
+device or without an active port the constructor raises ``NotSupportedError`` saying
+which, and the engine falls back to tcp. Pure logic (immediates, work-request building,
+error mapping, QP info) lives in ``rdma_plan`` and is tested without hardware.
+
+Connection protocol (the handshake carries only what ``start`` returns)::
+
+    start() -> {"devices": [names], "endpoint": "tcp://host:port"}
+
+``connect(peer, info, ...)`` is one-sided, but an RC queue pair needs the other side's
+QP number, so each transport owns a small TCP side channel at ``endpoint``. Frames are a
+4-byte little-endian length and a msgpack map with ``"v": 1``:
+
+    initiator -> {"kind": "connect", "peer": our engine name, "rail": index,
+                  "device": the target NIC wanted, "qp": our QpInfo}
+    target    -> {"qp": its fresh QP's QpInfo, "segments": {id: [base, length, rkey]}}
+    initiator -> {"kind": "segments", "ids": [...]}   (a segment registered later)
+    target    -> {"segments": {...}}                    or {"error": code, "message"}
+
+The side connection stays open for the life of the rail: when it closes, the target
+destroys that QP, so a dead initiator leaks nothing. Rail ``k`` to a peer uses local NIC
+``k % n_local`` and remote NIC ``k % n_remote`` (``rdma_plan.stripe_pairs``); ask for
+``rails_per_nic * n_nics`` rails to get several QPs per NIC pair.
+
+Data path: a work becomes RDMA WRITE (or READ) requests of at most ``max_sge`` entries
+and ``max_msg_sz`` bytes; only the last is signaled. Work with an immediate ends in
+RDMA_WRITE_WITH_IMM (``rdma_plan.encode_imm``), which consumes a receive at the target;
+its completion feeds ``host.deliver_immediate`` exactly as the stream transports do.
+Notification bytes do not fit in 32 bits, so work whose immediate carries ``notify``
+ends instead in a plain WRITE then a SEND_WITH_IMM whose payload is a
+``rdma_plan.NOTIFY_HEADER`` (full 64-bit id, expected, origin rail) and the bytes; RC
+ordering makes the SEND land after the WRITE. Notify payloads are bounded by
+``max_notify``.
+
+Failure: the first error completion moves a QP to the error state and flushes the
+rest. Errors that blame the path (retry exceeded, flush, fatal) hand the rail's
+unfinished work, in order, to a healthy sibling rail to the same peer; there every
+immediate travels as a SEND with header naming the failed rail, and the target counts
+each (transfer, origin rail) once, so an immediate whose ack was lost is not counted
+twice. Errors that blame the request (remote access: a deregistered segment) fail that
+work only. When no sibling is left the work fails with ``PeerLostError``, and
+``info("peer_failures")`` tells the engine to demote the peer to tcp.
+
+Completions are read by one thread per NIC that sleeps on the completion channel's file
+descriptor (``select.poll`` with a timeout, GIL released) rather than spinning;
+pyverbs' own ``get_cq_event`` holds the GIL while it blocks, so it is only called once
+the descriptor is readable.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import select
+import socket
+import struct
+import threading
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import msgpack
+
+from transfer_engine import topology
+from transfer_engine.descriptor import Op
+from transfer_engine.errors import (
+    ClosedError,
+    ConnectError,
+    NotSupportedError,
+    PeerLostError,
+    ProtocolError,
+    RegistrationError,
+    TransferError,
+    TransferTimeout,
+    error_code,
+    error_from_wire,
+)
+from transfer_engine.segment import Segment
+from transfer_engine.transport.base import (
+    Capabilities,
+    Completion,
+    Host,
+    Immediate,
+    OnComplete,
+    Rail,
+    Transport,
+    Work,
+)
+from transfer_engine.transport.rdma_plan import (
+    NOTIFY_HEADER,
+    ImmUnwrapper,
+    MrKey,
+    Opcode,
+    QpInfo,
+    Sge,
+    WrSpec,
+    build_work_requests,
+    decode_imm,
+    encode_imm,
+    negotiate_mtu,
+    pack_notify,
+    random_psn,
+    stripe_pairs,
+    unpack_notify,
+    wc_error,
+    wc_retryable,
+)
+
+__all__ = ["RdmaTransport", "RdmaRail"]
+
+log = logging.getLogger(__name__)
+
+WIRE_VERSION = 1
+_FRAME = struct.Struct("<I")
+_MAX_FRAME = 16 << 20
+_RECV_BIT = 1 << 63
+_SEEN_MAX = 1 << 16  # (transfer, origin rail) pairs remembered for de-duplication
+
+
+def _send_frame(sock: socket.socket, msg: dict[str, Any]) -> None:
+    data = msgpack.packb({"v": WIRE_VERSION, **msg})
+    sock.sendall(_FRAME.pack(len(data)) + data)
+
+
+def _recv_frame(sock: socket.socket, peer: str | None) -> dict[str, Any]:
+    def exact(n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = sock.recv(n - len(buf))
+            if not chunk:
+                raise PeerLostError("side channel closed", peer=peer, transport="rdma")
+            buf += chunk
+        return bytes(buf)
+    (size,) = _FRAME.unpack(exact(_FRAME.size))
+    if size > _MAX_FRAME:
+        raise ProtocolError(f"side-channel frame of {size} bytes", peer=peer,
+                            transport="rdma")
+    try:
+        msg = msgpack.unpackb(exact(size))
+    except ValueError as exc:
+        raise ProtocolError(f"malformed side-channel frame: {exc}", peer=peer,
+                            transport="rdma") from exc
+    if not isinstance(msg, dict) or msg.get("v") != WIRE_VERSION:
+        raise ProtocolError(f"side-channel message of unknown version: {msg!r:.80}",
+                            peer=peer, transport="rdma")
+    if "error" in msg:
+        raise error_from_wire(int(msg["error"]), str(msg.get("message", "")), peer=peer,
+                              transport="rdma")
+    return msg
+
+
+def _keys_from_wire(data: Any) -> dict[int, MrKey]:
+    return {int(k): MrKey(int(v[0]), int(v[1]), int(v[2])) for k, v in data.items()}
+
+
+# --- the verbs layer: every pyverbs call goes through here -------------------------
+
+PYVERBS_HINT = ("install rdma-core's Python bindings: `apt-get install python3-pyverbs "
+                "rdma-core ibverbs-providers` (Debian/Ubuntu) or `dnf install "
+                "python3-pyverbs` (Fedora/RHEL); in a virtualenv, make the system "
+                "dist-packages folder visible with a .pth file (see docs/rdma.md)")
+
+_VERBS: Any = None
+_CHANNEL_LOCK = threading.Lock()
+
+
+def import_pyverbs() -> Any:
+    """Imports pyverbs once; ``NotSupportedError`` says what is missing and how to get it."""
+    global _VERBS
+    if _VERBS is not None:
+        return _VERBS
+    try:
+        import pyverbs.addr as addr
+        import pyverbs.cq as cq
+        import pyverbs.device as device
+        import pyverbs.enums as enums
+        import pyverbs.mr as mr
+        import pyverbs.pd as pd
+        import pyverbs.qp as qp
+        import pyverbs.wr as wr
+        from pyverbs.pyverbs_error import PyverbsError
+    except ImportError as exc:
+        raise NotSupportedError(f"no RDMA: pyverbs is not importable ({exc}); "
+                                f"{PYVERBS_HINT}", transport="rdma") from exc
+    _VERBS = types.SimpleNamespace(
+        e=enums, Error=PyverbsError, Context=device.Context,
+        get_device_list=device.get_device_list, PD=pd.PD, MR=mr.MR,
+        DmaBufMR=getattr(mr, "DmaBufMR", None), CQ=cq.CQ, CompChannel=cq.CompChannel,
+        QP=qp.QP, QPInitAttr=qp.QPInitAttr, QPAttr=qp.QPAttr, QPCap=qp.QPCap,
+        AHAttr=addr.AHAttr, GlobalRoute=addr.GlobalRoute, GID=addr.GID, SGE=wr.SGE,
+        SendWR=wr.SendWR, RecvWR=wr.RecvWR)
+    return _VERBS
+
+
+def verbs() -> Any:
+    return _VERBS if _VERBS is not None else import_pyverbs()
+
+
+def _describe(exc: BaseException) -> str:
+    code = getattr(exc, "error_code", 0) or 0
+    return f"{exc} (errno {code}: {os.strerror(code)})" if code > 0 else str(exc)
+
+
+@contextmanager
+def translate(cls: type[TransferError], what: str, **ctx: Any) -> Iterator[None]:
+    """The one place pyverbs errors become ours (errno in the message)."""
+    try:
+        yield
+    except verbs().Error as exc:
+        raise cls(f"{what} failed: {_describe(exc)}", transport="rdma", **ctx) from exc
+
+
+def _new_channel_fd(make: Any) -> tuple[Any, int | None]:
+    """Creates a completion channel and finds its descriptor, which pyverbs hides: the
+    one new ``anon_inode:[infinibandevent]`` in /proc/self/fd. None if ambiguous."""
+    def events() -> set[int]:
+        out = set()
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                if "infinibandevent" in os.readlink(f"/proc/self/fd/{name}"):
+                    out.add(int(name))
+            except OSError:
+                continue
+        return out
+    with _CHANNEL_LOCK:
+        before = events()
+        channel = make()
+        new = events() - before
+    return channel, (new.pop() if len(new) == 1 else None)
+
+
+class Device:
+    """One opened NIC: context, protection domain, one CQ with its completion channel,
+    and the thread that reads completions."""
+
+    def __init__(self, name: str, *, gid_index: int | None, cq_depth: int,
+                 relaxed_ordering: bool, on_wc: Any, poll_interval: float) -> None:
+        v = verbs()
+        self.name = name
+        with translate(NotSupportedError, f"opening RDMA device {name}"):
+            self.ctx = v.Context(name=name)
+            attr = self.ctx.query_device()
+            self.port, port = self._active_port(attr.phys_port_cnt)
+            self.lid = port.lid
+            self.mtu = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}.get(port.active_mtu, 1024)
+            self.max_msg_size = int(port.max_msg_sz) or (1 << 30)
+            self.gid_index = self._gid_index(port, gid_index)
+            self.gid = str(self.ctx.query_gid(self.port, self.gid_index))
+            self.pd = v.PD(self.ctx)
+            self.channel, self._chan_fd = _new_channel_fd(lambda: v.CompChannel(self.ctx))
+            self.cq = v.CQ(self.ctx, min(cq_depth, attr.max_cqe), None, self.channel, 0)
+        self.max_sge = max(1, min(attr.max_sge, 30))
+        self.max_sge_rd = max(1, min(getattr(attr, "max_sge_rd", 0) or attr.max_sge, 30))
+        self.max_rd_atomic = max(1, min(attr.max_qp_rd_atom, 16))
+        self.link_rate_gbps = 0.0  # filled from topology by the transport
+        self._relaxed = relaxed_ordering and hasattr(v.e, "IBV_ACCESS_RELAXED_ORDERING")
+        self._on_wc, self._interval = on_wc, poll_interval
+        self._inbound: dict[int, _Inbound] = {}
+        self._calls: collections.deque[tuple[Any, tuple[Any, ...]]] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        self._stopping = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=f"te-rdma-cq-{name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _active_port(self, count: int) -> tuple[int, Any]:
+        v = verbs()
+        for num in range(1, count + 1):
+            port = self.ctx.query_port(num)
+            if port.state == v.e.IBV_PORT_ACTIVE:
+                return num, port
+        raise NotSupportedError(f"no RDMA device: {self.name} has no ACTIVE port "
+                                "(check `ibv_devinfo`, cabling and the subnet manager)",
+                                transport="rdma")
+
+    def _gid_index(self, port: Any, wanted: int | None) -> int:
+        """RoCE needs a RoCE v2 GID (IPv4-mapped preferred); IB works with index 0."""
+        v = verbs()
+        if wanted is not None:
+            return wanted
+        if port.link_layer != v.e.IBV_LINK_LAYER_ETHERNET:
+            return 0
+        best = None
+        for i in range(port.gid_tbl_len):
+            try:
+                gid = str(self.ctx.query_gid(self.port, i))
+                kind = self.ctx.query_gid_type(self.port, i)
+            except v.Error:
+                continue
+            if gid.replace(":", "").strip("0") == "" or kind != v.e.IBV_GID_TYPE_ROCE_V2:
+                continue
+            if gid.startswith("0000:0000:0000:0000:0000:ffff"):
+                return i
+            best = i if best is None else best
+        return best if best is not None else 0
+
+    # QPs and memory
+
+    def create_qp(self, *, send_wr: int, recv_wr: int, send_sge: int) -> Any:
+        v = verbs()
+        cap = v.QPCap(max_send_wr=send_wr, max_recv_wr=recv_wr, max_send_sge=send_sge,
+                      max_recv_sge=1)
+        init = v.QPInitAttr(qp_type=v.e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap,
+                            sq_sig_all=0)
+        with translate(ConnectError, f"creating a queue pair on {self.name}"):
+            qp = v.QP(self.pd, init)
+            attr = v.QPAttr(qp_state=v.e.IBV_QPS_INIT)
+            attr.port_num, attr.pkey_index = self.port, 0
+            attr.qp_access_flags = (v.e.IBV_ACCESS_LOCAL_WRITE | v.e.IBV_ACCESS_REMOTE_WRITE
+                                    | v.e.IBV_ACCESS_REMOTE_READ)
+            qp.to_init(attr)
+        return qp
+
+    def qp_info(self, qp: Any, psn: int) -> QpInfo:
+        return QpInfo(qp.qp_num, self.lid, self.gid, self.gid_index, psn, self.mtu,
+                      self.name, self.port)
+
+    def connect_qp(self, qp: Any, psn: int, theirs: QpInfo, mtu: int,
+                   peer: str | None = None) -> None:
+        """INIT -> RTR -> RTS against the peer's QP."""
+        v = verbs()
+        gr = v.GlobalRoute(dgid=v.GID(theirs.gid), sgid_index=self.gid_index)
+        is_global = 1 if theirs.gid.replace(":", "").strip("0") else 0
+        with translate(ConnectError, f"connecting queue pair on {self.name}", peer=peer,
+                       op="connect"):
+            attr = v.QPAttr(qp_state=v.e.IBV_QPS_RTR)
+            attr.path_mtu = {256: 1, 512: 2, 1024: 3, 2048: 4, 4096: 5}[mtu]
+            attr.dest_qp_num, attr.rq_psn = theirs.qp_num, theirs.psn
+            attr.max_dest_rd_atomic, attr.min_rnr_timer = self.max_rd_atomic, 12
+            attr.ah_attr = v.AHAttr(dlid=theirs.lid, is_global=is_global,
+                                    port_num=self.port, gr=gr if is_global else None)
+            qp.to_rtr(attr)
+            attr = v.QPAttr(qp_state=v.e.IBV_QPS_RTS)
+            attr.sq_psn, attr.timeout, attr.retry_cnt = psn, 14, 7
+            attr.rnr_retry, attr.max_rd_atomic = 7, self.max_rd_atomic
+            qp.to_rts(attr)
+
+    def alloc_mr(self, length: int) -> Any:
+        """A buffer pyverbs allocates and registers (receive and notify slots)."""
+        v = verbs()
+        with translate(RegistrationError, f"allocating a {length}-byte buffer"):
+            return v.MR(self.pd, length, v.e.IBV_ACCESS_LOCAL_WRITE)
+
+    def register(self, address: int, length: int, device: str, *, writable: bool,
+                 segment: str) -> tuple[Any, int]:
+        """Registers memory; returns (MR, base address the NIC uses for byte 0).
+
+        GPU memory: dma-buf first (iova = offset in the dma-buf), else the
+        nvidia-peermem path (a plain registration of the device pointer).
+        """
+        v = verbs()
+        access = (v.e.IBV_ACCESS_LOCAL_WRITE | v.e.IBV_ACCESS_REMOTE_WRITE
+                  | v.e.IBV_ACCESS_REMOTE_READ) if writable else v.e.IBV_ACCESS_REMOTE_READ
+        if self._relaxed:
+            access |= v.e.IBV_ACCESS_RELAXED_ORDERING
+        ctx = {"segment": segment, "length": length}
+        if device.startswith("cuda") and v.DmaBufMR is not None:
+            from transfer_engine import gpu  # lazy: needs CUDA
+
+            try:
+                fd, offset = gpu.dmabuf_fd(address, length)
+            except NotSupportedError as exc:
+                log.info("no dma-buf for %s (%s); trying peer memory", segment, exc)
+            else:
+                try:
+                    with translate(RegistrationError, f"dma-buf registration on {self.name}",
+                                   **ctx):
+                        return v.DmaBufMR(self.pd, length, access, dmabuf=fd,
+                                          offset=offset), offset
+                except RegistrationError as exc:
+                    log.info("%s; trying peer memory", exc)
+                finally:
+                    os.close(fd)  # the MR holds its own reference to the dma-buf
+        with translate(RegistrationError, f"memory registration on {self.name}"
+                       + (" (GPU memory needs nvidia-peermem or dma-buf)"
+                          if device.startswith("cuda") else ""), **ctx):
+            return v.MR(self.pd, length, access, address=address), address
+
+    # inbound QPs, deferred calls, completions
+
+    def add_inbound(self, conn: _Inbound) -> None:
+        self._inbound[conn.key] = conn
+
+    def remove_inbound(self, conn: _Inbound) -> None:
+        self._inbound.pop(conn.key, None)
+
+    def inbound(self, key: int) -> _Inbound | None:
+        return self._inbound.get(key)
+
+    def call_soon(self, fn: Any, *args: Any) -> None:
+        """Runs ``fn`` on the completion thread (callbacks never run on a caller's)."""
+        self._calls.append((fn, args))
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def _loop(self) -> None:
+        v = verbs()
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        if self._chan_fd is not None:
+            poller.register(self._chan_fd, select.POLLIN)
+        # Without the channel's descriptor we sleep 1 ms between polls: bounded CPU.
+        timeout = int(self._interval * 1000) if self._chan_fd is not None else 1
+        self.cq.req_notify()
+        while not self._stopping:
+            try:
+                self._drain()
+                while self._calls:
+                    fn, args = self._calls.popleft()
+                    fn(*args)
+                for fd, _ in poller.poll(timeout):
+                    if fd == self._wake_r:
+                        os.read(self._wake_r, 4096)
+                    else:  # readable: get_cq_event will not block (it holds the GIL)
+                        self.channel.get_cq_event(self.cq)
+                        self.cq.ack_events(1)
+                        self.cq.req_notify()
+            except v.Error as exc:
+                log.error("rdma completion thread of %s: %s", self.name, _describe(exc))
+            except Exception:
+                log.exception("rdma completion callback failed")
+
+    def _drain(self) -> None:
+        while True:
+            count, wcs = self.cq.poll(32)
+            for wc in wcs:
+                self._on_wc(self, wc)
+            if count < 32:
+                return
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.call_soon(lambda: None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.stop()
+        for obj in (self.cq, self.channel, self.pd, self.ctx):
+            try:
+                obj.close()
+            except verbs().Error as exc:
+                log.warning("closing %s on %s: %s", type(obj).__name__, self.name, exc)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+
+def open_devices(names: list[str] | None, **kwargs: Any) -> list[Device]:
+    """Opens the named NICs (every one with an active port when None)."""
+    v = verbs()
+    try:
+        found = [d.name.decode() if isinstance(d.name, bytes) else str(d.name)
+                 for d in v.get_device_list()]
+    except v.Error as exc:
+        raise NotSupportedError(f"no RDMA device: {_describe(exc)} (no RDMA NIC or "
+                                "driver; `ibv_devices` lists them)",
+                                transport="rdma") from exc
+    if not found:
+        raise NotSupportedError("no RDMA device: the device list is empty",
+                                transport="rdma")
+    missing = [n for n in names or [] if n not in found]
+    if missing:
+        raise NotSupportedError(f"no RDMA device named {missing}; found {found}",
+                                transport="rdma")
+    devices: list[Device] = []
+    errors = []
+    for name in names or found:
+        try:
+            devices.append(Device(name, **kwargs))
+        except NotSupportedError as exc:
+            if names:  # asked for by name: its failure is the caller's to see
+                for dev in devices:
+                    dev.close()
+                raise
+            errors.append(str(exc))
+    if not devices:
+        raise NotSupportedError(f"no usable RDMA device: {'; '.join(errors)}",
+                                transport="rdma")
+    return devices
+
+
+class _Inbound:
+    """Target side of one rail: a QP that only receives, and its receive buffers."""
+
+    def __init__(self, device: Device, peer: str, rail: int, depth: int, slot: int) -> None:
+        self.device, self.peer, self.rail = device, peer, rail
+        self.qp = device.create_qp(send_wr=1, recv_wr=depth, send_sge=1)
+        self.slot = slot
+        self.mr = device.alloc_mr(depth * slot)
+        self.key = device.qp_key(self.qp)
+        for i in range(depth):
+            self.post_recv(i)
+
+    def post_recv(self, index: int) -> None:
+        v = verbs()
+        sge = v.SGE(self.mr.buf + index * self.slot, self.slot, self.mr.lkey)
+        self.qp.post_recv(v.RecvWR(wr_id=_RECV_BIT | (self.key << 20) | index, num_sge=1,
+                                   sg=[sge]))
+
+    def payload(self, index: int, nbytes: int) -> bytes:
+        return bytes(self.mr.read(nbytes, index * self.slot))
+
+    def close(self) -> None:
+        self.qp.close()
+        self.mr.close()
+
+
+class RdmaRail(Rail):
+    """One RC queue pair from one of our NICs to one of the peer's."""
+
+    __slots__ = ("peer", "index", "device", "remote_device", "_transport", "_qp", "_sock",
+                 "_on_complete", "_lock", "_state", "_backlog", "_inflight", "_free_wr",
+                 "_remote_keys", "_notify_mr", "_notify_free", "_max_sge", "_max_msg",
+                 "weight")
+
+    def __init__(self, transport: RdmaTransport, peer: str, index: int, device: Device,
+                 remote_device: str, qp: Any, sock: socket.socket,
+                 remote_keys: dict[int, MrKey], on_complete: OnComplete) -> None:
+        self.peer, self.index, self.device = peer, index, device
+        self.remote_device = remote_device
+        self.weight = device.link_rate_gbps or 1.0  # for the planner's striping weights
+        self._transport, self._qp, self._sock = transport, qp, sock
+        self._on_complete = on_complete
+        self._lock = threading.Lock()
+        self._state = "OPEN"
+        self._backlog: collections.deque[tuple[Work, int]] = collections.deque()
+        self._inflight: dict[int, tuple[Work, int, int | None]] = {}  # wr_id -> (w, n, slot)
+        self._free_wr = transport.sq_depth
+        self._remote_keys = remote_keys
+        slot = NOTIFY_HEADER.size + transport.max_notify
+        self._notify_mr = device.alloc_mr(transport.notify_slots * slot)
+        self._notify_free = list(range(transport.notify_slots))
+        self._max_sge = device.max_sge
+        self._max_msg = device.max_msg_size
+
+    @property
+    def closed(self) -> bool:
+        return self._state != "OPEN"
+
+    @property
+    def inflight(self) -> int:
+        return len(self._inflight) + len(self._backlog)
+
+    def learn_segments(self, keys: dict[int, dict[str, Any]]) -> None:
+        """Takes remote keys the engine already has (``RemoteSegment.keys["rdma"]``),
+        saving the side-channel round trip a first use of a segment costs otherwise."""
+        for seg_id, entry in keys.items():
+            mr = entry.get("mrs", {}).get(self.remote_device)
+            if mr is not None:
+                self._remote_keys[int(seg_id)] = MrKey(int(mr[0]), int(mr[1]), int(mr[2]))
+
+    def post(self, work: Work) -> None:
+        if self._state == "CLOSED":
+            raise ClosedError("rail is closed", peer=self.peer, transport="rdma")
+        if self._state == "FAILED":
+            raise PeerLostError("rail failed", peer=self.peer, transport="rdma")
+        missing = [e[0] for e in work.remote if e[0] not in self._remote_keys]
+        if missing:  # one round trip per segment, then cached; bounded by the timeout
+            self._fetch_keys(sorted(set(missing)))
+        with self._lock:
+            self._backlog.append((work, self.index))
+            self._pump()
+
+    def _fetch_keys(self, ids: list[int]) -> None:
+        with self._transport.side_lock(self):
+            try:
+                _send_frame(self._sock, {"kind": "segments", "ids": ids,
+                                         "device": self.remote_device})
+                reply = _recv_frame(self._sock, self.peer)
+            except TimeoutError as exc:
+                raise TransferTimeout("segment key lookup timed out", peer=self.peer,
+                                      op="connect", transport="rdma") from exc
+            except OSError as exc:
+                raise PeerLostError(f"side channel failed: {exc}", peer=self.peer,
+                                    transport="rdma") from exc
+        self._remote_keys.update(_keys_from_wire(reply.get("segments", {})))
+
+    def adopt(self, items: list[tuple[Work, int]]) -> None:
+        """Takes over a failed sibling's unfinished work, in order (poller thread)."""
+        with self._lock:
+            self._backlog.extend(items)
+            self._pump()
+
+    def _specs(self, work: Work, origin: int) -> tuple[list[WrSpec], int | None]:
+        imm = work.imm
+        via_send = imm is not None and (imm.notify is not None or origin != self.index
+                                        or work.op is Op.READ)
+        direct = encode_imm(imm.transfer_id, imm.expected) if imm and not via_send else None
+        max_sge = self._max_sge if work.op is Op.WRITE else self.device.max_sge_rd
+        specs = build_work_requests(
+            work.op, work.local, work.remote, local_keys=self._transport.local_keys(
+                self.device.name), remote_keys=self._remote_keys, max_sge=max_sge,
+            max_msg_size=self._max_msg, imm=direct, peer=self.peer)
+        if not via_send:
+            return specs, None
+        assert imm is not None
+        notify = imm.notify or b""
+        if len(notify) > self._transport.max_notify or not self._notify_free:
+            if len(notify) > self._transport.max_notify:
+                raise ProtocolError(f"notification of {len(notify)} bytes exceeds "
+                                    f"max_notify={self._transport.max_notify}",
+                                    peer=self.peer, transport="rdma")
+            raise BlockingIOError  # no free notify slot yet: stay in the backlog
+        slot = self._notify_free.pop()
+        size = NOTIFY_HEADER.size + self._transport.max_notify
+        data = pack_notify(imm.transfer_id, imm.expected, origin, notify)
+        self._notify_mr.write(data, len(data), slot * size)
+        last = specs[-1]
+        specs[-1] = WrSpec(last.opcode, last.sges, last.remote_addr, last.rkey, False)
+        sge = Sge(self._notify_mr.buf + slot * size, len(data), self._notify_mr.lkey)
+        send = WrSpec(Opcode.SEND_WITH_IMM, (sge,), 0, 0, True,
+                      encode_imm(imm.transfer_id, imm.expected))
+        specs.append(send)
+        return specs, slot
+
+    def _pump(self) -> None:
+        """Posts backlog work while the send queue has room (caller holds the lock)."""
+        while self._backlog and self._state == "OPEN":
+            work, origin = self._backlog[0]
+            try:
+                specs, slot = self._specs(work, origin)
+            except BlockingIOError:
+                return
+            except TransferError as exc:
+                self._backlog.popleft()
+                self._transport.defer(self.device, self._on_complete,
+                                      Completion(work, exc.with_context(peer=self.peer)))
+                continue
+            if len(specs) > self._transport.sq_depth:
+                self._backlog.popleft()
+                err = ProtocolError(f"work needs {len(specs)} work requests; the send "
+                                    f"queue holds {self._transport.sq_depth}",
+                                    peer=self.peer, transport="rdma", op=str(work.op))
+                self._transport.defer(self.device, self._on_complete, Completion(work, err))
+                continue
+            if len(specs) > self._free_wr:
+                if slot is not None:
+                    self._notify_free.append(slot)
+                return
+            self._backlog.popleft()
+            wr_id = self._transport.new_wr_id(self)
+            self._inflight[wr_id] = (work, len(specs), slot)
+            self._free_wr -= len(specs)
+            try:
+                self._post_specs(wr_id, specs, slot)
+            except TransferError as exc:
+                self._inflight.pop(wr_id, None)
+                self._free_wr += len(specs)
+                self._transport.defer(self.device, self._fail_from, wr_id, exc, work)
+                return
+
+    def _post_specs(self, wr_id: int, specs: list[WrSpec], slot: int | None) -> None:
+        v = verbs()
+        head = prev = None
+        for spec in specs:  # the SEND's entry points at its notify slot (see _specs)
+            sges = [v.SGE(s.addr, s.length, s.lkey) for s in spec.sges]
+            flags = v.e.IBV_SEND_SIGNALED if spec.signaled else 0
+            if spec.opcode is Opcode.SEND_WITH_IMM:
+                flags |= v.e.IBV_SEND_FENCE  # after any READ before it
+            wr = v.SendWR(wr_id=wr_id, opcode=int(spec.opcode), num_sge=len(sges),
+                          imm_data=socket.htonl(spec.imm or 0), sg=sges, send_flags=flags)
+            if spec.opcode is not Opcode.SEND_WITH_IMM:
+                wr.set_wr_rdma(spec.rkey, spec.remote_addr)
+            if prev is None:
+                head = wr
+            else:
+                prev.next_wr = wr
+            prev = wr
+        with self.device.translate(PeerLostError, "ibv_post_send", peer=self.peer):
+            self._qp.post_send(head)
+
+    def on_wc(self, wr_id: int, status: int, vendor_err: int) -> None:
+        """A send completion for this rail (poller thread)."""
+        with self._lock:
+            entry = self._inflight.pop(wr_id, None)
+            if entry is None:
+                return  # flushed after a failure already handled
+            work, count, slot = entry
+            self._free_wr += count
+            if slot is not None:
+                self._notify_free.append(slot)
+            if status == 0:
+                self._pump()
+        if status == 0:
+            self._on_complete(Completion(work))
+            return
+        err = wc_error(status, vendor_err, closing=self._state == "CLOSED", peer=self.peer,
+                       op=str(work.op), transport="rdma")
+        self._fail_from(wr_id, err, work, retry=wc_retryable(status))
+
+    def _fail_from(self, wr_id: int, err: TransferError, culprit: Work,
+                   retry: bool = True) -> None:
+        """The QP is unusable: hand unfinished work to a sibling or fail it."""
+        with self._lock:
+            if self._state == "OPEN":
+                self._state = "FAILED"
+            rest = [(w, self.index) for _, (w, _, _) in sorted(self._inflight.items())]
+            rest += list(self._backlog)
+            self._inflight.clear()
+            self._backlog.clear()
+        self._transport.note_failure(self.peer)
+        sibling = self._transport.sibling(self)
+        items = ([(culprit, self.index)] if retry else []) + rest
+        if not retry:
+            self._on_complete(Completion(culprit, err))
+        if sibling is not None and self._state != "CLOSED":
+            log.warning("rdma rail %s#%d failed (%s); %d works move to rail #%d",
+                        self.peer, self.index, err, len(items), sibling.index)
+            sibling.adopt(items)
+            return
+        for work, _ in items:
+            self._on_complete(Completion(work, err if work is culprit else PeerLostError(
+                "rail failed and no other rdma rail reaches the peer", peer=self.peer,
+                op=str(work.op), transport="rdma")))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._state == "CLOSED":
+                return
+            self._state = "CLOSED"
+            pending = [w for w, _, _ in self._inflight.values()]
+            pending += [w for w, _ in self._backlog]
+            self._transport.forget_wr_ids(list(self._inflight))
+            self._inflight.clear()
+            self._backlog.clear()
+        for work in pending:
+            self._on_complete(Completion(work, ClosedError(
+                "rail closed", peer=self.peer, op=str(work.op), transport="rdma")))
+        self._transport.forget_rail(self)
+        self._sock.close()
+        self._qp.close()
+        self._notify_mr.close()
+
+    def __repr__(self) -> str:
+        return (f"<Rail rdma→{self.peer}#{self.index} {self.device.name}→"
+                f"{self.remote_device} {self._state} inflight={self.inflight}>")
+
+
+class RdmaTransport(Transport):
+    """RDMA rails over RC queue pairs (pyverbs).
+
+    :param devices: NIC names (``"mlx5_0,mlx5_1"`` or a list); None takes every device
+        with an active port.
+    :param rails_per_nic: queue pairs per NIC pair that ``default_rails`` asks for.
+    :param host: address the side channel listens on; ``advertise``: the address peers
+        dial (default: this host's name).
+    :param port: side-channel port; 0 picks a free one.
+    :param gid_index: GID table index (RoCE needs the right one); None picks one.
+    :param slice_size: bytes per work request the planner aims for.
+    :param max_notify: largest notification payload in bytes.
+    :param sq_depth / recv_depth: send / receive queue entries per QP.
+    :param relaxed_ordering: register memory with relaxed PCIe ordering when supported.
+    """
+
+    name = "rdma"
+
+    def __init__(self, devices: str | list[str] | None = None, rails_per_nic: int = 2,
+                 host: str = "0.0.0.0", port: int = 0, advertise: str | None = None,
+                 gid_index: int | None = None, slice_size: int = 1 << 20,
+                 max_notify: int = 4096, sq_depth: int = 1024, recv_depth: int = 256,
+                 notify_slots: int = 64, relaxed_ordering: bool = True,
+                 poll_interval: float = 0.2) -> None:
+        import_pyverbs()  # NotSupportedError with the reason and the remedy
+        names = devices.split(",") if isinstance(devices, str) else devices
+        self._devices = open_devices(names, gid_index=gid_index, cq_depth=4 * sq_depth,
+                                     relaxed_ordering=relaxed_ordering,
+                                     on_wc=self._on_wc, poll_interval=poll_interval)
+        self._by_name = {d.name: d for d in self._devices}
+        nics = topology.discover().nics  # link rates for the striping weights
+        for dev in self._devices:
+            nic = next((n for n in nics if n.name == dev.name), None)
+            dev.link_rate_gbps = nic.link_rate_gbps if nic else 0.0
+        self._side_socks: set[socket.socket] = set()
+        self.rails_per_nic, self.slice_size = rails_per_nic, slice_size
+        self.max_notify, self.sq_depth, self.recv_depth = max_notify, sq_depth, recv_depth
+        self.notify_slots = notify_slots
+        self._bind, self._advertise = (host, port), advertise
+        self._host: Host | None = None
+        self._listener: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._wr_ids = itertools.count(1)
+        self._wr_owner: dict[int, RdmaRail] = {}
+        self._peer_rails: dict[str, list[RdmaRail]] = {}
+        self._inbound: dict[tuple[str, int], _Inbound] = {}
+        self._side_locks: dict[int, threading.Lock] = {}
+        self._mrs: dict[int, dict[str, tuple[Any, MrKey, MrKey]]] = {}
+        self._local_keys: dict[str, dict[int, MrKey]] = {d.name: {} for d in self._devices}
+        self._unwrap = ImmUnwrapper()
+        self._seen: collections.OrderedDict[tuple[str, int, int], None] = (
+            collections.OrderedDict())
+        self._peer_failures: collections.Counter[str] = collections.Counter()
+        self._closed = False
+
+    # --- Transport interface ----------------------------------------------------------
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            max_sge=min(min(d.max_sge, d.max_sge_rd) for d in self._devices),
+            max_wr_bytes=min(d.max_msg_size for d in self._devices), remote_scatter=False,
+            device_memory=True, default_rails=self.rails_per_nic * len(self._devices),
+            slice_size=self.slice_size)
+
+    def start(self, host: Host) -> dict[str, Any]:
+        self._host = host
+        listener = socket.create_server(self._bind, reuse_port=False)
+        self._listener = listener
+        threading.Thread(target=self._accept_loop, name="te-rdma-side-accept",
+                         daemon=True).start()
+        addr = self._advertise or (self._bind[0] if self._bind[0] not in ("0.0.0.0", "::")
+                                   else socket.getfqdn())
+        return {"devices": [d.name for d in self._devices],
+                "endpoint": f"tcp://{addr}:{listener.getsockname()[1]}"}
+
+    def register(self, segment: Segment) -> dict[str, Any]:
+        out: dict[str, list[int]] = {}
+        done: dict[str, tuple[Any, MrKey, MrKey]] = {}
+        try:
+            for dev in self._devices:
+                mr, base = dev.register(segment.address, segment.length, segment.device,
+                                        writable=segment.writable, segment=segment.name)
+                done[dev.name] = (mr, MrKey(base, segment.length, mr.lkey),
+                                  MrKey(base, segment.length, mr.rkey))
+                out[dev.name] = [base, segment.length, mr.rkey]
+        except RegistrationError:
+            for mr, _, _ in done.values():
+                mr.close()  # nothing stays registered
+            raise
+        with self._lock:
+            self._mrs[segment.id] = done
+            for name, (_, lkey, _) in done.items():
+                self._local_keys[name][segment.id] = lkey
+        return {"mrs": out}
+
+    def deregister(self, segment: Segment) -> None:
+        with self._lock:
+            done = self._mrs.pop(segment.id, {})
+            for name in done:
+                self._local_keys[name].pop(segment.id, None)
+        for mr, _, _ in done.values():
+            mr.close()  # later remote access fails with REM_ACCESS_ERR at the initiator
+
+    def reachable(self, peer_meta: dict[str, Any]) -> bool:
+        info = peer_meta.get("transports", {}).get("rdma")
+        return bool(info and info.get("devices") and info.get("endpoint"))
+
+    def connect(self, peer: str, info: dict[str, Any], on_complete: OnComplete,
+                timeout: float | None = 10.0) -> Rail:
+        if self._closed or self._host is None:
+            raise ClosedError("transport is closed or not started", peer=peer,
+                              transport="rdma", op="connect")
+        remote_devs = list(info.get("devices") or [])
+        endpoint = str(info.get("endpoint", ""))
+        if not remote_devs or not endpoint.startswith("tcp://"):
+            raise ConnectError(f"peer published no rdma devices/endpoint: {info!r:.120}",
+                               peer=peer, transport="rdma", op="connect")
+        with self._lock:
+            index = len(self._peer_rails.setdefault(peer, []))
+        li, ri = stripe_pairs(len(self._devices), len(remote_devs), index)
+        dev, remote_dev = self._devices[li], str(remote_devs[ri])
+        hostport = endpoint[len("tcp://"):].rsplit(":", 1)
+        qp = dev.create_qp(send_wr=self.sq_depth, recv_wr=1, send_sge=dev.max_sge)
+        psn = random_psn()
+        try:
+            sock = socket.create_connection((hostport[0].strip("[]"), int(hostport[1])),
+                                            timeout=timeout)
+        except TimeoutError as exc:
+            qp.close()
+            raise TransferTimeout(f"side channel {endpoint} timed out", peer=peer,
+                                  transport="rdma", op="connect") from exc
+        except OSError as exc:
+            qp.close()
+            raise ConnectError(f"cannot reach side channel {endpoint}: {exc}", peer=peer,
+                               transport="rdma", op="connect") from exc
+        try:
+            _send_frame(sock, {"kind": "connect", "peer": self._host.name, "rail": index,
+                               "device": remote_dev,
+                               "qp": dev.qp_info(qp, psn).to_wire()})
+            reply = _recv_frame(sock, peer)
+            theirs = QpInfo.from_wire(reply.get("qp"), peer)
+            dev.connect_qp(qp, psn, theirs, negotiate_mtu(dev.mtu, theirs.mtu), peer=peer)
+            keys = _keys_from_wire(reply.get("segments", {}))
+        except TransferError as exc:
+            sock.close()
+            qp.close()
+            exc.with_context(peer=peer, op="connect", transport="rdma")
+            raise
+        except OSError as exc:
+            sock.close()
+            qp.close()
+            raise ConnectError(f"rdma handshake failed: {exc}", peer=peer,
+                               transport="rdma", op="connect") from exc
+        rail = RdmaRail(self, peer, index, dev, remote_dev, qp, sock, keys, on_complete)
+        with self._lock:
+            self._peer_rails[peer].append(rail)
+            self._side_locks[id(rail)] = threading.Lock()
+        return rail
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            rails = [r for rs in self._peer_rails.values() for r in rs]
+            inbound = list(self._inbound.values())
+        for rail in rails:
+            rail.close()
+        if self._listener is not None:
+            self._listener.close()
+        with self._lock:
+            socks = list(self._side_socks)
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the threads serving them
+            except OSError:
+                pass
+        for dev in self._devices:
+            dev.stop()  # pollers first: nothing touches a QP being destroyed
+        for conn in inbound:
+            conn.close()
+        for done in self._mrs.values():
+            for mr, _, _ in done.values():
+                mr.close()
+        self._mrs.clear()
+        for dev in self._devices:
+            dev.close()
+
+    def info(self, key: str) -> Any:
+        if key == "devices":
+            return [d.name for d in self._devices]
+        if key == "peer_failures":
+            return dict(self._peer_failures)
+        if key == "stripe_weights":
+            return [d.link_rate_gbps or 1.0 for d in self._devices]
+        return None
+
+    def __repr__(self) -> str:
+        state = "CLOSED" if self._closed else "OPEN"
+        return (f"<RdmaTransport devices={[d.name for d in self._devices]} "
+                f"rails={sum(map(len, self._peer_rails.values()))} {state}>")
+
+    # --- helpers the rails use --------------------------------------------------------
+
+    def local_keys(self, device: str) -> dict[int, MrKey]:
+        return self._local_keys[device]
+
+    def new_wr_id(self, rail: RdmaRail) -> int:
+        wr_id = next(self._wr_ids)
+        self._wr_owner[wr_id] = rail
+        return wr_id
+
+    @contextmanager
+    def side_lock(self, rail: RdmaRail) -> Iterator[None]:
+        with self._side_locks.setdefault(id(rail), threading.Lock()):
+            yield
+
+    def defer(self, device: Device, fn: Any, *args: Any) -> None:
+        device.call_soon(fn, *args)
+
+    def sibling(self, rail: RdmaRail) -> RdmaRail | None:
+        with self._lock:
+            return next((r for r in self._peer_rails.get(rail.peer, [])
+                         if r is not rail and not r.closed), None)
+
+    def forget_wr_ids(self, wr_ids: list[int]) -> None:
+        for wr_id in wr_ids:
+            self._wr_owner.pop(wr_id, None)
+
+    def note_failure(self, peer: str) -> None:
+        self._peer_failures[peer] += 1
+
+    def forget_rail(self, rail: RdmaRail) -> None:
+        with self._lock:
+            rails = self._peer_rails.get(rail.peer, [])
+            if rail in rails:
+                rails.remove(rail)
+            self._side_locks.pop(id(rail), None)
+
+    # --- completions (poller threads) -------------------------------------------------
+
+    def _on_wc(self, device: Device, wc: Any) -> None:
+        if wc.wr_id & _RECV_BIT:
+            self._on_recv(device, wc)
+            return
+        rail = self._wr_owner.pop(wc.wr_id, None)
+        if rail is not None:
+            rail.on_wc(wc.wr_id, wc.status, wc.vendor_err)
+
+    def _on_recv(self, device: Device, wc: Any) -> None:
+        key, index = (wc.wr_id & ~_RECV_BIT) >> 20, wc.wr_id & 0xFFFFF
+        conn = device.inbound(key)
+        if conn is None or wc.status != 0:
+            return  # a flushed receive of a closing QP
+        try:
+            if wc.opcode == verbs().e.IBV_WC_RECV_RDMA_WITH_IMM:
+                wrapped, expected = decode_imm(socket.ntohl(wc.imm_data))
+                with self._lock:
+                    tid = self._unwrap.full_id(conn.peer, wrapped)
+                self._deliver(conn.peer, tid, expected, conn.rail, None)
+            else:
+                data = conn.payload(index, min(wc.byte_len, conn.slot))
+                tid, expected, origin, payload = unpack_notify(data, conn.peer)
+                with self._lock:
+                    self._unwrap.observe(conn.peer, tid)
+                self._deliver(conn.peer, tid, expected, origin, payload)
+        except TransferError as exc:
+            log.warning("dropped a malformed rdma immediate from %s: %s", conn.peer, exc)
+        finally:
+            conn.post_recv(index)
+
+    def _deliver(self, peer: str, tid: int, expected: int, origin: int,
+                 payload: bytes | None) -> None:
+        seen = (peer, tid, origin)
+        with self._lock:  # one poller thread per NIC: they share this table
+            if seen in self._seen:
+                return  # the same rail's immediate again, after a retry elsewhere
+            self._seen[seen] = None
+            if len(self._seen) > _SEEN_MAX:
+                self._seen.popitem(last=False)
+        if self._host is not None:
+            self._host.deliver_immediate(peer, Immediate(tid, expected, payload))
+
+    # --- side channel (target role) ---------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._closed:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), name="te-rdma-side",
+                             daemon=True).start()
+
+    def _segments_for(self, device: str, ids: list[int] | None) -> dict[int, list[int]]:
+        with self._lock:
+            return {sid: [r.base, r.length, r.key] for sid, d in self._mrs.items()
+                    if (ids is None or sid in ids) and device in d
+                    for r in (d[device][2],)}
+
+    def _serve(self, sock: socket.socket) -> None:
+        conn: _Inbound | None = None
+        peer: str | None = None
+        with self._lock:
+            self._side_socks.add(sock)
+        try:
+            msg = _recv_frame(sock, None)
+            peer, rail, want = str(msg["peer"]), int(msg["rail"]), str(msg["device"])
+            dev = self._by_name.get(want)
+            if msg.get("kind") != "connect" or dev is None:
+                raise ConnectError(f"no rdma device {want!r} here", peer=peer)
+            theirs = QpInfo.from_wire(msg.get("qp"), peer)
+            conn = _Inbound(dev, peer, rail, self.recv_depth,
+                            NOTIFY_HEADER.size + self.max_notify)
+            psn = random_psn()
+            dev.connect_qp(conn.qp, psn, theirs, negotiate_mtu(dev.mtu, theirs.mtu),
+                           peer=peer)
+            dev.add_inbound(conn)
+            with self._lock:
+                self._inbound[(peer, conn.key)] = conn
+            _send_frame(sock, {"qp": dev.qp_info(conn.qp, psn).to_wire(),
+                               "segments": self._segments_for(want, None)})
+            while not self._closed:
+                msg = _recv_frame(sock, peer)
+                ids = [int(i) for i in msg.get("ids", [])]
+                _send_frame(sock, {"segments": self._segments_for(want, ids)})
+        except (TransferError, KeyError, ValueError, TypeError) as exc:
+            if not isinstance(exc, PeerLostError):
+                try:
+                    code = error_code(exc) if isinstance(exc, TransferError) else 2
+                    _send_frame(sock, {"error": code, "message": str(exc)})
+                except OSError:
+                    pass
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                self._side_socks.discard(sock)
+            sock.close()
+            if conn is not None:
+                conn.device.remove_inbound(conn)
+                with self._lock:
+                    self._inbound.pop((conn.peer, conn.key), None)
+                if not self._closed:
+                    conn.close()
+                if peer is not None and not self._peer_has_inbound(peer):
+                    with self._lock:
+                        self._unwrap.forget(peer)
+
+    def _peer_has_inbound(self, peer: str) -> bool:
+        with self._lock:
+            return any(p == peer for p, _ in self._inbound)
+
