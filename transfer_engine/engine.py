@@ -65,7 +65,7 @@ __all__ = ["Engine"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TRANSPORTS = ("shm", "tcp")
+DEFAULT_TRANSPORTS = ("shm", "rdma", "tcp")  # best first; missing ones are skipped
 # Failures after which the same transfer is repeated over the peer's next transport.
 _FALLBACK_ERRORS = (NotSupportedError, PeerLostError)
 
@@ -95,7 +95,7 @@ class Engine:
     :param port: control endpoint port; 0 picks a free one.
     :param transports: transport names (``"tcp"``, ``"shm"``, ``"rdma"``, or
         ``"module:Class"``) or built :class:`Transport` objects, best first. Default:
-        ``$TE_TRANSPORTS`` or ``shm,tcp``. A named transport that cannot load here
+        ``$TE_TRANSPORTS`` or ``shm,rdma,tcp``. A named transport that cannot load here
         (missing library or device) is skipped with a log line; built ones are used as
         given.
     :param timeout: seconds for handshakes and control requests.
@@ -516,9 +516,10 @@ class Engine:
         transport = self._transports[name]
         rails = xfer.peer.rails[name]
         caps = transport.capabilities
+        weights = [float(getattr(rail, "weight", 1.0)) for rail in rails]
         plan = plan_transfer(xfer.pairs, num_rails=len(rails), slice_size=caps.slice_size,
                              max_sge=caps.max_sge, max_wr_bytes=caps.max_wr_bytes,
-                             remote_scatter=caps.remote_scatter)
+                             remote_scatter=caps.remote_scatter, weights=weights)
         transfer_id = next(self._transfer_ids)  # fresh per attempt: counts never mix
         notify_pending = xfer.notify is not None and xfer.op is Op.WRITE
         works: list[Work] = []
