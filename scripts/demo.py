@@ -103,8 +103,9 @@ def run_pair(layers: int, blocks: int, transports: str) -> None:
             remote = [peer.segment(f"layer{i}") for i in range(layers)]
             pairs = []
             for layer, t in enumerate(cache):
-                for sb, db in zip(src_blocks, dst_blocks):
-                    for (so, n), (do, _) in zip(block_spans(t, sb), block_spans(t, db)):
+                for sb, db in zip(src_blocks, dst_blocks, strict=True):
+                    spans = zip(block_spans(t, sb), block_spans(t, db), strict=True)
+                    for (so, n), (do, _) in spans:
                         pairs.append((Descriptor(segs[layer], so, n),
                                       Descriptor(remote[layer], do, n)))
             nbytes = sum(p[0].length for p in pairs)

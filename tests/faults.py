@@ -48,7 +48,8 @@ class DroppingTcpServer(TcpServer):
             partial.append(v[:budget])
             budget -= len(v)
         recv_into_views(conn.sock, partial)
-        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        linger_zero = b"\x01\x00\x00\x00\x00\x00\x00\x00"
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger_zero)
         conn.sock.close()  # RST: the initiator sees a reset mid-transfer
         raise ConnectionResetError("fault injected: connection dropped")
 

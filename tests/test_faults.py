@@ -172,7 +172,7 @@ def test_malformed_rail_bytes_do_not_stop_the_target(make_engine: Callable[..., 
     snapshot = dst.copy()
     info = b.metadata()["transports"]["tcp"]
     rng = np.random.default_rng(0)
-    for i in range(50):
+    for _ in range(50):
         with socket.create_connection((info["host"], info["port"]), timeout=5) as s:
             s.sendall(rng.integers(0, 256, int(rng.integers(1, 4096)), dtype=np.uint8).tobytes())
     assert np.array_equal(dst, snapshot)

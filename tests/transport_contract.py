@@ -101,7 +101,7 @@ class TransportContract:
         slots = rng.sample(range(self.size // slot // 2), count)
         rslots = rng.sample(range(self.size // slot // 2), count)
         pairs, expect = [], []
-        for i, (ls, rs) in enumerate(zip(slots, rslots)):
+        for ls, rs in zip(slots, rslots, strict=True):
             n = rng.randint(1, slot // 2)  # destinations never overlap
             lo, ro = ls * slot, rs * slot + rng.randint(0, slot // 2)
             pairs.append((Descriptor(pair.src_seg, lo, n), Descriptor(pair.remote, ro, n)))

@@ -419,7 +419,7 @@ class Engine:
         except TransferError as exc:
             for seg in pinned:
                 seg.unpin()
-            raise exc.with_context(peer=peer.name, op=str(op))
+            raise exc.with_context(peer=peer.name, op=str(op)) from None
         xfer = _Transfer(handle, peer, op, extents, bytes(notify) if notify is not None else None,
                          list(peer.order), pinned)
         with self._lock:
@@ -456,6 +456,8 @@ class Engine:
             if segs_ok:
                 nums = np.array([(r[1], r[2], r[4], r[5]) for r in rows], dtype=np.int64)
                 lo, ll, ro, rl = nums.T
+                llen: int | np.ndarray
+                rlen: int | np.ndarray
                 if len(lsegs) == 1 and len(rsegs) == 1:
                     llen = next(iter(lsegs.values())).length
                     rlen = next(iter(rsegs.values())).length
@@ -466,7 +468,7 @@ class Engine:
                       & (ro + rl <= rlen))
                 if bool(ok.all()):
                     extents = [((r[0].id, r[1], r[2]), (r[3].id, r[4], r[5])) for r in rows]
-                    return extents, list(lsegs.values())
+                    return extents, [s for s in lsegs.values() if isinstance(s, Segment)]
         self._validate_each(op, peer, pairs)
         raise InvalidDescriptorError("descriptors failed validation", peer=peer.name,
                                      op=str(op))
@@ -535,7 +537,7 @@ class Engine:
             xfer.handle.transport = name
             xfer.remaining = len(works)
             xfer.error = None
-        self._post(xfer, [(rails[wr.rail], w) for wr, w in zip(plan.requests, works)])
+        self._post(xfer, [(rails[wr.rail], w) for wr, w in zip(plan.requests, works, strict=True)])
 
     def _views(self, extents: list[Span]) -> list[memoryview]:
         segments = self._segments
@@ -612,7 +614,7 @@ class Engine:
         with self._notes_cond:
             if not self._notes and timeout != 0:
                 self._notes_cond.wait_for(lambda: bool(self._notes) or self._closed, timeout)
-            out = []
+            out: list[Notification] = []
             while self._notes and (max_count is None or len(out) < max_count):
                 out.append(self._notes.popleft())
             return out

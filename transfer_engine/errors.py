@@ -147,7 +147,7 @@ def error_code(exc: BaseException) -> int:
     """The wire code a peer uses to report ``exc`` back to the initiator."""
     for cls in type(exc).__mro__:
         if cls in _CODES_BY_TYPE:
-            return _CODES_BY_TYPE[cls]  # type: ignore[index]
+            return _CODES_BY_TYPE[cls]
     return 6
 
 

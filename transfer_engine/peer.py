@@ -146,4 +146,5 @@ class Peer:
 
     def __repr__(self) -> str:
         rails = ",".join(f"{t}x{len(r)}" for t, r in self.rails.items())
-        return f"<Peer {self.name!r} via {self.transport} rails=[{rails}] segments={len(self._segments)}>"
+        return (f"<Peer {self.name!r} via {self.transport} rails=[{rails}] "
+                f"segments={len(self._segments)}>")

@@ -115,7 +115,8 @@ class Segment:
         self.writable = info.writable
         self.keys: dict[str, Any] = {}
         self._owner = info.owner
-        self._view = _view_at(info.address, info.length, info.writable) if info.device == "cpu" else None
+        self._view = (_view_at(info.address, info.length, info.writable)
+                      if info.device == "cpu" else None)
         self._cond = threading.Condition()
         self._pins = 0
         self._open = True

@@ -160,9 +160,10 @@ def encode_request(kind: int, work: Work | None, body: bytes = b"",
 
 
 def pack_error(exc: TransferError) -> bytes:
-    return msgpack.packb({"code": error_code(exc), "message": exc.message,
-                          "segment": exc.segment, "offset": exc.offset,
-                          "length": exc.length}, default=str)
+    data: bytes = msgpack.packb({"code": error_code(exc), "message": exc.message,
+                                 "segment": exc.segment, "offset": exc.offset,
+                                 "length": exc.length}, default=str)
+    return data
 
 
 def unpack_error(body: bytes, status: int, peer: str, op: str, transport: str) -> TransferError:
@@ -339,11 +340,11 @@ class StreamRail(Rail):
         # fail queued work, then wake the sender so that it ends
         while True:
             try:
-                work = self._queue.get_nowait()
+                queued = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if work is not None:
-                self._complete(work, error)
+            if queued is not None:
+                self._complete(queued, error)
         self._queue.put(None)
 
     def close(self) -> None:
@@ -537,11 +538,12 @@ class StreamServer:
             raise
         if len(segs) == 1:
             base = next(iter(segs.values())).view()
-            views = [base[o:o + n] for o, n in zip(offsets.tolist(), lengths.tolist())]
+            views = [base[o:o + n]
+                     for o, n in zip(offsets.tolist(), lengths.tolist(), strict=True)]
         else:
             bases = {i: seg.view() for i, seg in segs.items()}
             views = [bases[i][o:o + n] for i, o, n in zip(ids.tolist(), offsets.tolist(),
-                                                          lengths.tolist())]
+                                                          lengths.tolist(), strict=True)]
         return views
 
     def _answer(self, wr_id: int, exc: TransferError | None) -> list[Any]:

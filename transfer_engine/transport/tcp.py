@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from transfer_engine.descriptor import Op
 from transfer_engine.errors import ClosedError, ConnectError, TransferTimeout
 from transfer_engine.segment import Segment
 from transfer_engine.transport.base import Capabilities, Host, OnComplete, Rail, Transport, Work
@@ -34,7 +35,6 @@ from transfer_engine.transport.stream import (
     send_views,
     tune_socket,
 )
-from transfer_engine.descriptor import Op
 
 __all__ = ["TcpTransport"]
 
