@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Union
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from transfer_engine.segment import RemoteSegment, Segment
@@ -42,7 +42,7 @@ class Extent(NamedTuple):
 class Descriptor:
     """``length`` bytes at ``offset`` of ``segment`` (local or remote)."""
 
-    segment: Union[Segment, RemoteSegment]
+    segment: Segment | RemoteSegment
     offset: int
     length: int
 

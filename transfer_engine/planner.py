@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 
-
 __all__ = ["Pair", "WorkRequest", "Plan", "coalesce", "slice_pairs", "pack",
            "assign_rails", "plan_transfer"]
 
