@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,18 +39,36 @@ def _engine_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("te-") and t.is_alive()]
 
 
+def _open_fds() -> set[str]:
+    """Sockets, pipes and /dev/shm files this process holds open."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(("socket:", "pipe:", "/dev/shm", "anon_inode:[eventfd]")):
+            out.add(f"{fd}->{target}")
+    return out
+
+
 @pytest.fixture(autouse=True)
-def no_leaked_threads() -> Iterator[None]:
-    """Every engine thread a test started must be gone once its engines are closed."""
+def no_leaked_resources() -> Iterator[None]:
+    """Every engine thread, socket and pipe a test opened must be gone once its engines
+    are closed."""
     before = set(_engine_threads())
+    fds_before = _open_fds()
     yield
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        leaked = [t for t in _engine_threads() if t not in before]
-        if not leaked:
+    while True:
+        leaked = [t.name for t in _engine_threads() if t not in before]
+        fds = sorted(_open_fds() - fds_before)
+        if not leaked and not fds:
             return
+        if time.monotonic() > deadline:
+            break
         time.sleep(0.02)
-    pytest.fail(f"engine threads still alive after the test: {[t.name for t in leaked]}")
+    pytest.fail(f"left behind after the test: threads {leaked}, descriptors {fds}")
 
 
 @pytest.fixture
