@@ -1,0 +1,366 @@
+"""The verbs boundary of the RDMA transport: everything that touches pyverbs objects directly.
+
+It holds the lazy pyverbs import (``import_pyverbs``/``verbs``), the translation of
+pyverbs errors into ours (``translate``), the opened NIC (``Device``: context, protection
+domain, completion queue and its thread, queue-pair state changes, memory registration)
+and ``open_devices``. It is separate from ``rdma`` so that the transport's protocol,
+rail and failover logic reads apart from the verbs calls. pyverbs is still imported only
+when a transport is built, never by importing this module.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import select
+import threading
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from transfer_engine.errors import (
+    ConnectError,
+    NotSupportedError,
+    RegistrationError,
+    TransferError,
+)
+from transfer_engine.transport.rdma_plan import QpInfo
+
+if TYPE_CHECKING:
+    from transfer_engine.transport.rdma import _Inbound
+
+__all__ = ["PYVERBS_HINT", "Device", "import_pyverbs", "open_devices", "translate", "verbs"]
+
+# The transport's logger: records keep the name they had before this module was split out.
+log = logging.getLogger("transfer_engine.transport.rdma")
+
+PYVERBS_HINT = ("install rdma-core's Python bindings: `apt-get install python3-pyverbs "
+                "rdma-core ibverbs-providers` (Debian/Ubuntu) or `dnf install "
+                "python3-pyverbs` (Fedora/RHEL); in a virtualenv, make the system "
+                "dist-packages folder visible with a .pth file (see docs/rdma.md)")
+
+_VERBS: Any = None
+_CHANNEL_LOCK = threading.Lock()
+
+
+def import_pyverbs() -> Any:
+    """Imports pyverbs once; ``NotSupportedError`` says what is missing and how to get it."""
+    global _VERBS
+    if _VERBS is not None:
+        return _VERBS
+    try:
+        import pyverbs.addr as addr
+        import pyverbs.cq as cq
+        import pyverbs.device as device
+        import pyverbs.enums as enums
+        import pyverbs.mr as mr
+        import pyverbs.pd as pd
+        import pyverbs.qp as qp
+        import pyverbs.wr as wr
+        from pyverbs.pyverbs_error import PyverbsError
+    except ImportError as exc:
+        raise NotSupportedError(f"no RDMA: pyverbs is not importable ({exc}); "
+                                f"{PYVERBS_HINT}", transport="rdma") from exc
+    _VERBS = types.SimpleNamespace(
+        e=enums, Error=PyverbsError, Context=device.Context,
+        get_device_list=device.get_device_list, PD=pd.PD, MR=mr.MR,
+        DmaBufMR=getattr(mr, "DmaBufMR", None), CQ=cq.CQ, CompChannel=cq.CompChannel,
+        QP=qp.QP, QPInitAttr=qp.QPInitAttr, QPAttr=qp.QPAttr, QPCap=qp.QPCap,
+        AHAttr=addr.AHAttr, GlobalRoute=addr.GlobalRoute, GID=addr.GID, SGE=wr.SGE,
+        SendWR=wr.SendWR, RecvWR=wr.RecvWR)
+    return _VERBS
+
+
+def verbs() -> Any:
+    return _VERBS if _VERBS is not None else import_pyverbs()
+
+
+def _describe(exc: BaseException) -> str:
+    code = getattr(exc, "error_code", 0) or 0
+    return f"{exc} (errno {code}: {os.strerror(code)})" if code > 0 else str(exc)
+
+
+@contextmanager
+def translate(cls: type[TransferError], what: str, **ctx: Any) -> Iterator[None]:
+    """The one place pyverbs errors become ours (errno in the message)."""
+    try:
+        yield
+    except verbs().Error as exc:
+        raise cls(f"{what} failed: {_describe(exc)}", transport="rdma", **ctx) from exc
+
+
+def _new_channel_fd(make: Any) -> tuple[Any, int | None]:
+    """Creates a completion channel and finds its descriptor, which pyverbs hides: the
+    one new ``anon_inode:[infinibandevent]`` in /proc/self/fd. None if ambiguous."""
+    def events() -> set[int]:
+        out = set()
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                if "infinibandevent" in os.readlink(f"/proc/self/fd/{name}"):
+                    out.add(int(name))
+            except OSError:
+                continue
+        return out
+    with _CHANNEL_LOCK:
+        before = events()
+        channel = make()
+        new = events() - before
+    return channel, (new.pop() if len(new) == 1 else None)
+
+
+class Device:
+    """One opened NIC: context, protection domain, one CQ with its completion channel,
+    and the thread that reads completions."""
+
+    def __init__(self, name: str, *, gid_index: int | None, cq_depth: int,
+                 relaxed_ordering: bool, on_wc: Any, poll_interval: float) -> None:
+        v = verbs()
+        self.name = name
+        with translate(NotSupportedError, f"opening RDMA device {name}"):
+            self.ctx = v.Context(name=name)
+            attr = self.ctx.query_device()
+            self.port, port = self._active_port(attr.phys_port_cnt)
+            self.lid = port.lid
+            self.mtu = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}.get(port.active_mtu, 1024)
+            self.max_msg_size = int(port.max_msg_sz) or (1 << 30)
+            self.gid_index = self._gid_index(port, gid_index)
+            self.gid = str(self.ctx.query_gid(self.port, self.gid_index))
+            self.pd = v.PD(self.ctx)
+            self.channel, self._chan_fd = _new_channel_fd(lambda: v.CompChannel(self.ctx))
+            self.cq = v.CQ(self.ctx, min(cq_depth, attr.max_cqe), None, self.channel, 0)
+        self.max_sge = max(1, min(attr.max_sge, 30))
+        self.max_sge_rd = max(1, min(getattr(attr, "max_sge_rd", 0) or attr.max_sge, 30))
+        self.max_rd_atomic = max(1, min(attr.max_qp_rd_atom, 16))
+        self.link_rate_gbps = 0.0  # filled from topology by the transport
+        self._relaxed = relaxed_ordering and hasattr(v.e, "IBV_ACCESS_RELAXED_ORDERING")
+        self._on_wc, self._interval = on_wc, poll_interval
+        self._inbound: dict[int, _Inbound] = {}
+        self._calls: collections.deque[tuple[Any, tuple[Any, ...]]] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        self._stopping = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=f"te-rdma-cq-{name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _active_port(self, count: int) -> tuple[int, Any]:
+        v = verbs()
+        for num in range(1, count + 1):
+            port = self.ctx.query_port(num)
+            if port.state == v.e.IBV_PORT_ACTIVE:
+                return num, port
+        raise NotSupportedError(f"no RDMA device: {self.name} has no ACTIVE port "
+                                "(check `ibv_devinfo`, cabling and the subnet manager)",
+                                transport="rdma")
+
+    def _gid_index(self, port: Any, wanted: int | None) -> int:
+        """RoCE needs a RoCE v2 GID (IPv4-mapped preferred); IB works with index 0."""
+        v = verbs()
+        if wanted is not None:
+            return wanted
+        if port.link_layer != v.e.IBV_LINK_LAYER_ETHERNET:
+            return 0
+        best = None
+        for i in range(port.gid_tbl_len):
+            try:
+                gid = str(self.ctx.query_gid(self.port, i))
+                kind = self.ctx.query_gid_type(self.port, i)
+            except v.Error:
+                continue
+            if gid.replace(":", "").strip("0") == "" or kind != v.e.IBV_GID_TYPE_ROCE_V2:
+                continue
+            if gid.startswith("0000:0000:0000:0000:0000:ffff"):
+                return i
+            best = i if best is None else best
+        return best if best is not None else 0
+
+    # QPs and memory
+
+    def create_qp(self, *, send_wr: int, recv_wr: int, send_sge: int) -> Any:
+        v = verbs()
+        cap = v.QPCap(max_send_wr=send_wr, max_recv_wr=recv_wr, max_send_sge=send_sge,
+                      max_recv_sge=1)
+        init = v.QPInitAttr(qp_type=v.e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap,
+                            sq_sig_all=0)
+        with translate(ConnectError, f"creating a queue pair on {self.name}"):
+            qp = v.QP(self.pd, init)
+            attr = v.QPAttr(qp_state=v.e.IBV_QPS_INIT)
+            attr.port_num, attr.pkey_index = self.port, 0
+            attr.qp_access_flags = (v.e.IBV_ACCESS_LOCAL_WRITE | v.e.IBV_ACCESS_REMOTE_WRITE
+                                    | v.e.IBV_ACCESS_REMOTE_READ)
+            qp.to_init(attr)
+        return qp
+
+    def qp_info(self, qp: Any, psn: int) -> QpInfo:
+        return QpInfo(qp.qp_num, self.lid, self.gid, self.gid_index, psn, self.mtu,
+                      self.name, self.port)
+
+    def connect_qp(self, qp: Any, psn: int, theirs: QpInfo, mtu: int,
+                   peer: str | None = None) -> None:
+        """INIT -> RTR -> RTS against the peer's QP."""
+        v = verbs()
+        gr = v.GlobalRoute(dgid=v.GID(theirs.gid), sgid_index=self.gid_index)
+        is_global = 1 if theirs.gid.replace(":", "").strip("0") else 0
+        with translate(ConnectError, f"connecting queue pair on {self.name}", peer=peer,
+                       op="connect"):
+            attr = v.QPAttr(qp_state=v.e.IBV_QPS_RTR)
+            attr.path_mtu = {256: 1, 512: 2, 1024: 3, 2048: 4, 4096: 5}[mtu]
+            attr.dest_qp_num, attr.rq_psn = theirs.qp_num, theirs.psn
+            attr.max_dest_rd_atomic, attr.min_rnr_timer = self.max_rd_atomic, 12
+            attr.ah_attr = v.AHAttr(dlid=theirs.lid, is_global=is_global,
+                                    port_num=self.port, gr=gr if is_global else None)
+            qp.to_rtr(attr)
+            attr = v.QPAttr(qp_state=v.e.IBV_QPS_RTS)
+            attr.sq_psn, attr.timeout, attr.retry_cnt = psn, 14, 7
+            attr.rnr_retry, attr.max_rd_atomic = 7, self.max_rd_atomic
+            qp.to_rts(attr)
+
+    def alloc_mr(self, length: int) -> Any:
+        """A buffer pyverbs allocates and registers (receive and notify slots)."""
+        v = verbs()
+        with translate(RegistrationError, f"allocating a {length}-byte buffer"):
+            return v.MR(self.pd, length, v.e.IBV_ACCESS_LOCAL_WRITE)
+
+    def register(self, address: int, length: int, device: str, *, writable: bool,
+                 segment: str) -> tuple[Any, int]:
+        """Registers memory; returns (MR, base address the NIC uses for byte 0).
+
+        GPU memory: dma-buf first (iova = offset in the dma-buf), else the
+        nvidia-peermem path (a plain registration of the device pointer).
+        """
+        v = verbs()
+        access = (v.e.IBV_ACCESS_LOCAL_WRITE | v.e.IBV_ACCESS_REMOTE_WRITE
+                  | v.e.IBV_ACCESS_REMOTE_READ) if writable else v.e.IBV_ACCESS_REMOTE_READ
+        if self._relaxed:
+            access |= v.e.IBV_ACCESS_RELAXED_ORDERING
+        ctx = {"segment": segment, "length": length}
+        if device.startswith("cuda") and v.DmaBufMR is not None:
+            from transfer_engine import gpu  # lazy: needs CUDA
+
+            try:
+                fd, offset = gpu.dmabuf_fd(address, length)
+            except NotSupportedError as exc:
+                log.info("no dma-buf for %s (%s); trying peer memory", segment, exc)
+            else:
+                try:
+                    with translate(RegistrationError, f"dma-buf registration on {self.name}",
+                                   **ctx):
+                        return v.DmaBufMR(self.pd, length, access, dmabuf=fd,
+                                          offset=offset), offset
+                except RegistrationError as exc:
+                    log.info("%s; trying peer memory", exc)
+                finally:
+                    os.close(fd)  # the MR holds its own reference to the dma-buf
+        with translate(RegistrationError, f"memory registration on {self.name}"
+                       + (" (GPU memory needs nvidia-peermem or dma-buf)"
+                          if device.startswith("cuda") else ""), **ctx):
+            return v.MR(self.pd, length, access, address=address), address
+
+    # inbound QPs, deferred calls, completions
+
+    def add_inbound(self, conn: _Inbound) -> None:
+        self._inbound[conn.key] = conn
+
+    def remove_inbound(self, conn: _Inbound) -> None:
+        self._inbound.pop(conn.key, None)
+
+    def inbound(self, key: int) -> _Inbound | None:
+        return self._inbound.get(key)
+
+    def call_soon(self, fn: Any, *args: Any) -> None:
+        """Runs ``fn`` on the completion thread (callbacks never run on a caller's)."""
+        self._calls.append((fn, args))
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def _loop(self) -> None:
+        v = verbs()
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        if self._chan_fd is not None:
+            poller.register(self._chan_fd, select.POLLIN)
+        # Without the channel's descriptor we sleep 1 ms between polls: bounded CPU.
+        timeout = int(self._interval * 1000) if self._chan_fd is not None else 1
+        self.cq.req_notify()
+        while not self._stopping:
+            try:
+                self._drain()
+                while self._calls:
+                    fn, args = self._calls.popleft()
+                    fn(*args)
+                for fd, _ in poller.poll(timeout):
+                    if fd == self._wake_r:
+                        os.read(self._wake_r, 4096)
+                    else:  # readable: get_cq_event will not block (it holds the GIL)
+                        self.channel.get_cq_event(self.cq)
+                        self.cq.ack_events(1)
+                        self.cq.req_notify()
+            except v.Error as exc:
+                log.error("rdma completion thread of %s: %s", self.name, _describe(exc))
+            except Exception:
+                log.exception("rdma completion callback failed")
+
+    def _drain(self) -> None:
+        while True:
+            count, wcs = self.cq.poll(32)
+            for wc in wcs:
+                self._on_wc(self, wc)
+            if count < 32:
+                return
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.call_soon(lambda: None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.stop()
+        for obj in (self.cq, self.channel, self.pd, self.ctx):
+            try:
+                obj.close()
+            except verbs().Error as exc:
+                log.warning("closing %s on %s: %s", type(obj).__name__, self.name, exc)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+
+def open_devices(names: list[str] | None, **kwargs: Any) -> list[Device]:
+    """Opens the named NICs (every one with an active port when None)."""
+    v = verbs()
+    try:
+        found = [d.name.decode() if isinstance(d.name, bytes) else str(d.name)
+                 for d in v.get_device_list()]
+    except v.Error as exc:
+        raise NotSupportedError(f"no RDMA device: {_describe(exc)} (no RDMA NIC or "
+                                "driver; `ibv_devices` lists them)",
+                                transport="rdma") from exc
+    if not found:
+        raise NotSupportedError("no RDMA device: the device list is empty",
+                                transport="rdma")
+    missing = [n for n in names or [] if n not in found]
+    if missing:
+        raise NotSupportedError(f"no RDMA device named {missing}; found {found}",
+                                transport="rdma")
+    devices: list[Device] = []
+    errors = []
+    for name in names or found:
+        try:
+            devices.append(Device(name, **kwargs))
+        except NotSupportedError as exc:
+            if names:  # asked for by name: its failure is the caller's to see
+                for dev in devices:
+                    dev.close()
+                raise
+            errors.append(str(exc))
+    if not devices:
+        raise NotSupportedError(f"no usable RDMA device: {'; '.join(errors)}",
+                                transport="rdma")
+    return devices
