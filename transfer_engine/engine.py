@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import threading
+import uuid
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
@@ -30,18 +31,26 @@ from typing import Any
 import numpy as np
 import zmq
 
+from transfer_engine.control.auth import AuthConfig, open_request, seal
 from transfer_engine.control.messages import (
+    Denied,
     ErrorReply,
     Hello,
     Message,
     SegmentsReply,
     SegmentsRequest,
     Welcome,
-    decode,
-    encode,
+)
+from transfer_engine.control.metastore import (
+    EventKind,
+    MemberEvent,
+    MemberRecord,
+    MetadataStore,
+    RegistryStore,
 )
 from transfer_engine.descriptor import Descriptor, Op
 from transfer_engine.errors import (
+    AuthenticationError,
     ClosedError,
     ConnectError,
     InvalidDescriptorError,
@@ -99,11 +108,24 @@ class Engine:
         (missing library or device) is skipped with a log line; built ones are used as
         given.
     :param timeout: seconds for handshakes and control requests.
+    :param registry: membership to join: a registry endpoint (``tcp://host:port``, see
+        :mod:`transfer_engine.control.registry`) or any
+        :class:`~transfer_engine.control.metastore.MetadataStore` (not closed by the
+        engine). ``None``: peer-to-peer only (``connect`` with endpoints).
+    :param role: ``prefill``, ``decode``, ``store`` or ``any``, published to the registry.
+    :param pod: placement labels published to the registry.
+    :param zone: placement labels published to the registry.
+    :param auth: signing of control messages (handshake and registry): an
+        :class:`~transfer_engine.control.auth.AuthConfig`, or the shared secret itself
+        (``str``/``bytes``, at least 16 bytes). Default: ``AuthConfig.from_env()``
+        (``$TE_CONTROL_SECRET``), unsigned when that is unset.
     """
 
     def __init__(self, name: str, *, host: str = "127.0.0.1", port: int = 0,
                  transports: Sequence[str | Transport] | None = None,
-                 timeout: float = 10.0) -> None:
+                 timeout: float = 10.0, registry: str | MetadataStore | None = None,
+                 role: str = "any", pod: str = "", zone: str = "",
+                 auth: AuthConfig | str | bytes | None = None) -> None:
         self.name = name
         self.host = host
         self.timeout = timeout
@@ -123,9 +145,17 @@ class Engine:
         self._notes_cond = threading.Condition(self._lock)
         self._callbacks: list[Callable[[Notification], None]] = []
         self.stats = collections.Counter[str]()
+        self.incarnation = uuid.uuid4().hex[:16]
+        self.role, self.pod, self.zone = role, pod, zone
+        if not isinstance(auth, AuthConfig):
+            auth = AuthConfig(secret=auth) if auth is not None else AuthConfig.from_env()
+        self._signer = auth.signer()
+        self.membership: MetadataStore | None = None
         try:
             self._start_control(host, port)
             self._transports = self._start_transports(transports)
+            if registry is not None:
+                self._join(registry, auth)
         except BaseException:
             self._stack.close()
             raise
@@ -219,6 +249,7 @@ class Engine:
             segments = [s.to_wire() for s in self._segments.values() if not s.closed]
         return {"name": self.name, "host_id": self.host_id, "hostname": socket.gethostname(),
                 "pid": os.getpid(), "control": self.endpoint,
+                "incarnation": self.incarnation,
                 "transports": dict(self._transport_info), "segments": segments}
 
     def _control_loop(self) -> None:
@@ -235,10 +266,23 @@ class Engine:
                 continue
             if len(frames) != 2:
                 self.stats["control_rejected"] += 1
+                if len(frames) > 2:  # answer, so that the sender's next request pairs up
+                    try:
+                        self._router.send_multipart(
+                            [frames[0], seal(ErrorReply("expected a single-frame message"),
+                                             self._signer)], zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass
                 continue
             ident, data = frames
+            signed = True
             try:
-                reply = self._handle_control(decode(data, peer="?"))
+                reply = self._handle_control(open_request(data, self._signer, peer="?"))
+            except AuthenticationError as exc:
+                self.stats["control_rejected"] += 1
+                self.stats["control_denied"] += 1
+                log.warning("control message refused: %s", exc)
+                reply, signed = Denied(exc.message), False
             except TransferError as exc:
                 self.stats["control_rejected"] += 1
                 log.warning("control message rejected: %s", exc)
@@ -247,7 +291,8 @@ class Engine:
                 log.exception("control message failed")
                 reply = ErrorReply(f"internal error: {exc!r}")
             try:
-                self._router.send_multipart([ident, encode(reply)], zmq.NOBLOCK)
+                self._router.send_multipart(
+                    [ident, seal(reply, self._signer if signed else None)], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
 
@@ -296,6 +341,7 @@ class Engine:
             self._segments[seg_id] = seg
             self._segment_names[name] = seg
             self._stack.callback(seg.close)
+        self._publish()
         return seg
 
     def _deregister(self, seg: Segment) -> None:
@@ -304,6 +350,7 @@ class Engine:
             self._segment_names.pop(seg.name, None)
         for transport in self._transports.values():
             transport.deregister(seg)
+        self._publish()
 
     @property
     def segments(self) -> dict[str, Segment]:
@@ -313,11 +360,14 @@ class Engine:
     # --- peers ------------------------------------------------------------------------
 
     def connect(self, address: str, timeout: float | None = None) -> Peer:
-        """Handshakes with the engine at ``address`` (its ``endpoint``) and opens rails on
-        every transport both sides share, best first. Returns the :class:`Peer`."""
+        """Handshakes with the engine at ``address`` (its ``endpoint``, or with a
+        registry, its member name) and opens rails on every transport both sides share,
+        best first. Returns the :class:`Peer`."""
         self._check_open("connect")
         timeout = self.timeout if timeout is None else timeout
-        client = ControlClient(self._zctx, address, peer=address)
+        if "://" not in address:
+            return self.connect_name(address, timeout)
+        client = ControlClient(self._zctx, address, peer=address, auth=self._signer)
         try:
             reply = client.request(Hello(self.metadata()), timeout)
             if not isinstance(reply, Welcome):
@@ -367,6 +417,103 @@ class Engine:
             raise ConnectError(f"no common transport ({'; '.join(errors) or 'none shared'})",
                                peer=peer.name, op="connect")
 
+    # --- membership (registry) --------------------------------------------------------
+
+    def _member_record(self) -> MemberRecord:
+        meta = self.metadata()
+        rdma = self._transports.get("rdma")
+        nics = list(rdma.info("devices") or []) if rdma is not None else []
+        return MemberRecord(self.name, self.incarnation, self.role, meta["hostname"],
+                            self.pod, self.zone, self.endpoint, meta["transports"], nics,
+                            meta["segments"])
+
+    def _join(self, registry: str | MetadataStore, auth: AuthConfig) -> None:
+        if isinstance(registry, str):
+            store: MetadataStore = RegistryStore(registry, auth=auth, timeout=self.timeout,
+                                                 name=self.name)
+            self._stack.callback(store.close)
+        else:
+            store = registry
+        store.put(self._member_record(), self.timeout)
+        self._stack.callback(self._leave, store)
+        self._stack.callback(store.watch(self._on_member_event).close)
+        self.membership = store
+
+    def _leave(self, store: MetadataStore) -> None:
+        try:
+            store.delete(self.name, min(self.timeout, 2.0))
+        except TransferEngineError as exc:
+            log.info("leaving the registry: %s", exc)
+
+    def _publish(self) -> None:
+        """Sends our current record (segments changed) to the registry, without waiting."""
+        store = self.membership
+        if store is None or self._closed:
+            return
+        client = getattr(store, "client", None)
+        if client is not None:
+            client.update(self._member_record())
+            return
+        try:
+            store.put(self._member_record(), self.timeout)
+        except TransferEngineError as exc:
+            log.info("publishing our record: %s", exc)
+
+    def _on_member_event(self, event: MemberEvent) -> None:
+        if event.name == self.name or self._closed:
+            return
+        with self._lock:
+            peer = self._peers.get(event.name)
+        if peer is None or peer.lost is not None:
+            return
+        if event.kind in (EventKind.LEAVE, EventKind.EXPIRE):
+            self.peer_lost(event.name, f"registry: {event.kind.value} ({event.reason})")
+        elif (event.kind is EventKind.JOIN and event.record is not None
+              and peer.meta.get("incarnation") not in (None, event.record.incarnation)):
+            self.peer_lost(event.name, "registry: restarted with a new incarnation")
+
+    def connect_name(self, name: str, timeout: float | None = None) -> Peer:
+        """Looks ``name`` up in the registry and connects to its control endpoint."""
+        self._check_open("connect")
+        if self.membership is None:
+            raise UnknownPeerError("not an endpoint, and no registry to resolve a name",
+                                   peer=name, op="connect")
+        record = self.membership.get(name, self.timeout if timeout is None else timeout)
+        return self.connect(record.control, timeout)
+
+    def members(self, role: str | None = None) -> list[MemberRecord]:
+        """Current registry members (all, or of one role); [] without a registry."""
+        if self.membership is None:
+            return []
+        return self.membership.list(role, self.timeout)
+
+    def peer_lost(self, name: str, reason: str = "peer lost") -> int:
+        """Declares peer ``name`` gone (the registry calls this on leave or expiry).
+
+        Its in-flight transfers fail at once with :class:`PeerLostError` (no fallback:
+        every path to a lost peer is gone), its rails and control client close, and new
+        transfers to it raise ``PeerLostError`` until :meth:`connect` succeeds again.
+        Returns how many transfers were failed; unknown names are ignored.
+        """
+        with self._lock:
+            peer = self._peers.get(name)
+            if peer is None or self._closed:
+                return 0
+            live = [x for x in self._live.values() if x.peer is peer]
+        failed = 0
+        for xfer in live:
+            with xfer.lock:
+                del xfer.transports[1:]
+                if xfer.remaining > 0:
+                    xfer.error = xfer.error or PeerLostError(
+                        f"peer lost: {reason}", peer=name, op=str(xfer.op),
+                        transport=xfer.transports[0] if xfer.transports else None)
+                    failed += 1
+        self.stats["peers_lost"] += 1
+        log.warning("peer %s lost (%s): failing %d transfers", name, reason, failed)
+        peer.fail(reason)  # closing rails completes their pending work with our error
+        return failed
+
     def peer(self, name: str) -> Peer:
         with self._lock:
             peer = self._peers.get(name)
@@ -402,6 +549,9 @@ class Engine:
                 notify: bytes | None) -> TransferHandle:
         self._check_open(str(op))
         peer = self.peer(peer_ref if isinstance(peer_ref, str) else peer_ref.name)
+        if peer.lost is not None:
+            raise PeerLostError(f"peer lost: {peer.lost}", peer=peer.name, op=str(op))
+        peer.reprobe()
         if peer.order == [] or peer.transport is None:
             raise PeerLostError("peer has no open rails", peer=peer.name, op=str(op))
         if notify is not None and (not isinstance(notify, bytes | bytearray)

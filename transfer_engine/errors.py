@@ -18,6 +18,7 @@ __all__ = [
     "RegistrationError",
     "ConnectError",
     "ProtocolError",
+    "AuthenticationError",
     "TransferTimeout",
     "PeerLostError",
     "ClosedError",
@@ -101,6 +102,11 @@ class ConnectError(TransferError):
 
 class ProtocolError(TransferError):
     """A message was malformed, of an unknown kind or version, or too large."""
+
+
+class AuthenticationError(ProtocolError):
+    """A control message was unsigned, signed with another secret, stale or replayed; or
+    the other side refused ours. Nothing was acted upon."""
 
 
 class TransferTimeout(TransferError):

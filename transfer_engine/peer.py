@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from transfer_engine.control.auth import Signer, open_reply, seal
 from transfer_engine.control.messages import (
     ErrorReply,
     Message,
     SegmentsReply,
     SegmentsRequest,
-    decode,
-    encode,
 )
 from transfer_engine.errors import (
     ClosedError,
@@ -22,6 +22,7 @@ from transfer_engine.errors import (
     RemoteError,
     TransferTimeout,
 )
+from transfer_engine.health import PeerHealth
 from transfer_engine.segment import RemoteSegment
 
 if TYPE_CHECKING:
@@ -31,11 +32,16 @@ __all__ = ["Peer", "ControlClient"]
 
 
 class ControlClient:
-    """A DEALER socket to a peer's control endpoint; one request at a time."""
+    """A DEALER socket to a peer's control endpoint; one request at a time. With
+    ``auth`` every request is signed and every reply must be (``AuthenticationError``
+    otherwise, naming the side that lacks or mismatches the secret)."""
 
-    def __init__(self, zctx: zmq.Context[Any], address: str, peer: str) -> None:
+    def __init__(self, zctx: zmq.Context[Any], address: str, peer: str,
+                 auth: Signer | None = None) -> None:
         self.address = address
         self.peer = peer
+        self.rtt: float | None = None  # seconds, last round trip
+        self._signer = auth
         self._lock = threading.Lock()
         self._sock = self._open(zctx)
         self._closed = False
@@ -52,13 +58,16 @@ class ControlClient:
         with self._lock:
             if self._closed:
                 raise ClosedError("control client is closed", peer=self.peer)
-            self._sock.send(encode(msg))
+            started = time.monotonic()
+            self._sock.send(seal(msg, self._signer))
             if not self._sock.poll(int(timeout * 1000), zmq.POLLIN):
                 # The late answer would pair with the next request: start afresh.
                 self._reset()
                 raise TransferTimeout(f"no answer from {self.address} in {timeout}s",
                                       peer=self.peer, op=msg.kind)
-            reply = decode(self._sock.recv(), peer=self.peer)
+            frame = self._sock.recv()
+            self.rtt = time.monotonic() - started
+        reply = open_reply(frame, self._signer, peer=self.peer, op=msg.kind)
         if isinstance(reply, ErrorReply):
             raise RemoteError(f"peer refused {msg.kind}: {reply.message}", peer=self.peer,
                               op=msg.kind)
@@ -86,6 +95,8 @@ class Peer:
         self.rails: dict[str, list[Rail]] = {}
         self.order: list[str] = []  # transports in preference order, best first
         self.failures: dict[str, int] = {}
+        self.health = PeerHealth([])  # filled as rails open (order.append)
+        self.lost: str | None = None  # why the peer was declared lost (Engine.peer_lost)
         self._client = client
         self._timeout = timeout
         self._segments: dict[str, RemoteSegment] = {}
@@ -129,11 +140,38 @@ class Peer:
         return seg
 
     def demote(self, transport: str) -> None:
-        """Moves ``transport`` behind the others after it failed."""
+        """Moves ``transport`` behind the others after it failed (a transfer failed over);
+        it is re-probed later (:meth:`reprobe`)."""
         self.failures[transport] = self.failures.get(transport, 0) + 1
+        self.health.add(transport)
+        self.health.record_failure(transport, force=True)
         if transport in self.order and len(self.order) > 1:
             self.order.remove(transport)
             self.order.append(transport)
+
+    def reprobe(self) -> list[str]:
+        """Moves demoted transports whose re-probe delay has passed back to the front, so
+        that the next transfer tries them (a failure demotes them again, for twice as
+        long). Transports whose rails are closed stay behind. Returns those moved."""
+        moved = []
+        for name in self.health.due():
+            rails = self.rails.get(name) or []
+            if not rails or any(rail.closed for rail in rails) or name not in self.order:
+                self.health.record_failure(name)  # stays demoted, longer
+                continue
+            moved.append(name)
+        if moved:
+            rest = [t for t in self.order if t not in moved]
+            self.order[:] = [t for t in self.health.order() if t in moved] + rest
+        return moved
+
+    def fail(self, reason: str) -> None:
+        """Marks the peer lost: no transport is offered any more and its rails close
+        (their pending work completes with an error). Idempotent."""
+        if self.lost is None:
+            self.lost = reason
+        self.order.clear()
+        self.close()
 
     def close(self) -> None:
         if self._closed:

@@ -6,6 +6,9 @@ the peer for anything else, so a malformed message never reaches engine code.
 
 Protocol versions:
     1: hello/welcome handshake with engine metadata; segment queries; errors.
+    2: registry kinds (register, heartbeat, leave, lookup, list, watch and their
+       replies), ``denied`` for failed authentication, a size limit per kind
+       (``Message.max_bytes``); v1 kinds unchanged. Peers must speak the same version.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ import msgpack
 from transfer_engine.errors import ProtocolError
 
 __all__ = ["PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "Message", "Hello", "Welcome",
-           "SegmentsRequest", "SegmentsReply", "ErrorReply", "encode", "decode", "message"]
+           "SegmentsRequest", "SegmentsReply", "ErrorReply", "Denied", "Register",
+           "Registered", "Heartbeat", "HeartbeatAck", "Leave", "Lookup", "ListMembers",
+           "Members", "Watch", "Events", "Ack", "encode", "decode", "message"]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 4 << 20
 
 _KINDS: dict[str, type[Message]] = {}
@@ -30,6 +35,7 @@ _KINDS: dict[str, type[Message]] = {}
 @dataclass(frozen=True, slots=True)
 class Message:
     kind: ClassVar[str] = ""
+    max_bytes: ClassVar[int] = MAX_MESSAGE_BYTES  # encoded size limit of this kind
 
 
 _M = TypeVar("_M", bound=type[Message])
@@ -82,11 +88,162 @@ class ErrorReply(Message):
     message: str = ""
 
 
+@message
+@dataclass(frozen=True, slots=True)
+class Denied(Message):
+    """Reply to a message that failed authentication (sent unsigned: the sender may not
+    hold our secret). The client reports it as ``AuthenticationError``."""
+
+    kind: ClassVar[str] = "denied"
+    max_bytes: ClassVar[int] = 4096
+    reason: str = ""
+
+
+# --- registry (v2) --------------------------------------------------------------------
+
+SMALL = 4096  # limit of the fixed-size registry kinds
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Register(Message):
+    """Member -> registry: join, or update our record (same ``incarnation``).
+
+    ``incarnation`` is random per member start; a heartbeat names it, so the registry
+    can tell a restarted member from a live one."""
+
+    kind: ClassVar[str] = "register"
+    max_bytes: ClassVar[int] = 1 << 20
+    name: str = ""
+    incarnation: str = ""
+    role: str = ""  # prefill | decode | store | any
+    host: str = ""
+    pod: str = ""
+    zone: str = ""
+    control: str = ""  # the member's control endpoint (peer-to-peer handshake)
+    transports: dict[str, Any] = field(default_factory=dict)  # name -> endpoint info
+    nics: list[Any] = field(default_factory=list)
+    segments: list[Any] = field(default_factory=list)
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Registered(Message):
+    """Registry -> member: accepted; heartbeat every ``interval`` seconds, dropped after
+    ``max_missed`` silent intervals."""
+
+    kind: ClassVar[str] = "registered"
+    max_bytes: ClassVar[int] = SMALL
+    epoch: str = ""  # random per registry start
+    interval: float = 1.0
+    max_missed: int = 3
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Heartbeat(Message):
+    kind: ClassVar[str] = "heartbeat"
+    max_bytes: ClassVar[int] = SMALL
+    name: str = ""
+    incarnation: str = ""
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class HeartbeatAck(Message):
+    """``known`` False: the registry lost or dropped us (restart, expiry): re-register."""
+
+    kind: ClassVar[str] = "heartbeat!"
+    max_bytes: ClassVar[int] = SMALL
+    known: bool = True
+    epoch: str = ""
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Leave(Message):
+    kind: ClassVar[str] = "leave"
+    max_bytes: ClassVar[int] = SMALL
+    name: str = ""
+    incarnation: str = ""
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Lookup(Message):
+    kind: ClassVar[str] = "lookup"
+    max_bytes: ClassVar[int] = SMALL
+    name: str = ""
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class ListMembers(Message):
+    """``role`` empty: every member."""
+
+    kind: ClassVar[str] = "list"
+    max_bytes: ClassVar[int] = SMALL
+    role: str = ""
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Members(Message):
+    """Reply to lookup (one record) and list: member records as ``Register`` bodies."""
+
+    kind: ClassVar[str] = "members"
+    members: list[dict[str, Any]] = field(default_factory=list)
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Watch(Message):
+    """Long poll: answered as soon as events after ``since`` exist in ``epoch``, or after
+    ``wait`` seconds with none. A different epoch, or ``since`` < 0, gets a snapshot."""
+
+    kind: ClassVar[str] = "watch"
+    max_bytes: ClassVar[int] = SMALL
+    epoch: str = ""
+    since: int = -1
+    wait: float = 1.0
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Events(Message):
+    """Events ``{"seq", "type": join|update|leave|expire|resync, "name", "member",
+    "reason"}`` after the watched seq; with ``snapshot`` the full member list instead.
+    ``complete`` False: the registry restarted recently and is still relearning its
+    members from their heartbeats, so absence from the snapshot means nothing yet."""
+
+    kind: ClassVar[str] = "events"
+    epoch: str = ""
+    seq: int = 0
+    events: list[dict[str, Any]] = field(default_factory=list)
+    snapshot: bool = False
+    members: list[dict[str, Any]] = field(default_factory=list)
+    complete: bool = True
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Ack(Message):
+    kind: ClassVar[str] = "ack"
+    max_bytes: ClassVar[int] = SMALL
+
+
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "str": str, "int": int, "float": (int, float), "bool": bool,
+    "dict[str, Any]": dict, "list[dict[str, Any]]": list, "list[Any]": list,
+}
+
+
 def encode(msg: Message) -> bytes:
     body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
     data: bytes = msgpack.packb({"v": PROTOCOL_VERSION, "kind": msg.kind, "body": body})
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"{msg.kind} message of {len(data)} bytes exceeds the limit")
+    if len(data) > msg.max_bytes:
+        raise ProtocolError(f"{msg.kind} message of {len(data)} bytes exceeds its limit of "
+                            f"{msg.max_bytes}")
     return data
 
 
@@ -107,6 +264,9 @@ def decode(data: bytes, peer: str | None = None) -> Message:
     cls = _KINDS.get(raw.get("kind"))  # type: ignore[arg-type]
     if cls is None:
         raise ProtocolError(f"unknown message kind {raw.get('kind')!r}", peer=peer)
+    if len(data) > cls.max_bytes:
+        raise ProtocolError(f"{cls.kind} message of {len(data)} bytes exceeds its limit of "
+                            f"{cls.max_bytes}", peer=peer)
     body = raw.get("body")
     if not isinstance(body, dict):
         raise ProtocolError(f"{cls.kind}: body is not a map", peer=peer)
@@ -115,9 +275,8 @@ def decode(data: bytes, peer: str | None = None) -> Message:
         if f.name not in body:
             raise ProtocolError(f"{cls.kind}: missing field {f.name!r}", peer=peer)
         value = body[f.name]
-        expected = {"str": str, "dict[str, Any]": dict, "list[dict[str, Any]]": list}.get(
-            str(f.type), object)
-        if not isinstance(value, expected):
+        expected = _FIELD_TYPES.get(str(f.type), object)
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             raise ProtocolError(f"{cls.kind}: field {f.name!r} has type "
                                 f"{type(value).__name__}", peer=peer)
         kwargs[f.name] = value

@@ -1,0 +1,431 @@
+"""The registry client an engine uses: register, heartbeats, leave, lookup, list, events.
+
+Threads and sockets: requests made by the caller (register, leave, lookup, list) go over
+one DEALER, one at a time, bounded by ``timeout``. A background thread
+``te-registry-<name>`` owns two more DEALERs: one sends heartbeats (and registers again
+when the registry says it does not know us), the other long-polls ``Watch``. Events are
+handed to callbacks by a third thread ``te-registry-events-<name>`` so that a slow
+callback never delays a heartbeat.
+
+Why a long poll and not PUB/SUB: a SUB socket silently drops what was published while it
+was disconnected (slow joiner, registry restart) and a publisher cannot tell who missed
+what. With sequence-numbered events the client asks for "everything after seq N" and
+gets either exactly that or, if it fell behind or the registry restarted (new epoch), a
+snapshot that it diffs against its view, so no join or leave is ever lost or invented.
+Each poll is an ordinary signed request, so the same authentication covers events, and
+it is answered the moment an event exists, so latency matches a PUB socket's.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from transfer_engine.control.auth import AuthConfig, open_reply, seal
+from transfer_engine.control.messages import (
+    Ack,
+    ErrorReply,
+    Events,
+    Heartbeat,
+    HeartbeatAck,
+    Leave,
+    ListMembers,
+    Lookup,
+    Members,
+    Message,
+    Registered,
+    Watch,
+)
+from transfer_engine.control.metastore import (
+    EventCallback,
+    EventKind,
+    MemberEvent,
+    MemberRecord,
+    Subscription,
+)
+from transfer_engine.errors import (
+    ClosedError,
+    ConnectError,
+    ProtocolError,
+    RemoteError,
+    TransferError,
+    TransferTimeout,
+    UnknownPeerError,
+)
+
+__all__ = ["RegistryClient"]
+
+log = logging.getLogger(__name__)
+
+_MAX_REPLY = 64 << 20  # a list of many members with their segments
+
+
+class RegistryClient:
+    """A member's connection to a :class:`~transfer_engine.control.registry.Registry`.
+
+    :param address: the registry endpoint, e.g. ``tcp://10.0.0.1:7100``.
+    :param auth: signing of control messages; must match the registry's.
+    :param timeout: seconds each request may take (and how long a heartbeat may go
+        unanswered before its socket is reset).
+    :param name: for thread names and logs.
+    :param watch_wait: seconds a long poll stays parked at the registry.
+    """
+
+    def __init__(self, address: str, *, auth: AuthConfig | None = None,
+                 timeout: float = 5.0, name: str = "client", watch_wait: float = 1.0) -> None:
+        self.address = address
+        self.name = name
+        self.timeout = timeout
+        self.watch_wait = watch_wait
+        self.interval = 1.0  # told by the registry on registration
+        self.max_missed = 3
+        self.epoch = ""
+        self.stats = collections.Counter[str]()
+        self._signer = (auth or AuthConfig()).signer()
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._lock = threading.Lock()
+        self._req_lock = threading.Lock()
+        self._req = self._socket()
+        self._record: MemberRecord | None = None
+        self._dirty = False  # our record must be (re)sent
+        self._last_contact = 0.0  # when our record or a heartbeat was last sent
+        self._callbacks: dict[int, EventCallback] = {}
+        self._ids = itertools.count(1)
+        self._view: dict[str, MemberRecord] = {}
+        self._events: queue.SimpleQueue[tuple[int | None, MemberEvent] | None] = (
+            queue.SimpleQueue())
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._dispatcher: threading.Thread | None = None
+        self._closed = False
+
+    def _socket(self) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REPLY)
+        sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.connect(self.address)
+        return sock
+
+    # --- requests ---------------------------------------------------------------------
+
+    def _request(self, msg: Message, timeout: float | None) -> Message:
+        timeout = self.timeout if timeout is None else timeout
+        with self._req_lock:
+            if self._closed:
+                raise ClosedError("registry client is closed", peer="registry", op=msg.kind)
+            self._req.send(seal(msg, self._signer))
+            if not self._req.poll(int(timeout * 1000), zmq.POLLIN):
+                self._req.close(0)  # a late answer would pair with the next request
+                self._req = self._socket()
+                raise TransferTimeout(f"registry {self.address} did not answer in {timeout}s",
+                                      peer="registry", op=msg.kind)
+            frame = self._req.recv()
+        reply = open_reply(frame, self._signer, peer="registry", op=msg.kind)
+        if isinstance(reply, ErrorReply):
+            raise RemoteError(f"registry refused {msg.kind}: {reply.message}",
+                              peer="registry", op=msg.kind)
+        return reply
+
+    def register(self, record: MemberRecord, timeout: float | None = None) -> None:
+        """Joins (or updates our record), then heartbeats from a background thread until
+        :meth:`leave` or :meth:`close`. Raises ``ConnectError`` if refused,
+        ``AuthenticationError`` on a secret mismatch, ``TransferTimeout``."""
+        try:
+            reply = self._request(record.to_message(), timeout)
+        except RemoteError as exc:
+            raise ConnectError(exc.message, peer="registry", op="register") from exc
+        if not isinstance(reply, Registered):
+            raise ProtocolError(f"expected registered, got {reply.kind}", peer="registry")
+        with self._lock:
+            self.interval, self.max_missed = float(reply.interval), int(reply.max_missed)
+            self.epoch = reply.epoch
+            self._record = record
+            self._dirty = False
+            self._last_contact = time.monotonic()
+        self._ensure_thread()
+
+    def update(self, record: MemberRecord) -> None:
+        """Replaces our record; sent by the background thread (does not block)."""
+        with self._lock:
+            if self._record is not None:
+                self._record = record
+                self._dirty = True
+
+    def leave(self, timeout: float | None = None) -> None:
+        """Stops heartbeats and removes our record. Idempotent."""
+        with self._lock:
+            record, self._record = self._record, None
+        if record is not None and not self._closed:
+            reply = self._request(Leave(record.name, record.incarnation), timeout)
+            if not isinstance(reply, Ack):
+                raise ProtocolError(f"expected ack, got {reply.kind}", peer="registry")
+
+    def lookup(self, name: str, timeout: float | None = None) -> MemberRecord:
+        reply = self._request(Lookup(name), timeout)
+        if not isinstance(reply, Members):
+            raise ProtocolError(f"expected members, got {reply.kind}", peer="registry")
+        if not reply.members:
+            raise UnknownPeerError("no member of that name in the registry", peer=name,
+                                   op="lookup")
+        return MemberRecord.from_wire(reply.members[0], peer="registry")
+
+    def list(self, role: str | None = None, timeout: float | None = None
+             ) -> list[MemberRecord]:
+        reply = self._request(ListMembers(role or ""), timeout)
+        if not isinstance(reply, Members):
+            raise ProtocolError(f"expected members, got {reply.kind}", peer="registry")
+        records = [MemberRecord.from_wire(m, peer="registry") for m in reply.members]
+        return sorted(records, key=lambda r: r.name)
+
+    # --- events -----------------------------------------------------------------------
+
+    def watch(self, callback: EventCallback) -> Subscription:
+        """Calls ``callback(MemberEvent)`` from the events thread: first a ``JOIN`` for
+        every member already known, then each change."""
+        if self._closed:
+            raise ClosedError("registry client is closed", peer="registry", op="watch")
+        with self._lock:
+            cid = next(self._ids)
+            self._callbacks[cid] = callback
+            for record in self._view.values():
+                self._events.put((cid, MemberEvent(EventKind.JOIN, record.name, record)))
+        self._ensure_thread()
+
+        def cancel() -> None:
+            with self._lock:
+                self._callbacks.pop(cid, None)
+        return Subscription(cancel)
+
+    @property
+    def view(self) -> dict[str, MemberRecord]:
+        """Members as the event stream has shown them so far."""
+        with self._lock:
+            return dict(self._view)
+
+    def _dispatch(self) -> None:
+        while True:
+            item = self._events.get()
+            if item is None:
+                return
+            target, event = item
+            with self._lock:
+                callbacks = ([self._callbacks[target]] if target in self._callbacks else []
+                             ) if target is not None else list(self._callbacks.values())
+            for cb in callbacks:
+                try:
+                    cb(event)
+                except Exception:
+                    log.exception("registry event callback failed")
+
+    def _emit(self, event: MemberEvent) -> None:
+        self.stats[f"event_{event.kind.value}"] += 1
+        self._events.put((None, event))
+
+    def _apply(self, reply: Events) -> bool:
+        """Updates the view from a watch answer; True when a full snapshot is needed."""
+        resync = False
+        with self._lock:
+            if reply.snapshot:
+                fresh = {}
+                for wire in reply.members:
+                    record = MemberRecord.from_wire(wire, peer="registry")
+                    fresh[record.name] = record
+                for record in fresh.values():
+                    self._upsert(record)
+                if reply.complete:
+                    for name in [n for n in self._view if n not in fresh]:
+                        del self._view[name]
+                        self._emit(MemberEvent(EventKind.LEAVE, name,
+                                               reason="absent from the registry"))
+                return False
+            for ev in reply.events:
+                kind, name = ev.get("type"), ev.get("name")
+                if kind in ("join", "update"):
+                    self._upsert(MemberRecord.from_wire(ev.get("member"), peer="registry"))
+                elif kind in ("leave", "expire") and isinstance(name, str):
+                    if self._view.pop(name, None) is not None:
+                        self._emit(MemberEvent(EventKind(kind), name,
+                                               reason=str(ev.get("reason", ""))))
+                elif kind == "resync":
+                    resync = True
+        return resync
+
+    def _upsert(self, record: MemberRecord) -> None:
+        old = self._view.get(record.name)
+        if old == record:
+            return
+        self._view[record.name] = record
+        same = old is not None and old.incarnation == record.incarnation
+        self._emit(MemberEvent(EventKind.UPDATE if same else EventKind.JOIN, record.name,
+                               record))
+
+    # --- background thread ------------------------------------------------------------
+
+    def _ensure_thread(self) -> None:
+        with self._lock:
+            if self._thread is not None or self._closed:
+                return
+            self._dispatcher = threading.Thread(target=self._dispatch, daemon=True,
+                                                name=f"te-registry-events-{self.name}")
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name=f"te-registry-{self.name}")
+            self._dispatcher.start()
+            self._thread.start()
+
+    def _run(self) -> None:
+        hb: zmq.Socket[bytes] | None = None
+        watch: zmq.Socket[bytes] | None = None
+        hb_sent: tuple[float, bool] | None = None  # (when, was a registration)
+        watch_deadline: float | None = None
+        retry_at = 0.0
+        since, wepoch = -1, ""
+        poller = zmq.Poller()
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                with self._lock:
+                    record, dirty, watching = self._record, self._dirty, bool(self._callbacks)
+                    next_hb = self._last_contact + self.interval
+                if record is not None and hb is None:
+                    hb = self._socket()
+                    poller.register(hb, zmq.POLLIN)
+                if (record is not None and hb is not None and hb_sent is None
+                        and (now >= next_hb or (dirty and now >= retry_at))):
+                    msg: Message = (record.to_message() if dirty
+                                    else Heartbeat(record.name, record.incarnation))
+                    hb.send(seal(msg, self._signer))
+                    hb_sent = (now, dirty)
+                    with self._lock:
+                        self._dirty = False
+                        self._last_contact = now
+                if hb_sent is not None and now - hb_sent[0] > min(
+                        self.timeout, self.interval * self.max_missed):
+                    self.stats["heartbeat_unanswered"] += 1
+                    assert hb is not None
+                    poller.unregister(hb)
+                    hb.close(0)
+                    hb = None
+                    if hb_sent[1]:
+                        with self._lock:
+                            self._dirty = self._record is not None
+                    hb_sent = None
+                if watching and watch is None:
+                    watch = self._socket()
+                    poller.register(watch, zmq.POLLIN)
+                if watching and watch is not None and watch_deadline is None:
+                    watch.send(seal(Watch(wepoch, since, self.watch_wait), self._signer))
+                    watch_deadline = now + self.watch_wait + self.timeout
+                if watch is not None and watch_deadline is not None and now > watch_deadline:
+                    self.stats["watch_unanswered"] += 1
+                    poller.unregister(watch)
+                    watch.close(0)
+                    watch, watch_deadline = None, None
+                wait_ms = 50 if hb_sent or record is None else max(
+                    1, min(50, int((next_hb - now) * 1000)))
+                ready = dict(poller.poll(wait_ms)) if (hb or watch) else {}
+                if not ready and not (hb or watch):
+                    self._stop.wait(0.05)
+                if hb is not None and hb in ready:
+                    frame = hb.recv()
+                    hb_sent = None
+                    retry_at, reset_watch = self._on_heartbeat_reply(frame, wepoch)
+                    if reset_watch and watch is not None:
+                        poller.unregister(watch)
+                        watch.close(0)
+                        watch, watch_deadline = None, None
+                if watch is not None and watch in ready:
+                    frame = watch.recv()
+                    watch_deadline = None
+                    since, wepoch = self._on_watch_reply(frame, since, wepoch)
+        except Exception:  # never leave a member silently unregistered without a trace
+            log.exception("registry client %s: background thread failed", self.name)
+        finally:
+            for sock in (hb, watch):
+                if sock is not None:
+                    sock.close(0)
+
+    def _on_heartbeat_reply(self, frame: bytes, wepoch: str) -> tuple[float, bool]:
+        """Returns (when to retry a refused registration, whether to re-watch now)."""
+        try:
+            reply = open_reply(frame, self._signer, peer="registry", op="heartbeat")
+        except TransferError as exc:
+            self.stats["heartbeat_rejected"] += 1
+            log.warning("registry client %s: bad heartbeat reply: %s", self.name, exc)
+            return 0.0, False
+        if isinstance(reply, Registered):
+            self.stats["registered"] += 1
+            with self._lock:
+                self.interval, self.max_missed = float(reply.interval), int(reply.max_missed)
+                self.epoch = reply.epoch
+            return 0.0, bool(wepoch) and reply.epoch != wepoch
+        if isinstance(reply, HeartbeatAck):
+            self.stats["heartbeats"] += 1
+            if not reply.known:
+                log.info("registry client %s: registry does not know us; registering again",
+                         self.name)
+                with self._lock:
+                    self._dirty = self._record is not None
+            return 0.0, bool(wepoch) and reply.epoch != wepoch
+        if isinstance(reply, ErrorReply):
+            self.stats["register_refused"] += 1
+            log.warning("registry client %s: registration refused: %s", self.name,
+                        reply.message)
+            with self._lock:
+                self._dirty = self._record is not None
+            return time.monotonic() + self.interval, False
+        return 0.0, False
+
+    def _on_watch_reply(self, frame: bytes, since: int, wepoch: str) -> tuple[int, str]:
+        try:
+            reply = open_reply(frame, self._signer, peer="registry", op="watch")
+            if isinstance(reply, ErrorReply):
+                raise RemoteError(reply.message, peer="registry", op="watch")
+            if not isinstance(reply, Events):
+                raise ProtocolError(f"expected events, got {reply.kind}", peer="registry")
+            resync = self._apply(reply)
+        except TransferError as exc:
+            self.stats["watch_rejected"] += 1
+            log.warning("registry client %s: watch failed: %s; resyncing", self.name, exc)
+            time.sleep(0.05)  # bounded back-off against a registry that keeps refusing
+            return -1, ""
+        return (-1 if resync else reply.seq), reply.epoch
+
+    # --- life cycle -------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stops the threads and closes the sockets (does not leave: call
+        :meth:`leave` first for a prompt goodbye). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        self._events.put(None)
+        if self._dispatcher is not None and self._dispatcher is not threading.current_thread():
+            self._dispatcher.join(5)
+        with self._req_lock:
+            self._req.close(0)
+        self._ctx.term()
+
+    def __enter__(self) -> RegistryClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "CLOSED" if self._closed else ("MEMBER" if self._record else "CLIENT")
+        return (f"<RegistryClient {self.name!r} -> {self.address} {state} "
+                f"view={len(self._view)}>")
