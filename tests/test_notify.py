@@ -1,0 +1,152 @@
+"""Immediate counting: a notification fires exactly once, whatever the arrival order."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from transfer_engine.notify import ImmediateCounter, Notification
+
+Arrival = tuple[str, int, int, bytes | None]  # peer, transfer id, expected, payload
+
+
+def transfer(peer: str, tid: int, expected: int, payload: bytes, carrier: int
+             ) -> list[Arrival]:
+    """The immediates of one transfer; the ``carrier``-th holds the payload."""
+    return [(peer, tid, expected, payload if i == carrier else None)
+            for i in range(expected)]
+
+
+def feed(counter: ImmediateCounter, arrivals: list[Arrival]
+         ) -> list[tuple[int, Notification]]:
+    out = []
+    for i, (peer, tid, expected, payload) in enumerate(arrivals):
+        note = counter.arrive(peer, tid, expected, payload)
+        if note is not None:
+            out.append((i, note))
+    return out
+
+
+def check_fired(arrivals: list[Arrival], fired: list[tuple[int, Notification]],
+                payloads: dict[tuple[str, int], bytes]) -> None:
+    """Each transfer fired once, at its last immediate, with its payload."""
+    last = {(a[0], a[1]): i for i, a in enumerate(arrivals)}
+    assert sorted((n.peer, n.transfer_id) for _, n in fired) == sorted(payloads)
+    for i, note in fired:
+        key = (note.peer, note.transfer_id)
+        assert i == last[key]
+        assert note.payload == payloads[key]
+
+
+def test_single_immediate_fires_at_once_and_stores_nothing() -> None:
+    counter = ImmediateCounter()
+    assert counter.arrive("p", 1, 1, b"hi") == Notification("p", 1, b"hi")
+    assert counter.arrive("p", 2, 1) == Notification("p", 2, b"")
+    assert len(counter) == 0
+
+
+@pytest.mark.parametrize("expected", [2, 3, 4, 5])
+def test_every_order_and_payload_position_fires_once(expected: int) -> None:
+    for carrier in range(expected):
+        counter = ImmediateCounter()
+        arrivals = transfer("p", 7, expected, b"note", carrier)
+        fired = feed(counter, arrivals)
+        assert [i for i, _ in fired] == [expected - 1]
+        assert fired[0][1] == Notification("p", 7, b"note")
+        assert len(counter) == 0
+
+
+def test_all_interleavings_of_small_transfers_from_two_peers() -> None:
+    # 2 + 2 + 3 immediates; the same transfer id from two peers is two transfers
+    base = (transfer("a", 1, 2, b"a1", 0) + transfer("b", 1, 2, b"b1", 1)
+            + transfer("a", 2, 3, b"a2", 2))
+    payloads = {("a", 1): b"a1", ("b", 1): b"b1", ("a", 2): b"a2"}
+    seen = set()
+    for order in itertools.permutations(range(len(base))):
+        arrivals = [base[i] for i in order]
+        key = tuple(arrivals)
+        if key in seen:
+            continue
+        seen.add(key)
+        counter = ImmediateCounter()
+        check_fired(arrivals, feed(counter, arrivals), payloads)
+        assert len(counter) == 0 and counter.dropped == 0
+    assert len(seen) == 5040 // 2  # two immediates of ("a", 2) look the same
+
+
+def test_random_interleavings_of_many_transfers_from_several_peers() -> None:
+    rng = random.Random(9)
+    for _ in range(50):
+        arrivals: list[Arrival] = []
+        payloads: dict[tuple[str, int], bytes] = {}
+        for peer in ("p0", "p1", "p2", "p3"):
+            for tid in rng.sample(range(1000), 40):
+                expected = rng.randint(1, 8)
+                payload = rng.randbytes(rng.randint(0, 16))
+                payloads[(peer, tid)] = payload
+                arrivals += transfer(peer, tid, expected, payload, rng.randrange(expected))
+        rng.shuffle(arrivals)
+        counter = ImmediateCounter()
+        check_fired(arrivals, feed(counter, arrivals), payloads)
+        assert len(counter) == 0
+
+
+def test_transfer_id_can_be_reused_after_it_fired() -> None:
+    counter = ImmediateCounter()
+    assert feed(counter, transfer("p", 3, 2, b"one", 0))[0][1].payload == b"one"
+    assert feed(counter, transfer("p", 3, 3, b"two", 1))[0][1].payload == b"two"
+
+
+def test_expected_mismatch_and_bad_expected_raise() -> None:
+    counter = ImmediateCounter()
+    assert counter.arrive("p", 1, 3) is None
+    with pytest.raises(ValueError, match="expected 3 immediates, a later one says 2"):
+        counter.arrive("p", 1, 2)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="expected must be >= 1"):
+            counter.arrive("p", 2, bad)
+    # the bad immediates were not counted
+    assert counter.arrive("p", 1, 3) is None
+    assert counter.arrive("p", 1, 3) == Notification("p", 1, b"")
+
+
+def test_max_pending_evicts_the_oldest_partial_transfer() -> None:
+    counter = ImmediateCounter(max_pending=3)
+    for tid in range(3):
+        assert counter.arrive("p", tid, 2) is None
+    assert counter.arrive("q", 9, 2) is None  # evicts ("p", 0)
+    assert len(counter) == 3 and counter.dropped == 1
+    # the evicted transfer starts over: its second immediate no longer completes it
+    assert counter.arrive("p", 0, 2) is None  # evicts ("p", 1)
+    assert counter.dropped == 2
+    assert counter.arrive("p", 2, 2) == Notification("p", 2, b"")
+    assert counter.arrive("q", 9, 2) == Notification("q", 9, b"")
+    assert counter.arrive("p", 0, 2) == Notification("p", 0, b"")
+    assert len(counter) == 0
+    # completions need no room
+    full = ImmediateCounter(max_pending=1)
+    assert full.arrive("p", 1, 2) is None
+    assert full.arrive("p", 5, 1) is not None and full.dropped == 0
+
+
+def test_many_abandoned_transfers_stay_bounded() -> None:
+    counter = ImmediateCounter(max_pending=100)
+    for tid in range(5000):
+        counter.arrive("dying", tid, 4)
+    assert len(counter) == 100 and counter.dropped == 4900
+
+
+def test_forget_peer_drops_only_that_peers_partial_transfers() -> None:
+    counter = ImmediateCounter()
+    for tid in range(3):
+        counter.arrive("gone", tid, 2, b"x")
+    counter.arrive("stays", 0, 2, b"s")
+    assert counter.forget_peer("gone") == 3
+    assert counter.forget_peer("gone") == 0
+    assert counter.forget_peer("never") == 0
+    assert len(counter) == 1
+    assert counter.arrive("stays", 0, 2) == Notification("stays", 0, b"s")
+    # a forgotten transfer starts over if the peer comes back
+    assert counter.arrive("gone", 0, 2) is None
