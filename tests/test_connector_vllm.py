@@ -1,0 +1,337 @@
+"""Contracts of the vLLM connector, checked the way vLLM's own connector tests check
+them, without starting a vLLM engine: the scheduler side and the worker side are driven
+directly, two workers (prefill, decode) in this process with real engines on loopback
+and KV caches as CPU torch tensors.
+
+- blocks are held until the decoder has read them, then reported as finished sending;
+- a lease that runs out frees blocks nobody read;
+- a failed receive is reported as a load error (failed request and its blocks);
+- a compatibility mismatch is refused with a message naming what differs;
+- no blocks are left held or in flight after many requests;
+- block addresses come from the tensor's strides (GPU, CPU and permuted layouts).
+
+Requests are ``SimpleNamespace`` objects carrying the attributes the scheduler side
+reads (building a real ``vllm.v1.request.Request`` needs a tokenizer and a model
+config); block lists are vLLM's own ``KVCacheBlocks``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+with warnings.catch_warnings():  # vLLM and torch warn at import; not our concern here
+    warnings.simplefilter("ignore")
+    pytest.importorskip("vllm", reason="vllm is not installed (scripts/setup_vllm.sh)")
+    torch = pytest.importorskip("torch")
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import RequestStatus
+
+    from transfer_engine.connectors.vllm import (
+        PROTOCOL_VERSION,
+        RecvSpec,
+        TEConnectorConfig,
+        TEConnectorScheduler,
+        TEConnectorWorker,
+        block_layout,
+        coalesce,
+    )
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::DeprecationWarning", "ignore::FutureWarning")
+
+NUM_BLOCKS, BLOCK, HEADS, DIM, LAYERS = 64, 16, 2, 32, 3
+COMPAT = {"model": "tiny", "dtype": "float32", "block_size": BLOCK, "tp_size": 1}
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def gpu_caches(seed: int) -> dict[str, Any]:
+    """vLLM's GPU per-layer layout ``[2, num_blocks, block_size, heads, dim]``."""
+    gen = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.attn": torch.randn(2, NUM_BLOCKS, BLOCK, HEADS, DIM, generator=gen)
+            for i in range(LAYERS)}
+
+
+def cpu_caches(seed: int) -> dict[str, Any]:
+    """vLLM's CPU block-major layout ``[num_blocks, heads, block_size, 2 * dim]``."""
+    gen = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.attn": torch.randn(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM, generator=gen)
+            for i in range(LAYERS)}
+
+
+def block_of(tensor: Any, b: int) -> Any:
+    return tensor[:, b] if tensor.shape[0] == 2 else tensor[b]
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def pair(clock: FakeClock) -> Iterator[tuple[TEConnectorWorker, TEConnectorWorker,
+                                             dict[str, Any], dict[str, Any]]]:
+    cfg = TEConnectorConfig(transports=("tcp",), timeout_s=2.0)
+    prefill = TEConnectorWorker("prefill-w", cfg, COMPAT, clock)
+    decode = TEConnectorWorker("decode-w", cfg, COMPAT, clock)
+    pk, dk = gpu_caches(1), gpu_caches(2)
+    try:
+        prefill.register_kv_caches(pk, NUM_BLOCKS)
+        decode.register_kv_caches(dk, NUM_BLOCKS)
+        yield prefill, decode, pk, dk
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def wait_results(worker: TEConnectorWorker, want: str, rid: str, timeout: float = 5.0
+                 ) -> Any:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        res = worker.results()
+        if rid in getattr(res, want):
+            return res
+        time.sleep(0.005)
+    raise AssertionError(f"{rid} not in {want} after {timeout}s")
+
+
+def spec(prefill: TEConnectorWorker, rid: str, local: list[int], remote: list[int]
+         ) -> RecvSpec:
+    assert prefill.engine is not None
+    return RecvSpec(rid, local, remote, prefill.engine.endpoint, "prefill-engine", rid)
+
+
+# --- layout from strides --------------------------------------------------------------
+
+
+def test_layout_from_strides_gpu_cpu_and_permuted() -> None:
+    gpu = torch.empty(2, 10, 16, 4, 8, dtype=torch.float16)
+    lay = block_layout(gpu.shape, gpu.stride(), gpu.element_size(), 10)
+    part = 16 * 4 * 8 * 2
+    assert lay.part_offsets == (0, 10 * part) and lay.part_len == part
+    assert lay.block_stride == part and lay.contiguous_blocks
+    cpu = torch.empty(10, 4, 16, 16, dtype=torch.float32)
+    lay = block_layout(cpu.shape, cpu.stride(), 4, 10)
+    assert lay.part_offsets == (0,) and lay.part_len == lay.block_stride == 4 * 16 * 16 * 4
+    # a permuted view: [num_blocks, 2, ...] storage seen as [2, num_blocks, ...]: K and
+    # V of a block are adjacent, so a block is one part
+    base = torch.empty(10, 2, 16, 4, 8)
+    view = base.permute(1, 0, 2, 3, 4)
+    lay = block_layout(view.shape, view.stride(), 4, 10)
+    assert lay.part_offsets == (0,) and lay.part_len == lay.block_stride == 2 * 16 * 4 * 8 * 4
+    assert lay.extent == base.numel() * 4
+    # only K of that storage: blocks are strided, runs cannot coalesce
+    lay = block_layout(base[:, 0].shape, base[:, 0].stride(), 4, 10)
+    assert lay.part_len == 16 * 4 * 8 * 4 and lay.block_stride == 2 * lay.part_len
+    assert not lay.contiguous_blocks
+    # num_blocks == 2 with a leading K/V dimension: the block dimension is the second
+    two = torch.empty(2, 2, 16, 4, 8)
+    assert block_layout(two.shape, two.stride(), 4, 2).part_offsets == (0, 2 * 16 * 4 * 8 * 4)
+    with pytest.raises(ValueError):
+        block_layout((3, 5), (5, 1), 4, 7)
+    assert coalesce([4, 5, 6, 9], [1, 2, 3, 4]) == [(4, 1, 3), (9, 4, 1)]
+
+
+@pytest.mark.parametrize("make", [gpu_caches, cpu_caches], ids=["gpu-layout", "cpu-layout"])
+def test_blocks_land_where_vllm_allocated_them(make: Any, clock: FakeClock) -> None:
+    cfg = TEConnectorConfig(transports=("tcp",), timeout_s=2.0)
+    prefill = TEConnectorWorker("p", cfg, COMPAT, clock)
+    decode = TEConnectorWorker("d", cfg, COMPAT, clock)
+    try:
+        pk, dk = make(3), make(4)
+        prefill.register_kv_caches(pk, NUM_BLOCKS)
+        decode.register_kv_caches(dk, NUM_BLOCKS)
+        remote, local = [3, 4, 5, 20], [40, 41, 7, 8]
+        prefill.hold({"r": 30.0})
+        decode.start_load([spec(prefill, "r", local, remote)])
+        res = wait_results(decode, "finished_recving", "r")
+        assert not res.failed_recving
+        for name in pk:
+            for lb, rb in zip(local, remote, strict=True):
+                assert torch.equal(block_of(dk[name], lb), block_of(pk[name], rb))
+            untouched = make(4)[name]
+            assert torch.equal(block_of(dk[name], 0), block_of(untouched, 0))
+    finally:
+        decode.close()
+        prefill.close()
+
+
+# --- held blocks, leases, load errors, leaks --------------------------------------------
+
+
+def test_blocks_held_until_sent(pair: Any) -> None:
+    prefill, decode, _, _ = pair
+    prefill.hold({"req-1": 30.0})
+    assert prefill.results().finished_sending == set() and prefill.held == 1
+    decode.start_load([spec(prefill, "req-1", [1, 2], [10, 11])])
+    wait_results(decode, "finished_recving", "req-1")
+    res = wait_results(prefill, "finished_sending", "req-1")
+    assert prefill.held == 0 and prefill.stats["sent_requests"] == 1
+    assert prefill.results().finished_sending == set()  # reported once
+    assert res.finished_recving == set()
+
+
+def test_notification_before_hold_is_not_lost(pair: Any) -> None:
+    prefill, decode, _, _ = pair
+    # decode may read before prefill's next step hands the hold to its worker
+    decode.start_load([spec(prefill, "early", [1], [2])])
+    wait_results(decode, "finished_recving", "early")
+    prefill.hold({"early": 30.0})
+    wait_results(prefill, "finished_sending", "early")
+
+
+def test_lease_expiry_frees_unsent_blocks(pair: Any, clock: FakeClock) -> None:
+    prefill, _, _, _ = pair
+    prefill.hold({"a": 5.0, "b": 50.0})
+    clock.now += 4.9
+    assert prefill.results().finished_sending == set()
+    clock.now += 0.2
+    assert prefill.results().finished_sending == {"a"}
+    clock.now += 100
+    assert prefill.results().finished_sending == {"b"}
+    assert prefill.stats["lease_expired"] == 2 and prefill.held == 0
+
+
+def test_failed_receive_is_a_load_error(pair: Any) -> None:
+    prefill, decode, _, _ = pair
+    # remote block past the end of the prefill engine's cache
+    decode.start_load([spec(prefill, "bad", [5, 6], [1, NUM_BLOCKS + 3])])
+    res = decode.results()
+    assert "bad" in res.finished_recving and "bad" in res.failed_recving
+    assert decode.take_failed_blocks() == {5, 6}
+    assert decode.take_failed_blocks() == set()
+    # a peer that went away
+    gone = RecvSpec("gone", [9], [1], "tcp://127.0.0.1:9", "x", "gone")
+    decode.start_load([gone])
+    res = decode.results()
+    assert res.failed_recving == {"gone"} and decode.take_failed_blocks() == {9}
+    assert decode.stats["recv_failed"] == 2
+
+
+def test_incompatible_peer_is_refused_with_a_clear_message(
+        pair: Any, clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
+    prefill, _, _, _ = pair
+    cfg = TEConnectorConfig(transports=("tcp",), timeout_s=2.0)
+    other = TEConnectorWorker("d2", cfg, dict(COMPAT, block_size=32), clock)
+    try:
+        other.register_kv_caches(gpu_caches(5), NUM_BLOCKS)
+        other.start_load([spec(prefill, "mismatch", [1], [1])])
+        res = other.results()
+        assert res.failed_recving == {"mismatch"}
+        assert "incompatible KV caches" in caplog.text
+        assert "block_size: ours=32 peer=16" in caplog.text
+    finally:
+        other.close()
+
+
+def test_no_leaked_blocks_after_many_requests(pair: Any) -> None:
+    import time
+
+    prefill, decode, _, _ = pair
+    received: set[str] = set()
+    sent: set[str] = set()
+    for i in range(0, 200, 4):
+        batch = {f"r{j}": [j % NUM_BLOCKS] for j in range(i, i + 4)}
+        prefill.hold({rid: 30.0 for rid in batch})
+        decode.start_load([spec(prefill, rid, [(NUM_BLOCKS - 1 - b[0]) % NUM_BLOCKS], b)
+                           for rid, b in batch.items()])
+        deadline = time.monotonic() + 5
+        while not set(batch) <= received and time.monotonic() < deadline:
+            res = decode.results()
+            assert not res.failed_recving
+            received |= res.finished_recving
+            sent |= prefill.results().finished_sending
+    deadline = time.monotonic() + 5
+    while prefill.held and time.monotonic() < deadline:
+        sent |= prefill.results().finished_sending
+        time.sleep(0.005)
+    assert len(received) == len(sent) == 200
+    assert prefill.held == 0 and prefill.stats["sent_requests"] == 200
+    assert decode.stats["recv_failed"] == 0 and decode.stats["recv_requests"] == 200
+    assert decode._recving == {} and prefill._sent_early == set()
+    assert decode.engine is not None and decode.engine.stats["transfers_failed"] == 0
+
+
+# --- scheduler side ---------------------------------------------------------------------
+
+
+def request(rid: str, params: dict[str, Any] | None, prompt: int = 40, computed: int = 0,
+            status: RequestStatus = RequestStatus.FINISHED_LENGTH_CAPPED) -> Any:
+    return SimpleNamespace(request_id=rid, kv_transfer_params=params,
+                           prompt_token_ids=list(range(prompt)), num_computed_tokens=computed,
+                           status=status)
+
+
+def blocks(ids: list[int], cached: int = 0) -> KVCacheBlocks:
+    out = [KVCacheBlock(i) for i in ids]
+    for b in out[:cached]:
+        b._block_hash = b"h" * 8  # a prefix-cache hit
+    return KVCacheBlocks((out,))
+
+
+def test_scheduler_hands_over_and_holds() -> None:
+    wall = FakeClock()
+    prefill = TEConnectorScheduler("p-engine", BLOCK, lease_s=30, endpoint="tcp://p:1",
+                                   wall_clock=wall)
+    hold, params = prefill.request_finished(
+        request("r", {"do_remote_decode": True}, prompt=40, computed=40), [7, 8, 9, 10])
+    assert hold and params is not None
+    assert params["remote_block_ids"] == [7, 8, 9]  # ceil(40 / 16) blocks
+    assert params["protocol_version"] == PROTOCOL_VERSION
+    assert params["lease_expiry"] == wall.now + 30
+    assert prefill.build_connector_meta().reqs_to_send == {"r": 30}
+    assert prefill.build_connector_meta().reqs_to_send == {}
+    # aborted or ordinary requests hold nothing
+    aborted = request("x", {"do_remote_decode": True}, status=RequestStatus.FINISHED_ABORTED)
+    assert prefill.request_finished(aborted, [1]) == (False, None)
+    assert prefill.request_finished(request("y", None), [1]) == (False, None)
+
+    decode = TEConnectorScheduler("d-engine", BLOCK, wall_clock=wall)
+    req = request("d1", dict(params), prompt=40)
+    # the decode engine already has the first block cached (16 tokens)
+    assert decode.get_num_new_matched_tokens(req, 16) == (24, True)
+    decode.update_state_after_alloc(req, blocks([3, 4, 5], cached=1), 24)
+    meta = decode.build_connector_meta()
+    recv = meta.reqs_to_recv["d1"]
+    assert recv.local_block_ids == [4, 5] and recv.remote_block_ids == [8, 9]
+    assert recv.remote_endpoint == "tcp://p:1"
+    # loaded once: a preempted request recomputes instead of loading again
+    assert decode.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_scheduler_refuses_expired_leases_and_other_versions() -> None:
+    wall = FakeClock()
+    decode = TEConnectorScheduler("d", BLOCK, wall_clock=wall)
+    base = {"do_remote_prefill": True, "remote_block_ids": [1], "protocol_version":
+            PROTOCOL_VERSION, "remote_endpoint": "tcp://p:1", "lease_expiry": wall.now - 1}
+    assert decode.get_num_new_matched_tokens(request("old", dict(base)), 0) == (0, False)
+    assert "lease" in decode.refused["old"]
+    newer = dict(base, lease_expiry=wall.now + 10, protocol_version=PROTOCOL_VERSION + 1)
+    assert decode.get_num_new_matched_tokens(request("new", newer), 0) == (0, False)
+    assert "protocol version" in decode.refused["new"]
+    ok = dict(base, lease_expiry=wall.now + 10)
+    assert decode.get_num_new_matched_tokens(request("ok", ok), 0) == (40, True)
+
+
+def test_config_validation() -> None:
+    cfg = TEConnectorConfig.from_extra_config({"host": "::1", "port": "7000",
+                                               "transports": "shm,tcp", "lease_s": 5})
+    assert cfg.transports == ("shm", "tcp") and cfg.port == 7000 and cfg.lease_s == 5
+    with pytest.raises(ValueError, match="unknown"):
+        TEConnectorConfig.from_extra_config({"lease": 5})
+    with pytest.raises(ValueError):
+        TEConnectorConfig(lease_s=0)

@@ -1,0 +1,754 @@
+"""vLLM KV connector (``KVConnectorBase_V1``) moving paged KV blocks over our engine.
+
+Mount it on both engines of a prefill/decode pair::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "TransferEngineConnector",
+        "kv_connector_module_path": "transfer_engine.connectors.vllm",
+        "kv_role": "kv_producer",            # "kv_consumer" on decode, or "kv_both"
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"host": "10.0.0.5", "port": 0, "lease_s": 30}}'
+
+This module is the only one in the project that imports vLLM.
+
+Protocol (a pull design: decode READs the prefill engine's blocks, one-sided)
+-----------------------------------------------------------------------------
+Who calls what, in which order (S = scheduler side, W = worker side)::
+
+    prefill W  register_kv_caches    registers each layer tensor once (one segment per
+                                     layer, block addresses from the tensor's strides)
+                                     and a small manifest segment: protocol version,
+                                     compatibility hash (model, dtype, block size,
+                                     layout) and every layer's block layout
+    prefill W  get_handshake_metadata -> endpoint, engine name, version, hash
+    prefill S  set_xfer_handshake_metadata   learns the worker's endpoint
+    proxy      request to prefill with kv_transfer_params={"do_remote_decode": True},
+               max_tokens=1
+    prefill S  request_finished      holds the request's blocks (returns True) and
+                                     answers kv_transfer_params: remote_endpoint,
+                                     remote_engine_id, remote_request_id,
+                                     remote_block_ids, remote_num_tokens, lease_expiry
+                                     (wall clock, seconds since the epoch),
+                                     protocol_version
+    prefill S  build_connector_meta  tells its worker: hold these for lease_s seconds
+    proxy      request to decode with those kv_transfer_params
+    decode S   get_num_new_matched_tokens -> (prompt tokens not cached locally, async)
+               (refuses an expired lease or another protocol version: 0 tokens)
+    decode S   update_state_after_alloc   pairs remote blocks with the blocks vLLM
+                                          allocated; build_connector_meta ships them
+    decode W   start_load_kv         connects (once per peer), reads and checks the
+                                     peer's manifest (a mismatch is refused with a
+                                     message naming what differs), then one READ of
+                                     every layer's blocks, coalescing runs of
+                                     consecutive blocks, with a notification
+    prefill W  (notification)        the blocks were read: report finished_sending,
+                                     vLLM frees them; or the lease ran out: the same
+    decode W   get_transfer_results  finished_recving; a failed READ is also in
+                                     failed_recving and its blocks in
+                                     get_block_ids_with_load_errors, so vLLM
+                                     recomputes (policy "recompute") instead of reading
+                                     garbage
+
+Layer-by-layer overlap: in the proxy flow the decode engine learns the block ids only
+after prefill finished, so there is no prefill compute left to overlap with; the
+transfer is one READ of all layers, issued in layer order (``save_kv_layer`` and
+``wait_for_layer_load`` are no-ops). A push variant (decode allocates first, prefill
+writes each layer after its attention) needs the proxy to contact decode first.
+
+Deadlines: the lease is enforced by the prefill worker with its own monotonic clock
+(``lease_s`` from the scheduler's metadata); ``lease_expiry`` in kv_transfer_params is
+wall-clock time, compared on the decode side only to skip loads that would be too late
+(give it the clock skew between hosts as margin).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from transfer_engine.descriptor import Descriptor
+from transfer_engine.engine import Engine
+from transfer_engine.errors import ProtocolError, TransferEngineError, TransferError
+from transfer_engine.handle import TransferHandle, TransferState
+from transfer_engine.peer import Peer
+from transfer_engine.segment import Segment
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["TransferEngineConnector", "TEConnectorScheduler", "TEConnectorWorker",
+           "TEConnectorConfig", "TEConnectorMetadata", "TEHandshakeMetadata", "RecvSpec",
+           "BlockLayout", "block_layout", "PROTOCOL_VERSION", "live_workers"]
+
+log = logging.getLogger(__name__)
+
+# Protocol versions (kv_transfer_params and the manifest):
+#   1: pull over Engine.read; manifest segment "te-vllm/manifest"; lease in params.
+PROTOCOL_VERSION = 1
+MANIFEST_SEGMENT = "te-vllm/manifest"
+_SENT_PREFIX = b"te-vllm/sent:"  # notification: the reader has every byte of a request
+
+_WORKERS: weakref.WeakSet[TEConnectorWorker] = weakref.WeakSet()
+
+
+def live_workers() -> list[TEConnectorWorker]:
+    """The worker-side connectors alive in this process (tests read their counters)."""
+    return list(_WORKERS)
+
+
+# --- configuration ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TEConnectorConfig:
+    """``kv_connector_extra_config`` of the connector.
+
+    :param host: address the worker's engine listens on and peers reach it by.
+    :param port: control port of the worker's engine (0: a free one; with tensor
+        parallelism, rank r uses ``port + r`` when ``port`` is set).
+    :param transports: transport names, best first (``None``: the engine's default).
+    :param lease_s: seconds prefill holds a finished request's blocks for decode.
+    :param timeout_s: seconds for handshakes (connect, manifest read).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    transports: tuple[str, ...] | None = None
+    lease_s: float = 30.0
+    timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.lease_s <= 0 or self.timeout_s <= 0:
+            raise ValueError("lease_s and timeout_s must be positive")
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> TEConnectorConfig:
+        known = {"host", "port", "transports", "lease_s", "timeout_s"}
+        unknown = set(extra) - known
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
+                             f"known: {sorted(known)}")
+        transports = extra.get("transports")
+        if isinstance(transports, str):
+            transports = [t.strip() for t in transports.split(",") if t.strip()]
+        return cls(host=str(extra.get("host", cls.host)), port=int(extra.get("port", 0)),
+                   transports=tuple(transports) if transports else None,
+                   lease_s=float(extra.get("lease_s", cls.lease_s)),
+                   timeout_s=float(extra.get("timeout_s", cls.timeout_s)))
+
+
+# --- block layout from strides ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where block ``b`` of one layer tensor lies, in bytes from the tensor's start:
+    ``part_offsets[i] + b * block_stride`` for ``part_len`` bytes, for each part i (K
+    and V are two parts in vLLM's GPU layout, one part in block-major layouts)."""
+
+    block_stride: int
+    part_offsets: tuple[int, ...]
+    part_len: int
+    extent: int  # bytes from the first to one past the last byte of the tensor
+    signature: str  # what must match between peers (shape without the block count)
+
+    @property
+    def contiguous_blocks(self) -> bool:
+        """Whether consecutive blocks of a part are adjacent (runs coalesce)."""
+        return self.part_len == self.block_stride
+
+    def spans(self, blocks: Sequence[int]) -> list[tuple[int, int]]:
+        return [(off + b * self.block_stride, self.part_len)
+                for off in self.part_offsets for b in blocks]
+
+    def to_wire(self) -> list[Any]:
+        return [self.block_stride, list(self.part_offsets), self.part_len, self.extent,
+                self.signature]
+
+    @classmethod
+    def from_wire(cls, data: list[Any]) -> BlockLayout:
+        stride, offsets, part_len, extent, signature = data
+        return cls(int(stride), tuple(int(o) for o in offsets), int(part_len), int(extent),
+                   str(signature))
+
+
+def block_layout(shape: Sequence[int], strides: Sequence[int], itemsize: int,
+                 num_blocks: int, dtype: str = "") -> BlockLayout:
+    """The block layout of a KV tensor of ``shape``/``strides`` (in elements) holding
+    ``num_blocks`` blocks, derived from the strides alone.
+
+    The block dimension is the one of size ``num_blocks`` (when a leading dimension of
+    size 2 is K/V and ``num_blocks`` is 2 too, the later one). Dimensions with a larger
+    stride give parts (K and V); smaller ones are the block's interior.
+    """
+    if len(shape) != len(strides):
+        raise ValueError("shape and strides differ in length")
+    if any(s < 0 for s in strides):
+        raise ValueError(f"negative strides {tuple(strides)} are not supported")
+    candidates = [d for d, n in enumerate(shape) if n == num_blocks]
+    if not candidates:
+        raise ValueError(f"no dimension of {tuple(shape)} has {num_blocks} blocks")
+    bd = candidates[-1] if len(candidates) > 1 and shape[0] == 2 else candidates[0]
+    bstride = strides[bd]
+    inner = [d for d in range(len(shape)) if d != bd and shape[d] > 1
+             and strides[d] < bstride]
+    outer = [d for d in range(len(shape)) if d != bd and shape[d] > 1
+             and strides[d] >= bstride]
+    interior = 1 + sum((shape[d] - 1) * strides[d] for d in inner)
+    if interior > bstride and num_blocks > 1:
+        raise ValueError(f"blocks overlap: interior {interior} > block stride {bstride}")
+    offsets = [0]
+    for d in outer:
+        offsets = [o + i * strides[d] for o in offsets for i in range(shape[d])]
+    extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
+    sig_shape = ["B" if d == bd else str(n) for d, n in enumerate(shape)]
+    signature = f"{dtype}[{','.join(sig_shape)}]parts={len(offsets)}"
+    return BlockLayout(bstride * itemsize, tuple(sorted(o * itemsize for o in offsets)),
+                       interior * itemsize, extent * itemsize, signature)
+
+
+def coalesce(local: Sequence[int], remote: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Runs ``(local start, remote start, count)`` where both block lists go up by one."""
+    runs: list[tuple[int, int, int]] = []
+    for lb, rb in zip(local, remote, strict=True):
+        if runs:
+            ls, rs, n = runs[-1]
+            if lb == ls + n and rb == rs + n:
+                runs[-1] = (ls, rs, n + 1)
+                continue
+        runs.append((lb, rb, 1))
+    return runs
+
+
+def compat_hash(factors: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def describe_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
+    keys = sorted(set(mine) | set(theirs))
+    diffs = [f"{k}: ours={mine.get(k)!r} peer={theirs.get(k)!r}" for k in keys
+             if mine.get(k) != theirs.get(k)]
+    return "; ".join(diffs) or "factors equal, hash differs"
+
+
+# --- metadata passed between the roles ----------------------------------------------
+
+
+@dataclass
+class RecvSpec:
+    """Decode side: load ``remote_block_ids`` of the peer into ``local_block_ids``."""
+
+    request_id: str
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    remote_endpoint: str
+    remote_engine_id: str
+    remote_request_id: str
+
+
+@dataclass
+class TEConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step."""
+
+    reqs_to_recv: dict[str, RecvSpec] = field(default_factory=dict)
+    reqs_to_send: dict[str, float] = field(default_factory=dict)  # req id -> lease (s)
+
+
+@dataclass
+class TEHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """Worker -> its scheduler: where peers reach this worker."""
+
+    endpoint: str
+    engine_name: str
+    protocol_version: int
+    compat_hash: str
+
+
+# --- scheduler side -----------------------------------------------------------------
+
+
+class TEConnectorScheduler:
+    """Scheduler-side logic; holds no memory and does no I/O.
+
+    :param engine_id: vLLM's engine id (kv_transfer_params name it to peers).
+    :param block_size: tokens per KV block.
+    :param lease_s: seconds a finished request's blocks are held for the decoder.
+    :param endpoint: this engine's worker endpoint, if known before the handshake
+        metadata arrives.
+    :param wall_clock: ``time.time``-like clock for lease expiry in kv_transfer_params.
+    """
+
+    def __init__(self, engine_id: str, block_size: int, lease_s: float = 30.0,
+                 endpoint: str | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.lease_s = lease_s
+        self.endpoint = endpoint
+        self._wall = wall_clock
+        self._recv: dict[str, RecvSpec] = {}
+        self._send: dict[str, float] = {}
+        self.refused: dict[str, str] = {}  # request id -> why a load was refused
+
+    def set_handshake(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        meta = metadata.get(0)
+        if isinstance(meta, TEHandshakeMetadata):
+            self.endpoint = meta.endpoint
+
+    def _usable(self, request: Request, params: dict[str, Any]) -> bool:
+        rid = request.request_id
+        version = params.get("protocol_version")
+        if version != PROTOCOL_VERSION:
+            self.refused[rid] = (f"kv_transfer_params protocol version {version!r}, "
+                                 f"this connector speaks {PROTOCOL_VERSION}")
+        elif not params.get("remote_block_ids") or not params.get("remote_endpoint"):
+            self.refused[rid] = "kv_transfer_params lack remote_block_ids/remote_endpoint"
+        elif float(params.get("lease_expiry", 0)) <= self._wall():
+            self.refused[rid] = "the prefill engine's lease on the blocks has expired"
+        else:
+            return True
+        log.warning("request %s: not loading remote KV: %s; computing locally", rid,
+                    self.refused[rid])
+        return False
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        if not self._usable(request, params):
+            params["do_remote_prefill"] = False
+            return 0, False
+        prompt = len(request.prompt_token_ids or ())
+        count = min(int(params.get("remote_num_tokens", prompt)), prompt) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # a preempted request recomputes
+        if num_external_tokens <= 0:
+            return
+        group = blocks.blocks[0]
+        cached = sum(1 for b in group if b.block_hash is not None)
+        remote = [int(b) for b in params["remote_block_ids"]]
+        end = min(len(remote), len(group))
+        self._recv[request.request_id] = RecvSpec(
+            request.request_id, [b.block_id for b in group[cached:end]], remote[cached:end],
+            str(params["remote_endpoint"]), str(params.get("remote_engine_id", "")),
+            str(params.get("remote_request_id", "")))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None
+                             ) -> TEConnectorMetadata:
+        meta = TEConnectorMetadata(self._recv, self._send)
+        self._recv, self._send = {}, {}
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
+                                  RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted: nothing to hand over
+        if not block_ids or self.endpoint is None:
+            return False, None
+        num_tokens = int(request.num_computed_tokens)
+        needed = -(-num_tokens // self.block_size)
+        self._send[request.request_id] = self.lease_s
+        return True, {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "protocol_version": PROTOCOL_VERSION,
+            "remote_endpoint": self.endpoint, "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_block_ids": list(block_ids[:needed]), "remote_num_tokens": num_tokens,
+            "lease_expiry": self._wall() + self.lease_s,
+        }
+
+
+# --- worker side --------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Recv:
+    spec: RecvSpec
+    handle: TransferHandle | None
+    started: float
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class _RemoteInfo:
+    peer: Peer
+    layouts: dict[str, tuple[str, BlockLayout]]  # layer -> (segment name, layout)
+
+
+class TEConnectorWorker:
+    """Worker-side logic: owns the engine and the registered KV memory.
+
+    :param engine_name: unique engine name among peers.
+    :param config: the connector's configuration.
+    :param compat: factors that must match between peers (model, dtype, block size...);
+        the layer layouts are added by :meth:`register_kv_caches`.
+    :param clock: monotonic clock for leases (tests pass a fake one).
+    """
+
+    def __init__(self, engine_name: str, config: TEConnectorConfig,
+                 compat: dict[str, Any], clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self.engine_name = engine_name
+        self.config = config
+        self.compat = dict(compat)
+        self._clock = clock
+        self.engine: Engine | None = None
+        self._layers: dict[str, tuple[Segment, BlockLayout]] = {}
+        self._tensors: list[Any] = []
+        self._manifest = b""
+        self._peers: dict[str, _RemoteInfo] = {}
+        self._recving: dict[str, _Recv] = {}
+        self._sending: dict[str, float] = {}  # request id -> lease deadline
+        self._sent_early: set[str] = set()  # notified before its metadata arrived
+        self._failed_blocks: set[int] = set()
+        self._lock = threading.Lock()
+        self.stats: dict[str, Any] = {"recv_requests": 0, "recv_failed": 0,
+                                      "recv_bytes": 0, "recv_seconds": [],
+                                      "sent_requests": 0, "lease_expired": 0}
+        _WORKERS.add(self)
+
+    # set-up
+    def register_kv_caches(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
+        """Registers every layer tensor once and publishes the manifest."""
+        if self.engine is None:
+            self.engine = Engine(self.engine_name, host=self.config.host,
+                                 port=self.config.port, transports=self.config.transports,
+                                 timeout=self.config.timeout_s)
+        seen: dict[int, Segment] = {}
+        layouts = {}
+        for name, tensor in kv_caches.items():
+            layout = block_layout(tuple(tensor.shape), tuple(tensor.stride()),
+                                  tensor.element_size(), num_blocks, str(tensor.dtype))
+            address = int(tensor.data_ptr())
+            seg = seen.get(address)
+            if seg is None or seg.length < layout.extent:
+                seg = self.engine.register((address, layout.extent), name=f"kv/{name}")
+                seen[address] = seg
+            self._tensors.append(tensor)  # alive while registered
+            self._layers[name] = (seg, layout)
+            layouts[name] = layout.to_wire()
+            log.info("layer %s: shape %s strides %s -> %s", name, tuple(tensor.shape),
+                     tuple(tensor.stride()), layout)
+        self.compat["layouts"] = sorted({v[4] for v in layouts.values()})
+        self.compat["num_layers"] = len(layouts)
+        manifest = {"version": PROTOCOL_VERSION, "compat": self.compat,
+                    "hash": compat_hash(self.compat),
+                    "layers": {n: [self._layers[n][0].name, lw] for n, lw in layouts.items()}}
+        self._manifest = bytes(msgpack.packb(manifest))
+        self._manifest_buf = np.frombuffer(bytearray(self._manifest), dtype=np.uint8)
+        self.engine.register(self._manifest_buf, name=MANIFEST_SEGMENT)
+        self.engine.on_notify(self._on_notify)
+
+    @property
+    def hash(self) -> str:
+        return compat_hash(self.compat)
+
+    def handshake_metadata(self) -> TEHandshakeMetadata:
+        assert self.engine is not None, "register_kv_caches first"
+        return TEHandshakeMetadata(self.engine.endpoint, self.engine.name, PROTOCOL_VERSION,
+                                   self.hash)
+
+    # decode: loads
+    def _remote(self, endpoint: str) -> _RemoteInfo:
+        info = self._peers.get(endpoint)
+        if info is not None:
+            return info
+        assert self.engine is not None
+        peer = self.engine.connect(endpoint, timeout=self.config.timeout_s)
+        mseg = peer.segment(MANIFEST_SEGMENT)
+        buf = np.zeros(mseg.length, dtype=np.uint8)
+        with self.engine.register(buf, name=f"te-vllm/manifest-in/{id(buf):x}") as local:
+            self.engine.read(peer, [(Descriptor(local, 0, mseg.length),
+                                     Descriptor(mseg, 0, mseg.length))]
+                             ).wait(self.config.timeout_s)
+        try:
+            manifest = msgpack.unpackb(buf.tobytes())
+            version, theirs = manifest["version"], manifest["compat"]
+            layers = {n: (str(v[0]), BlockLayout.from_wire(v[1]))
+                      for n, v in manifest["layers"].items()}
+        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+            raise ProtocolError(f"malformed KV manifest: {exc}", peer=peer.name) from exc
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(f"peer speaks KV connector protocol {version}, we speak "
+                                f"{PROTOCOL_VERSION}; upgrade one side", peer=peer.name)
+        if manifest.get("hash") != self.hash:
+            raise ProtocolError("incompatible KV caches, refusing to transfer: "
+                                + describe_mismatch(self.compat, theirs), peer=peer.name)
+        info = self._peers[endpoint] = _RemoteInfo(peer, layers)
+        return info
+
+    def _pairs(self, info: _RemoteInfo, spec: RecvSpec) -> list[tuple[Descriptor, Descriptor]]:
+        peer = info.peer
+        pairs = []
+        runs = coalesce(spec.local_block_ids, spec.remote_block_ids)
+        for name, (seg, layout) in self._layers.items():
+            rname, rlayout = info.layouts[name]
+            rseg = peer.segment(rname)
+            for loff, roff in zip(layout.part_offsets, rlayout.part_offsets, strict=True):
+                if layout.contiguous_blocks and rlayout.contiguous_blocks:
+                    for lb, rb, n in runs:
+                        pairs.append((Descriptor(seg, loff + lb * layout.block_stride,
+                                                 n * layout.part_len),
+                                      Descriptor(rseg, roff + rb * rlayout.block_stride,
+                                                 n * layout.part_len)))
+                else:
+                    for lb, rb in zip(spec.local_block_ids, spec.remote_block_ids,
+                                      strict=True):
+                        pairs.append((Descriptor(seg, loff + lb * layout.block_stride,
+                                                 layout.part_len),
+                                      Descriptor(rseg, roff + rb * rlayout.block_stride,
+                                                 layout.part_len)))
+        return pairs
+
+    def start_load(self, specs: Iterable[RecvSpec]) -> None:
+        """Starts one READ per request; failures are reported by :meth:`results`."""
+        for spec in specs:
+            recv = _Recv(spec, None, self._clock())
+            self.stats["recv_requests"] += 1
+            try:
+                if not spec.local_block_ids:
+                    raise ProtocolError("no blocks to load")
+                if len(spec.local_block_ids) != len(spec.remote_block_ids):
+                    raise ProtocolError("local and remote block counts differ")
+                info = self._remote(spec.remote_endpoint)
+                assert self.engine is not None
+                recv.handle = self.engine.read(
+                    info.peer, self._pairs(info, spec),
+                    notify=_SENT_PREFIX + spec.remote_request_id.encode())
+            except (TransferEngineError, KeyError, ValueError) as exc:
+                recv.error = str(exc)
+                if isinstance(exc, TransferError):
+                    self._peers.pop(spec.remote_endpoint, None)
+                log.error("request %s: KV load from %s failed: %s", spec.request_id,
+                          spec.remote_endpoint, exc)
+            self._recving[spec.request_id] = recv
+
+    # prefill: holds
+    def hold(self, reqs: dict[str, float]) -> None:
+        now = self._clock()
+        with self._lock:
+            for rid, lease in reqs.items():
+                self._sending[rid] = now + lease
+
+    def _on_notify(self, note: Any) -> None:
+        payload: bytes = note.payload
+        if payload.startswith(_SENT_PREFIX):
+            with self._lock:
+                self._sent_early.add(payload[len(_SENT_PREFIX):].decode())
+
+    @property
+    def held(self) -> int:
+        with self._lock:
+            return len(self._sending)
+
+    def results(self) -> KVConnectorTransferResults:
+        out = KVConnectorTransferResults()
+        now = self._clock()
+        with self._lock:
+            for rid in list(self._sent_early):
+                if rid in self._sending:
+                    del self._sending[rid]
+                    self._sent_early.discard(rid)
+                    out.finished_sending.add(rid)
+                    self.stats["sent_requests"] += 1
+            for rid, deadline in list(self._sending.items()):
+                if deadline <= now:
+                    del self._sending[rid]
+                    out.finished_sending.add(rid)
+                    self.stats["lease_expired"] += 1
+                    log.warning("request %s: lease ran out before the decoder read its "
+                                "blocks; freeing them", rid)
+            # notifications for requests never held here (aborted) must not pile up
+            if len(self._sent_early) > 4096:
+                self._sent_early.clear()
+        for rid, recv in list(self._recving.items()):
+            handle = recv.handle
+            if handle is not None and handle.state is TransferState.PENDING:
+                continue
+            del self._recving[rid]
+            out.finished_recving.add(rid)
+            if handle is not None and handle.state is TransferState.DONE:
+                self.stats["recv_bytes"] += handle.nbytes
+                self.stats["recv_seconds"].append(self._clock() - recv.started)
+                continue
+            if handle is not None:
+                log.error("request %s: KV read failed: %s", rid, handle.error)
+            self.stats["recv_failed"] += 1
+            out.failed_recving.add(rid)
+            self._failed_blocks.update(recv.spec.local_block_ids)
+        return out
+
+    def take_failed_blocks(self) -> set[int]:
+        out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    def close(self) -> None:
+        """Closes the engine (in-flight reads fail) and forgets every request."""
+        engine, self.engine = self.engine, None
+        self._peers.clear()
+        if engine is not None:
+            engine.close()
+        _WORKERS.discard(self)
+
+    def __repr__(self) -> str:
+        return (f"<TEConnectorWorker {self.engine_name!r} layers={len(self._layers)} "
+                f"recving={len(self._recving)} held={len(self._sending)}>")
+
+
+# --- the connector vLLM instantiates ------------------------------------------------
+
+
+class TransferEngineConnector(KVConnectorBase_V1):
+    """vLLM's entry point: forwards to :class:`TEConnectorScheduler` (SCHEDULER role)
+    or :class:`TEConnectorWorker` (WORKER role)."""
+
+    _ids = itertools.count()
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        self.config = TEConnectorConfig.from_extra_config(dict(ktc.kv_connector_extra_config))
+        self.engine_id = str(ktc.engine_id)
+        if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
+            log.warning("kv_load_failure_policy=%r: a failed KV load fails the request; "
+                        "set 'recompute' to recompute it instead",
+                        ktc.kv_load_failure_policy)
+        block_size = int(vllm_config.cache_config.block_size)
+        self._kv_cache_cfg = kv_cache_config
+        self.scheduler: TEConnectorScheduler | None = None
+        self.worker: TEConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = TEConnectorScheduler(self.engine_id, block_size,
+                                                  self.config.lease_s)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+            config = self.config
+            if config.port:
+                config = TEConnectorConfig(config.host, config.port + rank,
+                                           config.transports, config.lease_s,
+                                           config.timeout_s)
+            mc = vllm_config.model_config
+            compat = {"model": str(mc.model), "dtype": str(mc.dtype),
+                      "block_size": block_size,
+                      "tp_size": vllm_config.parallel_config.tensor_parallel_size}
+            self.worker = TEConnectorWorker(
+                f"vllm-{self.engine_id}-tp{rank}-{next(self._ids)}", config, compat)
+
+    # worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        num_blocks = (self._kv_cache_cfg.num_blocks if self._kv_cache_cfg is not None
+                      else next(iter(kv_caches.values())).shape[1])
+        self.worker.register_kv_caches(kv_caches, int(num_blocks))
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self.worker.handshake_metadata() if self.worker is not None else None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TEConnectorMetadata)
+        if meta.reqs_to_send:
+            self.worker.hold(meta.reqs_to_send)
+        if meta.reqs_to_recv:
+            self.worker.start_load(meta.reqs_to_recv.values())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]
+                             ) -> KVConnectorTransferResults:
+        assert self.worker is not None
+        return self.worker.results()
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending, res.finished_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_failed_blocks() if self.worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+    # scheduler side
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]
+                                    ) -> None:
+        if self.scheduler is not None:
+            self.scheduler.set_handshake(metadata)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return tuple(range(len(self._kv_cache_cfg.kv_cache_groups))) \
+            if self._kv_cache_cfg is not None else (0,)
+
