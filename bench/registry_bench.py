@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -79,7 +80,7 @@ def join_to_visible(address: str, n: int) -> dict[str, float]:
                 stores.append(store)
                 engines.append(Engine(f"e{i}", transports=["tcp"], registry=store))
                 with cond:
-                    cond.wait_for(lambda i=i: f"e{i}" in seen, 10)
+                    cond.wait_for(functools.partial(seen.__contains__, f"e{i}"), 10)
                 lat.append(seen[f"e{i}"] - store.t0)
         finally:
             sub.close()

@@ -142,7 +142,8 @@ def test_truncated_and_padded_messages_are_rejected(msg: Message) -> None:
 
 
 @pytest.mark.parametrize("version", [None, 0, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1,
-                                     str(PROTOCOL_VERSION), [PROTOCOL_VERSION], "missing"])
+                                     str(PROTOCOL_VERSION), [PROTOCOL_VERSION],
+                                     float(PROTOCOL_VERSION), True, "missing"])
 def test_wrong_version_is_rejected(version: Any) -> None:
     raw = raw_of(Lookup(name="x"))
     if version == "missing":
@@ -152,7 +153,8 @@ def test_wrong_version_is_rejected(version: Any) -> None:
     rejected(pack(raw), "protocol version .* not supported")
 
 
-@pytest.mark.parametrize("kind", ["nope", "", "HELLO", 5, None, 1.5, b"hello", "missing"])
+@pytest.mark.parametrize("kind", ["nope", "", "HELLO", 5, None, 1.5, b"hello", ["lookup"],
+                                  {"lookup": 1}, "missing"])
 def test_unknown_kind_is_rejected(kind: Any) -> None:
     raw = raw_of(Lookup(name="x"))
     if kind == "missing":
@@ -182,10 +184,10 @@ def wrong_values(annotation: str) -> list[Any]:
     return {
         "str": [5, None, b"x", ["x"]],
         "int": ["1", 1.5, True, None],
-        "float": ["1", None, [1.0]],
+        "float": ["1", None, [1.0], True, float("nan"), float("inf")],
         "bool": [1, "true", None],
         "dict[str, Any]": [[], "x", None],
-        "list[dict[str, Any]]": [{}, "x", None],
+        "list[dict[str, Any]]": [{}, "x", None, [1, 2], [{}, "x"]],
         "list[Any]": [{}, "x", 3],
     }[annotation]
 
@@ -250,20 +252,9 @@ def test_random_bytes_never_raise_anything_but_protocol_error() -> None:
         decodes_or_protocol_error(rng.randbytes(rng.randint(0, 80)))
 
 
-def unhashable_kind(data: bytes) -> bool:
-    """Known bug (reported): decode raises TypeError when ``kind`` is a list or map."""
-    try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception:
-        return False
-    return (isinstance(raw, dict) and raw.get("v") == PROTOCOL_VERSION
-            and isinstance(raw.get("kind"), list | dict))
-
-
 def test_mutated_messages_never_raise_anything_but_protocol_error() -> None:
     rng = random.Random(13)
     encoded = [encode(m) for m in SAMPLES]
-    tried = 0
     for _ in range(3000):
         data = bytearray(rng.choice(encoded))
         for _ in range(rng.randint(1, 4)):
@@ -277,11 +268,7 @@ def test_mutated_messages_never_raise_anything_but_protocol_error() -> None:
                 data[pos:pos] = rng.randbytes(rng.randint(1, 8))
             if not data:
                 data = bytearray(b"\x80")
-        if unhashable_kind(bytes(data)):
-            continue
-        tried += 1
         decodes_or_protocol_error(bytes(data))
-    assert tried > 2500
 
 
 def random_value(rng: random.Random, depth: int = 0) -> Any:
@@ -317,8 +304,6 @@ def test_structured_fuzz_of_maps_with_almost_right_fields() -> None:
                 body[f.name] = (getattr(SAMPLES[list(KINDS.values()).index(cls)], f.name)
                                 if rng.random() < 0.7 else random_value(rng))
         kind = cls.kind if rng.random() < 0.8 else random_value(rng)
-        if isinstance(kind, list | dict):
-            continue  # known bug, reported: an unhashable kind raises TypeError
         raw = {"v": PROTOCOL_VERSION if rng.random() < 0.9 else random_value(rng),
                "kind": kind, "body": body if rng.random() < 0.95 else random_value(rng)}
         msg = decodes_or_protocol_error(pack(raw))

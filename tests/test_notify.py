@@ -150,3 +150,9 @@ def test_forget_peer_drops_only_that_peers_partial_transfers() -> None:
     assert counter.arrive("stays", 0, 2) == Notification("stays", 0, b"s")
     # a forgotten transfer starts over if the peer comes back
     assert counter.arrive("gone", 0, 2) is None
+
+
+@pytest.mark.parametrize("bound", [0, -1])
+def test_max_pending_below_one_is_refused(bound: int) -> None:
+    with pytest.raises(ValueError, match="max_pending must be >= 1"):
+        ImmediateCounter(max_pending=bound)

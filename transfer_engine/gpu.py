@@ -212,7 +212,7 @@ class StagingPool:
             self._cond.notify()
 
     def view(self, index: int, nbytes: int | None = None) -> memoryview:
-        return memoryview(self._arrays[index])[: nbytes or self.buffer_bytes]
+        return self._arrays[index].data[: nbytes or self.buffer_bytes]
 
     def address(self, index: int) -> int:
         return int(self._arrays[index].ctypes.data)

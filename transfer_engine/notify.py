@@ -43,6 +43,10 @@ class ImmediateCounter:
     _pending: dict[tuple[str, int], _Pending] = field(default_factory=dict)
     dropped: int = 0
 
+    def __post_init__(self) -> None:
+        if self.max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
+
     def arrive(self, peer: str, transfer_id: int, expected: int,
                payload: bytes | None = None) -> Notification | None:
         """Records one immediate; returns the notification when it was the last one."""

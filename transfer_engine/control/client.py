@@ -249,7 +249,7 @@ class RegistryClient:
                                                reason="absent from the registry"))
                 return False
             for ev in reply.events:
-                kind, name = ev.get("type"), ev.get("name")
+                kind, name = ev.get("type"), ev.get("name", "")
                 if kind in ("join", "update"):
                     self._upsert(MemberRecord.from_wire(ev.get("member"), peer="registry"))
                 elif kind in ("leave", "expire") and isinstance(name, str):

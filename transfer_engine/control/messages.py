@@ -14,6 +14,7 @@ Protocol versions:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -238,6 +239,26 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
 }
 
 
+def _field_error(annotation: str, value: Any) -> str | None:
+    """Why ``value`` does not fit a field annotated ``annotation`` (None: it fits).
+
+    bool is not accepted as a number, floats must be finite, and a list of maps must
+    hold only maps: a malformed message must fail here, not deep in engine code."""
+    expected = _FIELD_TYPES.get(annotation, object)
+    if not isinstance(value, expected):
+        return f"type {type(value).__name__}"
+    if annotation in ("int", "float") and isinstance(value, bool):
+        return "type bool"
+    if annotation == "float" and not math.isfinite(value):  # type: ignore[arg-type]
+        return f"type {type(value).__name__} (not finite)"
+    if annotation == "list[dict[str, Any]]":
+        items: list[Any] = value  # type: ignore[assignment]
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                return f"type list with a {type(item).__name__} at index {i}"
+    return None
+
+
 def encode(msg: Message) -> bytes:
     body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
     data: bytes = msgpack.packb({"v": PROTOCOL_VERSION, "kind": msg.kind, "body": body})
@@ -258,10 +279,11 @@ def decode(data: bytes, peer: str | None = None) -> Message:
     if not isinstance(raw, dict):
         raise ProtocolError("message is not a map", peer=peer)
     version = raw.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version!r} not supported (we speak "
                             f"{PROTOCOL_VERSION})", peer=peer)
-    cls = _KINDS.get(raw.get("kind"))  # type: ignore[arg-type]
+    kind = raw.get("kind")
+    cls = _KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message kind {raw.get('kind')!r}", peer=peer)
     if len(data) > cls.max_bytes:
@@ -275,9 +297,8 @@ def decode(data: bytes, peer: str | None = None) -> Message:
         if f.name not in body:
             raise ProtocolError(f"{cls.kind}: missing field {f.name!r}", peer=peer)
         value = body[f.name]
-        expected = _FIELD_TYPES.get(str(f.type), object)
-        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise ProtocolError(f"{cls.kind}: field {f.name!r} has type "
-                                f"{type(value).__name__}", peer=peer)
+        problem = _field_error(str(f.type), value)
+        if problem is not None:
+            raise ProtocolError(f"{cls.kind}: field {f.name!r} has {problem}", peer=peer)
         kwargs[f.name] = value
     return cls(**kwargs)

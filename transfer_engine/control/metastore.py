@@ -25,6 +25,7 @@ injectable clock; :class:`RegistryStore` is the embedded ZeroMQ registry.
 from __future__ import annotations
 
 import abc
+import builtins
 import enum
 import threading
 import time
@@ -248,7 +249,7 @@ class MemoryStore(MetadataStore):
         with self._lock:
             self._silent.add(name)
 
-    def sweep(self) -> list[str]:
+    def sweep(self) -> builtins.list[str]:
         """Expires silent records whose lease ran out; returns their names."""
         now = self._clock()
         with self._lock:

@@ -410,8 +410,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"REGISTRY {registry.endpoint} epoch={registry.epoch} "
               f"auth={'hmac' if auth.secret else 'none'}", flush=True)
         if args.stdin:
-            threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True,
-                             name="registry-stdin").start()
+            def stop_at_eof() -> None:
+                sys.stdin.read()
+                stop.set()
+            threading.Thread(target=stop_at_eof, daemon=True, name="registry-stdin").start()
         try:
             while not stop.wait(0.5):
                 pass
