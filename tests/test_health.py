@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import pytest
 
+from transfer_engine import Descriptor
 from transfer_engine.health import PeerHealth, TransportState, negotiate
 
 
@@ -84,3 +88,23 @@ def test_forced_demotion_and_backoff_cap() -> None:
     assert h.snapshot()["rdma"]["state"] == "demoted"
     with pytest.raises(ValueError):
         PeerHealth([], demote_after=0)
+
+
+def test_engine_feeds_peer_health_from_finished_transfers(make_engine: Any) -> None:
+    """Real engines over loopback TCP: each completed transfer is one success with its
+    latency."""
+    a = make_engine("a", transports=["tcp"])
+    b = make_engine("b", transports=["tcp"])
+    rng = np.random.default_rng(7)
+    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    b.register(dst, name="dst")
+    peer = a.connect(b.endpoint)
+    seg = a.register(src)
+    pairs = [(Descriptor(seg, 0, src.nbytes), Descriptor(peer.segment("dst"), 0, src.nbytes))]
+    for _ in range(3):
+        a.write(peer, pairs).wait(10)
+    assert np.array_equal(src, dst)
+    tcp = peer.health["tcp"]
+    assert tcp.successes == 3 and tcp.errors == 0
+    assert tcp.latency is not None and 0 < tcp.latency < 10

@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
@@ -93,6 +94,7 @@ class _Transfer:
     remaining: int = 0
     error: TransferError | None = None
     notifying: bool = False
+    started: float = 0.0  # monotonic start of the current attempt
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -687,6 +689,7 @@ class Engine:
             xfer.handle.transport = name
             xfer.remaining = len(works)
             xfer.error = None
+            xfer.started = time.monotonic()
         self._post(xfer, [(rails[wr.rail], w) for wr, w in zip(plan.requests, works, strict=True)])
 
     def _views(self, extents: list[Span]) -> list[memoryview]:
@@ -753,6 +756,8 @@ class Engine:
         self.stats["transfers_failed" if error else "transfers_done"] += 1
         if error is None:
             self.stats[f"bytes_{xfer.op}"] += xfer.handle.nbytes
+            if xfer.transports:
+                xfer.peer.succeeded(xfer.transports[0], time.monotonic() - xfer.started)
         xfer.handle._finish(error)
 
     # --- notifications ----------------------------------------------------------------

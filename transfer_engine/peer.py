@@ -18,6 +18,7 @@ from transfer_engine.control.messages import (
 from transfer_engine.errors import (
     ClosedError,
     InvalidDescriptorError,
+    PeerLostError,
     ProtocolError,
     RemoteError,
     TransferTimeout,
@@ -96,6 +97,7 @@ class Peer:
         self.order: list[str] = []  # transports in preference order, best first
         self.failures: dict[str, int] = {}
         self.health = PeerHealth([])  # filled as rails open (order.append)
+        self._health_lock = threading.Lock()  # completions arrive on several threads
         self.lost: str | None = None  # why the peer was declared lost (Engine.peer_lost)
         self._client = client
         self._timeout = timeout
@@ -139,15 +141,23 @@ class Peer:
                                          segment=name)
         return seg
 
+    def succeeded(self, transport: str, latency: float) -> None:
+        """A transfer over ``transport`` completed in ``latency`` seconds (feeds the
+        health EWMA and ends a re-probe)."""
+        with self._health_lock:
+            self.health.add(transport)
+            self.health.record_success(transport, latency)
+
     def demote(self, transport: str) -> None:
         """Moves ``transport`` behind the others after it failed (a transfer failed over);
         it is re-probed later (:meth:`reprobe`)."""
-        self.failures[transport] = self.failures.get(transport, 0) + 1
-        self.health.add(transport)
-        self.health.record_failure(transport, force=True)
-        if transport in self.order and len(self.order) > 1:
-            self.order.remove(transport)
-            self.order.append(transport)
+        with self._health_lock:
+            self.failures[transport] = self.failures.get(transport, 0) + 1
+            self.health.add(transport)
+            self.health.record_failure(transport, force=True)
+            if transport in self.order and len(self.order) > 1:
+                self.order.remove(transport)
+                self.order.append(transport)
 
     def reprobe(self) -> list[str]:
         """Moves demoted transports whose re-probe delay has passed back to the front, so
@@ -166,11 +176,17 @@ class Peer:
         return moved
 
     def fail(self, reason: str) -> None:
-        """Marks the peer lost: no transport is offered any more and its rails close
-        (their pending work completes with an error). Idempotent."""
+        """Marks the peer lost: no transport is offered any more and its rails close,
+        their pending work completing with ``PeerLostError``. Idempotent."""
         if self.lost is None:
             self.lost = reason
         self.order.clear()
+        if self._closed:
+            return
+        for name, rails in self.rails.items():
+            for rail in rails:
+                rail.abort(PeerLostError(f"peer lost: {reason}", peer=self.name,
+                                         transport=name))
         self.close()
 
     def close(self) -> None:

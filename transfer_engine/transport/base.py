@@ -122,6 +122,12 @@ class Rail(abc.ABC):
     def close(self) -> None:
         """Fails pending work with ``ClosedError``, then releases the path. Idempotent."""
 
+    def abort(self, error: TransferError) -> None:
+        """Closes the rail because its peer is known to be gone: pending work completes
+        with ``error`` (say, ``PeerLostError``) rather than ``ClosedError``. Idempotent;
+        rails that cannot tell the two apart just close."""
+        self.close()
+
     @property
     @abc.abstractmethod
     def closed(self) -> bool: ...

@@ -113,6 +113,7 @@ from transfer_engine.transport.rdma_verbs import (
     Device,
     import_pyverbs,
     open_devices,
+    translate,
     verbs,
 )
 
@@ -350,7 +351,7 @@ class RdmaRail(Rail):
             else:
                 prev.next_wr = wr
             prev = wr
-        with self.device.translate(PeerLostError, "ibv_post_send", peer=self.peer):
+        with translate(PeerLostError, "ibv_post_send", peer=self.peer):
             self._qp.post_send(head)
 
     def on_wc(self, wr_id: int, status: int, vendor_err: int) -> None:
@@ -398,6 +399,9 @@ class RdmaRail(Rail):
                 op=str(work.op), transport="rdma")))
 
     def close(self) -> None:
+        self.abort(None)
+
+    def abort(self, error: TransferError | None) -> None:
         with self._lock:
             if self._state == "CLOSED":
                 return
@@ -408,7 +412,7 @@ class RdmaRail(Rail):
             self._inflight.clear()
             self._backlog.clear()
         for work in pending:
-            self._on_complete(Completion(work, ClosedError(
+            self._on_complete(Completion(work, error or ClosedError(
                 "rail closed", peer=self.peer, op=str(work.op), transport="rdma")))
         self._transport.forget_rail(self)
         self._sock.close()

@@ -193,6 +193,12 @@ class Device:
             qp.to_init(attr)
         return qp
 
+    @staticmethod
+    def qp_key(qp: Any) -> int:
+        """The key of an inbound QP in receive work-request ids: its QP number, unique on
+        this device and 24 bits wide, so it fits beside a 20-bit buffer index."""
+        return int(qp.qp_num)
+
     def qp_info(self, qp: Any, psn: int) -> QpInfo:
         return QpInfo(qp.qp_num, self.lid, self.gid, self.gid_index, psn, self.mtu,
                       self.name, self.port)

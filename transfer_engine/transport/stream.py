@@ -329,6 +329,7 @@ class StreamRail(Rail):
         with self._lock:
             if self._failure is None:
                 self._failure = error
+            error = self._failure  # the first cause wins: a later close keeps it
             pending = list(self._pending)
             self._pending.clear()
         for work in pending:
@@ -346,6 +347,12 @@ class StreamRail(Rail):
             if queued is not None:
                 self._complete(queued, error)
         self._queue.put(None)
+
+    def abort(self, error: TransferError) -> None:
+        with self._lock:
+            if self._failure is None and not self._closed:
+                self._failure = error
+        self.close()
 
     def close(self) -> None:
         with self._lock:
