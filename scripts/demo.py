@@ -1,11 +1,12 @@
 """Demo: a prefill worker hands a request's paged KV cache to a decode worker.
 
-The decode worker runs in a second process with its own vLLM-style KV cache (one tensor
-per layer, ``[2, num_blocks, block_size, kv_heads, head_dim]``). The prefill worker (this
-process) connects to it peer to peer, writes the request's blocks into the blocks the
-decode worker allocated, and the decode worker, notified once every byte landed, checks
-them against a digest carried in the notification. Runs once over the same-host path and
-once over TCP.
+This process starts a membership registry in-process (no server to install) and plays
+the prefill worker. The decode worker runs in a second process with its own vLLM-style KV
+cache (one tensor per layer, ``[2, num_blocks, block_size, kv_heads, head_dim]``) and
+joins the registry; the prefill worker finds it there by role, connects, writes the
+request's blocks into the blocks the decode worker allocated, and the decode worker,
+notified once every byte landed, checks them against a digest carried in the
+notification. Runs once over the same-host path and once over TCP.
 
     python3 scripts/demo.py [--layers 8] [--blocks 64]
 """
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from transfer_engine import Descriptor, Engine, Segment  # noqa: E402
+from transfer_engine.control.registry import Registry  # noqa: E402
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 512, 16, 8, 128
 
@@ -70,12 +72,13 @@ def digest(tensors: list[Any], blocks: list[int]) -> str:
     return h.hexdigest()
 
 
-def decode_worker(layers: int, transports: str) -> None:
+def decode_worker(layers: int, transports: str, registry: str) -> None:
     cache = make_cache(layers, seed=2)
-    with Engine("decode-0", transports=transports.split(",")) as engine:
+    with Engine("decode-0", transports=transports.split(","), registry=registry,
+                role="decode") as engine:
         for i, t in enumerate(cache):
             engine.register(t, name=f"layer{i}")
-        print("ENDPOINT", engine.endpoint, flush=True)
+        print("READY", flush=True)
         for _ in range(2):
             notes = engine.notifications(timeout=60)
             if not notes:
@@ -86,20 +89,33 @@ def decode_worker(layers: int, transports: str) -> None:
             print("RESULT", "ok" if ok else "MISMATCH", notes[0].peer, flush=True)
 
 
-def run_pair(layers: int, blocks: int, transports: str) -> None:
+def find_decode(engine: Engine, timeout: float = 10.0) -> str:
+    """The name of a decode worker in the registry (it may take a heartbeat to show)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        members = engine.members("decode")
+        if members:
+            return members[0].name
+        time.sleep(0.05)
+    raise SystemExit("no decode worker joined the registry")
+
+
+def run_pair(layers: int, blocks: int, transports: str, registry: str) -> None:
     proc = subprocess.Popen([sys.executable, __file__, "--role", "decode", "--layers",
-                             str(layers), "--transports", transports],
+                             str(layers), "--transports", transports, "--registry", registry],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     try:
-        endpoint = proc.stdout.readline().split()[1]
+        if proc.stdout.readline().strip() != "READY":
+            raise SystemExit("decode worker did not start")
         cache = make_cache(layers, seed=1)
         rng = np.random.default_rng(0)
         src_blocks = sorted(rng.choice(NUM_BLOCKS, blocks, replace=False).tolist())
         dst_blocks = sorted(rng.choice(NUM_BLOCKS, blocks, replace=False).tolist())
-        with Engine("prefill-0", transports=transports.split(",")) as engine:
+        with Engine("prefill-0", transports=transports.split(","), registry=registry,
+                    role="prefill") as engine:
             segs: list[Segment] = [engine.register(t) for t in cache]
-            peer = engine.connect(endpoint)
+            peer = engine.connect(find_decode(engine))  # by name, through the registry
             remote = [peer.segment(f"layer{i}") for i in range(layers)]
             pairs = []
             for layer, t in enumerate(cache):
@@ -138,14 +154,17 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--blocks", type=int, default=64, help="blocks of the request")
     parser.add_argument("--transports", default="shm,tcp")
+    parser.add_argument("--registry", help="registry endpoint (default: start one here)")
     args = parser.parse_args()
     if args.role == "decode":
-        decode_worker(args.layers, args.transports)
+        decode_worker(args.layers, args.transports, args.registry)
         return
-    print(f"prefill -> decode, KV cache [2, {NUM_BLOCKS}, {BLOCK_SIZE}, {KV_HEADS}, "
-          f"{HEAD_DIM}] bf16 per layer, {args.blocks} scattered blocks per layer:")
-    run_pair(args.layers, args.blocks, "shm,tcp")
-    run_pair(args.layers, args.blocks, "tcp")
+    with Registry("tcp://127.0.0.1:0") as registry:
+        print(f"registry at {registry.endpoint} (in-process); prefill -> decode, KV cache "
+              f"[2, {NUM_BLOCKS}, {BLOCK_SIZE}, {KV_HEADS}, {HEAD_DIM}] bf16 per layer, "
+              f"{args.blocks} scattered blocks per layer:")
+        run_pair(args.layers, args.blocks, "shm,tcp", registry.endpoint)
+        run_pair(args.layers, args.blocks, "tcp", registry.endpoint)
 
 
 if __name__ == "__main__":
