@@ -13,8 +13,10 @@ other::
 
 The initiator runs ``--threads`` threads; each submits batches of ``--batch_size`` blocks
 of ``--block_size`` bytes and waits for each batch, for ``--duration`` seconds after a
-warm-up. Unless ``--contiguous``, the blocks of a batch sit in shuffled slots on both
-sides, so the engine cannot coalesce them into fewer, larger pieces.
+warm-up: one batch in flight per thread, as in Mooncake's bench (whose blocks are
+contiguous with one thread). Unless ``--contiguous``, the blocks of a batch sit in
+shuffled slots on both sides, so the engine cannot coalesce them into fewer, larger
+pieces. ``--rails`` and ``--slice_size`` override the tcp/shm transports' tuning.
 
 Reported per run and as the median of ``--repeat`` runs: GB/s (1e9 bytes/s), blocks
 and batches per second, batch latency p50/p99, and CPU seconds per GB for the initiator
@@ -108,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="blocks of a batch in consecutive slots (coalescable)")
     p.add_argument("--rails", type=int, default=None,
                    help="rails per peer (default: the transport's own)")
+    p.add_argument("--slice_size", type=_size, default=None,
+                   help="bytes per work request on tcp/shm (default: the transport's own)")
     p.add_argument("--warmup", type=float, default=0.5, help="seconds before each run")
     p.add_argument("--seed", type=int, default=1234,
                    help="the target fills its buffer from this seed (checks READs)")
@@ -137,8 +141,9 @@ def _check_flags(a: argparse.Namespace) -> None:
     if a.mode == "initiator" and not a.local and not a.segment_id:
         raise UsageError("--mode initiator needs --segment_id (the target's endpoint) "
                          "or --local")
-    if a.protocol == "rdma" and a.rails is not None:
-        raise UsageError("--rails is for tcp and shm; rdma opens one rail per NIC pair")
+    if a.protocol == "rdma" and (a.rails is not None or a.slice_size is not None):
+        raise UsageError("--rails and --slice_size are for tcp and shm; rdma opens one "
+                         "rail per NIC pair")
 
 
 def make_transports(a: argparse.Namespace) -> list[Any] | None:
@@ -157,13 +162,18 @@ def make_transports(a: argparse.Namespace) -> list[Any] | None:
             msg = " ".join(str(exc).split())
             raise UsageError(f"--protocol rdma needs {what} with an active port, "
                              f"none usable here: {msg}") from None
-    if a.rails is None:
+    if a.rails is None and a.slice_size is None:
         return {"tcp": ["tcp"], "shm": ["shm", "tcp"], "auto": None}[a.protocol]
     from transfer_engine.transport.tcp import TcpTransport
-    tcp = TcpTransport(host=a.host, rails=a.rails)
+    tuning: dict[str, int] = {}
+    if a.rails is not None:
+        tuning["rails"] = a.rails
+    if a.slice_size is not None:
+        tuning["slice_size"] = a.slice_size
+    tcp = TcpTransport(host=a.host, **tuning)
     if a.protocol == "shm" or a.protocol == "auto":
         from transfer_engine.transport.shm import ShmTransport
-        return [ShmTransport(rails=a.rails), tcp]
+        return [ShmTransport(**tuning), tcp]
     return [tcp]
 
 
@@ -230,6 +240,8 @@ class LocalTarget:
                 "--repeat", str(a.repeat), "--grace", str(self.grace(a))]
         if a.rails is not None:
             args += ["--rails", str(a.rails)]
+        if a.slice_size is not None:
+            args += ["--slice_size", str(a.slice_size)]
         if a.device_name:
             args += ["--device_name", a.device_name]
         self.child = Child(args)
@@ -544,8 +556,8 @@ def summarize(a: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "protocol": a.protocol, "transport": res["transport"], "operation": a.operation,
         "block_size": a.block_size, "batch_size": a.batch_size, "threads": a.threads,
-        "rails": res["rails"], "contiguous": a.contiguous, "duration": a.duration,
-        "repeat": a.repeat, "buffer_size": a.buffer_size,
+        "rails": res["rails"], "slice_size": a.slice_size, "contiguous": a.contiguous,
+        "duration": a.duration, "repeat": a.repeat, "buffer_size": a.buffer_size,
         "coalescable_pairs": res["coalescable_pairs"],
     }
     for k in keys:

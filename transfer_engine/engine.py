@@ -65,10 +65,11 @@ from transfer_engine.errors import (
 from transfer_engine.handle import TransferHandle
 from transfer_engine.notify import ImmediateCounter, Notification
 from transfer_engine.peer import ControlClient, Peer
-from transfer_engine.planner import Pair, Span, plan_transfer
+from transfer_engine.planner import Columns, WorkRequest, plan_columns
 from transfer_engine.segment import RemoteSegment, Segment, describe_memory
 from transfer_engine.transport import load_transport
 from transfer_engine.transport.base import Completion, Immediate, Transport, Work
+from transfer_engine.transport.iovec import iovec_array
 from transfer_engine.transport.shm import host_id
 
 __all__ = ["Engine"]
@@ -80,6 +81,25 @@ DEFAULT_TRANSPORTS = ("shm", "rdma", "tcp")  # best first; missing ones are skip
 _FALLBACK_ERRORS = (NotSupportedError, PeerLostError)
 
 
+def _in_bounds(nums: np.ndarray, llen: int | np.ndarray, rlen: int | np.ndarray
+               ) -> int | None:
+    """The bytes of the (local offset, local length, remote offset, remote length)
+    columns of ``nums`` if every pair is a non-empty range inside its segments with equal
+    lengths on both sides, else None."""
+    lo, ll, ro, rl = nums
+    if isinstance(llen, int) and isinstance(rlen, int):
+        low, high = nums.min(axis=1).tolist(), nums.max(axis=1).tolist()
+        if 0 < low[1] == high[1] == low[3] == high[3]:  # one block length: the extremes
+            ok = (low[0] >= 0 and low[2] >= 0 and high[0] + high[1] <= llen
+                  and high[2] + high[1] <= rlen)
+            return len(ll) * high[1] if ok else None
+    # subtracting keeps every term in range: no int64 wrap-around
+    ok = (ll > 0) & (lo >= 0) & (ro >= 0) & (lo <= llen - ll) & (ro <= rlen - ll)
+    if bool(ok.all()) and bool(np.array_equal(ll, rl)):
+        return int(ll.sum())
+    return None
+
+
 @dataclass(eq=False)
 class _Transfer:
     """Engine-side state of one transfer across its attempts."""
@@ -87,7 +107,7 @@ class _Transfer:
     handle: TransferHandle
     peer: Peer
     op: Op
-    pairs: list[Pair]
+    extents: Columns
     notify: bytes | None
     transports: list[str]
     local_segments: list[Segment]
@@ -140,6 +160,7 @@ class Engine:
         self._seg_ids = itertools.count(1)
         self._transfer_ids = itertools.count(1)
         self._wr_ids = itertools.count(1)
+        self._rail_turns = itertools.count()
         self._peers: dict[str, Peer] = {}
         self._live: dict[int, _Transfer] = {}
         self._counter = ImmediateCounter()
@@ -561,7 +582,7 @@ class Engine:
             raise InvalidDescriptorError("notify must be bytes of at most 64 KiB",
                                          peer=peer.name, op=str(op))
         extents, locals_ = self._validate(op, peer, pairs)
-        nbytes = sum(loc[2] for loc, _ in extents)
+        nbytes = extents.nbytes
         handle = TransferHandle(next(self._transfer_ids), op, peer.name, nbytes)
         pinned: list[Segment] = []
         try:
@@ -581,10 +602,11 @@ class Engine:
         return handle
 
     def _validate(self, op: Op, peer: Peer, pairs: Sequence[tuple[Descriptor, Descriptor]]
-                  ) -> tuple[list[Pair], list[Segment]]:
-        """Checks every pair before anything moves; returns extents and local segments.
+                  ) -> tuple[Columns, list[Segment]]:
+        """Checks every pair before anything moves; returns the pairs as planner columns
+        and the local segments they use.
 
-        One pass over plain tuples and one vectorised bounds check keep this cheap for
+        One pass over the descriptors and a few array checks keep this cheap for
         thousands of small blocks; any failure is re-checked pair by pair for a precise
         error.
         """
@@ -592,35 +614,42 @@ class Engine:
             raise InvalidDescriptorError("a transfer needs at least one pair", peer=peer.name,
                                          op=str(op))
         try:
-            rows = [(loc.segment, loc.offset, loc.length, rem.segment, rem.offset, rem.length)
-                    for loc, rem in pairs]
+            ls, lo, ll, rs, ro, rl = zip(*[(loc.segment, loc.offset, loc.length, rem.segment,
+                                            rem.offset, rem.length) for loc, rem in pairs],
+                                         strict=True)
         except (TypeError, ValueError, AttributeError):
-            rows = None
-        if rows is not None:
-            lsegs = {id(r[0]): r[0] for r in rows}
-            rsegs = {id(r[3]): r[3] for r in rows}
+            ls = ()
+        if ls:
+            count = len(ls)
+            uniform = ls.count(ls[0]) == count and rs.count(rs[0]) == count
+            lsegs = [ls[0]] if uniform else list({id(s): s for s in ls}.values())
+            rsegs = [rs[0]] if uniform else list({id(s): s for s in rs}.values())
             write = op is Op.WRITE
             segs_ok = all(isinstance(seg, Segment) and self._segments.get(seg.id) is seg
                           and not seg.closed and (write or seg.writable)
-                          for seg in lsegs.values()) and all(
+                          for seg in lsegs) and all(
                 isinstance(seg, RemoteSegment) and seg.peer == peer.name
-                and (seg.writable or not write) for seg in rsegs.values())
-            if segs_ok:
-                nums = np.array([(r[1], r[2], r[4], r[5]) for r in rows], dtype=np.int64)
-                lo, ll, ro, rl = nums.T
-                llen: int | np.ndarray
-                rlen: int | np.ndarray
-                if len(lsegs) == 1 and len(rsegs) == 1:
-                    llen = next(iter(lsegs.values())).length
-                    rlen = next(iter(rsegs.values())).length
+                and (seg.writable or not write) for seg in rsegs)
+            try:
+                nums = np.array((lo, ll, ro, rl)) if segs_ok else None
+            except (TypeError, ValueError, OverflowError):
+                nums = None
+            if nums is not None and nums.dtype.kind == "i":
+                nlo, nll, nro, _ = nums
+                if uniform:
+                    nbytes = _in_bounds(nums, lsegs[0].length, rsegs[0].length)
                 else:
-                    llen = np.array([r[0].length for r in rows], dtype=np.int64)
-                    rlen = np.array([r[3].length for r in rows], dtype=np.int64)
-                ok = ((ll > 0) & (ll == rl) & (lo >= 0) & (ro >= 0) & (lo + ll <= llen)
-                      & (ro + rl <= rlen))
-                if bool(ok.all()):
-                    extents = [((r[0].id, r[1], r[2]), (r[3].id, r[4], r[5])) for r in rows]
-                    return extents, [s for s in lsegs.values() if isinstance(s, Segment)]
+                    nbytes = _in_bounds(nums, np.array([s.length for s in ls], dtype=np.int64),
+                                        np.array([s.length for s in rs], dtype=np.int64))
+                if nbytes is not None:
+                    if uniform:
+                        cols = Columns.uniform(lsegs[0].id, nlo, rsegs[0].id, nro, nll,
+                                               nbytes)
+                    else:
+                        cols = Columns(np.array([s.id for s in ls], dtype=np.int64), nlo,
+                                       np.array([s.id for s in rs], dtype=np.int64), nro,
+                                       nll, nbytes=nbytes)
+                    return cols, [s for s in lsegs if isinstance(s, Segment)]
         self._validate_each(op, peer, pairs)
         raise InvalidDescriptorError("descriptors failed validation", peer=peer.name,
                                      op=str(op))
@@ -669,22 +698,33 @@ class Engine:
         name = xfer.transports[0]
         transport = self._transports[name]
         rails = xfer.peer.rails[name]
+        if len(rails) > 1:  # transfers smaller than two shares take turns across rails
+            turn = next(self._rail_turns) % len(rails)
+            rails = rails[turn:] + rails[:turn]
         caps = transport.capabilities
         weights = [float(getattr(rail, "weight", 1.0)) for rail in rails]
-        plan = plan_transfer(xfer.pairs, num_rails=len(rails), slice_size=caps.slice_size,
-                             max_sge=caps.max_sge, max_wr_bytes=caps.max_wr_bytes,
-                             remote_scatter=caps.remote_scatter, weights=weights)
+        plan = plan_columns(xfer.extents, num_rails=len(rails), slice_size=caps.slice_size,
+                            max_sge=caps.max_sge, max_wr_bytes=caps.max_wr_bytes,
+                            remote_scatter=caps.remote_scatter, weights=weights,
+                            min_split=caps.min_split)
         transfer_id = next(self._transfer_ids)  # fresh per attempt: counts never mix
         notify_pending = xfer.notify is not None and xfer.op is Op.WRITE
         works: list[Work] = []
+        host = all(seg.device == "cpu" for seg in xfer.local_segments)
+        if not host and not caps.device_memory:
+            self._finish(xfer, NotSupportedError(
+                f"{name} cannot move device memory", peer=xfer.peer.name, op=str(xfer.op),
+                transport=name))
+            return
         for wr in plan.requests:
             imm = None
             if wr.imm and xfer.op is Op.WRITE and xfer.notify is not None:
                 imm = Immediate(transfer_id, plan.rails_used,
                                 xfer.notify if notify_pending else None)
                 notify_pending = False
+            iov = self._iov(wr, xfer.local_segments) if host else None
             works.append(Work(next(self._wr_ids), xfer.op, wr.local, wr.remote, wr.nbytes,
-                              imm, self._views(wr.local), xfer))
+                              imm, iov, xfer))
         with xfer.lock:
             xfer.handle.transport = name
             xfer.remaining = len(works)
@@ -692,16 +732,18 @@ class Engine:
             xfer.started = time.monotonic()
         self._post(xfer, [(rails[wr.rail], w) for wr, w in zip(plan.requests, works, strict=True)])
 
-    def _views(self, extents: list[Span]) -> list[memoryview]:
-        segments = self._segments
-        bases: dict[int, memoryview] = {}
-        out = []
-        for seg_id, offset, length in extents:
-            base = bases.get(seg_id)
-            if base is None:
-                base = bases[seg_id] = segments[seg_id].view()
-            out.append(base[offset:offset + length])
-        return out
+    @staticmethod
+    def _iov(wr: WorkRequest, segments: list[Segment]) -> np.ndarray:
+        """The (address, length) rows of a request's local pieces (pinned host memory)."""
+        pieces = wr.pieces
+        if pieces is None:
+            pieces = Columns.from_pairs([(loc, loc) for loc in wr.local])
+        if len(segments) == 1:
+            return iovec_array(pieces.loff + segments[0].address, pieces.length)
+        address = np.zeros(len(pieces), dtype=np.int64)
+        for seg in segments:
+            address[pieces.lseg == seg.id] = seg.address
+        return iovec_array(pieces.loff + address, pieces.length)
 
     def _post(self, xfer: _Transfer, items: list[tuple[Any, Work]]) -> None:
         for i, (rail, work) in enumerate(items):
@@ -740,7 +782,7 @@ class Engine:
             xfer.notifying = True
             name = xfer.transports[0]
             work = Work(next(self._wr_ids), Op.WRITE, [], [], 0,
-                        Immediate(next(self._transfer_ids), 1, xfer.notify), [], xfer)
+                        Immediate(next(self._transfer_ids), 1, xfer.notify), None, xfer)
             with xfer.lock:
                 xfer.remaining = 1
             self._post(xfer, [(xfer.peer.rails[name][0], work)])

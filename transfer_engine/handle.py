@@ -29,7 +29,7 @@ class TransferHandle:
     """
 
     __slots__ = ("id", "op", "peer", "nbytes", "transport", "_state", "_error",
-                 "_bytes_done", "_event", "_lock", "__weakref__")
+                 "_bytes_done", "_latch", "_lock", "__weakref__")
 
     def __init__(self, transfer_id: int, op: Op, peer: str, nbytes: int) -> None:
         self.id = transfer_id
@@ -40,7 +40,10 @@ class TransferHandle:
         self._state = TransferState.PENDING
         self._error: TransferError | None = None
         self._bytes_done = 0
-        self._event = threading.Event()
+        # held while pending, released once by _finish; each waiter passes it on. One
+        # futex hand-off wakes a waiter (an Event takes a condition and two locks).
+        self._latch = threading.Lock()
+        self._latch.acquire()
         self._lock = threading.Lock()
 
     @property
@@ -61,10 +64,12 @@ class TransferHandle:
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until the transfer finished; raises its error, or ``TransferTimeout``
         (the transfer goes on; wait again or close the engine to abandon it)."""
-        if not self._event.wait(timeout):
-            raise TransferTimeout(f"transfer {self.id} not finished after {timeout}s",
-                                  peer=self.peer, op=str(self.op), transport=self.transport,
-                                  length=self.nbytes)
+        if self._state is TransferState.PENDING:
+            if not self._latch.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+                raise TransferTimeout(f"transfer {self.id} not finished after {timeout}s",
+                                      peer=self.peer, op=str(self.op),
+                                      transport=self.transport, length=self.nbytes)
+            self._latch.release()
         if self._error is not None:
             raise self._error
 
@@ -84,7 +89,7 @@ class TransferHandle:
                 self._state = TransferState.FAILED
             else:
                 self._state = TransferState.DONE
-        self._event.set()
+        self._latch.release()
         return True
 
     def __repr__(self) -> str:

@@ -28,7 +28,7 @@ Protocol (who calls what, in which order):
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -53,6 +53,7 @@ class Capabilities:
     device_memory: bool = False  # can move cuda:N memory without host staging
     default_rails: int = 1
     slice_size: int = 1 << 20  # preferred work request size
+    min_split: int = 64 << 10  # smallest share of a transfer worth a rail of its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,11 +71,13 @@ class Work:
 
     wr_id: int
     op: Op
-    local: list[tuple[int, int, int]]  # (segment id, offset, length) pieces, in order
-    remote: list[tuple[int, int, int]]
+    local: Sequence[tuple[int, int, int]]  # (segment id, offset, length) pieces, in order
+    remote: Sequence[tuple[int, int, int]]
     nbytes: int
     imm: Immediate | None = None
-    views: list[memoryview] | None = None  # local byte views (host-memory transports)
+    # host memory of the local pieces as an (n, 2) uint64 array of (address, length)
+    # rows, for transports that move host bytes themselves (tcp, shm); None otherwise
+    iov: Any = None
     context: Any = None  # the engine's bookkeeping; transports leave it alone
 
 

@@ -48,13 +48,14 @@ from transfer_engine.transport.base import Capabilities, Host, OnComplete, Rail,
 from transfer_engine.transport.stream import (
     KIND_READ,
     KIND_WRITE,
-    LOCAL_DT,
     Connection,
     StreamRail,
     StreamServer,
+    Targets,
     encode_request,
     hello,
-    send_views,
+    pack_local,
+    send_bytes,
 )
 
 __all__ = ["ShmTransport", "host_id"]
@@ -148,36 +149,36 @@ def _translate(exc: OSError, conn: Connection, op: str) -> TransferError:
                          transport="shm")
 
 
-def _segment_addresses(remote: np.ndarray, host: Host, peer: str,
-                       op: str) -> list[tuple[int, int]]:
-    out = []
-    for seg_id, offset, length in remote.tolist():
-        seg = host.local_segment(seg_id, peer=peer, op=op)
-        out.append((seg.address + offset, length))
-    return out
-
-
 class ShmRail(StreamRail):
     transport_name = "shm"
 
-    def _request_parts(self, work: Work) -> list[Any]:
-        local = np.array([(self._host.local_segment(seg_id).address + offset, length)
-                          for seg_id, offset, length in work.local], dtype=LOCAL_DT)
+    def _send_request(self, work: Work) -> None:
+        if work.iov is not None:  # (address, length) rows: the LOCAL_DT layout
+            local = np.ascontiguousarray(work.iov, dtype="<u8").tobytes()
+        else:
+            bases: dict[int, int] = {}
+            pieces = []
+            for seg_id, offset, length in work.local:
+                base = bases.get(seg_id)
+                if base is None:
+                    base = bases[seg_id] = self._host.local_segment(seg_id).address
+                pieces.append((base + offset, length))
+            local = pack_local(pieces)
         kind = KIND_WRITE if work.op is Op.WRITE else KIND_READ
-        return encode_request(kind, work, local=local)
+        send_bytes(self._sock, encode_request(kind, work, local=local))
 
 
 class ShmServer(StreamServer):
     transport_name = "shm"
 
-    def _copy(self, conn: Connection, remote: np.ndarray, local: np.ndarray | None,
+    def _copy(self, conn: Connection, views: Targets, local: np.ndarray | None,
               write_to_peer: bool, op: str) -> None:
         if local is None:
             raise NotSupportedError("shm request without initiator addresses",
                                     peer=conn.peer, op=op, transport="shm")
-        ours = _segment_addresses(remote, self._host, conn.peer, op)
-        theirs = [(int(a), int(n)) for a, n in local.tolist()]
-        if sum(n for _, n in ours) != sum(n for _, n in theirs):
+        ours = views.iov.tolist()
+        theirs = local.tolist()
+        if views.nbytes != sum(n for _, n in theirs):
             raise NotSupportedError("shm request sizes disagree", peer=conn.peer, op=op,
                                     transport="shm")
         try:
@@ -185,18 +186,18 @@ class ShmServer(StreamServer):
         except OSError as exc:
             raise _translate(exc, conn, op) from exc
 
-    def land(self, conn: Connection, views: list[memoryview], remote: np.ndarray,
+    def land(self, conn: Connection, views: Targets, remote: np.ndarray,
              local: np.ndarray | None) -> None:
-        self._copy(conn, remote, local, write_to_peer=False, op="write")
+        self._copy(conn, views, local, write_to_peer=False, op="write")
 
-    def serve(self, conn: Connection, wr_id: int, views: list[memoryview],
+    def serve(self, conn: Connection, wr_id: int, views: Targets,
               remote: np.ndarray, local: np.ndarray | None) -> None:
         try:
-            self._copy(conn, remote, local, write_to_peer=True, op="read")
+            self._copy(conn, views, local, write_to_peer=True, op="read")
         except TransferError as exc:
-            send_views(conn.sock, self._answer(wr_id, exc))
+            send_bytes(conn.sock, self._answer(wr_id, exc))
             return
-        send_views(conn.sock, self._answer(wr_id, None))
+        send_bytes(conn.sock, self._answer(wr_id, None))
 
 
 def _allow_attach() -> None:
@@ -219,8 +220,9 @@ class ShmTransport(Transport):
 
     def __init__(self, rails: int = 2, slice_size: int = 4 << 20,
                  socket_dir: str | None = None) -> None:
-        self._rails_default = rails
-        self._slice = slice_size
+        self._caps = Capabilities(max_sge=1000, max_wr_bytes=256 << 20, remote_scatter=True,
+                                  same_host_only=True, default_rails=rails,
+                                  slice_size=slice_size, min_split=1 << 20)
         self._dir = socket_dir or tempfile.gettempdir()
         self._path: str | None = None
         self._server: ShmServer | None = None
@@ -230,9 +232,7 @@ class ShmTransport(Transport):
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(max_sge=1000, max_wr_bytes=256 << 20, remote_scatter=True,
-                            same_host_only=True, default_rails=self._rails_default,
-                            slice_size=self._slice)
+        return self._caps
 
     def start(self, host: Host) -> dict[str, Any]:
         self._host = host

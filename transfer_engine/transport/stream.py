@@ -8,11 +8,11 @@ the immediate after the bytes, and answers.
 
 Wire format (little-endian; one request, one answer, in order on each connection):
 
-    request  = header(32) remote[n_remote](20 each) local[n_local](16 each)
+    request  = header(32) remote[n_remote](24 each) local[n_local](16 each)
                body[body_len] payload
     header   = kind u8, flags u8, n_remote u16, n_local u16, pad u16, body_len u32,
                wr_id u64, transfer_id u64, expected u32
-    remote   = segment u32, offset u64, length u64        (target memory)
+    remote   = segment u64, offset u64, length u64        (target memory)
     local    = address u64, length u64                    (initiator memory, shm only)
     body     = HELLO: msgpack {name, version, pid}; WRITE with immediate: notify bytes
     payload  = the bytes (tcp WRITE only)
@@ -20,21 +20,29 @@ Wire format (little-endian; one request, one answer, in order on each connection
                body_len u32, wr_id u64; body = msgpack error details; then, for a tcp
                READ that succeeded, the bytes.
 
-Subclasses say only how the payload moves (:meth:`_Server.land` / :meth:`_Server.serve`
-on the target, :meth:`StreamRail._request_parts` / :meth:`StreamRail._take_read` on the
-initiator).
+Entries are whole 64-bit words, so the target reads them as one aligned ``(n, 3)``
+array and checks a request of a thousand blocks with a handful of array operations.
+Versions (``version`` in the HELLO): 1, 20-byte remote entries (segment u32); 2, the
+24-byte entries above.
+
+Subclasses say only how the payload moves (:meth:`StreamServer.land` /
+:meth:`StreamServer.serve` on the target, :meth:`StreamRail._send_request` /
+:meth:`StreamRail._take_read` on the initiator).
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import os
 import queue
 import socket
 import struct
 import threading
-from collections.abc import Iterable, Sequence
+from bisect import bisect_right
+from collections.abc import Iterator, Sequence
+from itertools import accumulate, chain
 from typing import Any
 
 import msgpack
@@ -43,27 +51,34 @@ import numpy as np
 from transfer_engine.descriptor import Op
 from transfer_engine.errors import (
     ClosedError,
+    InvalidDescriptorError,
+    NotSupportedError,
     PeerLostError,
     ProtocolError,
     TransferError,
     error_code,
     error_from_wire,
 )
+from transfer_engine.planner import Spans
+from transfer_engine.segment import Segment
 from transfer_engine.transport.base import Completion, Host, Immediate, OnComplete, Rail, Work
+from transfer_engine.transport.iovec import IOVEC_IO, iov_views, recv_iov, send_iov
 
 log = logging.getLogger(__name__)
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 KIND_HELLO, KIND_WRITE, KIND_READ, KIND_ANSWER = 1, 2, 3, 0x81
 FLAG_IMM = 1
 HEADER = struct.Struct("<BBHHHIQQI")
 ANSWER = struct.Struct("<BBHIQ")
-REMOTE_DT = np.dtype([("segment", "<u4"), ("offset", "<u8"), ("length", "<u8")])
+REMOTE_WORDS = 3  # segment, offset, length: u64 each
 LOCAL_DT = np.dtype([("address", "<u8"), ("length", "<u8")])
 MAX_ENTRIES = 1024  # IOV_MAX: one request is one gathered system call
 MAX_BODY = 1 << 20
 MAX_REQUEST_BYTES = 1 << 30
 _IOV_CHUNK = 1000  # sendmsg/recvmsg_into take at most IOV_MAX buffers
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
+EARLY_HEAD_BYTES = 256 << 10
 
 
 class PeerClosed(Exception):
@@ -71,62 +86,138 @@ class PeerClosed(Exception):
 
 
 # --- byte moving helpers -------------------------------------------------------------
+# Byte buffers are bytes or byte-format memoryviews (``len`` is their size in bytes).
+# Each helper makes one system call in the common case, for any number of buffers:
+# MSG_WAITALL lets the kernel fill a whole scatter list before waking us, and the
+# cursor arithmetic after a short call runs only when one happened.
 
-def recv_into_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
-    """Fills ``views`` in order from ``sock``, scattering with recvmsg_into."""
-    bufs = [v for v in views if len(v)]
-    i = 0
-    while i < len(bufs):
-        try:
-            n = sock.recvmsg_into(bufs[i:i + _IOV_CHUNK])[0]
-        except OSError as exc:
-            raise PeerClosed(str(exc)) from exc
-        if n == 0:
-            raise PeerClosed("connection closed by peer")
-        while n:
-            size = len(bufs[i])
-            if n >= size:
-                n -= size
-                i += 1
-            else:
-                bufs[i] = bufs[i][n:]
-                n = 0
+def _recv_into(sock: socket.socket, bufs: Sequence[Any]) -> int:
+    try:
+        n = sock.recvmsg_into(bufs, 0, _WAITALL)[0]
+    except OSError as exc:
+        raise PeerClosed(str(exc)) from exc
+    if n == 0:
+        raise PeerClosed("connection closed by peer")
+    return n
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytearray:
+def _rest(bufs: Sequence[Any], ends: list[int], done: int) -> list[Any]:
+    """The buffers still to be filled (or sent) after the first ``done`` bytes."""
+    i = bisect_right(ends, done)
+    head = memoryview(bufs[i])[done - ends[i] + len(bufs[i]):]
+    return [head, *bufs[i + 1:i + _IOV_CHUNK]]
+
+
+def recv_into_views(sock: socket.socket, views: Sequence[Any],
+                    nbytes: int | None = None) -> None:
+    """Fills ``views`` in order from ``sock``, scattering with recvmsg_into.
+
+    ``nbytes`` is their total size when the caller knows it.
+    """
+    if nbytes is None:
+        nbytes = sum(map(len, views))
+    if nbytes <= 0:
+        return
+    got = _recv_into(sock, views[:_IOV_CHUNK] if len(views) > _IOV_CHUNK else views)
+    if got == nbytes:
+        return
+    ends = list(accumulate(map(len, views)))
+    while got < nbytes:
+        got += _recv_into(sock, _rest(views, ends, got))
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """The next ``n`` bytes of the stream."""
+    if n <= 0:
+        return b""
+    try:
+        data = sock.recv(n, _WAITALL)
+    except OSError as exc:
+        raise PeerClosed(str(exc)) from exc
+    if len(data) == n:
+        return data
+    if not data:
+        raise PeerClosed("connection closed by peer")
     buf = bytearray(n)
-    if n:
-        recv_into_views(sock, [memoryview(buf)])
-    return buf
+    buf[:len(data)] = data
+    recv_into_views(sock, [memoryview(buf)[len(data):]], n - len(data))
+    return bytes(buf)
 
 
-def send_views(sock: socket.socket, bufs: Iterable[Any]) -> None:
+def send_views(sock: socket.socket, bufs: Sequence[Any], nbytes: int | None = None) -> None:
     """Sends every buffer in order, gathering with sendmsg (no concatenation copies).
 
-    Buffers are bytes or byte-format memoryviews (``len`` is their size in bytes).
+    ``nbytes`` is their total size when the caller knows it.
     """
-    pending = [b for b in bufs if len(b)]
-    i = 0
-    while i < len(pending):
+    if nbytes is None:
+        nbytes = sum(map(len, bufs))
+    try:
+        sent = sock.sendmsg(bufs[:_IOV_CHUNK] if len(bufs) > _IOV_CHUNK else bufs)
+        if sent == nbytes:
+            return
+        ends = list(accumulate(map(len, bufs)))
+        while sent < nbytes:
+            sent += sock.sendmsg(_rest(bufs, ends, sent))
+    except OSError as exc:
+        raise PeerClosed(str(exc)) from exc
+
+
+def send_bytes(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError as exc:
+        raise PeerClosed(str(exc)) from exc
+
+
+def send_gather(sock: socket.socket, head: bytes, iov: np.ndarray | None, nbytes: int
+                ) -> None:
+    """Sends ``head`` and then the ``nbytes`` bytes ``iov`` describes.
+
+    Above ``EARLY_HEAD_BYTES`` the head goes in a call of its own: with TCP_NODELAY it
+    leaves at once, so the target checks the entries while the payload is still being
+    copied in, rather than after the sender's first 64 KiB segment.
+    """
+    if iov is None or not nbytes:
+        send_bytes(sock, head)
+        return
+    if not IOVEC_IO:
+        send_views(sock, [head, *iov_views(iov)], len(head) + nbytes)
+        return
+    if nbytes >= EARLY_HEAD_BYTES:
+        send_bytes(sock, head)
         try:
-            n = sock.sendmsg(pending[i:i + _IOV_CHUNK])
+            send_iov(sock, iov, nbytes)
         except OSError as exc:
             raise PeerClosed(str(exc)) from exc
-        while n:
-            size = len(pending[i])
-            if n >= size:
-                n -= size
-                i += 1
-            else:
-                pending[i] = pending[i][n:]
-                n = 0
+        return
+    rows = np.empty((len(iov) + 1, 2), dtype=np.uint64)
+    # the address of the bytes object's own buffer (no copy); ``head`` outlives the call
+    rows[0] = (ctypes.cast(ctypes.c_char_p(head), ctypes.c_void_p).value or 0, len(head))
+    rows[1:] = iov
+    try:
+        send_iov(sock, rows, len(head) + nbytes)
+    except OSError as exc:
+        raise PeerClosed(str(exc)) from exc
+
+
+def recv_scatter(sock: socket.socket, iov: np.ndarray, nbytes: int) -> None:
+    """Fills the ``nbytes`` bytes ``iov`` describes from ``sock``."""
+    if not nbytes:
+        return
+    if not IOVEC_IO:
+        recv_into_views(sock, iov_views(iov), nbytes)
+        return
+    try:
+        recv_iov(sock, iov, nbytes)
+    except OSError as exc:
+        raise PeerClosed(str(exc)) from exc
 
 
 def drain(sock: socket.socket, nbytes: int) -> None:
     scratch = memoryview(bytearray(min(nbytes, 1 << 20) or 1))
     while nbytes > 0:
         chunk = scratch[:min(nbytes, len(scratch))]
-        recv_into_views(sock, [chunk])
+        recv_into_views(sock, [chunk], len(chunk))
         nbytes -= len(chunk)
 
 
@@ -138,25 +229,41 @@ def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
 
 
-def encode_request(kind: int, work: Work | None, body: bytes = b"",
-                   local: np.ndarray | None = None) -> list[Any]:
-    """Header and entries of one request, as buffers for a gathered send."""
+def pack_remote(remote: Sequence[tuple[int, int, int]]) -> bytes:
+    """The ``remote`` entries of a request: (segment, offset, length) u64 words."""
+    if isinstance(remote, Spans):
+        entries = np.empty((len(remote), REMOTE_WORDS), dtype="<u8")
+        entries[:, 0] = remote.segment
+        entries[:, 1] = remote.offset
+        entries[:, 2] = remote.length
+        return entries.tobytes()
+    return struct.pack("<" + "QQQ" * len(remote), *chain.from_iterable(remote))
+
+
+def pack_local(local: Sequence[tuple[int, int]]) -> bytes:
+    """The ``local`` entries of a request (LOCAL_DT records): (address, length)."""
+    return struct.pack("<" + "QQ" * len(local), *chain.from_iterable(local))
+
+
+def encode_request(kind: int, work: Work | None, body: bytes = b"", local: bytes = b""
+                   ) -> bytes:
+    """Header, entries and body of one request, in one buffer (the payload follows).
+
+    ``local`` is :func:`pack_local` output (shm only).
+    """
     if work is None:
-        return [HEADER.pack(kind, 0, 0, 0, 0, len(body), 0, 0, 0), body]
-    remote = np.array(work.remote, dtype=REMOTE_DT)
+        return HEADER.pack(kind, 0, 0, 0, 0, len(body), 0, 0, 0) + body
     imm = work.imm
     flags = FLAG_IMM if imm is not None else 0
     if imm is not None and imm.notify:
         body = imm.notify
-    n_local = 0 if local is None else len(local)
-    header = HEADER.pack(kind, flags, len(remote), n_local, 0, len(body), work.wr_id,
-                         imm.transfer_id if imm else 0, imm.expected if imm else 0)
-    parts: list[Any] = [header, remote.tobytes()]
-    if local is not None:
-        parts.append(local.tobytes())
-    if body:
-        parts.append(body)
-    return parts
+    n_remote = len(work.remote)
+    if n_remote > MAX_ENTRIES:
+        raise ValueError(f"{n_remote} remote entries in one request (at most {MAX_ENTRIES})")
+    header = HEADER.pack(kind, flags, n_remote, len(local) // LOCAL_DT.itemsize, 0,
+                         len(body), work.wr_id, imm.transfer_id if imm else 0,
+                         imm.expected if imm else 0)
+    return b"".join((header, pack_remote(work.remote), local, body))
 
 
 def pack_error(exc: TransferError) -> bytes:
@@ -209,7 +316,9 @@ class StreamRail(Rail):
         self._reader.start()
 
     # hooks for subclasses
-    def _request_parts(self, work: Work) -> list[Any]:
+    def _send_request(self, work: Work) -> None:
+        """Sends ``work``'s request (with the payload where the stream carries it);
+        raises :class:`PeerClosed` when the stream broke."""
         raise NotImplementedError
 
     def _take_read(self, work: Work) -> None:
@@ -276,7 +385,7 @@ class StreamRail(Rail):
             self._complete(work, failed)
             return
         try:
-            send_views(self._sock, self._request_parts(work))
+            self._send_request(work)
             self.bytes_sent += work.nbytes
         except PeerClosed as exc:
             self._fail_all(self._error(PeerLostError, f"connection lost while sending: {exc}"))
@@ -292,7 +401,7 @@ class StreamRail(Rail):
                 if kind != KIND_ANSWER or body_len > MAX_BODY:
                     raise ProtocolError("malformed answer", peer=self.peer,
                                         transport=self.transport_name)
-                body = bytes(recv_exact(self._sock, body_len))
+                body = recv_exact(self._sock, body_len)
                 with self._lock:
                     work = self._pending[0] if self._pending else None
                 if work is None or work.wr_id != wr_id:
@@ -376,9 +485,9 @@ def hello(sock: socket.socket, name: str, timeout: float | None) -> None:
     body = msgpack.packb({"name": name, "version": WIRE_VERSION, "pid": os.getpid()})
     sock.settimeout(timeout)
     try:
-        send_views(sock, encode_request(KIND_HELLO, None, body))
+        send_bytes(sock, encode_request(KIND_HELLO, None, body))
         kind, status, _, body_len, _ = ANSWER.unpack(recv_exact(sock, ANSWER.size))
-        answer = bytes(recv_exact(sock, body_len))
+        answer = recv_exact(sock, body_len)
     finally:
         sock.settimeout(None)
     if kind != KIND_ANSWER or status:
@@ -396,6 +505,52 @@ class Connection:
         self.sock = sock
         self.peer = peer
         self.pid = pid
+
+
+def _check_entries(conn: Connection, seg: Segment, rows: np.ndarray, write: bool, op: str,
+                   low: list[int] | None = None, high: list[int] | None = None) -> None:
+    """Raises the segment's precise error for the first (segment, offset, length) row it
+    may not serve; ``low``/``high`` are the rows' column minima and maxima if known.
+
+    Rows are unsigned: each bound is checked before the sum that could wrap.
+    """
+    limit = seg.length
+    low = rows.min(axis=0).tolist() if low is None else low
+    high = rows.max(axis=0).tolist() if high is None else high
+    if (seg.writable or not write) and low[2] > 0 and (
+            high[1] + high[2] <= limit  # the largest offset and length still fit
+            or (high[1] <= limit and high[2] <= limit
+                and int((rows[:, 1] + rows[:, 2]).max()) <= limit)):
+        return
+    for offset, length in rows[:, 1:].tolist():
+        seg.check(offset, length, write=write, op=op, peer=conn.peer)
+    raise InvalidDescriptorError("request refused", peer=conn.peer, op=op,
+                                 segment=seg.name)
+
+
+class Targets:
+    """Where one request's bytes land (or come from) in the target's memory, checked
+    and pinned: ``iov`` rows of (address, length) for gathered I/O, and the same ranges
+    as memoryviews when iterated (made on demand: the fast paths never need them)."""
+
+    __slots__ = ("iov", "nbytes", "_segs", "_ids", "_offsets")
+
+    def __init__(self, iov: np.ndarray, nbytes: int, segs: dict[int, Segment],
+                 ids: np.ndarray, offsets: np.ndarray) -> None:
+        self.iov = iov
+        self.nbytes = nbytes
+        self._segs = segs
+        self._ids = ids
+        self._offsets = offsets
+
+    def __len__(self) -> int:
+        return len(self.iov)
+
+    def __iter__(self) -> Iterator[memoryview]:
+        bases = {i: seg.view() for i, seg in self._segs.items()}
+        for seg_id, offset, (_, length) in zip(self._ids.tolist(), self._offsets.tolist(),
+                                               self.iov.tolist(), strict=True):
+            yield bases[seg_id][offset:offset + length]
 
 
 class StreamServer:
@@ -416,12 +571,16 @@ class StreamServer:
         self._acceptor.start()
 
     # hooks
-    def land(self, conn: Connection, views: list[memoryview], remote: np.ndarray,
+    def land(self, conn: Connection, views: Targets, remote: np.ndarray,
              local: np.ndarray | None) -> None:
-        """Moves a WRITE's bytes into ``views`` (already checked and pinned)."""
+        """Moves a WRITE's bytes into ``views`` (already checked and pinned).
+
+        ``remote`` holds the request's (segment, offset, length) rows, ``local`` the
+        initiator's (address, length) records when it sent them (shm).
+        """
         raise NotImplementedError
 
-    def serve(self, conn: Connection, wr_id: int, views: list[memoryview],
+    def serve(self, conn: Connection, wr_id: int, views: Targets,
               remote: np.ndarray, local: np.ndarray | None) -> None:
         """Moves a READ's bytes to the initiator and answers."""
         raise NotImplementedError
@@ -452,12 +611,12 @@ class StreamServer:
             kind, _, _, _, _, body_len, _, _, _ = HEADER.unpack(recv_exact(sock, HEADER.size))
             if kind != KIND_HELLO or body_len > MAX_BODY:
                 raise ProtocolError("rail must start with a hello")
-            info = msgpack.unpackb(bytes(recv_exact(sock, body_len)))
+            info = msgpack.unpackb(recv_exact(sock, body_len))
             if not isinstance(info, dict) or info.get("version") != WIRE_VERSION:
                 raise ProtocolError(f"unsupported rail version {info!r:.80}")
             conn = Connection(sock, str(info["name"]), int(info.get("pid", 0)))
             sock.settimeout(None)
-            send_views(sock, [ANSWER.pack(KIND_ANSWER, 0, 0, 0, 0)])
+            send_bytes(sock, ANSWER.pack(KIND_ANSWER, 0, 0, 0, 0))
             while True:
                 self._serve_one(conn)
         except (PeerClosed, TimeoutError):
@@ -480,21 +639,32 @@ class StreamServer:
             raise ProtocolError(f"unknown request kind {kind}", peer=conn.peer)
         if n_remote > MAX_ENTRIES or n_local > MAX_ENTRIES or body_len > MAX_BODY:
             raise ProtocolError("request too large", peer=conn.peer)
-        remote = np.frombuffer(recv_exact(sock, n_remote * REMOTE_DT.itemsize), REMOTE_DT)
-        local = (np.frombuffer(recv_exact(sock, n_local * LOCAL_DT.itemsize), LOCAL_DT)
-                 if n_local else None)
-        body = bytes(recv_exact(sock, body_len)) if body_len else b""
-        nbytes = int(remote["length"].sum()) if n_remote else 0
+        remote_end = n_remote * REMOTE_WORDS * 8
+        local_end = remote_end + n_local * LOCAL_DT.itemsize
+        blob = recv_exact(sock, local_end + body_len)  # entries and body: one call
+        remote = np.frombuffer(blob, "<u8", n_remote * REMOTE_WORDS).reshape(
+            n_remote, REMOTE_WORDS)
+        local = np.frombuffer(blob, LOCAL_DT, n_local, remote_end) if n_local else None
+        body = blob[local_end:]
+        nbytes = 0
+        low = high = [0, 0, 0]  # column minima and maxima of the entries
+        if n_remote:
+            low, high = remote.min(axis=0).tolist(), remote.max(axis=0).tolist()
+            if high[2] > MAX_REQUEST_BYTES:
+                raise ProtocolError("request too large", peer=conn.peer, length=high[2])
+            # no wrap-around: every length is bounded
+            nbytes = (n_remote * high[2] if low[2] == high[2]
+                      else int(remote[:, 2].sum()))
         if nbytes > MAX_REQUEST_BYTES:
             raise ProtocolError("request too large", peer=conn.peer, length=nbytes)
         op = Op.WRITE if kind == KIND_WRITE else Op.READ
         pinned: list[Any] = []
         try:
-            views = self._resolve(conn, op, remote, pinned)
+            views = self._resolve(conn, op, remote, nbytes, low, high, pinned)
         except TransferError as exc:
             if op is Op.WRITE:
                 self.refuse_write(conn, nbytes)
-            send_views(sock, self._answer(wr_id, exc))
+            send_bytes(sock, self._answer(wr_id, exc))
             return
         try:
             if op is Op.WRITE:
@@ -502,38 +672,41 @@ class StreamServer:
                     if nbytes:
                         self.land(conn, views, remote, local)
                 except TransferError as exc:
-                    send_views(sock, self._answer(wr_id, exc))
+                    send_bytes(sock, self._answer(wr_id, exc))
                     return
                 self.bytes_received += nbytes
                 if flags & FLAG_IMM:
                     self._host.deliver_immediate(
                         conn.peer, Immediate(transfer_id, expected, body or None))
-                send_views(sock, self._answer(wr_id, None))
+                send_bytes(sock, self._answer(wr_id, None))
             else:
                 self.serve(conn, wr_id, views, remote, local)
         finally:
             for seg in pinned:
                 seg.unpin()
 
-    def _resolve(self, conn: Connection, op: Op, remote: np.ndarray,
-                 pinned: list[Any]) -> list[memoryview]:
-        """Checks every entry before any byte moves; pins the segments."""
+    def _resolve(self, conn: Connection, op: Op, remote: np.ndarray, nbytes: int,
+                 low: list[int], high: list[int], pinned: list[Any]) -> Targets:
+        """Checks every entry before any byte moves and pins the segments; returns where
+        the bytes go. ``low``/``high`` are the entries' column minima and maxima."""
         write = op is Op.WRITE
         opname = str(op)
-        views: list[memoryview] = []
-        ids = remote["segment"]
-        offsets = remote["offset"].astype(np.int64)
-        lengths = remote["length"].astype(np.int64)
-        segs: dict[int, Any] = {}
-        for seg_id in np.unique(ids).tolist() if len(ids) else ():
-            seg = self._host.local_segment(seg_id, peer=conn.peer, op=opname)
-            mask = ids == seg_id
-            ok = (lengths[mask] > 0) & (offsets[mask] + lengths[mask] <= seg.length)
-            if write and not seg.writable or not bool(ok.all()):
-                bad = int(np.flatnonzero(~ok)[0]) if not bool(ok.all()) else 0
-                seg.check(int(offsets[mask][bad]), int(lengths[mask][bad]), write=write,
-                          op=opname, peer=conn.peer)
-            segs[seg_id] = seg
+        ids, offsets = remote[:, 0], remote[:, 1]
+        segs: dict[int, Segment] = {}
+        if len(remote) and low[0] == high[0]:
+            seg_id = low[0]
+            segs[seg_id] = self._host.local_segment(seg_id, peer=conn.peer, op=opname)
+            _check_entries(conn, segs[seg_id], remote, write, opname, low, high)
+        elif len(remote):
+            for seg_id in np.unique(ids).tolist():
+                seg = self._host.local_segment(seg_id, peer=conn.peer, op=opname)
+                _check_entries(conn, seg, remote[ids == seg_id], write, opname)
+                segs[seg_id] = seg
+        for seg in segs.values():
+            if seg.device != "cpu":
+                raise NotSupportedError(f"{seg.device} memory is not reachable over "
+                                        f"{self.transport_name}", peer=conn.peer, op=opname,
+                                        transport=self.transport_name, segment=seg.name)
         try:
             for seg in segs.values():
                 seg.pin()
@@ -543,21 +716,20 @@ class StreamServer:
                 seg.unpin()
             pinned.clear()
             raise
-        if len(segs) == 1:
-            base = next(iter(segs.values())).view()
-            views = [base[o:o + n]
-                     for o, n in zip(offsets.tolist(), lengths.tolist(), strict=True)]
+        if len(segs) <= 1:  # (offset, length) rows plus (base, 0): the iovec rows
+            base = next(iter(segs.values())).address if segs else 0
+            iov = remote[:, 1:] + np.array((base, 0), dtype=np.uint64)
         else:
-            bases = {i: seg.view() for i, seg in segs.items()}
-            views = [bases[i][o:o + n] for i, o, n in zip(ids.tolist(), offsets.tolist(),
-                                                          lengths.tolist(), strict=True)]
-        return views
+            iov = remote[:, 1:].copy()
+            for seg_id, seg in segs.items():
+                iov[ids == seg_id, 0] += np.uint64(seg.address)
+        return Targets(iov, nbytes, segs, ids, offsets)
 
-    def _answer(self, wr_id: int, exc: TransferError | None) -> list[Any]:
+    def _answer(self, wr_id: int, exc: TransferError | None) -> bytes:
         if exc is None:
-            return [ANSWER.pack(KIND_ANSWER, 0, 0, 0, wr_id)]
+            return ANSWER.pack(KIND_ANSWER, 0, 0, 0, wr_id)
         body = pack_error(exc)
-        return [ANSWER.pack(KIND_ANSWER, error_code(exc), 0, len(body), wr_id), body]
+        return ANSWER.pack(KIND_ANSWER, error_code(exc), 0, len(body), wr_id) + body
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,55 @@
+"""Transfer handles: every waiter wakes once the transfer finishes, with its outcome."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from transfer_engine import PeerLostError, TransferState, TransferTimeout
+from transfer_engine.descriptor import Op
+from transfer_engine.handle import TransferHandle
+
+
+def test_wait_times_out_while_pending_then_returns_for_every_waiter() -> None:
+    h = TransferHandle(1, Op.WRITE, "b", 10)
+    with pytest.raises(TransferTimeout) as info:
+        h.wait(0)
+    assert info.value.peer == "b" and info.value.length == 10
+    with pytest.raises(TransferTimeout):
+        h.wait(0.01)
+    woke: list[float] = []
+    threads = [threading.Thread(target=lambda: (h.wait(10), woke.append(time.monotonic())))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    assert not woke and not h.done()
+    assert h._finish() and not h._finish()  # once only
+    for t in threads:
+        t.join(10)
+    assert len(woke) == 4 and h.state is TransferState.DONE
+    h.wait(0)
+    h.wait()
+
+
+def test_every_waiter_sees_the_error() -> None:
+    h = TransferHandle(2, Op.READ, "b", 10)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            h.wait(10)
+        except PeerLostError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wait) for _ in range(3)]
+    for t in threads:
+        t.start()
+    h._finish(PeerLostError("gone", peer="b"))
+    for t in threads:
+        t.join(10)
+    assert len(errors) == 3 and h.state is TransferState.FAILED
+    with pytest.raises(PeerLostError):
+        h.wait(0)

@@ -1,0 +1,148 @@
+"""The stream transports' wire format, spoken by hand to a real TCP target: hostile
+entries are refused before any byte lands, and the connection stays in step."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from collections.abc import Callable, Iterator
+
+import msgpack
+import numpy as np
+import pytest
+
+from tests.transport_contract import random_bytes
+from transfer_engine import Engine, InvalidDescriptorError
+from transfer_engine.transport.stream import (
+    ANSWER,
+    HEADER,
+    KIND_ANSWER,
+    KIND_HELLO,
+    KIND_READ,
+    KIND_WRITE,
+    WIRE_VERSION,
+    unpack_error,
+)
+
+SIZE = 1 << 20
+
+
+class RawRail:
+    """A hand-driven rail: the initiator side of the protocol without the engine."""
+
+    def __init__(self, engine: Engine, version: int = WIRE_VERSION) -> None:
+        info = engine.metadata()["transports"]["tcp"]
+        self.sock = socket.create_connection((info["host"], info["port"]), timeout=5)
+        body = msgpack.packb({"name": "raw", "version": version, "pid": os.getpid()})
+        self.sock.sendall(HEADER.pack(KIND_HELLO, 0, 0, 0, 0, len(body), 0, 0, 0) + body)
+        self.wr_id = 0
+
+    def request(self, kind: int, entries: list[tuple[int, int, int]], payload: bytes = b""
+                ) -> tuple[int, bytes]:
+        self.wr_id += 1
+        head = HEADER.pack(kind, 0, len(entries), 0, 0, 0, self.wr_id, 0, 0)
+        words = struct.pack("<" + "QQQ" * len(entries), *(w for e in entries for w in e))
+        self.sock.sendall(head + words + payload)
+        return self.answer()
+
+    def answer(self) -> tuple[int, bytes]:
+        kind, status, _, body_len, wr_id = ANSWER.unpack(self.recv(ANSWER.size))
+        assert kind == KIND_ANSWER
+        return status, self.recv(body_len)
+
+    def recv(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionResetError("target closed the rail")
+            data += chunk
+        return data
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def target(make_engine: Callable[..., Engine]) -> Iterator[tuple[Engine, np.ndarray, list[int]]]:
+    b = make_engine("b", transports=["tcp"])
+    first = random_bytes(SIZE, 1)
+    second = random_bytes(SIZE, 2)
+    ids = [b.register(first, name="first").id, b.register(second, name="second").id]
+    yield b, np.concatenate([first, second]), ids
+
+
+@pytest.fixture
+def raw(target: tuple[Engine, np.ndarray, list[int]]) -> Iterator[RawRail]:
+    rail = RawRail(target[0])
+    try:
+        status, _ = rail.answer()  # the hello's
+        assert status == 0
+        yield rail
+    finally:
+        rail.close()
+
+
+def _memory(target: tuple[Engine, np.ndarray, list[int]]) -> np.ndarray:
+    b, _, _ = target
+    segs = b.segments
+    return np.concatenate([np.frombuffer(segs[n].view(), dtype=np.uint8)
+                           for n in ("first", "second")])
+
+
+@pytest.mark.parametrize("entry", [
+    (0, (1 << 64) - 8, 16),  # offset + length wraps around 2**64
+    (0, SIZE - 8, 16),  # runs past the end
+    (0, 0, 0),  # empty
+    (0, 1 << 63, 8),  # negative as a signed offset
+])
+def test_hostile_entries_are_refused_and_the_rail_stays_in_step(
+        target: tuple[Engine, np.ndarray, list[int]], raw: RawRail,
+        entry: tuple[int, int, int]) -> None:
+    _, _, ids = target
+    before = _memory(target).copy()
+    seg, offset, length = entry
+    good = (ids[1], 4096, 8)
+    status, body = raw.request(KIND_WRITE, [good, (ids[seg], offset, length)],
+                               b"\xaa" * (8 + length))
+    err = unpack_error(body, status, "b", "write", "tcp")
+    assert status != 0 and isinstance(err, InvalidDescriptorError)
+    assert err.offset == offset and err.length == length
+    assert np.array_equal(_memory(target), before)  # not even the good entry landed
+    # the refused payload was consumed: the next request is read correctly
+    status, _ = raw.request(KIND_WRITE, [(ids[0], 100, 4), (ids[1], 200, 3)], b"abcdefg")
+    assert status == 0
+    after = _memory(target)
+    assert bytes(after[100:104]) == b"abcd" and bytes(after[SIZE + 200:SIZE + 203]) == b"efg"
+
+
+def test_read_gathers_entries_across_segments(target: tuple[Engine, np.ndarray, list[int]],
+                                              raw: RawRail) -> None:
+    _, _, ids = target
+    memory = _memory(target)
+    entries = [(ids[1], 5000, 300), (ids[0], 17, 1), (ids[1], 0, 4096), (ids[0], SIZE - 9, 9)]
+    status, _ = raw.request(KIND_READ, entries)
+    assert status == 0
+    expected = b"".join(memory[(SIZE if s == ids[1] else 0) + o:][:n].tobytes()
+                        for s, o, n in entries)
+    assert raw.recv(len(expected)) == expected
+
+
+def test_unknown_segment_is_refused(target: tuple[Engine, np.ndarray, list[int]],
+                                    raw: RawRail) -> None:
+    status, body = raw.request(KIND_WRITE, [(1 << 40, 0, 4)], b"zzzz")
+    assert isinstance(unpack_error(body, status, "b", "write", "tcp"),
+                      InvalidDescriptorError)
+    status, _ = raw.request(KIND_READ, [(target[2][0], 0, 4)])
+    assert status == 0 and raw.recv(4) == _memory(target)[:4].tobytes()
+
+
+def test_a_first_version_rail_is_turned_away(target: tuple[Engine, np.ndarray, list[int]]
+                                             ) -> None:
+    rail = RawRail(target[0], version=1)
+    try:
+        with pytest.raises(ConnectionResetError):
+            rail.answer()
+    finally:
+        rail.close()

@@ -1,0 +1,123 @@
+"""Gathered socket I/O from NumPy iovec arrays (Linux, 64-bit).
+
+A transfer of many small blocks is one ``sendmsg`` or ``recvmsg`` whatever the block
+count, but handing the kernel a Python list of memoryviews costs a Python object per
+block on both sides, more than the copy of a 4 KiB block. Here the scatter-gather list
+is an ``(n, 2)`` uint64 array of ``(address, length)`` rows, which is exactly the
+kernel's ``struct iovec[]``: it is built with a few array operations from the planner's
+columns and passed through ctypes (which releases the GIL for the call).
+
+Callers own the memory behind the addresses: it must stay mapped (pinned segments) for
+the duration of the call. ``IOVEC_IO`` is False where the layout does not match (not
+Linux, not 64-bit); the stream transports then fall back to memoryviews.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import socket
+import sys
+from typing import Any
+
+import numpy as np
+
+__all__ = ["IOVEC_IO", "IOV_MAX", "iovec_array", "iov_views", "send_iov", "recv_iov"]
+
+IOV_MAX = 1024
+
+
+class _MsgHdr(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_void_p), ("namelen", ctypes.c_uint32),
+                ("iov", ctypes.c_void_p), ("iovlen", ctypes.c_size_t),
+                ("control", ctypes.c_void_p), ("controllen", ctypes.c_size_t),
+                ("flags", ctypes.c_int)]
+
+
+def _load() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux") or ctypes.sizeof(ctypes.c_void_p) != 8:
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for name in ("sendmsg", "recvmsg"):
+            fn = getattr(libc, name)
+            fn.argtypes = [ctypes.c_int, ctypes.POINTER(_MsgHdr), ctypes.c_int]
+            fn.restype = ctypes.c_ssize_t
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_libc = _load()
+IOVEC_IO = _libc is not None and sys.byteorder == "little"
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
+_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+
+
+def iovec_array(addresses: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """An ``(n, 2)`` uint64 iovec array of ``addresses`` and ``lengths``."""
+    iov = np.empty((len(lengths), 2), dtype=np.uint64)
+    iov[:, 0] = addresses
+    iov[:, 1] = lengths
+    return iov
+
+
+def iov_views(iov: np.ndarray) -> list[memoryview]:
+    """Writable byte views of the rows (the memory must stay mapped while they live)."""
+    return [memoryview((ctypes.c_char * n).from_address(a)).cast("B")
+            for a, n in iov.tolist()]
+
+
+def _advance(iov: np.ndarray, done: int) -> np.ndarray:
+    """The rows still to be moved after the first ``done`` bytes (a fresh array)."""
+    ends = np.cumsum(iov[:, 1], dtype=np.uint64)
+    i = int(np.searchsorted(ends, done, side="right"))
+    rest = iov[i:].copy()
+    if len(rest):
+        start = int(ends[i]) - int(iov[i, 1])
+        rest[0, 0] += np.uint64(done - start)
+        rest[0, 1] -= np.uint64(done - start)
+    return rest
+
+
+def _call(fn: Any, fd: int, iov: np.ndarray, flags: int) -> int:
+    """One system call over at most IOV_MAX rows; retries EINTR; raises OSError."""
+    rows = iov[:IOV_MAX]
+    hdr = _MsgHdr(None, 0, rows.ctypes.data, len(rows), None, 0, 0)
+    while True:
+        n = int(fn(fd, ctypes.byref(hdr), flags))
+        if n >= 0:
+            return n
+        err = ctypes.get_errno()
+        if err != errno.EINTR:
+            raise OSError(err, os.strerror(err))
+
+
+def send_iov(sock: socket.socket, iov: np.ndarray, nbytes: int) -> None:
+    """Sends the ``nbytes`` bytes described by ``iov`` in order (blocking socket)."""
+    assert _libc is not None
+    iov = np.ascontiguousarray(iov, dtype=np.uint64)
+    sent = _call(_libc.sendmsg, sock.fileno(), iov, _NOSIGNAL)
+    while sent < nbytes:
+        n = _call(_libc.sendmsg, sock.fileno(), _advance(iov, sent), _NOSIGNAL)
+        if n == 0:
+            raise OSError(errno.EPIPE, "send made no progress")
+        sent += n
+
+
+def recv_iov(sock: socket.socket, iov: np.ndarray, nbytes: int) -> None:
+    """Fills the ``nbytes`` bytes described by ``iov`` in order (blocking socket).
+
+    Raises ``ConnectionResetError`` when the stream ends first.
+    """
+    assert _libc is not None
+    iov = np.ascontiguousarray(iov, dtype=np.uint64)
+    got = _call(_libc.recvmsg, sock.fileno(), iov, _WAITALL)
+    while got < nbytes:
+        if got == 0:
+            raise ConnectionResetError("connection closed by peer")
+        n = _call(_libc.recvmsg, sock.fileno(), _advance(iov, got), _WAITALL)
+        if n == 0:
+            raise ConnectionResetError("connection closed by peer")
+        got += n
