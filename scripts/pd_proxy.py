@@ -10,12 +10,20 @@ library only.
 Start the pair and the proxy (one host; add ``"host"`` in the extra config for others)::
 
     CFG='"kv_connector":"TransferEngineConnector","kv_connector_module_path":"transfer_engine.connectors.vllm","kv_load_failure_policy":"recompute"'
-    vllm serve MODEL --port 8100 --kv-transfer-config "{$CFG,\"kv_role\":\"kv_producer\"}" &
-    vllm serve MODEL --port 8200 --kv-transfer-config "{$CFG,\"kv_role\":\"kv_consumer\"}" &
+    VLLM_CPU_OMP_THREADS_BIND=0 vllm serve MODEL --port 8100 \\
+        --kv-transfer-config "{$CFG,\\"kv_role\\":\\"kv_producer\\"}" &
+    VLLM_CPU_OMP_THREADS_BIND=1 vllm serve MODEL --port 8200 \\
+        --kv-transfer-config "{$CFG,\\"kv_role\\":\\"kv_consumer\\"}" &
     python3 scripts/pd_proxy.py --port 8000 --prefill http://127.0.0.1:8100 \\
         --decode http://127.0.0.1:8200
     curl -s localhost:8000/v1/completions -H 'content-type: application/json' \\
         -d '{"model": "MODEL", "prompt": "Hello", "max_tokens": 16, "stream": true}'
+
+With vLLM's CPU build on one host, give each engine cores of its own
+(``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``0-7`` and ``8-15``): left to bind automatically,
+both take the same cores, busy-poll there, and stall each other for seconds. That
+build's ``vllm`` command fails looking up its own version; start the server as
+``python -m vllm.entrypoints.openai.api_server --model MODEL ...`` instead.
 """
 
 from __future__ import annotations

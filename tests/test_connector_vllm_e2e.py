@@ -1,21 +1,39 @@
 """End to end in real vLLM on CPU: a prefill engine and a decode engine joined by our
 connector give the same greedy tokens as one engine alone, and the decode engine's KV
-really came over our engine (its transfer counters, not its logs).
+really came over our engine (its transfer counters, not its logs). In the same engines,
+the way vLLM's own connector tests check them: a load from a dead prefill engine is a
+load error that vLLM recomputes (the output does not change), a lease that runs out
+frees the blocks nobody read, and neither engine is left holding a block.
+
+The README's deployment is run as written: two vLLM API servers (prefill, decode) and
+``scripts/pd_proxy.py`` in front; the proxy's answers match the engine's own greedy
+output and vLLM's metrics on the decode server count every prompt token as loaded over
+the connector.
 
 Each engine runs in its own process (``tests/vllm_pd_worker.py``) with a tiny
 random-weight Llama and a word-level tokenizer built offline here: nothing is
-downloaded. Skipped where vLLM is not importable (``scripts/setup_vllm.sh`` installs the
-CPU build). Prints the figures: time to first token of the pair against the single
-engine, the share of it spent moving KV, and bytes moved per request.
+downloaded. ``scripts/test.sh`` runs this in the project's vLLM environment
+(``scripts/setup_vllm.sh``); elsewhere it is skipped where vLLM is not importable.
+Prints the figures (``-s`` shows them): time to first token of the pair against the
+single engine, the share of it spent moving KV, and bytes moved per request.
 """
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import importlib.util
 import json
 import os
+import random
+import re
+import signal
+import socket
+import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +42,8 @@ import pytest
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(600),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None
+                       and os.environ.get("TE_VLLM_REQUIRED") != "1",
                        reason="vllm is not installed (scripts/setup_vllm.sh installs the "
                               "CPU build)"),
 ]
@@ -40,7 +59,15 @@ PROMPTS = [
     PREFIX + "red green blue",                             # shares 40 tokens ...
     PREFIX + "fast slow fast slow",                        # ... with this one
 ]
+BLOCKS_READ = 1 + 3 + 2 + 1  # the fourth finds the shared 32-token block cached on decode
+WARM_UP = "green blue red " * 12  # first requests pay one-time costs; not measured
+DEAD_PEER = "model memory layer page token " * 8  # its load is sent to a dead endpoint
 MAX_TOKENS = 12
+BLOCK_SIZE = 32
+BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 64 * 4  # layers x K/V x tokens x head dim x fp32
+FIGURE_LENGTHS = (20, 100, 250, 470)  # prompt tokens: 1, 4, 8 and 15 blocks
+FIGURE_ROUNDS = 5
+LEASE_S = 3.0  # the prefill engine's lease: blocks nobody reads are held this long
 
 
 def build_model(path: Path) -> None:
@@ -65,13 +92,148 @@ def build_model(path: Path) -> None:
     LlamaForCausalLM(config).save_pretrained(path)
 
 
+def core_halves() -> tuple[str, str]:
+    """Two disjoint CPU lists for VLLM_CPU_OMP_THREADS_BIND. vLLM's CPU worker pins its
+    compute thread to the cores it binds and busy-polls between steps; two engines on
+    one host left to bind automatically take the same cores and starve each other
+    (steps and transfers then stall for seconds)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cpus) // 2)
+    first, second = cpus[:half], cpus[half:] or cpus[:half]
+    return ",".join(map(str, first)), ",".join(map(str, second))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def http_json(port: int, method: str, path: str, body: dict[str, Any] | None = None,
+              timeout: float = 60.0) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(method, path, json.dumps(body).encode() if body else None,
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    finally:
+        conn.close()
+
+
+@contextlib.contextmanager
+def launched(cmd: list[str], log: Path, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+    """A process in its own session (vLLM's server starts engine processes under it),
+    ended with its whole group."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                cwd=ROOT, start_new_session=True)
+        try:
+            yield proc
+        finally:
+            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+                try:
+                    proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+
+
+def wait_healthy(port: int, proc: subprocess.Popen[bytes], log: Path,
+                 timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}):\n"
+                               + log.read_text()[-4000:])
+        with contextlib.suppress(OSError):
+            if http_json(port, "GET", "/health", timeout=5)[0] == 200:
+                return
+        time.sleep(1)
+    raise TimeoutError(f"server on {port} not healthy in {timeout}s:\n"
+                       + log.read_text()[-4000:])
+
+
+def sse_text(body: str) -> str:
+    """The completion text of a streamed answer."""
+    text = []
+    for line in body.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            text.append(json.loads(line[6:])["choices"][0]["text"])
+    return "".join(text)
+
+
+def test_proxy_between_vllm_servers(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    build_model(model)
+    binds = dict(zip(("prefill", "decode"), core_halves(), strict=True))
+    cfg = {"kv_connector": "TransferEngineConnector",
+           "kv_connector_module_path": "transfer_engine.connectors.vllm",
+           "kv_load_failure_policy": "recompute"}
+    ports = {"prefill": free_port(), "decode": free_port()}
+    # `vllm serve` as the README gives it; vllm-cpu's own `vllm` command cannot find its
+    # distribution's metadata, so its module is started directly
+    servers = {role: [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                      "--model", str(model), "--port", str(ports[role]),
+                      "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
+                      "--max-model-len", "512", "--enforce-eager",
+                      "--kv-transfer-config", json.dumps(dict(cfg, kv_role=kv_role))]
+               for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer"))}
+    proxy_cmd = [sys.executable, str(ROOT / "scripts" / "pd_proxy.py"), "--port", "0",
+                 "--prefill", f"http://127.0.0.1:{ports['prefill']}",
+                 "--decode", f"http://127.0.0.1:{ports['decode']}"]
+    with contextlib.ExitStack() as stack:
+        procs = {role: stack.enter_context(launched(
+                     cmd, tmp_path / f"{role}.log",
+                     dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT),
+                          VLLM_CPU_OMP_THREADS_BIND=binds[role])))
+                 for role, cmd in servers.items()}
+        proxy_log = tmp_path / "proxy.log"
+        stack.enter_context(launched(proxy_cmd, proxy_log, dict(os.environ)))
+        for role, proc in procs.items():
+            wait_healthy(ports[role], proc, tmp_path / f"{role}.log")
+        deadline = time.monotonic() + 30
+        while not (found := re.search(r"pd_proxy on http://[\d.]+:(\d+)",
+                                      proxy_log.read_text())):
+            assert time.monotonic() < deadline, proxy_log.read_text()
+            time.sleep(0.1)
+        proxy_port = int(found.group(1))
+
+        prompt_tokens = 0
+        for prompt, stream in ((PROMPTS[1], True), (PROMPTS[2], False)):
+            body = {"model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS,
+                    "temperature": 0}
+            status, ref = http_json(ports["prefill"], "POST", "/v1/completions", body)
+            assert status == 200, ref
+            answer = json.loads(ref)
+            prompt_tokens += answer["usage"]["prompt_tokens"]
+            status, got = http_json(proxy_port, "POST", "/v1/completions",
+                                    dict(body, stream=stream))
+            assert status == 200, got
+            text = sse_text(got) if stream else json.loads(got)["choices"][0]["text"]
+            assert text == answer["choices"][0]["text"]
+
+        # vLLM's own accounting on the decode server: every prompt token was loaded
+        # over the connector, none computed there
+        metrics = http_json(ports["decode"], "GET", "/metrics")[1]
+        by_source = dict(re.findall(
+            r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} ([\d.]+)$',
+            metrics, re.M))
+        assert float(by_source["external_kv_transfer"]) == prompt_tokens, by_source
+        assert float(by_source["local_compute"]) == 0, by_source
+
+
 class EngineProcess:
     """One vLLM engine in a child process, spoken to in JSON lines."""
 
-    def __init__(self, role: str, model: Path, log: Path) -> None:
+    def __init__(self, role: str, model: Path, log: Path, extra: dict[str, Any],
+                 cores: str) -> None:
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
                    VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT),
-                   TE_VLLM_EXTRA=json.dumps({"lease_s": 60}))
+                   VLLM_CPU_OMP_THREADS_BIND=cores, TE_VLLM_EXTRA=json.dumps(extra))
         self.role = role
         self._log = open(log, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
@@ -85,13 +247,21 @@ class EngineProcess:
             if line.startswith("@@TE@@ "):
                 reply: dict[str, Any] = json.loads(line[7:])
                 return reply
-        raise RuntimeError(f"{self.role} engine exited; see {self._log.name}")
+        raise RuntimeError(f"{self.role} engine exited; its log: {self._log.name}\n"
+                           + Path(self._log.name).read_text()[-4000:])
 
     def call(self, **cmd: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         return self.recv()
+
+    def generate(self, prompt: str, max_tokens: int,
+                 params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One request: its tokens, kv_transfer_params, wall time and TTFT (seconds)."""
+        out = self.call(op="generate", prompts=[prompt], max_tokens=max_tokens,
+                        params=[params])
+        return {k: v[0] for k, v in out.items()}
 
     def close(self) -> None:
         try:
@@ -109,11 +279,19 @@ class EngineProcess:
             self._log.close()
 
 
-@pytest.fixture
-def engines(tmp_path: Path) -> Any:
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The three engines, started once for the module (about 50 s on two cores)."""
+    tmp_path = tmp_path_factory.mktemp("vllm")
     model = tmp_path / "model"
     build_model(model)
-    procs = {role: EngineProcess(role, model, tmp_path / f"{role}.log")
+    extra = {"prefill": {"lease_s": LEASE_S}, "decode": {"timeout_s": 3.0}, "single": {}}
+    # prefill and decode on cores of their own, as on two hosts; the single engine on
+    # prefill's (they never run at the same time): one engine's worth of CPU each
+    first, second = core_halves()
+    cores = {"prefill": first, "decode": second, "single": first}
+    procs = {role: EngineProcess(role, model, tmp_path / f"{role}.log", extra[role],
+                                 cores[role])
              for role in ("prefill", "decode", "single")}
     try:
         for proc in procs.values():
@@ -124,41 +302,118 @@ def engines(tmp_path: Path) -> Any:
             proc.close()
 
 
+def disaggregated(prefill: EngineProcess, decode: EngineProcess, prompt: str,
+                  max_tokens: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What the proxy does: one token from prefill, then decode with its params."""
+    pre = prefill.generate(prompt, 1, {"do_remote_decode": True})
+    params = pre["params"]
+    assert params and params["do_remote_prefill"] and params["remote_block_ids"], params
+    return pre, decode.generate(prompt, max_tokens, params)
+
+
 def test_disaggregated_pair_matches_single_engine(engines: dict[str, EngineProcess]
                                                   ) -> None:
     single, prefill, decode = engines["single"], engines["prefill"], engines["decode"]
-    ref = single.call(op="generate", prompts=PROMPTS, max_tokens=MAX_TOKENS)
-    pre = prefill.call(op="generate", prompts=PROMPTS, max_tokens=1,
-                       params=[{"do_remote_decode": True}] * len(PROMPTS))
-    params = pre["params"]
-    assert all(p and p["do_remote_prefill"] and p["remote_block_ids"] for p in params)
-    dec = decode.call(op="generate", prompts=PROMPTS, max_tokens=MAX_TOKENS, params=params)
-    assert dec["tokens"] == ref["tokens"]
-    assert [t[0] for t in ref["tokens"]] == [t[0] for t in pre["tokens"]]
+    single.generate(WARM_UP, 2)
+    disaggregated(prefill, decode, WARM_UP, 2)
+    prefill.call(op="drain")  # a finished request's hold reaches its worker a step later
+    base = decode.call(op="stats")
+    base_conn, base_eng = base["connector"], base["engine"]
+    base_pre = prefill.call(op="stats")["connector"]
+
+    refs = [single.generate(prompt, MAX_TOKENS) for prompt in PROMPTS]
+    pairs = [disaggregated(prefill, decode, prompt, MAX_TOKENS) for prompt in PROMPTS]
+    for ref, (pre, dec) in zip(refs, pairs, strict=True):
+        assert dec["tokens"] == ref["tokens"]
+        assert pre["tokens"] == ref["tokens"][:1]
 
     # The decode engine's KV came over our engine: one READ per request, every block.
     stats = decode.call(op="stats")
     conn, eng = stats["connector"], stats["engine"]
-    block_bytes = 2 * 2 * 32 * 64 * 4  # layers x K/V x block tokens x head dim x fp32
-    # blocks read: 1 + 3 + 2 + 1 (the fourth prompt finds the shared 32-token block
-    # already cached on the decode engine and reads only the rest)
-    assert conn["recv_requests"] == len(PROMPTS) and conn["recv_failed"] == 0
-    assert conn["recv_bytes"] == 7 * block_bytes
-    assert eng["transfers_done"] >= len(PROMPTS) and eng["bytes_read"] >= 7 * block_bytes
+    assert conn["recv_requests"] - base_conn["recv_requests"] == len(PROMPTS)
+    assert conn["recv_failed"] == base_conn["recv_failed"]
+    assert conn["recv_bytes"] - base_conn["recv_bytes"] == BLOCKS_READ * BLOCK_BYTES
+    assert eng["transfers_done"] - base_eng["transfers_done"] >= len(PROMPTS)
+    assert eng["bytes_read"] - base_eng["bytes_read"] >= BLOCKS_READ * BLOCK_BYTES
 
     # Prefill freed every held block once decode read it (no leak, no lease expiry).
     drained = prefill.call(op="drain")
     assert drained["held"] == 0 and drained["free_blocks"] == drained["total_blocks"]
     pstats = prefill.call(op="stats")["connector"]
-    assert pstats["sent_requests"] == len(PROMPTS) and pstats["lease_expired"] == 0
+    assert pstats["sent_requests"] - base_pre["sent_requests"] == len(PROMPTS)
+    assert pstats["lease_expired"] == base_pre["lease_expired"]
 
-    # Figures (medians are too few to trust here: print them for the record).
-    rows = []
-    for i, prompt in enumerate(PROMPTS):
-        pair_ttft = (pre["ttft"][i] or pre["wall"][i]) + (dec["ttft"][i] or 0.0)
-        rows.append({"prompt_tokens": len(prompt.split()), "single_ttft_s": ref["ttft"][i],
-                     "pair_ttft_s": pair_ttft, "kv_seconds": conn["recv_seconds"][i],
-                     "kv_share": conn["recv_seconds"][i] / pair_ttft if pair_ttft else None})
-    figures = {"rows": rows, "bytes_per_request": conn["recv_bytes"] / len(PROMPTS),
-               "layouts": stats["layouts"]}
-    print("\nvLLM P/D figures:", json.dumps(figures, indent=1))
+
+def test_dead_prefill_is_a_load_error_and_an_unread_lease_runs_out(
+        engines: dict[str, EngineProcess]) -> None:
+    single, prefill, decode = engines["single"], engines["prefill"], engines["decode"]
+    base = decode.call(op="stats")["connector"]
+    base_pre = prefill.call(op="stats")["connector"]
+    ref = single.generate(DEAD_PEER, MAX_TOKENS)
+    pre = prefill.generate(DEAD_PEER, 1, {"do_remote_decode": True})
+    # The prefill engine died: nothing answers at its endpoint. Decode's handshake runs
+    # out (timeout_s), the load is reported as failed, and vLLM recomputes the prompt.
+    params = dict(pre["params"], remote_endpoint="tcp://127.0.0.1:9")
+    dec = decode.generate(DEAD_PEER, MAX_TOKENS, params)
+    assert dec["tokens"] == ref["tokens"]
+    conn = decode.call(op="stats")["connector"]
+    assert conn["recv_requests"] - base["recv_requests"] == 1
+    assert conn["recv_failed"] - base["recv_failed"] == 1
+    assert conn["recv_bytes"] == base["recv_bytes"]
+
+    # Nobody read the prefill engine's blocks for it: the lease frees them.
+    drained = prefill.call(op="drain")
+    assert drained["held"] == 0 and drained["free_blocks"] == drained["total_blocks"]
+    pstats = prefill.call(op="stats")["connector"]
+    assert pstats["lease_expired"] - base_pre["lease_expired"] == 1
+    assert pstats["sent_requests"] == base_pre["sent_requests"]
+
+    # And the decode engine holds no block either: the failed load gave its blocks back.
+    drained = decode.call(op="drain")
+    assert drained["free_blocks"] == drained["total_blocks"]
+
+
+def test_figures_ttft_and_kv_share(engines: dict[str, EngineProcess]) -> None:
+    """Time to first token of the pair against the single engine on the same prompts,
+    the share of it spent moving KV, bytes moved per request; medians of a few rounds of
+    fresh random prompts (no prefix-cache hits), each checked token-identical too."""
+    single, prefill, decode = engines["single"], engines["prefill"], engines["decode"]
+    single.generate(WARM_UP, 2)
+    disaggregated(prefill, decode, WARM_UP, 2)
+    rng = random.Random(5)
+    samples: dict[int, list[dict[str, float]]] = {n: [] for n in FIGURE_LENGTHS}
+    for _ in range(FIGURE_ROUNDS):
+        for n in FIGURE_LENGTHS:
+            prompt = " ".join(rng.choice(WORDS) for _ in range(n))
+            before = decode.call(op="stats")["connector"]
+            ref = single.generate(prompt, MAX_TOKENS)
+            pre, dec = disaggregated(prefill, decode, prompt, MAX_TOKENS)
+            after = decode.call(op="stats")["connector"]
+            assert dec["tokens"] == ref["tokens"]
+            moved = after["recv_bytes"] - before["recv_bytes"]
+            assert moved == -(-n // BLOCK_SIZE) * BLOCK_BYTES
+            assert after["recv_failed"] == before["recv_failed"]
+            kv_s = after["recv_seconds"][-1]
+            samples[n].append({"single": ref["ttft"], "pair": pre["ttft"] + dec["ttft"],
+                               "prefill": pre["ttft"], "decode": dec["ttft"], "kv": kv_s,
+                               "bytes": moved})
+    drained = prefill.call(op="drain")
+    assert drained["held"] == 0 and drained["free_blocks"] == drained["total_blocks"]
+
+    def med(n: int, key: str) -> float:
+        return statistics.median(s[key] for s in samples[n])
+
+    rows = [{"prompt_tokens": n, "kv_bytes": int(med(n, "bytes")),
+             "single_ttft_ms": round(med(n, "single") * 1e3, 2),
+             "pair_ttft_ms": round(med(n, "pair") * 1e3, 2),
+             "pair_over_single": round(med(n, "pair") / med(n, "single"), 2),
+             "prefill_ttft_ms": round(med(n, "prefill") * 1e3, 2),
+             "decode_ttft_ms": round(med(n, "decode") * 1e3, 2),
+             "kv_ms": round(med(n, "kv") * 1e3, 2),
+             "kv_share_of_pair_ttft": round(med(n, "kv") / med(n, "pair"), 3)}
+            for n in FIGURE_LENGTHS]
+    # The pair's TTFT is prefill's plus decode's (the proxy's HTTP hops are not in it);
+    # kv_ms runs from the decode worker issuing the READ to seeing it done.
+    print(f"\nvLLM P/D figures (medians of {FIGURE_ROUNDS} rounds):")
+    for row in rows:
+        print(" ", json.dumps(row))

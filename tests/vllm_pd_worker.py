@@ -7,7 +7,8 @@ own output goes to stderr/stdout around it). Commands:
 
     {"op": "generate", "prompts": [...], "max_tokens": N, "params": [... or null]}
         -> {"tokens": [[...]], "params": [...], "wall": [s...], "ttft": [s...]}
-    {"op": "drain"}   steps the engine until the connector holds no blocks
+    {"op": "drain"}   steps the engine (30 s at most) until the connector holds no
+                      blocks and every KV block is free again
         -> {"held": n, "free_blocks": n, "total_blocks": n}
     {"op": "stats"}   -> the worker connector's counters and its engine's
     {"op": "quit"}
@@ -26,7 +27,8 @@ BLOCK_SIZE = 32
 
 
 def _reply(obj: Any) -> None:
-    sys.stdout.write("@@TE@@ " + json.dumps(obj) + "\n")
+    # default=list: the connector keeps its latest load times in a bounded deque
+    sys.stdout.write("@@TE@@ " + json.dumps(obj, default=list) + "\n")
     sys.stdout.flush()
 
 
@@ -84,15 +86,18 @@ def main() -> None:
             _reply(out)
         elif op == "drain":
             worker = _worker()
-            deadline = time.monotonic() + 30
-            while worker is not None and worker.held and time.monotonic() < deadline:
-                llm.llm_engine.step()
-                time.sleep(0.01)
             core = llm.llm_engine.engine_core.engine_core
             pool = core.scheduler.kv_cache_manager.block_pool
+            total = pool.num_gpu_blocks - 1  # block 0 is the null block
+            deadline = time.monotonic() + 30
+            # a finished request's hold reaches the worker only with the next step
+            while time.monotonic() < deadline:
+                llm.llm_engine.step()
+                if (worker is None or not worker.held) and pool.get_num_free_blocks() == total:
+                    break
+                time.sleep(0.01)
             _reply({"held": worker.held if worker else 0,
-                    "free_blocks": pool.get_num_free_blocks(),
-                    "total_blocks": pool.num_gpu_blocks - 1})  # block 0 is the null block
+                    "free_blocks": pool.get_num_free_blocks(), "total_blocks": total})
         elif op == "stats":
             worker = _worker()
             if worker is None:

@@ -35,11 +35,14 @@ Who calls what, in which order (S = scheduler side, W = worker side)::
                (refuses an expired lease or another protocol version: 0 tokens)
     decode S   update_state_after_alloc   pairs remote blocks with the blocks vLLM
                                           allocated; build_connector_meta ships them
-    decode W   start_load_kv         connects (once per peer), reads and checks the
-                                     peer's manifest (a mismatch is refused with a
-                                     message naming what differs), then one READ of
-                                     every layer's blocks, coalescing runs of
-                                     consecutive blocks, with a notification
+    decode W   start_load_kv         one READ of every layer's blocks, coalescing runs
+                                     of consecutive blocks, with a notification; the
+                                     first load from a peer first connects and reads
+                                     and checks the peer's manifest (a mismatch is
+                                     refused with a message naming what differs) on a
+                                     background thread, so a slow or dead peer never
+                                     stalls the forward pass: the READ is issued by a
+                                     later step once the handshake is done
     prefill W  (notification)        the blocks were read: report finished_sending,
                                      vLLM frees them; or the lease ran out: the same
     decode W   get_transfer_results  finished_recving; a failed READ is also in
@@ -55,21 +58,29 @@ transfer is one READ of all layers, issued in layer order (``save_kv_layer`` and
 writes each layer after its attention) needs the proxy to contact decode first.
 
 Deadlines: the lease is enforced by the prefill worker with its own monotonic clock
-(``lease_s`` from the scheduler's metadata); ``lease_expiry`` in kv_transfer_params is
-wall-clock time, compared on the decode side only to skip loads that would be too late
-(give it the clock skew between hosts as margin).
+(``lease_s`` from the scheduler's metadata), counted from a moment no earlier than the
+one ``lease_expiry`` in kv_transfer_params (wall-clock time) is counted from. Decode
+trusts the blocks only while that time has not passed: it does not load an expired
+lease, does not start a READ after it, and reports a READ it saw finish only after it
+as failed (the prefill engine may have given the blocks to another request by then;
+vLLM recomputes). Across hosts, lease_s must cover the clock skew.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
 import logging
+import math
+import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -86,7 +97,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from transfer_engine.descriptor import Descriptor
 from transfer_engine.engine import Engine
-from transfer_engine.errors import ProtocolError, TransferEngineError, TransferError
+from transfer_engine.errors import (
+    ClosedError,
+    ConnectError,
+    PeerLostError,
+    ProtocolError,
+    TransferEngineError,
+    TransferTimeout,
+)
 from transfer_engine.handle import TransferHandle, TransferState
 from transfer_engine.peer import Peer
 from transfer_engine.segment import Segment
@@ -118,6 +136,40 @@ _WORKERS: weakref.WeakSet[TEConnectorWorker] = weakref.WeakSet()
 def live_workers() -> list[TEConnectorWorker]:
     """The worker-side connectors alive in this process (tests read their counters)."""
     return list(_WORKERS)
+
+
+def _all_cpus() -> set[int]:
+    return set(range(os.cpu_count() or 1))
+
+
+def _unpin_current_thread() -> None:
+    """Lets the calling thread run on every CPU (the kernel keeps it within the
+    process's cpuset)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setaffinity(0, _all_cpus())
+
+
+@contextlib.contextmanager
+def _unpinned() -> Iterator[None]:
+    """Threads started inside run on every CPU, not on the one core vLLM's CPU worker
+    pins its compute thread to. A new thread inherits its creator's CPUs, so without
+    this the engine's transfer and control threads would share that core with vLLM's
+    busy-polling main loop (and, on one host, with the other engine's): they then
+    starve for seconds. The calling thread gets its own CPUs back on exit."""
+    try:
+        pinned = os.sched_getaffinity(0)
+    except (AttributeError, OSError):  # not Linux: nothing is pinned this way
+        yield
+        return
+    if pinned >= _all_cpus():
+        yield
+        return
+    _unpin_current_thread()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, pinned)
 
 
 # --- configuration ------------------------------------------------------------------
@@ -270,6 +322,7 @@ class RecvSpec:
     remote_endpoint: str
     remote_engine_id: str
     remote_request_id: str
+    lease_expiry: float = math.inf  # wall clock: the blocks are the peer's after this
 
 
 @dataclass
@@ -364,7 +417,7 @@ class TEConnectorScheduler:
         self._recv[request.request_id] = RecvSpec(
             request.request_id, [b.block_id for b in group[cached:end]], remote[cached:end],
             str(params["remote_endpoint"]), str(params.get("remote_engine_id", "")),
-            str(params.get("remote_request_id", "")))
+            str(params.get("remote_request_id", "")), float(params["lease_expiry"]))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None
                              ) -> TEConnectorMetadata:
@@ -406,6 +459,7 @@ class _Recv:
     handle: TransferHandle | None
     started: float
     error: str | None = None
+    handshake: Future[_RemoteInfo] | None = None  # the peer's, while it is under way
 
 
 @dataclass(eq=False)
@@ -421,28 +475,33 @@ class TEConnectorWorker:
     :param config: the connector's configuration.
     :param compat: factors that must match between peers (model, dtype, block size...);
         the layer layouts are added by :meth:`register_kv_caches`.
-    :param clock: monotonic clock for leases (tests pass a fake one).
+    :param clock: monotonic clock for leases held here (tests pass a fake one).
+    :param wall_clock: ``time.time``-like clock the peers' lease expiries are read by.
     """
 
     def __init__(self, engine_name: str, config: TEConnectorConfig,
-                 compat: dict[str, Any], clock: Callable[[], float] = time.monotonic
-                 ) -> None:
+                 compat: dict[str, Any], clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.engine_name = engine_name
         self.config = config
         self.compat = dict(compat)
         self._clock = clock
+        self._wall = wall_clock
         self.engine: Engine | None = None
         self._layers: dict[str, tuple[Segment, BlockLayout]] = {}
         self._tensors: list[Any] = []
         self._manifest = b""
         self._peers: dict[str, _RemoteInfo] = {}
+        self._handshakes: dict[str, Future[_RemoteInfo]] = {}  # endpoint -> under way
+        self._executor: ThreadPoolExecutor | None = None
         self._recving: dict[str, _Recv] = {}
         self._sending: dict[str, float] = {}  # request id -> lease deadline
         self._sent_early: set[str] = set()  # notified before its metadata arrived
         self._failed_blocks: set[int] = set()
         self._lock = threading.Lock()
         self.stats: dict[str, Any] = {"recv_requests": 0, "recv_failed": 0,
-                                      "recv_bytes": 0, "recv_seconds": [],
+                                      "recv_bytes": 0,
+                                      "recv_seconds": deque(maxlen=1024),  # latest
                                       "sent_requests": 0, "lease_expired": 0}
         _WORKERS.add(self)
 
@@ -450,9 +509,11 @@ class TEConnectorWorker:
     def register_kv_caches(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
         """Registers every layer tensor once and publishes the manifest."""
         if self.engine is None:
-            self.engine = Engine(self.engine_name, host=self.config.host,
-                                 port=self.config.port, transports=self.config.transports,
-                                 timeout=self.config.timeout_s)
+            with _unpinned():  # the engine's threads start here
+                self.engine = Engine(self.engine_name, host=self.config.host,
+                                     port=self.config.port,
+                                     transports=self.config.transports,
+                                     timeout=self.config.timeout_s)
         seen: dict[int, Segment] = {}
         layouts = {}
         for name, tensor in kv_caches.items():
@@ -488,18 +549,16 @@ class TEConnectorWorker:
                                    self.hash)
 
     # decode: loads
-    def _remote(self, endpoint: str) -> _RemoteInfo:
-        info = self._peers.get(endpoint)
-        if info is not None:
-            return info
-        assert self.engine is not None
-        peer = self.engine.connect(endpoint, timeout=self.config.timeout_s)
+    def _connect_peer(self, engine: Engine, endpoint: str) -> _RemoteInfo:
+        """Connects to the peer and checks its manifest (on the handshake thread; it
+        touches no state of this worker but the engine, which is thread-safe)."""
+        peer = engine.connect(endpoint, timeout=self.config.timeout_s)
         mseg = peer.segment(MANIFEST_SEGMENT)
         buf = np.zeros(mseg.length, dtype=np.uint8)
-        with self.engine.register(buf, name=f"te-vllm/manifest-in/{id(buf):x}") as local:
-            self.engine.read(peer, [(Descriptor(local, 0, mseg.length),
-                                     Descriptor(mseg, 0, mseg.length))]
-                             ).wait(self.config.timeout_s)
+        with engine.register(buf, name=f"te-vllm/manifest-in/{id(buf):x}") as local:
+            engine.read(peer, [(Descriptor(local, 0, mseg.length),
+                                Descriptor(mseg, 0, mseg.length))]
+                        ).wait(self.config.timeout_s)
         try:
             manifest = msgpack.unpackb(buf.tobytes())
             version, theirs = manifest["version"], manifest["compat"]
@@ -513,8 +572,24 @@ class TEConnectorWorker:
         if manifest.get("hash") != self.hash:
             raise ProtocolError("incompatible KV caches, refusing to transfer: "
                                 + describe_mismatch(self.compat, theirs), peer=peer.name)
-        info = self._peers[endpoint] = _RemoteInfo(peer, layers)
-        return info
+        for name, (seg_name, _) in layers.items():
+            if name not in self._layers:
+                raise ProtocolError(f"peer has layer {name!r}, we do not", peer=peer.name)
+            peer.segment(seg_name)  # known now, so building a READ asks nothing
+        return _RemoteInfo(peer, layers)
+
+    def _handshake(self, endpoint: str) -> Future[_RemoteInfo]:
+        fut = self._handshakes.get(endpoint)
+        if fut is None:
+            assert self.engine is not None
+            if self._executor is None:
+                # unpinned, and so are the rails' threads a handshake starts
+                self._executor = ThreadPoolExecutor(
+                    max_workers=2, thread_name_prefix=f"te-vllm-handshake-{self.engine_name}",
+                    initializer=_unpin_current_thread)
+            fut = self._executor.submit(self._connect_peer, self.engine, endpoint)
+            self._handshakes[endpoint] = fut
+        return fut
 
     def _pairs(self, info: _RemoteInfo, spec: RecvSpec) -> list[tuple[Descriptor, Descriptor]]:
         peer = info.peer
@@ -540,27 +615,55 @@ class TEConnectorWorker:
         return pairs
 
     def start_load(self, specs: Iterable[RecvSpec]) -> None:
-        """Starts one READ per request; failures are reported by :meth:`results`."""
+        """Starts one READ per request, or the peer's handshake first; never waits on
+        the network. Failures are reported by :meth:`results`."""
         for spec in specs:
             recv = _Recv(spec, None, self._clock())
             self.stats["recv_requests"] += 1
+            self._recving[spec.request_id] = recv
             try:
                 if not spec.local_block_ids:
                     raise ProtocolError("no blocks to load")
                 if len(spec.local_block_ids) != len(spec.remote_block_ids):
                     raise ProtocolError("local and remote block counts differ")
-                info = self._remote(spec.remote_endpoint)
-                assert self.engine is not None
-                recv.handle = self.engine.read(
-                    info.peer, self._pairs(info, spec),
-                    notify=_SENT_PREFIX + spec.remote_request_id.encode())
+                info = self._peers.get(spec.remote_endpoint)
+                if info is None:
+                    recv.handshake = self._handshake(spec.remote_endpoint)
+                else:
+                    self._issue(recv, info)
             except (TransferEngineError, KeyError, ValueError) as exc:
-                recv.error = str(exc)
-                if isinstance(exc, TransferError):
-                    self._peers.pop(spec.remote_endpoint, None)
-                log.error("request %s: KV load from %s failed: %s", spec.request_id,
-                          spec.remote_endpoint, exc)
-            self._recving[spec.request_id] = recv
+                self._fail(recv, exc)
+
+    def _issue(self, recv: _Recv, info: _RemoteInfo) -> None:
+        assert self.engine is not None
+        spec = recv.spec
+        if self._wall() >= spec.lease_expiry:
+            self._fail(recv, "the prefill engine's lease on the blocks ran out before the "
+                             "read could start; they may hold another request's KV by now")
+            return
+        recv.handle = self.engine.read(info.peer, self._pairs(info, spec),
+                                       notify=_SENT_PREFIX + spec.remote_request_id.encode())
+
+    def _fail(self, recv: _Recv, why: BaseException | str) -> None:
+        recv.error = str(why)
+        if isinstance(why, ConnectError | PeerLostError | TransferTimeout | ClosedError):
+            self._peers.pop(recv.spec.remote_endpoint, None)  # connect afresh next time
+        log.error("request %s: KV load from %s failed: %s", recv.spec.request_id,
+                  recv.spec.remote_endpoint, why)
+
+    def _after_handshake(self, recv: _Recv, fut: Future[_RemoteInfo]) -> None:
+        endpoint = recv.spec.remote_endpoint
+        recv.handshake = None
+        if self._handshakes.get(endpoint) is fut:
+            del self._handshakes[endpoint]  # a failed one is tried again by a later load
+        try:
+            info = fut.result()
+            info = self._peers.setdefault(endpoint, info)
+            self._issue(recv, info)
+        # Whatever broke the handshake (a refused peer, a timeout, the engine closing
+        # under it), the request must come back as a load error, not end the engine.
+        except Exception as exc:  # noqa: BLE001
+            self._fail(recv, exc)
 
     # prefill: holds
     def hold(self, reqs: dict[str, float]) -> None:
@@ -600,16 +703,33 @@ class TEConnectorWorker:
             # notifications for requests never held here (aborted) must not pile up
             if len(self._sent_early) > 4096:
                 self._sent_early.clear()
+        if self._recving:
+            # vLLM calls this once per step from a thread that hardly lets go of the
+            # GIL while a request waits for its KV; without this the transfer threads
+            # wait for the interpreter's 5 ms switch interval at every hand-over
+            # (measured: 6 ms per load, 1.4 ms with it).
+            time.sleep(0)
+        for recv in list(self._recving.values()):
+            fut = recv.handshake
+            if fut is not None and fut.done():
+                self._after_handshake(recv, fut)
         for rid, recv in list(self._recving.items()):
             handle = recv.handle
-            if handle is not None and handle.state is TransferState.PENDING:
+            if recv.handshake is not None or (handle is not None
+                                              and handle.state is TransferState.PENDING):
                 continue
             del self._recving[rid]
             out.finished_recving.add(rid)
             if handle is not None and handle.state is TransferState.DONE:
-                self.stats["recv_bytes"] += handle.nbytes
-                self.stats["recv_seconds"].append(self._clock() - recv.started)
-                continue
+                if self._wall() < recv.spec.lease_expiry:
+                    self.stats["recv_bytes"] += handle.nbytes
+                    self.stats["recv_seconds"].append(self._clock() - recv.started)
+                    continue
+                # not shown to have finished inside the lease: the bytes may be another
+                # request's
+                log.error("request %s: KV read finished after the prefill engine's lease "
+                          "ran out; recomputing", rid)
+                handle = None
             if handle is not None:
                 log.error("request %s: KV read failed: %s", rid, handle.error)
             self.stats["recv_failed"] += 1
@@ -622,16 +742,24 @@ class TEConnectorWorker:
         return out
 
     def close(self) -> None:
-        """Closes the engine (in-flight reads fail) and forgets every request."""
+        """Closes the engine (in-flight reads and handshakes fail) and waits for the
+        handshake threads; forgets every request."""
         engine, self.engine = self.engine, None
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
         self._peers.clear()
+        self._handshakes.clear()
         if engine is not None:
             engine.close()
+        if executor is not None:
+            executor.shutdown(wait=True)
         _WORKERS.discard(self)
 
     def __repr__(self) -> str:
         return (f"<TEConnectorWorker {self.engine_name!r} layers={len(self._layers)} "
-                f"recving={len(self._recving)} held={len(self._sending)}>")
+                f"recving={len(self._recving)} handshakes={len(self._handshakes)} "
+                f"held={len(self._sending)}>")
 
 
 # --- the connector vLLM instantiates ------------------------------------------------
