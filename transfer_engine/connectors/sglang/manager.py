@@ -1,0 +1,643 @@
+"""The per-rank manager: engine, registered KV and aux buffers, side channel, rooms.
+
+One :class:`TransferEngineKVManager` per SGLang scheduler rank. It owns
+
+- an :class:`~transfer_engine.engine.Engine` with every KV buffer (``kv_data_ptrs``:
+  per-layer K then V buffers, page ``p`` at ``p * kv_item_lens[i]``) and every
+  metadata buffer (``aux_data_ptrs``) registered as a segment;
+- a side channel (:class:`~.channel.Service`) where the peer ranks send room requests,
+  room statuses and pings;
+- a background thread that turns engine notifications into room progress (decode),
+  sends best-effort statuses, pings the prefill ranks a decode rank waits on, and drops
+  claimed rooms that no prefill request took up in time (prefill).
+
+Closing it stops the threads, closes the channel and the engine (in-flight transfers
+fail with ``ClosedError``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import uuid
+import warnings
+from contextlib import ExitStack
+from typing import Any
+
+import numpy as np
+import zmq
+from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs
+
+from transfer_engine.connectors.compat import compat_hash, describe_mismatch
+from transfer_engine.connectors.sglang.channel import (
+    Links,
+    Service,
+    split_host_port,
+    tcp_endpoint,
+)
+from transfer_engine.connectors.sglang.config import SGLangBackendConfig, device_memory
+from transfer_engine.connectors.sglang.messages import (
+    BACKEND_VERSION,
+    Ping,
+    PrefillInfo,
+    PrefillLookup,
+    PrefillRegister,
+    RoomRequest,
+    RoomStatus,
+)
+from transfer_engine.connectors.sglang.rooms import (
+    PrefillEntry,
+    RecvRoom,
+    SendRoom,
+    check_room,
+    parse_note,
+)
+from transfer_engine.control.auth import AuthConfig, Signer
+from transfer_engine.control.messages import Ack, Message
+from transfer_engine.descriptor import Descriptor
+from transfer_engine.engine import Engine
+from transfer_engine.errors import (
+    ClosedError,
+    ConnectError,
+    InvalidDescriptorError,
+    PeerLostError,
+    ProtocolError,
+    RemoteError,
+    TransferEngineError,
+    TransferError,
+    TransferTimeout,
+)
+from transfer_engine.layout import BlockLayout, pairs_for_blocks
+from transfer_engine.notify import Notification
+from transfer_engine.peer import ControlClient, Peer
+from transfer_engine.segment import RemoteSegment, Segment
+
+__all__ = ["TransferEngineKVManager"]
+
+log = logging.getLogger(__name__)
+
+def _mode(mode: Any) -> str:
+    value = str(getattr(mode, "value", mode))
+    if value not in ("prefill", "decode"):
+        raise ValueError(f"the transfer_engine backend runs in disaggregation mode "
+                         f"'prefill' or 'decode', not {value!r}")
+    return value
+
+
+class TransferEngineKVManager(BaseKVManager):  # type: ignore[misc]
+    """SGLang's KV manager on our engine (one per scheduler rank).
+
+    :param args: SGLang's ``KVArgs`` for this rank (buffers, page size, rank).
+    :param disaggregation_mode: ``DisaggregationMode.PREFILL`` or ``.DECODE`` (or the
+        strings).
+    :param server_args: SGLang's ``ServerArgs``; ``host``,
+        ``disaggregation_bootstrap_port`` and ``device`` are read.
+    :param is_mla_backend: whether the pool is MLA (one buffer per layer); part of the
+        compatibility factors.
+    :param config: settings; default :meth:`SGLangBackendConfig.from_env`.
+
+    A prefill manager registers at its bootstrap server before returning and raises
+    ``ConnectError`` if it cannot (a prefill rank that nobody can find serves nothing).
+    """
+
+    def __init__(self, args: KVArgs, disaggregation_mode: Any, server_args: Any,
+                 is_mla_backend: bool | None = False, *,
+                 config: SGLangBackendConfig | None = None) -> None:
+        self.kv_args = args
+        self.mode = _mode(disaggregation_mode)
+        self.server_args = server_args
+        self.is_mla_backend = bool(is_mla_backend)
+        self.config = config or SGLangBackendConfig.from_env(server_args)
+        self.rank = int(getattr(args, "engine_rank", 0) or 0)
+        self.name = f"sglang-{self.mode}-r{self.rank}-{uuid.uuid4().hex[:8]}"
+        self._kv = _buffers(args, "kv")
+        self._aux = _buffers(args, "aux")
+        self.compat: dict[str, Any] = {
+            "backend_version": BACKEND_VERSION,
+            "page_size": getattr(args, "page_size", None),
+            "kv_cache_dtype": str(getattr(args, "kv_cache_dtype_str", "") or ""),
+            "kv_layout": getattr(args, "kv_layout", None),
+            "is_mla": self.is_mla_backend,
+            "kv_item_lens": [item for _, _, item in self._kv],
+            "aux_item_lens": [item for _, _, item in self._aux],
+        }
+        self.compat_hash = compat_hash(self.compat)
+        self._lock = threading.Lock()
+        self._closed = False
+        self.transfer_infos: dict[int, SendRoom] = {}  # prefill: claimed rooms
+        self._senders: set[int] = set()  # prefill: rooms with a live sender
+        self._recv_rooms: dict[int, RecvRoom] = {}  # decode
+        self.prefill_info_table: dict[str, PrefillEntry] = {}  # decode, by bootstrap addr
+        self._decode_peers: dict[str, tuple[Peer, int]] = {}  # prefill: name -> (peer, epoch)
+        # prefill: (room, nonce) decode gave up before its request arrived (bounded)
+        self._given_up: collections.OrderedDict[tuple[int, int], str] = (
+            collections.OrderedDict())
+        self._clients: dict[str, ControlClient] = {}
+        self._outbox: collections.deque[tuple[str, Message]] = collections.deque(maxlen=4096)
+        self._epoch = 0
+        self._kv_segments: list[Segment] = []
+        self._aux_segments: list[Segment] = []
+        self.stats = collections.Counter[str]()
+        auth = AuthConfig.from_env()
+        self._signer: Signer | None = auth.signer()
+        self._stack = ExitStack()
+        try:
+            self.engine = Engine(self.name, host=self.config.host,
+                                 transports=self.config.transports,
+                                 timeout=self.config.timeout_s, role=self.mode, auth=auth)
+            self._stack.callback(self.engine.close)
+            self.register_buffer_to_engine()
+            self._zctx: zmq.Context[Any] = zmq.Context()
+            self._stack.callback(self._term_context)
+            self._stack.callback(self._close_clients)
+            self._channel = Service(self._zctx, self.config.host, 0, self._on_request,
+                                    f"chan-{self.name}", self._signer)
+            # a request may be connecting to a peer and refreshing its segments
+            self._stack.callback(self._channel.close, 2 * self.config.timeout_s + 1)
+            self._bg_stop = threading.Event()
+            self._bg = threading.Thread(target=self._background, daemon=True,
+                                        name=f"te-sglang-bg-{self.name}")
+            self._bg.start()
+            self._stack.callback(self._bg.join, 5)
+            self._stack.callback(self._bg_stop.set)
+            if self.mode == "prefill":
+                self.register_to_bootstrap()
+        except BaseException:
+            self._stack.close()
+            raise
+
+    # --- buffers ----------------------------------------------------------------------
+
+    def register_buffer_to_engine(self) -> None:
+        """Registers every KV and aux buffer (idempotent). SGLang calls this again after
+        it released and re-allocated its memory; peers learn the new segments from the
+        ``epoch`` of the next room request."""
+        if self._kv_segments:
+            return
+        self._kv = _buffers(self.kv_args, "kv")  # SGLang may have moved its memory
+        self._aux = _buffers(self.kv_args, "aux")
+        device = str(getattr(self.server_args, "device", "cpu") or "cpu")
+        gpu_id = int(getattr(self.kv_args, "gpu_id", 0) or 0)
+        done: list[Segment] = []
+        try:
+            for i, (ptr, length, _) in enumerate(self._kv):
+                done.append(self.engine.register(device_memory(ptr, length, device, gpu_id),
+                                                  name=f"sglang/kv/{i}"))
+            for i, (ptr, length, _) in enumerate(self._aux):
+                done.append(self.engine.register((ptr, length), name=f"sglang/aux/{i}"))
+        except BaseException:
+            for seg in done:
+                seg.close()
+            raise
+        self._kv_segments = done[:len(self._kv)]
+        self._aux_segments = done[len(self._kv):]
+        self._kv_layouts = [_layout(length, item) for _, length, item in self._kv]
+        self._aux_layouts = [_layout(length, item) for _, length, item in self._aux]
+        self._epoch += 1
+
+    def deregister_buffer_to_engine(self) -> None:
+        """Deregisters every buffer (before SGLang frees its memory). Transfers into or
+        out of them must be over; the engine refuses a segment that is in use."""
+        segs, self._kv_segments, self._aux_segments = (
+            self._kv_segments + self._aux_segments, [], [])
+        for seg in segs:
+            seg.close()
+
+    # --- bootstrap --------------------------------------------------------------------
+
+    def register_to_bootstrap(self) -> None:
+        """Prefill: registers this rank at ``bootstrap_host:disaggregation_bootstrap_port``,
+        retrying with back-off; raises ``ConnectError`` when every attempt failed and
+        ``RemoteError`` when the server refused."""
+        port = int(getattr(self.server_args, "disaggregation_bootstrap_port", 0) or 0)
+        if not port:
+            raise ConnectError("server_args.disaggregation_bootstrap_port is not set",
+                               op="register")
+        endpoint = tcp_endpoint(self.config.bootstrap_host, port, connect=True)
+        msg = PrefillRegister(self.rank, self.engine.name, self.engine.endpoint,
+                              self._channel.endpoint, BACKEND_VERSION, self.compat)
+        last: TransferError | None = None
+        for attempt in range(self.config.register_attempts):
+            if attempt:
+                time.sleep(min(0.2 * 2 ** attempt, 5.0))
+            try:
+                reply = self._request(endpoint, msg)
+            except (TransferTimeout, ConnectError) as exc:
+                last = exc
+                log.warning("registering at the bootstrap server %s (attempt %d/%d): %s",
+                            endpoint, attempt + 1, self.config.register_attempts, exc)
+                continue
+            if not isinstance(reply, Ack):
+                raise ProtocolError(f"expected ack, got {reply.kind}", peer=endpoint,
+                                    op="register")
+            return
+        raise ConnectError(f"prefill rank {self.rank} could not register at the bootstrap "
+                           f"server {endpoint} in {self.config.register_attempts} attempts: "
+                           f"{last}", peer=endpoint, op="register")
+
+    def prefill_info(self, bootstrap_addr: str) -> PrefillEntry:
+        """Decode: the prefill rank this rank pairs with behind ``bootstrap_addr``
+        (``host:port``), asked once and cached. Raises ``ConnectError``,
+        ``TransferTimeout``, ``RemoteError`` (not registered) or ``ProtocolError``."""
+        with self._lock:
+            entry = self.prefill_info_table.get(bootstrap_addr)
+        if entry is not None:
+            return entry
+        try:
+            host, port = split_host_port(bootstrap_addr)
+        except ValueError as exc:
+            raise ConnectError(str(exc), peer=bootstrap_addr, op="lookup") from exc
+        reply = self._request(tcp_endpoint(host, port, connect=True), PrefillLookup(self.rank))
+        if not isinstance(reply, PrefillInfo):
+            raise ProtocolError(f"expected prefill info, got {reply.kind}",
+                                peer=bootstrap_addr, op="lookup")
+        if reply.version != BACKEND_VERSION:
+            raise ProtocolError(f"prefill speaks backend version {reply.version}, we speak "
+                                f"{BACKEND_VERSION}; upgrade one side", peer=reply.engine_name)
+        entry = PrefillEntry(reply)
+        with self._lock:
+            self.prefill_info_table[bootstrap_addr] = entry
+        return entry
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Decode (called by SGLang's scheduler before it creates receivers): whether the
+        prefill server behind ``bootstrap_addr`` is known now."""
+        try:
+            self.prefill_info(bootstrap_addr)
+        except TransferEngineError as exc:
+            log.warning("prefill at %s: %s", bootstrap_addr, exc)
+            return False
+        return True
+
+    def check_compat(self, entry: PrefillEntry) -> None:
+        """Raises ``ProtocolError`` naming every factor that differs."""
+        theirs = entry.info.compat
+        if compat_hash(theirs) != self.compat_hash:
+            raise ProtocolError("incompatible KV caches, refusing to transfer: "
+                                + describe_mismatch(self.compat, theirs), peer=entry.name)
+
+    def forget_prefill(self, channel: str) -> None:
+        """Drops cached lookups of a prefill rank (it died or restarted)."""
+        with self._lock:
+            for addr, entry in list(self.prefill_info_table.items()):
+                if entry.channel == channel:
+                    del self.prefill_info_table[addr]
+
+    # --- control requests (scheduler thread) ------------------------------------------
+
+    def _request(self, endpoint: str, msg: Message) -> Message:
+        with self._lock:
+            if self._closed:
+                raise ClosedError("manager is closed", op=msg.kind)
+            client = self._clients.get(endpoint)
+            if client is None:
+                client = self._clients[endpoint] = ControlClient(
+                    self._zctx, endpoint, peer=endpoint, auth=self._signer)
+        return client.request(msg, self.config.timeout_s)
+
+    def request_room(self, entry: PrefillEntry, msg: RoomRequest) -> None:
+        """Decode: asks the prefill rank to write room ``msg.room``; raises what the
+        prefill refused (``RemoteError``) or ``TransferTimeout``."""
+        try:
+            reply = self._request(entry.channel, msg)
+        except TransferTimeout:
+            self.forget_prefill(entry.channel)
+            raise
+        if not isinstance(reply, Ack):
+            raise ProtocolError(f"expected ack, got {reply.kind}", peer=entry.name)
+
+    def post(self, endpoint: str, msg: Message) -> None:
+        """Sends ``msg`` from the background thread, best effort (answers are not
+        awaited); the oldest is dropped when thousands are queued."""
+        self._outbox.append((endpoint, msg))
+
+    def _term_context(self) -> None:
+        channel = getattr(self, "_channel", None)
+        if channel is not None and not channel.stopped:
+            log.warning("%s: side channel still busy; leaving its ZeroMQ context open",
+                        self.name)
+            return
+        self._zctx.term()
+
+    def _close_clients(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+
+    # --- side channel (service thread) ------------------------------------------------
+
+    def _on_request(self, msg: Message) -> Message:
+        if isinstance(msg, Ping):
+            return Ack()
+        if isinstance(msg, RoomStatus):
+            self._on_status(msg)
+            return Ack()
+        if isinstance(msg, RoomRequest) and self.mode == "prefill":
+            self._claim(msg)
+            return Ack()
+        raise ProtocolError(f"unexpected {msg.kind} on a {self.mode} side channel")
+
+    def _claim(self, msg: RoomRequest) -> None:
+        room = check_room(msg.room)
+        if msg.version != BACKEND_VERSION:
+            raise ProtocolError(f"decode speaks backend version {msg.version}, we speak "
+                                f"{BACKEND_VERSION}", peer=msg.decode_name)
+        if msg.compat_hash != self.compat_hash:
+            raise ProtocolError(f"incompatible KV caches: decode's hash {msg.compat_hash} "
+                                f"!= ours {self.compat_hash} (ours: {self.compat})",
+                                peer=msg.decode_name)
+        if msg.rank != self.rank:
+            raise ProtocolError(f"room request for rank {msg.rank} reached rank {self.rank}",
+                                peer=msg.decode_name)
+        if not isinstance(msg.kv_pages, bytes) or len(msg.kv_pages) % 4:
+            raise ProtocolError("kv_pages must be little-endian int32 bytes",
+                                peer=msg.decode_name)
+        pages = np.frombuffer(msg.kv_pages, dtype="<i4").astype(np.int64)
+        with self._lock:
+            other = self.transfer_infos.get(room)
+            given_up = self._given_up.pop((room, msg.nonce), None)
+        if given_up is not None:
+            raise ProtocolError(f"decode gave bootstrap room {room} up before its request "
+                                f"arrived: {given_up}", peer=msg.decode_name)
+        if other is not None:
+            raise ProtocolError(f"bootstrap room {room} is already claimed by decode "
+                                f"{other.peer.name}", peer=msg.decode_name)
+        peer = self._decode_peer(msg.decode_name, msg.decode_endpoint, msg.epoch)
+        kv_remote = self._remote(peer, "kv", self._kv)
+        aux_remote = self._remote(peer, "aux", self._aux)
+        aux = [msg.aux_index] if msg.aux_index >= 0 else []
+        for kind, remote, ids in (("kv", kv_remote, pages.tolist()), ("aux", aux_remote, aux)):
+            limit = min((lay.num_blocks for _, lay in remote), default=0)
+            bad = [p for p in ids if not 0 <= p < limit]
+            if bad:
+                raise InvalidDescriptorError(f"room {room}: {kind} index {bad[0]} is out of "
+                                             f"range [0, {limit}) of decode's buffers",
+                                             peer=msg.decode_name)
+        claim = SendRoom(room, peer, msg.decode_channel, pages, msg.aux_index,
+                         msg.decode_prefix_len, msg.nonce, kv_remote, aux_remote,
+                         time.monotonic())
+        with self._lock:
+            if room in self.transfer_infos:
+                raise ProtocolError(f"bootstrap room {room} is already claimed",
+                                    peer=msg.decode_name)
+            self.transfer_infos[room] = claim
+        self.stats["rooms_claimed"] += 1
+
+    def _decode_peer(self, name: str, endpoint: str, epoch: int) -> Peer:
+        with self._lock:
+            cached = self._decode_peers.get(name)
+        if cached is not None and cached[1] == epoch and cached[0].lost is None:
+            return cached[0]
+        peer = self.engine.connect(endpoint, timeout=self.config.timeout_s / 2)
+        if peer.name != name:
+            raise ProtocolError(f"endpoint {endpoint} is engine {peer.name!r}, the request "
+                                f"named {name!r}", peer=name)
+        with self._lock:
+            self._decode_peers[name] = (peer, epoch)
+        return peer
+
+    @staticmethod
+    def _remote(peer: Peer, kind: str, bufs: list[tuple[int, int, int]]
+                ) -> list[tuple[RemoteSegment, BlockLayout]]:
+        out = []
+        for i, (_, _, item) in enumerate(bufs):
+            seg = peer.segment(f"sglang/{kind}/{i}")
+            out.append((seg, _layout(seg.length, item)))
+        return out
+
+    def _on_status(self, msg: RoomStatus) -> None:
+        with self._lock:
+            if self.mode == "prefill":
+                claim = self.transfer_infos.get(msg.room)
+                if msg.ok:
+                    return
+                if claim is not None and claim.nonce == msg.nonce:
+                    claim.aborted = msg.reason or "aborted"
+                elif claim is None:  # the abort overtook the request
+                    self._given_up[(msg.room, msg.nonce)] = msg.reason or "aborted"
+                    while len(self._given_up) > 4096:
+                        self._given_up.popitem(last=False)
+                return
+            recv = self._recv_rooms.get(msg.room)
+            if recv is None or recv.nonce != msg.nonce:
+                return
+            if msg.ok:
+                recv.total = msg.chunks
+            elif recv.error is None:
+                recv.error = RemoteError(f"prefill failed the room: {msg.reason}",
+                                         peer=recv.prefill.name, op="sglang-recv")
+
+    # --- prefill: rooms and pairs (scheduler thread) ----------------------------------
+
+    def attach_sender(self, room: int) -> bool:
+        """Prefill: marks ``room`` as having a live sender; False if one exists."""
+        with self._lock:
+            if room in self._senders:
+                return False
+            self._senders.add(room)
+            return True
+
+    def send_room(self, room: int) -> SendRoom | None:
+        with self._lock:
+            return self.transfer_infos.get(room)
+
+    def forget_send_room(self, room: int) -> None:
+        with self._lock:
+            self.transfer_infos.pop(room, None)
+            self._senders.discard(room)
+
+    def pairs(self, claim: SendRoom, src_pages: list[int], dst_pages: list[int],
+              src_aux: int | None) -> list[tuple[Descriptor, Descriptor]]:
+        """Descriptor pairs moving pages (and the aux row) of one chunk; runs of pages
+        adjacent on both sides become one descriptor per buffer."""
+        out: list[tuple[Descriptor, Descriptor]] = []
+        if src_pages:
+            out += pairs_for_blocks(self._kv_layouts, [lay for _, lay in claim.kv_remote],
+                                    self._kv_segments, [seg for seg, _ in claim.kv_remote],
+                                    src_pages, dst_pages)
+        if src_aux is not None and claim.aux_index >= 0 and self._aux:
+            out += pairs_for_blocks(self._aux_layouts, [lay for _, lay in claim.aux_remote],
+                                    self._aux_segments, [seg for seg, _ in claim.aux_remote],
+                                    [src_aux], [claim.aux_index])
+        return out
+
+    # --- decode: rooms ----------------------------------------------------------------
+
+    def open_recv_room(self, room: int, entry: PrefillEntry) -> RecvRoom:
+        with self._lock:
+            if room in self._recv_rooms:
+                raise ProtocolError(f"bootstrap room {room} already has a receiver on this "
+                                    "decode rank")
+            recv = self._recv_rooms[room] = RecvRoom(room, entry)
+            return recv
+
+    def recv_room(self, room: int) -> RecvRoom | None:
+        with self._lock:
+            return self._recv_rooms.get(room)
+
+    def forget_recv_room(self, room: int) -> None:
+        with self._lock:
+            self._recv_rooms.pop(room, None)
+
+    def room_request(self, recv: RecvRoom, pages: np.ndarray, aux_index: int,
+                     decode_prefix_len: int) -> RoomRequest:
+        return RoomRequest(recv.room, self.rank, self.engine.name, self.engine.endpoint,
+                           self._channel.endpoint, self._epoch,
+                           np.ascontiguousarray(pages, dtype="<i4").tobytes(), aux_index,
+                           decode_prefix_len, recv.nonce, BACKEND_VERSION,
+                           self.compat_hash)
+
+    def _on_note(self, note: Notification) -> None:
+        parsed = parse_note(note.payload)
+        if parsed is None:
+            return
+        room, nonce, seq, total = parsed
+        with self._lock:
+            recv = self._recv_rooms.get(room)
+            if recv is None or recv.prefill.name != note.peer or recv.nonce != nonce:
+                self.stats["notes_unclaimed"] += 1
+                return
+            recv.seen.add(seq)
+            if total >= 0:
+                recv.total = total
+        self.stats["chunks_received"] += 1
+
+    # --- background thread ------------------------------------------------------------
+
+    def _background(self) -> None:
+        links = Links(self._zctx, self._signer)
+        beat = self.config.heartbeat_s
+        next_beat = time.monotonic() + beat
+        misses: dict[str, int] = {}
+        try:
+            while not self._bg_stop.is_set():
+                for note in self.engine.notifications(timeout=0.05):
+                    self._on_note(note)
+                while self._outbox:
+                    endpoint, msg = self._outbox.popleft()
+                    links.send(endpoint, msg)
+                now = time.monotonic()
+                if now < next_beat:
+                    continue
+                next_beat = now + beat
+                if self.mode == "decode":
+                    self._heartbeat(links, misses)
+                else:
+                    self._expire_claims(now)
+        except Exception:
+            log.exception("background thread of %s failed", self.name)
+        finally:
+            links.close()
+
+    def _heartbeat(self, links: Links, misses: dict[str, int]) -> None:
+        """Pings every prefill rank with rooms in flight; one that answered none of the
+        last ``heartbeat_misses`` pings fails its rooms with ``PeerLostError``."""
+        with self._lock:
+            waiting: dict[str, list[RecvRoom]] = {}
+            for recv in self._recv_rooms.values():
+                if not recv.done and recv.error is None and not recv.complete:
+                    waiting.setdefault(recv.prefill.channel, []).append(recv)
+        for channel in list(misses):
+            if channel not in waiting:
+                del misses[channel]
+                links.drop(channel)
+        for channel, rooms in waiting.items():
+            answered = links.answered(channel)
+            if channel in misses and not answered:
+                misses[channel] += 1
+            else:
+                misses[channel] = 0
+            if misses[channel] >= self.config.heartbeat_misses:
+                prefill = rooms[0].prefill
+                error = PeerLostError(
+                    f"prefill rank {prefill.info.rank} ({prefill.name} at {channel}) "
+                    f"stopped answering: {misses[channel]} heartbeats of "
+                    f"{self.config.heartbeat_s}s missed", peer=prefill.name,
+                    op="sglang-recv")
+                with self._lock:
+                    for recv in rooms:
+                        recv.error = recv.error or error
+                self.forget_prefill(channel)
+                self.stats["prefills_lost"] += 1
+                del misses[channel]
+                links.drop(channel)
+                continue
+            links.send(channel, Ping())
+
+    def _expire_claims(self, now: float) -> None:
+        """Prefill: drops rooms claimed by decode that no prefill request took up within
+        ``bootstrap_timeout_s`` and tells the decode side."""
+        limit = self.config.bootstrap_timeout_s
+        with self._lock:
+            stale = [c for r, c in self.transfer_infos.items()
+                     if r not in self._senders and now - c.claimed > limit]
+            for claim in stale:
+                del self.transfer_infos[claim.room]
+        for claim in stale:
+            self.stats["claims_expired"] += 1
+            reason = (f"no prefill request for bootstrap room {claim.room} reached prefill "
+                      f"rank {self.rank} within {limit}s")
+            self.post(claim.decode_channel, RoomStatus(claim.room, claim.nonce, False, reason))
+
+    # --- life cycle -------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Stops the threads, closes the side channel and the engine. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stack.close()
+
+    def __enter__(self) -> TransferEngineKVManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        try:
+            warnings.warn(f"{type(self).__name__} {self.name!r} was not closed",
+                          ResourceWarning, stacklevel=2)
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        state = " CLOSED" if self._closed else ""
+        return (f"<TransferEngineKVManager {self.name!r} {self.mode} rank={self.rank} "
+                f"kv_buffers={len(self._kv)} rooms={len(self.transfer_infos)}"
+                f"/{len(self._recv_rooms)}{state}>")
+
+
+def _buffers(args: Any, kind: str) -> list[tuple[int, int, int]]:
+    """``(address, length, bytes per page or row)`` of SGLang's ``kind`` buffers."""
+    ptrs = list(getattr(args, f"{kind}_data_ptrs", None) or [])
+    lens = list(getattr(args, f"{kind}_data_lens", None) or [])
+    items = list(getattr(args, f"{kind}_item_lens", None) or [])
+    if not len(ptrs) == len(lens) == len(items):
+        raise ValueError(f"KVArgs: {len(ptrs)} {kind}_data_ptrs, {len(lens)} "
+                         f"{kind}_data_lens and {len(items)} {kind}_item_lens")
+    out = []
+    for i, (ptr, length, item) in enumerate(zip(ptrs, lens, items, strict=True)):
+        if int(ptr) <= 0 or int(item) <= 0 or int(length) < int(item):
+            raise ValueError(f"KVArgs: {kind} buffer {i} has address {ptr}, length {length} "
+                             f"and item length {item}")
+        out.append((int(ptr), int(length), int(item)))
+    if kind == "kv" and not out:
+        raise ValueError("KVArgs holds no KV buffers")
+    return out
+
+
+def _layout(length: int, item: int) -> BlockLayout:
+    """Page ``p`` of a buffer of ``item``-byte pages is bytes ``[p*item, (p+1)*item)``."""
+    return BlockLayout(num_blocks=length // item, block_stride=item, block_bytes=item)
