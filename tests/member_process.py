@@ -9,11 +9,23 @@ leaves the registry and exits).
 from __future__ import annotations
 
 import sys
+import threading
 
 import numpy as np
 
 from transfer_engine import Engine
 from transfer_engine.control.metastore import MemberEvent
+
+
+_out = threading.Lock()
+
+
+def say(line: str) -> None:
+    """One line, written whole: the events thread and the main thread both print, and
+    ``print(a, b)`` writes its pieces separately, so two threads' lines could mix."""
+    with _out:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
 
 def main() -> None:
@@ -25,11 +37,11 @@ def main() -> None:
         engine.register(buf, name="dst")
 
         def show(event: MemberEvent) -> None:
-            print("EVENT", event.kind.value, event.name, flush=True)
+            say(f"EVENT {event.kind.value} {event.name}")
 
         assert engine.membership is not None
         with engine.membership.watch(show):
-            print("READY", engine.endpoint, flush=True)
+            say(f"READY {engine.endpoint}")
             sys.stdin.read()  # parent closes stdin (or dies) to stop us
 
 
