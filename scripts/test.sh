@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The project's test command: set up if needed, then run the whole suite in two steps.
 #
-#   1. every test but the vLLM ones, in the main environment (PYTHON, default python3);
+#   1. every test but the vLLM ones, in the main environment (PYTHON, default python3),
+#      the SGLang backend's among them, against the pinned SGLang wheel that
+#      scripts/setup_sglang.sh puts in .venv-sglang/site (about 20 s the first time);
 #   2. the vLLM connector tests, contract and end to end (real vLLM engines on CPU), in
 #      the project-local .venv-vllm that scripts/setup_vllm.sh makes (minutes the first
 #      time, seconds after).
 #
 # Arguments go to pytest in step 1 and then leave step 2 out (a chosen subset runs
 # alone); TE_VLLM=skip leaves step 2 out, TE_VLLM=1 runs it even with arguments.
-# A failed vLLM install fails the command: it is not silently skipped.
+# In a full run a failed vLLM or SGLang install fails the command: neither is skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_TESTS=(tests/test_connector_vllm.py tests/test_connector_vllm_e2e.py)
@@ -21,6 +23,7 @@ fi
 if [ "$run_vllm" = skip ]; then
     exec "$PY" -m pytest -q "$@"
 fi
-"$PY" -m pytest -q "${VLLM_TESTS[@]/#/--ignore=}" "$@"
+bash scripts/setup_sglang.sh
+TE_SGLANG_REQUIRED=1 "$PY" -m pytest -q "${VLLM_TESTS[@]/#/--ignore=}" "$@"
 bash scripts/setup_vllm.sh
 TE_VLLM_REQUIRED=1 exec "${TE_VLLM_VENV:-.venv-vllm}/bin/python" -m pytest -q "${VLLM_TESTS[@]}"
