@@ -6,7 +6,8 @@ device or without an active port the constructor raises ``NotSupportedError`` sa
 which, and the engine falls back to tcp. Pure logic (immediates, work-request building,
 error mapping, QP info) lives in ``rdma_plan`` and is tested without hardware.
 Everything that touches pyverbs objects directly (``Device``, ``open_devices``, error
-translation) lives in ``rdma_verbs``.
+translation, QP attributes, chained work requests and their release) lives in
+``rdma_verbs``.
 
 Connection protocol (the handshake carries only what ``start`` returns)::
 
@@ -113,6 +114,10 @@ from transfer_engine.transport.rdma_verbs import (
     Device,
     import_pyverbs,
     open_devices,
+    post_send,
+    recv_wr,
+    release,
+    send_chain,
     translate,
     verbs,
 )
@@ -171,21 +176,42 @@ class _Inbound:
         self.device, self.peer, self.rail = device, peer, rail
         self.qp = device.create_qp(send_wr=1, recv_wr=depth, send_sge=1)
         self.slot = slot
-        self.mr = device.alloc_mr(depth * slot)
+        self._lock = threading.Lock()  # a poller re-posting vs. a side thread closing
+        self._closed = False
+        try:
+            self.mr = device.alloc_mr(depth * slot)
+        except BaseException:
+            self.qp.close()
+            raise
         self.key = device.qp_key(self.qp)
-        for i in range(depth):
-            self.post_recv(i)
+        try:
+            for i in range(depth):
+                self.post_recv(i)
+        except BaseException:
+            self.close()
+            raise
 
     def post_recv(self, index: int) -> None:
-        v = verbs()
-        sge = v.SGE(self.mr.buf + index * self.slot, self.slot, self.mr.lkey)
-        self.qp.post_recv(v.RecvWR(wr_id=_RECV_BIT | (self.key << 20) | index, num_sge=1,
-                                   sg=[sge]))
+        """(Re)posts receive slot ``index``; a no-op once closed (pyverbs would hand a
+        destroyed QP's NULL pointer to ``ibv_post_recv``)."""
+        wr = recv_wr(_RECV_BIT | (self.key << 20) | index,
+                     self.mr.buf + index * self.slot, self.slot, self.mr.lkey)
+        try:
+            with self._lock, translate(ConnectError, f"posting a receive on "
+                                       f"{self.device.name}", peer=self.peer):
+                if not self._closed:
+                    self.qp.post_recv(wr)
+        finally:
+            release([wr])
 
     def payload(self, index: int, nbytes: int) -> bytes:
         return bytes(self.mr.read(nbytes, index * self.slot))
 
     def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self.qp.close()
         self.mr.close()
 
@@ -324,35 +350,24 @@ class RdmaRail(Rail):
                 return
             self._backlog.popleft()
             wr_id = self._transport.new_wr_id(self)
+            try:  # the SEND's entry points at its notify slot (see _specs)
+                wrs = send_chain(wr_id, specs)
+            except TransferError as exc:  # this work's values, not the rail: fail it
+                self._transport.forget_wr_ids([wr_id])
+                if slot is not None:
+                    self._notify_free.append(slot)
+                self._transport.defer(self.device, self._on_complete, Completion(
+                    work, exc.with_context(peer=self.peer, op=str(work.op))))
+                continue
             self._inflight[wr_id] = (work, len(specs), slot)
             self._free_wr -= len(specs)
             try:
-                self._post_specs(wr_id, specs, slot)
+                post_send(self._qp, wrs, self.peer)  # releases the chain
             except TransferError as exc:
                 self._inflight.pop(wr_id, None)
                 self._free_wr += len(specs)
                 self._transport.defer(self.device, self._fail_from, wr_id, exc, work)
                 return
-
-    def _post_specs(self, wr_id: int, specs: list[WrSpec], slot: int | None) -> None:
-        v = verbs()
-        head = prev = None
-        for spec in specs:  # the SEND's entry points at its notify slot (see _specs)
-            sges = [v.SGE(s.addr, s.length, s.lkey) for s in spec.sges]
-            flags = v.e.IBV_SEND_SIGNALED if spec.signaled else 0
-            if spec.opcode is Opcode.SEND_WITH_IMM:
-                flags |= v.e.IBV_SEND_FENCE  # after any READ before it
-            wr = v.SendWR(wr_id=wr_id, opcode=int(spec.opcode), num_sge=len(sges),
-                          imm_data=socket.htonl(spec.imm or 0), sg=sges, send_flags=flags)
-            if spec.opcode is not Opcode.SEND_WITH_IMM:
-                wr.set_wr_rdma(spec.rkey, spec.remote_addr)
-            if prev is None:
-                head = wr
-            else:
-                prev.next_wr = wr
-            prev = wr
-        with translate(PeerLostError, "ibv_post_send", peer=self.peer):
-            self._qp.post_send(head)
 
     def on_wc(self, wr_id: int, status: int, vendor_err: int) -> None:
         """A send completion for this rail (poller thread)."""

@@ -1,11 +1,28 @@
 """The verbs boundary of the RDMA transport: everything that touches pyverbs objects directly.
 
 It holds the lazy pyverbs import (``import_pyverbs``/``verbs``), the translation of
-pyverbs errors into ours (``translate``), the opened NIC (``Device``: context, protection
-domain, completion queue and its thread, queue-pair state changes, memory registration)
-and ``open_devices``. It is separate from ``rdma`` so that the transport's protocol,
-rail and failover logic reads apart from the verbs calls. pyverbs is still imported only
-when a transport is built, never by importing this module.
+pyverbs errors into ours (``translate``), the pyverbs objects that need no device (QP
+attributes for each state change, chained send and receive work requests, and their
+release), the opened NIC (``Device``: context, protection domain, completion queue and
+its thread, queue-pair state changes, memory registration) and ``open_devices``. It is
+separate from ``rdma`` so that the transport's protocol, rail and failover logic reads
+apart from the verbs calls. pyverbs is still imported only when a transport is built,
+never by importing this module.
+
+Checked against rdma-core 44's pyverbs (Debian 12 ``python3-pyverbs``); the facts of
+its API this module relies on, and ``tests/test_rdma_pyverbs_api.py`` pins:
+
+- ``SGE``, ``SendWR`` and ``RecvWR`` name their destructor ``__dealloc`` (sic) rather
+  than Cython's ``__dealloc__``: the C memory they malloc is freed only by ``close()``,
+  and ``close()`` does not clear the pointer, so it must run exactly once (``release``).
+- ``SendWR.next_wr`` stores a raw pointer into the next ``SendWR`` object: every request
+  of a chain must stay referenced until ``post_send`` returns (``send_chain``).
+- ``Context.query_gid_type`` returns ``enum ibv_gid_type_sysfs`` (RoCE v2 is
+  ``IBV_GID_TYPE_SYSFS_ROCE_V2`` = 1), not ``enum ibv_gid_type`` (``IBV_GID_TYPE_ROCE_V2``
+  = 2).
+- ``GlobalRoute`` defaults ``hop_limit`` to 1, which a routed RoCE v2 fabric drops.
+- ``PyverbsRDMAError`` messages already end in ``Errno: N, <strerror>``.
+- ``get_device_list()`` raises ``PyverbsRDMAError`` when there is no device.
 """
 
 from __future__ import annotations
@@ -14,24 +31,29 @@ import collections
 import logging
 import os
 import select
+import socket
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from transfer_engine.errors import (
     ConnectError,
     NotSupportedError,
+    PeerLostError,
+    ProtocolError,
     RegistrationError,
     TransferError,
 )
-from transfer_engine.transport.rdma_plan import QpInfo
+from transfer_engine.transport.rdma_plan import Opcode, QpInfo, WrSpec, mtu_enum
 
 if TYPE_CHECKING:
     from transfer_engine.transport.rdma import _Inbound
 
-__all__ = ["PYVERBS_HINT", "Device", "import_pyverbs", "open_devices", "translate", "verbs"]
+__all__ = ["PYVERBS_HINT", "Device", "import_pyverbs", "init_attr", "open_devices",
+           "post_send", "qp_init_attr", "recv_wr", "release", "roce_v2_gid_type",
+           "rtr_attr", "rts_attr", "send_chain", "translate", "verbs"]
 
 # The transport's logger: records keep the name they had before this module was split out.
 log = logging.getLogger("transfer_engine.transport.rdma")
@@ -43,6 +65,7 @@ PYVERBS_HINT = ("install rdma-core's Python bindings: `apt-get install python3-p
 
 _VERBS: Any = None
 _CHANNEL_LOCK = threading.Lock()
+_HOP_LIMIT = 255  # GRH hop limit; pyverbs' GlobalRoute default of 1 stops at a router
 
 
 def import_pyverbs() -> Any:
@@ -78,8 +101,13 @@ def verbs() -> Any:
 
 
 def _describe(exc: BaseException) -> str:
+    """The error's text with its errno, once (pyverbs puts ``Errno: N`` in the message
+    when it knows it)."""
+    text = str(exc)
     code = getattr(exc, "error_code", 0) or 0
-    return f"{exc} (errno {code}: {os.strerror(code)})" if code > 0 else str(exc)
+    if code <= 0 or "Errno" in text:
+        return text
+    return f"{text} (errno {code}: {os.strerror(code)})"
 
 
 @contextmanager
@@ -89,6 +117,143 @@ def translate(cls: type[TransferError], what: str, **ctx: Any) -> Iterator[None]
         yield
     except verbs().Error as exc:
         raise cls(f"{what} failed: {_describe(exc)}", transport="rdma", **ctx) from exc
+
+
+# --- pyverbs objects that need no device --------------------------------------------
+
+
+def release(objs: Iterable[Any]) -> None:
+    """Frees the C memory of ``SGE``/``SendWR``/``RecvWR`` objects no longer needed.
+
+    pyverbs never frees it on collection (their destructor is spelled ``__dealloc``, so
+    Cython does not install it) and ``close()`` is not idempotent (a second call frees
+    twice), so each object is released exactly once, after its copy was taken: an
+    ``SGE`` once a work request copied it, a work request once posted. A pyverbs whose
+    objects lack ``__dealloc`` has a real destructor and is left to it.
+    """
+    for obj in objs:
+        if hasattr(type(obj), "__dealloc"):
+            obj.close()
+
+
+def send_chain(wr_id: int, specs: Sequence[WrSpec]) -> list[Any]:
+    """The ``SendWR`` objects for ``specs``, linked through ``next_wr``; the first is the
+    head to post. ``next_wr`` holds a raw pointer into the next object, so the caller
+    keeps the whole list until ``post_send`` returns (which then releases it).
+    Requests pyverbs refuses (a key or length over 32 bits, no entry) are a
+    ``ProtocolError``: the work's fault, not the rail's.
+    """
+    v = verbs()
+    wrs: list[Any] = []
+    try:
+        for spec in specs:
+            wr = _send_wr(v, wr_id, spec)
+            if wrs:
+                wrs[-1].next_wr = wr
+            wrs.append(wr)
+    except (OverflowError, TypeError, v.Error) as exc:
+        release(wrs)
+        raise ProtocolError(f"work request not representable in verbs: {_describe(exc)}",
+                            transport="rdma") from exc
+    except BaseException:
+        release(wrs)
+        raise
+    return wrs
+
+
+def _send_wr(v: Any, wr_id: int, spec: WrSpec) -> Any:
+    flags = v.e.IBV_SEND_SIGNALED if spec.signaled else 0
+    if spec.opcode is Opcode.SEND_WITH_IMM:
+        flags |= v.e.IBV_SEND_FENCE  # after any READ before it
+    sges: list[Any] = []
+    try:
+        for s in spec.sges:
+            sges.append(v.SGE(s.addr, s.length, s.lkey))
+        wr = v.SendWR(wr_id=wr_id, opcode=int(spec.opcode), num_sge=len(sges),
+                      imm_data=socket.htonl(spec.imm or 0), sg=sges, send_flags=flags)
+    finally:
+        release(sges)  # the SendWR copied them into its own list
+    if spec.opcode is not Opcode.SEND_WITH_IMM:
+        try:
+            wr.set_wr_rdma(spec.rkey, spec.remote_addr)
+        except BaseException:
+            release([wr])
+            raise
+    return wr
+
+
+def post_send(qp: Any, wrs: list[Any], peer: str | None = None) -> None:
+    """Posts a chain from ``send_chain`` and releases it (posted or not)."""
+    try:
+        with translate(PeerLostError, "ibv_post_send", peer=peer):
+            qp.post_send(wrs[0])
+    finally:
+        release(wrs)
+
+
+def recv_wr(wr_id: int, addr: int, length: int, lkey: int) -> Any:
+    """One single-entry ``RecvWR``; release it once posted."""
+    v = verbs()
+    sge = v.SGE(addr, length, lkey)
+    try:
+        return v.RecvWR(wr_id=wr_id, num_sge=1, sg=[sge])
+    finally:
+        release([sge])
+
+
+def qp_init_attr(cq: Any, *, send_wr: int, recv_wr: int, send_sge: int) -> Any:
+    """Creation attributes of an RC QP on one CQ, signaling only flagged requests."""
+    v = verbs()
+    cap = v.QPCap(max_send_wr=send_wr, max_recv_wr=recv_wr, max_send_sge=send_sge,
+                  max_recv_sge=1)
+    return v.QPInitAttr(qp_type=v.e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, sq_sig_all=0)
+
+
+def init_attr(port: int) -> Any:
+    """RESET -> INIT: the port, and remote read/write access to the QP."""
+    v = verbs()
+    attr = v.QPAttr(qp_state=v.e.IBV_QPS_INIT)
+    attr.port_num, attr.pkey_index = port, 0
+    attr.qp_access_flags = (v.e.IBV_ACCESS_LOCAL_WRITE | v.e.IBV_ACCESS_REMOTE_WRITE
+                            | v.e.IBV_ACCESS_REMOTE_READ)
+    return attr
+
+
+def rtr_attr(theirs: QpInfo, mtu: int, *, port: int, gid_index: int,
+             max_dest_rd_atomic: int) -> Any:
+    """INIT -> RTR against the peer's QP (``mtu`` in bytes). A non-zero GID makes the
+    path global (RoCE always; IB with a GRH)."""
+    v = verbs()
+    is_global = 1 if theirs.gid.replace(":", "").strip("0") else 0
+    gr = (v.GlobalRoute(dgid=v.GID(theirs.gid), sgid_index=gid_index,
+                        hop_limit=_HOP_LIMIT) if is_global else None)
+    attr = v.QPAttr(qp_state=v.e.IBV_QPS_RTR)
+    attr.path_mtu = mtu_enum(mtu)
+    attr.dest_qp_num, attr.rq_psn = theirs.qp_num, theirs.psn
+    attr.max_dest_rd_atomic, attr.min_rnr_timer = max_dest_rd_atomic, 12
+    attr.ah_attr = v.AHAttr(dlid=theirs.lid, is_global=is_global, port_num=port, gr=gr)
+    return attr
+
+
+def rts_attr(psn: int, max_rd_atomic: int) -> Any:
+    """RTR -> RTS: our starting PSN, ~67 ms ack timeout, 7 retries, 7 RNR retries."""
+    v = verbs()
+    attr = v.QPAttr(qp_state=v.e.IBV_QPS_RTS)
+    attr.sq_psn, attr.timeout, attr.retry_cnt = psn, 14, 7
+    attr.rnr_retry, attr.max_rd_atomic = 7, max_rd_atomic
+    return attr
+
+
+def roce_v2_gid_type() -> int:
+    """What ``Context.query_gid_type`` returns for a RoCE v2 GID: a value of ``enum
+    ibv_gid_type_sysfs`` (1). Older rdma-core named that same value
+    ``IBV_GID_TYPE_ROCE_V2``, a name that now means 2 in the public ``enum
+    ibv_gid_type`` (what ``query_gid_ex`` reports), hence the fallback."""
+    e = verbs().e
+    return int(getattr(e, "IBV_GID_TYPE_SYSFS_ROCE_V2", e.IBV_GID_TYPE_ROCE_V2))
+
+
+# --- the opened NIC --------------------------------------------------------------------
 
 
 def _new_channel_fd(make: Any) -> tuple[Any, int | None]:
@@ -132,7 +297,8 @@ class Device:
             self.cq = v.CQ(self.ctx, min(cq_depth, attr.max_cqe), None, self.channel, 0)
         self.max_sge = max(1, min(attr.max_sge, 30))
         self.max_sge_rd = max(1, min(getattr(attr, "max_sge_rd", 0) or attr.max_sge, 30))
-        self.max_rd_atomic = max(1, min(attr.max_qp_rd_atom, 16))
+        self.max_rd_atomic = max(1, min(attr.max_qp_rd_atom, 16))  # as responder
+        self.max_init_rd_atomic = max(1, min(attr.max_qp_init_rd_atom, 16))  # initiator
         self.link_rate_gbps = 0.0  # filled from topology by the transport
         self._relaxed = relaxed_ordering and hasattr(v.e, "IBV_ACCESS_RELAXED_ORDERING")
         self._on_wc, self._interval = on_wc, poll_interval
@@ -163,13 +329,14 @@ class Device:
         if port.link_layer != v.e.IBV_LINK_LAYER_ETHERNET:
             return 0
         best = None
+        roce_v2 = roce_v2_gid_type()
         for i in range(port.gid_tbl_len):
             try:
                 gid = str(self.ctx.query_gid(self.port, i))
                 kind = self.ctx.query_gid_type(self.port, i)
             except v.Error:
                 continue
-            if gid.replace(":", "").strip("0") == "" or kind != v.e.IBV_GID_TYPE_ROCE_V2:
+            if gid.replace(":", "").strip("0") == "" or kind != roce_v2:
                 continue
             if gid.startswith("0000:0000:0000:0000:0000:ffff"):
                 return i
@@ -180,17 +347,14 @@ class Device:
 
     def create_qp(self, *, send_wr: int, recv_wr: int, send_sge: int) -> Any:
         v = verbs()
-        cap = v.QPCap(max_send_wr=send_wr, max_recv_wr=recv_wr, max_send_sge=send_sge,
-                      max_recv_sge=1)
-        init = v.QPInitAttr(qp_type=v.e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap,
-                            sq_sig_all=0)
+        init = qp_init_attr(self.cq, send_wr=send_wr, recv_wr=recv_wr, send_sge=send_sge)
         with translate(ConnectError, f"creating a queue pair on {self.name}"):
             qp = v.QP(self.pd, init)
-            attr = v.QPAttr(qp_state=v.e.IBV_QPS_INIT)
-            attr.port_num, attr.pkey_index = self.port, 0
-            attr.qp_access_flags = (v.e.IBV_ACCESS_LOCAL_WRITE | v.e.IBV_ACCESS_REMOTE_WRITE
-                                    | v.e.IBV_ACCESS_REMOTE_READ)
-            qp.to_init(attr)
+            try:
+                qp.to_init(init_attr(self.port))
+            except v.Error:
+                qp.close()
+                raise
         return qp
 
     @staticmethod
@@ -206,22 +370,11 @@ class Device:
     def connect_qp(self, qp: Any, psn: int, theirs: QpInfo, mtu: int,
                    peer: str | None = None) -> None:
         """INIT -> RTR -> RTS against the peer's QP."""
-        v = verbs()
-        gr = v.GlobalRoute(dgid=v.GID(theirs.gid), sgid_index=self.gid_index)
-        is_global = 1 if theirs.gid.replace(":", "").strip("0") else 0
         with translate(ConnectError, f"connecting queue pair on {self.name}", peer=peer,
                        op="connect"):
-            attr = v.QPAttr(qp_state=v.e.IBV_QPS_RTR)
-            attr.path_mtu = {256: 1, 512: 2, 1024: 3, 2048: 4, 4096: 5}[mtu]
-            attr.dest_qp_num, attr.rq_psn = theirs.qp_num, theirs.psn
-            attr.max_dest_rd_atomic, attr.min_rnr_timer = self.max_rd_atomic, 12
-            attr.ah_attr = v.AHAttr(dlid=theirs.lid, is_global=is_global,
-                                    port_num=self.port, gr=gr if is_global else None)
-            qp.to_rtr(attr)
-            attr = v.QPAttr(qp_state=v.e.IBV_QPS_RTS)
-            attr.sq_psn, attr.timeout, attr.retry_cnt = psn, 14, 7
-            attr.rnr_retry, attr.max_rd_atomic = 7, self.max_rd_atomic
-            qp.to_rts(attr)
+            qp.to_rtr(rtr_attr(theirs, mtu, port=self.port, gid_index=self.gid_index,
+                               max_dest_rd_atomic=self.max_rd_atomic))
+            qp.to_rts(rts_attr(psn, self.max_init_rd_atomic))
 
     def alloc_mr(self, length: int) -> Any:
         """A buffer pyverbs allocates and registers (receive and notify slots)."""
@@ -251,10 +404,7 @@ class Device:
                 log.info("no dma-buf for %s (%s); trying peer memory", segment, exc)
             else:
                 try:
-                    with translate(RegistrationError, f"dma-buf registration on {self.name}",
-                                   **ctx):
-                        return v.DmaBufMR(self.pd, length, access, dmabuf=fd,
-                                          offset=offset), offset
+                    return self._dmabuf_mr(fd, offset, length, access, ctx), offset
                 except RegistrationError as exc:
                     log.info("%s; trying peer memory", exc)
                 finally:
@@ -263,6 +413,22 @@ class Device:
                        + (" (GPU memory needs nvidia-peermem or dma-buf)"
                           if device.startswith("cuda") else ""), **ctx):
             return v.MR(self.pd, length, access, address=address), address
+
+    def _dmabuf_mr(self, fd: int, offset: int, length: int, access: int,
+                   ctx: dict[str, Any]) -> Any:
+        """A dma-buf MR whose iova is ``offset`` (pyverbs registers iova = offset).
+        rdma-core 44 takes the descriptor as ``dmabuf``; a pyverbs that types it as its
+        own ``DmaBuf`` refuses an int (``TypeError``): that is a ``RegistrationError``
+        too, so the caller falls back to peer memory."""
+        v = verbs()
+        what = f"dma-buf registration on {self.name}"
+        try:
+            with translate(RegistrationError, what, **ctx):
+                return v.DmaBufMR(self.pd, length, access, dmabuf=fd, offset=offset)
+        except TypeError as exc:
+            raise RegistrationError(f"{what} failed: this pyverbs' DmaBufMR takes no "
+                                    f"file descriptor ({exc})", transport="rdma",
+                                    **ctx) from exc
 
     # inbound QPs, deferred calls, completions
 
