@@ -3,7 +3,9 @@
 These tests were written and run on a machine with rdma-core 44's pyverbs (Debian 12
 ``python3-pyverbs``) but no RDMA NIC and no kernel InfiniBand support: no device was
 available, so nothing here opens one. They run wherever pyverbs imports and are skipped,
-saying so, where it does not (CI without pyverbs). They need no device, so they carry no
+saying so, where it does not; with ``TE_PYVERBS_REQUIRED=1`` (set by ``scripts/test.sh``
+in a full run, after ``scripts/setup_pyverbs.sh`` has fetched Debian's pyverbs into
+``.venv-pyverbs``) its absence is an error instead. They need no device, so they carry no
 ``rdma`` marker.
 
 What is exercised, against the real library:
@@ -39,6 +41,7 @@ checked here.
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 import types
 from typing import Any
@@ -50,7 +53,10 @@ try:
     import pyverbs.device as pv_device
     import pyverbs.wr as pv_wr
     from pyverbs.pyverbs_error import PyverbsRDMAError
-except ImportError as exc:  # CI: no rdma-core Python bindings
+except ImportError as exc:  # no rdma-core Python bindings
+    if os.environ.get("TE_PYVERBS_REQUIRED") == "1":
+        raise RuntimeError(f"TE_PYVERBS_REQUIRED=1 but pyverbs is not importable ({exc}); "
+                           "scripts/setup_pyverbs.sh makes it importable") from exc
     pytest.skip(f"pyverbs not importable ({exc}); install python3-pyverbs (see "
                 "docs/rdma.md) to check the transport against its API",
                 allow_module_level=True)
