@@ -124,7 +124,8 @@ class ClockReclaimer:
     """Chooses eviction victims among the index's slots with CLOCK.
 
     Parameters:
-        index: the index whose ``tags`` (occupancy) and ``ref`` bits are swept.
+        index: the index whose occupancy (:meth:`~kvstore.index.CuckooIndex.occupied`)
+            and ``ref`` bits are swept.
         window: slots examined per vectorised step.
     """
 
@@ -142,9 +143,9 @@ class ClockReclaimer:
         after the last victim. The caller removes the victims; fewer than ``count`` come
         back only when one turn found no more unreferenced entries (call again: the bits
         are clear now)."""
-        total = self._index.slots
-        tags = self._index.tags.reshape(-1)
-        ref = self._index.ref.reshape(-1)
+        index = self._index
+        total = index.slots
+        ref = index.ref.reshape(-1)  # contiguous: a view, so clearing bits below sticks
         out: list[npt.NDArray[np.int64]] = []
         need = count
         scanned = 0
@@ -152,7 +153,7 @@ class ClockReclaimer:
             start = self.hand
             end = min(start + self.window, start + total - scanned, total)
             r = ref[start:end]
-            cand = np.flatnonzero((tags[start:end] != 0) & (r == 0))
+            cand = np.flatnonzero(index.occupied(start, end) & (r == 0))
             if cand.size >= need:
                 last = int(cand[need - 1])
                 r[: last + 1] = 0

@@ -7,7 +7,7 @@ import numpy.typing as npt
 import pytest
 
 from kvstore.errors import CapacityError, InvalidArgumentError, KeyFormatError
-from kvstore.index import _ALT, SLOTS, CuckooIndex
+from kvstore.index import _ALT, ROW_BYTES, SLOTS, CuckooIndex
 
 
 class Records:
@@ -31,6 +31,20 @@ def _random_keys(rng: np.random.Generator, n: int, words: int = 1) -> npt.NDArra
 
 def _snapshot(index: CuckooIndex, keys: npt.NDArray[np.uint64]) -> tuple[int, list[int]]:
     return len(index), index.lookup(keys, touch=False).tolist()
+
+
+def _check_layout(index: CuckooIndex) -> None:
+    """Tags sit in padded rows whose pad bytes stay 0; every write reached the table."""
+    rows = index._tag_rows
+    assert rows.shape == (index.num_buckets, ROW_BYTES)
+    assert np.shares_memory(index.tags, rows)
+    assert not rows[:, SLOTS:].any()
+    occupied = index.tags != 0
+    assert int(occupied.sum()) == len(index) - index.stash_count
+    np.testing.assert_array_equal(index.locs >= 0, occupied)
+    pos, _ = index.entries()
+    table = pos[pos >= 0]
+    np.testing.assert_array_equal(table, np.flatnonzero(occupied))
 
 
 def test_alternate_bucket_is_an_involution_of_bucket_and_tag() -> None:
@@ -63,6 +77,29 @@ def test_random_batches_match_a_dict(words: int) -> None:
         got = index.lookup(universe[probe])
         assert got.tolist() == [model.get(int(i), -1) for i in probe]
         assert len(index) == len(model)
+        _check_layout(index)
+    index.clear()
+    _check_layout(index)
+    assert len(index) == 0 and (index.lookup(universe) == -1).all()
+
+
+def test_occupied_reads_a_range_of_flat_positions() -> None:
+    rng = np.random.default_rng(15)
+    keys = _random_keys(rng, 3000)
+    index = CuckooIndex(256, Records(keys).keys_at)
+    index.insert(keys[:2000], np.arange(2000))
+    index.delete(keys[:500])
+    _check_layout(index)
+    want = (index.tags != 0).ravel()
+    total = index.slots
+    ends = [(0, total), (0, 0), (total, total), (5, 6), (11, 13), (12, 24), (total - 1, total)]
+    for _ in range(200):
+        a, b = np.sort(rng.integers(0, total + 1, size=2)).tolist()
+        ends.append((a, b))
+    for a, b in ends:
+        got = index.occupied(a, b)
+        assert got.dtype == np.bool_
+        np.testing.assert_array_equal(got, want[a:b])
 
 
 def test_fill_beyond_95_percent_then_fail_cleanly() -> None:
