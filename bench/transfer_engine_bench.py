@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rails per peer (default: the transport's own)")
     p.add_argument("--slice_size", type=_size, default=None,
                    help="bytes per work request on tcp/shm (default: the transport's own)")
+    p.add_argument("--api", choices=("blocks", "pairs"), default="blocks",
+                   help="how batches are described: Blocks arrays, or a Descriptor pair "
+                        "per block")
     p.add_argument("--warmup", type=float, default=0.5, help="seconds before each run")
     p.add_argument("--seed", type=int, default=1234,
                    help="the target fills its buffer from this seed (checks READs)")
@@ -288,7 +291,7 @@ class Layout:
 
     local: np.ndarray  # (threads, batches, batch_size)
     remote: np.ndarray
-    pairs: list[list[list[Any]]] = field(default_factory=list)  # descriptor pairs
+    pairs: list[list[Any]] = field(default_factory=list)  # per thread: each batch's pairs
     reached: list[int] = field(default_factory=list)  # batches of each thread moved so far
 
 
@@ -474,7 +477,7 @@ def _verify(eng: Any, peer: Any, local_seg: Any, local: np.ndarray, rseg: Any,
 
 def run_initiator(a: argparse.Namespace, endpoint: str,
                   target: LocalTarget | None) -> dict[str, Any]:
-    from transfer_engine import Descriptor, Engine
+    from transfer_engine import Blocks, Descriptor, Engine
 
     transports = make_transports(a)
     try:
@@ -490,11 +493,18 @@ def run_initiator(a: argparse.Namespace, endpoint: str,
             rseg = peer.segment(SEGMENT_NAME)
             layout = make_layout(a, seg.length, rseg.length)
             bs = a.block_size
-            layout.pairs = [[[(Descriptor(seg, ls * bs, bs), Descriptor(rseg, rs * bs, bs))
-                              for ls, rs in zip(lb.tolist(), rb.tolist(), strict=True)]
-                             for lb, rb in zip(layout.local[t], layout.remote[t],
-                                               strict=True)]
-                            for t in range(a.threads)]
+            if a.api == "blocks":
+                layout.pairs = [[Blocks(seg, rseg, lb * bs, rb * bs, bs)
+                                 for lb, rb in zip(layout.local[t], layout.remote[t],
+                                                   strict=True)]
+                                for t in range(a.threads)]
+            else:
+                layout.pairs = [[[(Descriptor(seg, ls * bs, bs),
+                                   Descriptor(rseg, rs * bs, bs))
+                                  for ls, rs in zip(lb.tolist(), rb.tolist(), strict=True)]
+                                 for lb, rb in zip(layout.local[t], layout.remote[t],
+                                                   strict=True)]
+                                for t in range(a.threads)]
             merged = _coalescable(layout)
             rails = {name: len(r) for name, r in peer.rails.items()}
             print(f"# {a.operation} via {peer.transport} (rails {rails}), "
@@ -556,7 +566,7 @@ def summarize(a: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "protocol": a.protocol, "transport": res["transport"], "operation": a.operation,
         "block_size": a.block_size, "batch_size": a.batch_size, "threads": a.threads,
-        "rails": res["rails"], "slice_size": a.slice_size, "contiguous": a.contiguous,
+        "rails": res["rails"], "api": a.api, "slice_size": a.slice_size, "contiguous": a.contiguous,
         "duration": a.duration, "repeat": a.repeat, "buffer_size": a.buffer_size,
         "coalescable_pairs": res["coalescable_pairs"],
     }

@@ -16,7 +16,6 @@ import numpy as np
 from transfer_engine import Engine
 from transfer_engine.control.metastore import MemberEvent
 
-
 _out = threading.Lock()
 
 

@@ -4,7 +4,7 @@ Importing this package loads neither torch, cupy nor pyverbs; transports and
 connectors that need them are imported when chosen.
 """
 
-from transfer_engine.descriptor import Descriptor, Extent, Op
+from transfer_engine.descriptor import Blocks, Descriptor, Extent, Op
 from transfer_engine.engine import Engine
 from transfer_engine.errors import (
     BusyError,
@@ -29,7 +29,7 @@ from transfer_engine.segment import RemoteSegment, Segment
 __version__ = "0.1.0"
 
 __all__ = [
-    "Engine", "Segment", "RemoteSegment", "Descriptor", "Extent", "Op", "Peer",
+    "Engine", "Segment", "RemoteSegment", "Descriptor", "Blocks", "Extent", "Op", "Peer",
     "TransferHandle", "TransferState", "Notification",
     "TransferEngineError", "TransferError", "InvalidDescriptorError", "RegistrationError",
     "ConnectError", "ProtocolError", "TransferTimeout", "PeerLostError", "ClosedError",

@@ -24,10 +24,10 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import zmq
@@ -49,7 +49,7 @@ from transfer_engine.control.metastore import (
     MetadataStore,
     RegistryStore,
 )
-from transfer_engine.descriptor import Descriptor, Op
+from transfer_engine.descriptor import Blocks, Descriptor, Op
 from transfer_engine.errors import (
     AuthenticationError,
     ClosedError,
@@ -72,7 +72,10 @@ from transfer_engine.transport.base import Completion, Immediate, Transport, Wor
 from transfer_engine.transport.iovec import iovec_array
 from transfer_engine.transport.shm import host_id
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "Pairs"]
+
+Pairs = Sequence[tuple[Descriptor, Descriptor]] | Blocks | Sequence[Blocks]
+"""What a transfer moves: descriptor pairs, or the same as :class:`Blocks` arrays."""
 
 log = logging.getLogger(__name__)
 
@@ -82,22 +85,39 @@ _FALLBACK_ERRORS = (NotSupportedError, PeerLostError)
 
 
 def _in_bounds(nums: np.ndarray, llen: int | np.ndarray, rlen: int | np.ndarray
-               ) -> int | None:
-    """The bytes of the (local offset, local length, remote offset, remote length)
-    columns of ``nums`` if every pair is a non-empty range inside its segments with equal
-    lengths on both sides, else None."""
+               ) -> tuple[int, int] | None:
+    """``(bytes, block)`` of the (local offset, local length, remote offset, remote
+    length) columns of ``nums`` if every pair is a non-empty range inside its segments
+    with equal lengths on both sides, else None; ``block`` is the one length of every
+    pair, or 0 when they differ."""
     lo, ll, ro, rl = nums
     if isinstance(llen, int) and isinstance(rlen, int):
         low, high = nums.min(axis=1).tolist(), nums.max(axis=1).tolist()
         if 0 < low[1] == high[1] == low[3] == high[3]:  # one block length: the extremes
             ok = (low[0] >= 0 and low[2] >= 0 and high[0] + high[1] <= llen
                   and high[2] + high[1] <= rlen)
-            return len(ll) * high[1] if ok else None
+            return (len(ll) * high[1], high[1]) if ok else None
     # subtracting keeps every term in range: no int64 wrap-around
     ok = (ll > 0) & (lo >= 0) & (ro >= 0) & (lo <= llen - ll) & (ro <= rlen - ll)
     if bool(ok.all()) and bool(np.array_equal(ll, rl)):
-        return int(ll.sum())
+        return int(ll.sum()), 0
     return None
+
+
+def _blocks_in_bounds(g: Blocks, llen: int, rlen: int) -> tuple[int, int] | None:
+    """:func:`_in_bounds` for one :class:`Blocks`; four reductions when its pairs share
+    one length."""
+    block = g.block
+    if block > 0:
+        lo, ro = g.local_offsets, g.remote_offsets
+        if (int(lo.min()) >= 0 and int(lo.max()) <= llen - block
+                and int(ro.min()) >= 0 and int(ro.max()) <= rlen - block):
+            return len(lo) * block, block
+        return None
+    if block < 0:
+        return None
+    return _in_bounds(np.stack((g.local_offsets, g.lengths, g.remote_offsets, g.lengths)),
+                      llen, rlen)
 
 
 @dataclass(eq=False)
@@ -160,7 +180,6 @@ class Engine:
         self._seg_ids = itertools.count(1)
         self._transfer_ids = itertools.count(1)
         self._wr_ids = itertools.count(1)
-        self._rail_turns = itertools.count()
         self._peers: dict[str, Peer] = {}
         self._live: dict[int, _Transfer] = {}
         self._counter = ImmediateCounter()
@@ -551,24 +570,26 @@ class Engine:
 
     # --- transfers --------------------------------------------------------------------
 
-    def write(self, peer: Peer | str, pairs: Sequence[tuple[Descriptor, Descriptor]],
-              notify: bytes | None = None) -> TransferHandle:
+    def write(self, peer: Peer | str, pairs: Pairs, notify: bytes | None = None
+              ) -> TransferHandle:
         """Writes each local descriptor's bytes to its remote descriptor.
 
-        ``notify`` (bytes, at most 64 KiB) reaches the peer's :meth:`notifications` once
-        every byte has landed, exactly once. Raises :class:`InvalidDescriptorError` or
-        :class:`UnknownPeerError` before anything moves.
+        ``pairs`` is a sequence of ``(local, remote)`` :class:`Descriptor` pairs, or a
+        :class:`Blocks` (or a list of them): the same pairs as arrays, much cheaper for
+        many small blocks. ``notify`` (bytes, at most 64 KiB) reaches the peer's
+        :meth:`notifications` once every byte has landed, exactly once. Raises
+        :class:`InvalidDescriptorError` or :class:`UnknownPeerError` before anything
+        moves.
         """
         return self._submit(Op.WRITE, peer, pairs, notify)
 
-    def read(self, peer: Peer | str, pairs: Sequence[tuple[Descriptor, Descriptor]],
-             notify: bytes | None = None) -> TransferHandle:
+    def read(self, peer: Peer | str, pairs: Pairs, notify: bytes | None = None
+             ) -> TransferHandle:
         """Reads each remote descriptor's bytes into its local descriptor; ``notify``
         reaches the peer after all of them arrived here."""
         return self._submit(Op.READ, peer, pairs, notify)
 
-    def _submit(self, op: Op, peer_ref: Peer | str,
-                pairs: Sequence[tuple[Descriptor, Descriptor]],
+    def _submit(self, op: Op, peer_ref: Peer | str, pairs: Pairs,
                 notify: bytes | None) -> TransferHandle:
         self._check_open(str(op))
         peer = self.peer(peer_ref if isinstance(peer_ref, str) else peer_ref.name)
@@ -601,8 +622,7 @@ class Engine:
         self._start_attempt(xfer)
         return handle
 
-    def _validate(self, op: Op, peer: Peer, pairs: Sequence[tuple[Descriptor, Descriptor]]
-                  ) -> tuple[Columns, list[Segment]]:
+    def _validate(self, op: Op, peer: Peer, pairs: Pairs) -> tuple[Columns, list[Segment]]:
         """Checks every pair before anything moves; returns the pairs as planner columns
         and the local segments they use.
 
@@ -610,12 +630,17 @@ class Engine:
         thousands of small blocks; any failure is re-checked pair by pair for a precise
         error.
         """
+        if isinstance(pairs, Blocks):
+            return self._validate_blocks(op, peer, [pairs])
+        if pairs and all(isinstance(g, Blocks) for g in pairs):
+            return self._validate_blocks(op, peer, pairs)  # type: ignore[arg-type]
         if not pairs:
             raise InvalidDescriptorError("a transfer needs at least one pair", peer=peer.name,
                                          op=str(op))
+        descs = cast(Sequence[tuple[Descriptor, Descriptor]], pairs)
         try:
             ls, lo, ll, rs, ro, rl = zip(*[(loc.segment, loc.offset, loc.length, rem.segment,
-                                            rem.offset, rem.length) for loc, rem in pairs],
+                                            rem.offset, rem.length) for loc, rem in descs],
                                          strict=True)
         except (TypeError, ValueError, AttributeError):
             ls = ()
@@ -637,14 +662,15 @@ class Engine:
             if nums is not None and nums.dtype.kind == "i":
                 nlo, nll, nro, _ = nums
                 if uniform:
-                    nbytes = _in_bounds(nums, lsegs[0].length, rsegs[0].length)
+                    sized = _in_bounds(nums, lsegs[0].length, rsegs[0].length)
                 else:
-                    nbytes = _in_bounds(nums, np.array([s.length for s in ls], dtype=np.int64),
-                                        np.array([s.length for s in rs], dtype=np.int64))
-                if nbytes is not None:
+                    sized = _in_bounds(nums, np.array([s.length for s in ls], dtype=np.int64),
+                                       np.array([s.length for s in rs], dtype=np.int64))
+                if sized is not None:
+                    nbytes, block = sized
                     if uniform:
                         cols = Columns.uniform(lsegs[0].id, nlo, rsegs[0].id, nro, nll,
-                                               nbytes)
+                                               nbytes, block)
                     else:
                         cols = Columns(np.array([s.id for s in ls], dtype=np.int64), nlo,
                                        np.array([s.id for s in rs], dtype=np.int64), nro,
@@ -654,8 +680,47 @@ class Engine:
         raise InvalidDescriptorError("descriptors failed validation", peer=peer.name,
                                      op=str(op))
 
-    def _validate_each(self, op: Op, peer: Peer,
-                       pairs: Sequence[tuple[Descriptor, Descriptor]]) -> None:
+    def _validate_blocks(self, op: Op, peer: Peer, groups: Sequence[Blocks]
+                         ) -> tuple[Columns, list[Segment]]:
+        """:meth:`_validate` for arrays: a few array checks per segment pair."""
+        write = op is Op.WRITE
+        parts: list[tuple[Blocks, int]] = []
+        block = 0
+        for g in groups:
+            lseg, rseg = g.local, g.remote
+            if not len(g):
+                continue
+            sized = None
+            if (isinstance(lseg, Segment) and self._segments.get(lseg.id) is lseg
+                    and not lseg.closed and (write or lseg.writable)
+                    and isinstance(rseg, RemoteSegment) and rseg.peer == peer.name
+                    and (rseg.writable or not write)):
+                sized = _blocks_in_bounds(g, lseg.length, rseg.length)
+            if sized is None:
+                self._validate_each(op, peer, g)
+                raise InvalidDescriptorError("descriptors failed validation",
+                                             peer=peer.name, op=str(op))
+            parts.append((g, sized[0]))
+            block = sized[1]
+        if not parts:
+            raise InvalidDescriptorError("a transfer needs at least one pair", peer=peer.name,
+                                         op=str(op))
+        total = sum(n for _, n in parts)
+        first = parts[0][0]
+        if len(parts) == 1:
+            return (Columns.uniform(first.local.id, first.local_offsets, first.remote.id,
+                                    first.remote_offsets, first.lengths, total, block),
+                    [first.local])
+        lsegs = list({id(g.local): g.local for g, _ in parts}.values())
+        counts = [len(g) for g, _ in parts]
+        cols = Columns(np.repeat([g.local.id for g, _ in parts], counts),
+                       np.concatenate([g.local_offsets for g, _ in parts]),
+                       np.repeat([g.remote.id for g, _ in parts], counts),
+                       np.concatenate([g.remote_offsets for g, _ in parts]),
+                       np.concatenate([g.lengths for g, _ in parts]), nbytes=total)
+        return cols, lsegs
+
+    def _validate_each(self, op: Op, peer: Peer, pairs: Iterable[Any]) -> None:
         """Raises the precise error for the first bad pair."""
         for pair in pairs:
             try:
@@ -698,9 +763,11 @@ class Engine:
         name = xfer.transports[0]
         transport = self._transports[name]
         rails = xfer.peer.rails[name]
-        if len(rails) > 1:  # transfers smaller than two shares take turns across rails
-            turn = next(self._rail_turns) % len(rails)
-            rails = rails[turn:] + rails[:turn]
+        if len(rails) > 1:
+            # the least busy first: a transfer smaller than two shares goes to an idle
+            # rail, and a lone caller keeps to one warm connection (alternating between
+            # idle ones measured slower)
+            rails = sorted(rails, key=lambda rail: rail.inflight)
         caps = transport.capabilities
         weights = [float(getattr(rail, "weight", 1.0)) for rail in rails]
         plan = plan_columns(xfer.extents, num_rails=len(rails), slice_size=caps.slice_size,

@@ -123,21 +123,23 @@ class Columns:
     ``((lseg[k], loff[k], length[k]), (rseg[k], roff[k], length[k]))``.
 
     ``single`` records that every row has the same local and the same remote segment
-    (the common case), which spares the planner the checks for mixed segments; ``nbytes``
-    may be given when the caller already knows it.
+    (the common case), which spares the planner the checks for mixed segments; ``block``
+    that every row has that one length (0: not known); ``nbytes`` may be given when the
+    caller already knows it.
     """
 
-    __slots__ = ("lseg", "loff", "rseg", "roff", "length", "single", "_nbytes")
+    __slots__ = ("lseg", "loff", "rseg", "roff", "length", "single", "block", "_nbytes")
 
     def __init__(self, lseg: np.ndarray, loff: np.ndarray, rseg: np.ndarray,
                  roff: np.ndarray, length: np.ndarray, *, single: bool = False,
-                 nbytes: int | None = None) -> None:
+                 nbytes: int | None = None, block: int = 0) -> None:
         self.lseg = lseg
         self.loff = loff
         self.rseg = rseg
         self.roff = roff
         self.length = length
         self.single = single
+        self.block = block
         self._nbytes = nbytes
 
     @classmethod
@@ -149,12 +151,13 @@ class Columns:
 
     @classmethod
     def uniform(cls, lseg: int, loff: np.ndarray, rseg: int, roff: np.ndarray,
-                length: np.ndarray, nbytes: int | None = None) -> Columns:
-        """Columns whose pairs all go from one local to one remote segment."""
+                length: np.ndarray, nbytes: int | None = None, block: int = 0) -> Columns:
+        """Columns whose pairs all go from one local to one remote segment (``block``:
+        the one length of every pair, if known)."""
         n = len(length)
         return cls(np.full(n, lseg, dtype=np.int64), _i64(loff),
                    np.full(n, rseg, dtype=np.int64), _i64(roff), _i64(length), single=True,
-                   nbytes=nbytes)
+                   nbytes=nbytes, block=block)
 
     def __len__(self) -> int:
         return len(self.length)
@@ -167,11 +170,13 @@ class Columns:
 
     def slice(self, start: int, end: int) -> Columns:
         return Columns(self.lseg[start:end], self.loff[start:end], self.rseg[start:end],
-                       self.roff[start:end], self.length[start:end], single=self.single)
+                       self.roff[start:end], self.length[start:end], single=self.single,
+                       block=self.block)
 
     def take(self, index: np.ndarray) -> Columns:
         return Columns(self.lseg[index], self.loff[index], self.rseg[index],
-                       self.roff[index], self.length[index], single=self.single)
+                       self.roff[index], self.length[index], single=self.single,
+                       block=self.block)
 
     def to_pairs(self) -> list[Pair]:
         ls, lo, rs, ro, n = (c.tolist() for c in (self.lseg, self.loff, self.rseg,
@@ -191,6 +196,12 @@ def coalesce_columns(cols: Columns) -> Columns:
     if len(cols) < 2:
         return cols
     single = cols.single
+    if single and cols.block:
+        # Rows of one length merge only where two remote offsets are that far apart;
+        # scattered blocks (the usual case) have none, and then no reordering is needed.
+        ro_sorted = np.sort(cols.roff)
+        if not bool(((ro_sorted[1:] - ro_sorted[:-1]) == cols.block).any()):
+            return cols
     if single or cols.rseg.min() == cols.rseg.max():
         order = np.argsort(cols.roff, kind="stable")
     else:
@@ -207,7 +218,8 @@ def coalesce_columns(cols: Columns) -> Columns:
         ls, rs = cols.lseg[order], cols.rseg[order]
         joins &= (ls[1:] == ls[:-1]) & (rs[1:] == rs[:-1])
     if not joins.any():
-        return Columns(ls, lo, rs, ro, n, single=single, nbytes=cols._nbytes)
+        return Columns(ls, lo, rs, ro, n, single=single, nbytes=cols._nbytes,
+                       block=cols.block)
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
     return Columns(ls[starts], lo[starts], rs[starts], ro[starts],
                    np.add.reduceat(n, starts), single=single, nbytes=cols._nbytes)
@@ -326,9 +338,10 @@ def assign_rails(requests: Sequence[WorkRequest], num_rails: int,
         weights = [1.0] * num_rails
     if len(weights) != num_rails or any(w <= 0 for w in weights):
         raise ValueError("need one positive weight per rail")
-    if num_rails == 1:
+    if num_rails == 1 or len(requests) <= 1:  # all on one rail: the heaviest
+        rail = 0 if num_rails == 1 else weights.index(max(weights))
         for wr in requests:
-            wr.rail = 0
+            wr.rail = rail
             wr.imm = False
         if requests:
             requests[-1].imm = True

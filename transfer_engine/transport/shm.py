@@ -152,6 +152,9 @@ def _translate(exc: OSError, conn: Connection, op: str) -> TransferError:
 class ShmRail(StreamRail):
     transport_name = "shm"
 
+    def _payload(self, work: Work) -> int:
+        return 0  # the target copies; only (address, length) entries travel
+
     def _send_request(self, work: Work) -> None:
         if work.iov is not None:  # (address, length) rows: the LOCAL_DT layout
             local = np.ascontiguousarray(work.iov, dtype="<u8").tobytes()

@@ -316,6 +316,10 @@ class StreamRail(Rail):
         self._reader.start()
 
     # hooks for subclasses
+    def _payload(self, work: Work) -> int:
+        """Bytes this side sends for ``work`` besides the request itself."""
+        return work.nbytes if work.op is Op.WRITE else 0
+
     def _send_request(self, work: Work) -> None:
         """Sends ``work``'s request (with the payload where the stream carries it);
         raises :class:`PeerClosed` when the stream broke."""
@@ -336,14 +340,15 @@ class StreamRail(Rail):
 
     def post(self, work: Work) -> None:
         # An idle rail sends small work in the caller's thread: a thread hand-off costs
-        # more than sending a few hundred KiB. Busy rails queue, keeping order.
+        # more than sending a few hundred KiB (a READ's request is small whatever it
+        # reads). Busy rails queue, keeping order.
         with self._lock:
             if self._closed:
                 raise ClosedError("rail is closed", peer=self.peer, op=str(work.op),
                                   transport=self.transport_name)
             if self._failure is not None:
                 raise self._failure
-            inline = self._busy == 0 and work.nbytes <= self.inline_bytes
+            inline = self._busy == 0 and self._payload(work) <= self.inline_bytes
             self._busy += 1
             if inline:
                 self._send_lock.acquire()  # free: nothing queued or being sent
