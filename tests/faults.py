@@ -8,9 +8,10 @@ from typing import Any
 import numpy as np
 
 from transfer_engine.errors import NotSupportedError
+from transfer_engine.transport.base import Work
 from transfer_engine.transport.shm import ShmServer, ShmTransport
 from transfer_engine.transport.stream import Connection, recv_into_views
-from transfer_engine.transport.tcp import TcpServer, TcpTransport
+from transfer_engine.transport.tcp import TcpRail, TcpServer, TcpTransport
 
 
 class RefusingShmServer(ShmServer):
@@ -60,3 +61,19 @@ class DroppingTcpTransport(TcpTransport):
         assert self._server is not None
         self._server.__class__ = DroppingTcpServer
         return info
+
+
+class BrokenPostRail(TcpRail):
+    """A rail whose ``post`` fails as a bug would: not with a TransferError."""
+
+    def post(self, work: Work) -> None:
+        raise RuntimeError("fault injected: post failed")
+
+
+class BrokenPostTcpTransport(TcpTransport):
+    """A tcp transport whose rails cannot post (see :class:`BrokenPostRail`)."""
+
+    def connect(self, *args: Any, **kwargs: Any) -> Any:
+        rail = super().connect(*args, **kwargs)
+        rail.__class__ = BrokenPostRail
+        return rail

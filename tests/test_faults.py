@@ -14,9 +14,15 @@ import numpy as np
 import pytest
 import zmq
 
-from tests.faults import DroppingTcpTransport, RefusingShmTransport
+from tests.faults import BrokenPostTcpTransport, DroppingTcpTransport, RefusingShmTransport
 from tests.transport_contract import random_bytes
-from transfer_engine import Descriptor, Engine, PeerLostError, TransferState
+from transfer_engine import (
+    ClosedError,
+    Descriptor,
+    Engine,
+    PeerLostError,
+    TransferState,
+)
 from transfer_engine.transport.tcp import TcpTransport
 
 MiB = 1 << 20
@@ -115,6 +121,52 @@ def test_peer_killed_mid_transfer(make_engine: Callable[..., Engine],
     bseg = a.register(back)
     a.read(survivor, [(Descriptor(bseg, 0, MiB), Descriptor(rs, 0, MiB))]).wait(10)
     assert np.array_equal(back, src[:MiB])
+
+
+def test_close_with_transfers_to_a_hung_peer(
+        spawn_peer: Callable[..., tuple[subprocess.Popen[str], str]]) -> None:
+    """A peer that stops answering (SIGSTOP: its sockets stay open) holds transfers in
+    flight; closing the engine fails them with ClosedError and returns promptly, also
+    when the segment they use was registered after the peer was connected."""
+    size = 64 * MiB
+    proc, endpoint = spawn_peer("hung", size, 3)
+    a = Engine("a", transports=["tcp"], timeout=5.0)
+    try:
+        peer = a.connect(endpoint)
+        seg = a.register(random_bytes(size, 5))  # after connect: closed before the peer
+        pairs = [(Descriptor(seg, 0, size), Descriptor(peer.segment("dst"), 0, size))]
+        os.kill(proc.pid, signal.SIGSTOP)
+        handles = [a.write(peer, pairs) for _ in range(4)]
+        time.sleep(0.2)
+        assert any(h.state is TransferState.PENDING for h in handles)
+        started = time.monotonic()
+        a.close()
+        assert time.monotonic() - started < 3
+        for h in handles:
+            assert h.state is not TransferState.PENDING
+            if h.state is TransferState.FAILED:
+                with pytest.raises(ClosedError):
+                    h.wait(1)
+        assert seg.closed
+    finally:
+        a.close()
+        os.kill(proc.pid, signal.SIGCONT)
+
+
+def test_a_transfer_that_cannot_start_leaves_nothing_behind(
+        make_engine: Callable[..., Engine]) -> None:
+    """An unexpected error while posting (a bug, injected) reaches the caller, and the
+    transfer leaves no pinned segment and nothing in flight."""
+    a = make_engine("a", transports=[BrokenPostTcpTransport()])
+    b = make_engine("b", transports=["tcp"])
+    b.register(np.zeros(MiB, dtype=np.uint8), name="dst")
+    seg = a.register(random_bytes(MiB, 2))
+    peer = a.connect(b.endpoint)
+    pairs = [(Descriptor(seg, 0, MiB), Descriptor(peer.segment("dst"), 0, MiB))]
+    with pytest.raises(RuntimeError, match="fault injected"):
+        a.write(peer, pairs)
+    assert a.stats["transfers_failed"] == 1 and not a._live
+    seg.close(timeout=0.5)  # not pinned: deregisters at once
 
 
 def test_connection_reset_mid_transfer(make_engine: Callable[..., Engine]) -> None:

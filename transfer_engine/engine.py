@@ -135,6 +135,7 @@ class _Transfer:
     error: TransferError | None = None
     notifying: bool = False
     started: float = 0.0  # monotonic start of the current attempt
+    finished: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -619,7 +620,9 @@ class Engine:
         with self._lock:
             self._live[handle.id] = xfer
         self.stats["transfers"] += 1
-        self._start_attempt(xfer)
+        failure = self._start_attempt(xfer)
+        if failure is not None:
+            raise failure
         return handle
 
     def _validate(self, op: Op, peer: Peer, pairs: Pairs) -> tuple[Columns, list[Segment]]:
@@ -759,7 +762,22 @@ class Engine:
                                              op=str(op), segment=rseg.name,
                                              offset=remote.offset, length=remote.length)
 
-    def _start_attempt(self, xfer: _Transfer) -> None:
+    def _start_attempt(self, xfer: _Transfer) -> Exception | None:
+        """Plans and posts the transfer's next attempt. Should that fail unexpectedly,
+        the transfer fails (its segments unpinned, its handle finished) and the exception
+        is returned, for :meth:`_submit` to raise; nothing is left waiting."""
+        try:
+            self._post_attempt(xfer)
+        except Exception as exc:
+            log.exception("transfer %d to %s could not start", xfer.handle.id,
+                          xfer.peer.name)
+            error = exc if isinstance(exc, TransferError) else ProtocolError(
+                f"transfer could not start: {exc!r}", peer=xfer.peer.name, op=str(xfer.op))
+            self._finish(xfer, error)
+            return exc
+        return None
+
+    def _post_attempt(self, xfer: _Transfer) -> None:
         name = xfer.transports[0]
         transport = self._transports[name]
         rails = xfer.peer.rails[name]
@@ -857,9 +875,13 @@ class Engine:
         self._finish(xfer, None)
 
     def _finish(self, xfer: _Transfer, error: TransferError | None) -> None:
-        for seg in xfer.local_segments:
+        with xfer.lock:  # once: a closing engine may race a late completion here
+            if xfer.finished:
+                return
+            xfer.finished = True
+            segments, xfer.local_segments = xfer.local_segments, []
+        for seg in segments:
             seg.unpin()
-        xfer.local_segments = []
         with self._lock:
             self._live.pop(xfer.handle.id, None)
         self.stats["transfers_failed" if error else "transfers_done"] += 1
@@ -900,20 +922,28 @@ class Engine:
         return self._closed
 
     def close(self) -> None:
-        """Closes peers, transports, segments and the control endpoint. Idempotent."""
+        """Fails the transfers in flight with :class:`ClosedError`, then closes peers,
+        transports, segments and the control endpoint. Idempotent.
+
+        Transfers go first whatever the order things were made in: a segment waits for
+        the transfers that use it, and those finish only once their rails are closed.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._notes_cond.notify_all()
+            peers = list(self._peers.values())
         try:
-            self._stack.close()
-        finally:
+            for peer in peers:  # their rails fail the work they hold with ClosedError
+                peer.close()
             with self._lock:
                 live = list(self._live.values())
             for xfer in live:
                 self._finish(xfer, ClosedError("engine closed", peer=xfer.peer.name,
                                                op=str(xfer.op)))
+        finally:
+            self._stack.close()
 
     def __enter__(self) -> Engine:
         return self
