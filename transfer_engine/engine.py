@@ -82,6 +82,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TRANSPORTS = ("shm", "rdma", "tcp")  # best first; missing ones are skipped
 # Failures after which the same transfer is repeated over the peer's next transport.
 _FALLBACK_ERRORS = (NotSupportedError, PeerLostError)
+_BYTES_STAT = {Op.WRITE: "bytes_write", Op.READ: "bytes_read"}
 
 
 def _in_bounds(nums: np.ndarray, llen: int | np.ndarray, rlen: int | np.ndarray
@@ -109,10 +110,11 @@ def _blocks_in_bounds(g: Blocks, llen: int, rlen: int) -> tuple[int, int] | None
     one length."""
     block = g.block
     if block > 0:
-        lo, ro = g.local_offsets, g.remote_offsets
-        if (int(lo.min()) >= 0 and int(lo.max()) <= llen - block
-                and int(ro.min()) >= 0 and int(ro.max()) <= rlen - block):
-            return len(lo) * block, block
+        # seen unsigned, a negative offset is huge: one reduction bounds both ends
+        if (block <= llen and block <= rlen
+                and int(g.local_offsets.view(np.uint64).max()) <= llen - block
+                and int(g.remote_offsets.view(np.uint64).max()) <= rlen - block):
+            return len(g.local_offsets) * block, block
         return None
     if block < 0:
         return None
@@ -592,7 +594,8 @@ class Engine:
 
     def _submit(self, op: Op, peer_ref: Peer | str, pairs: Pairs,
                 notify: bytes | None) -> TransferHandle:
-        self._check_open(str(op))
+        if self._closed:
+            raise ClosedError("engine is closed", op=str(op))
         peer = self.peer(peer_ref if isinstance(peer_ref, str) else peer_ref.name)
         if peer.lost is not None:
             raise PeerLostError(f"peer lost: {peer.lost}", peer=peer.name, op=str(op))
@@ -886,7 +889,7 @@ class Engine:
             self._live.pop(xfer.handle.id, None)
         self.stats["transfers_failed" if error else "transfers_done"] += 1
         if error is None:
-            self.stats[f"bytes_{xfer.op}"] += xfer.handle.nbytes
+            self.stats[_BYTES_STAT[xfer.op]] += xfer.handle.nbytes
             if xfer.transports:
                 xfer.peer.succeeded(xfer.transports[0], time.monotonic() - xfer.started)
         xfer.handle._finish(error)

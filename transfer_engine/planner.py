@@ -243,7 +243,7 @@ def slice_columns(cols: Columns, slice_size: int) -> Columns:
     if slice_size <= 0:
         raise ValueError("slice_size must be positive")
     n = cols.length
-    if len(n) == 0 or int(n.max()) <= slice_size:
+    if len(n) == 0 or 0 < cols.block <= slice_size or int(n.max()) <= slice_size:
         return cols
     count = -(-n // slice_size)
     step = -(-n // count)
