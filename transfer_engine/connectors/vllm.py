@@ -69,9 +69,7 @@ vLLM recomputes). Across hosts, lease_s must cover the clock skew.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
-import json
 import logging
 import math
 import os
@@ -95,7 +93,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from transfer_engine.descriptor import Descriptor
+from transfer_engine.connectors.compat import compat_hash, describe_mismatch
+from transfer_engine.descriptor import Blocks, Descriptor
 from transfer_engine.engine import Engine
 from transfer_engine.errors import (
     ClosedError,
@@ -296,17 +295,6 @@ def coalesce(local: Sequence[int], remote: Sequence[int]) -> list[tuple[int, int
                 continue
         runs.append((lb, rb, 1))
     return runs
-
-
-def compat_hash(factors: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def describe_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
-    keys = sorted(set(mine) | set(theirs))
-    diffs = [f"{k}: ours={mine.get(k)!r} peer={theirs.get(k)!r}" for k in keys
-             if mine.get(k) != theirs.get(k)]
-    return "; ".join(diffs) or "factors equal, hash differs"
 
 
 # --- metadata passed between the roles ----------------------------------------------
@@ -591,28 +579,27 @@ class TEConnectorWorker:
             self._handshakes[endpoint] = fut
         return fut
 
-    def _pairs(self, info: _RemoteInfo, spec: RecvSpec) -> list[tuple[Descriptor, Descriptor]]:
+    def _pairs(self, info: _RemoteInfo, spec: RecvSpec) -> list[Blocks]:
+        """The READ of a request's blocks: one :class:`Blocks` per layer and part (K, V),
+        whole runs of blocks adjacent on both sides merged where the layouts allow."""
         peer = info.peer
-        pairs = []
-        runs = coalesce(spec.local_block_ids, spec.remote_block_ids)
+        out = []
+        runs = np.array(coalesce(spec.local_block_ids, spec.remote_block_ids),
+                        dtype=np.int64).reshape(-1, 3)
+        single = (np.asarray(spec.local_block_ids, dtype=np.int64),
+                  np.asarray(spec.remote_block_ids, dtype=np.int64))
+        count: np.ndarray | int
         for name, (seg, layout) in self._layers.items():
             rname, rlayout = info.layouts[name]
             rseg = peer.segment(rname)
+            if layout.contiguous_blocks and rlayout.contiguous_blocks:
+                lb, rb, count = runs[:, 0], runs[:, 1], runs[:, 2] * layout.part_len
+            else:
+                (lb, rb), count = single, layout.part_len
             for loff, roff in zip(layout.part_offsets, rlayout.part_offsets, strict=True):
-                if layout.contiguous_blocks and rlayout.contiguous_blocks:
-                    for lb, rb, n in runs:
-                        pairs.append((Descriptor(seg, loff + lb * layout.block_stride,
-                                                 n * layout.part_len),
-                                      Descriptor(rseg, roff + rb * rlayout.block_stride,
-                                                 n * layout.part_len)))
-                else:
-                    for lb, rb in zip(spec.local_block_ids, spec.remote_block_ids,
-                                      strict=True):
-                        pairs.append((Descriptor(seg, loff + lb * layout.block_stride,
-                                                 layout.part_len),
-                                      Descriptor(rseg, roff + rb * rlayout.block_stride,
-                                                 layout.part_len)))
-        return pairs
+                out.append(Blocks(seg, rseg, loff + lb * layout.block_stride,
+                                  roff + rb * rlayout.block_stride, count))
+        return out
 
     def start_load(self, specs: Iterable[RecvSpec]) -> None:
         """Starts one READ per request, or the peer's handshake first; never waits on
