@@ -584,8 +584,12 @@ def summarize(a: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
         out["baseline_memcpy_gbps"] = mem
         out["baseline_socket_cpu_s_per_gb"] = median(
             [r["baseline_socket_cpu_s_per_gb"] for r in runs])
-        out["ratio_vs_socket"] = out["gbps"] / sock if sock else None
-        out["ratio_vs_memcpy"] = out["gbps"] / mem if mem else None
+        # each run's engine figure against the baselines measured right after it: the
+        # machine's mood changes between runs, less within one
+        out["ratio_vs_socket"] = median([r["gbps"] / r["baseline_socket_gbps"] for r in runs
+                                         if r["baseline_socket_gbps"]])
+        out["ratio_vs_memcpy"] = median([r["gbps"] / r["baseline_memcpy_gbps"] for r in runs
+                                         if r["baseline_memcpy_gbps"]])
     out["verified"] = res["verified"]
     out["runs"] = runs
     out["engine_stats"] = res["engine_stats"]
