@@ -9,7 +9,26 @@ pip_q() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
 if ! "$PY" -c "import torch" >/dev/null 2>&1 && [ "${TE_TORCH:-}" != "skip" ]; then
     pip_q "${TE_TORCH:-torch==2.13.0}"
 fi
-if ! "$PY" -c "import importlib.metadata as m; m.version('transfer-engine'); import zmq, msgpack, numpy, pytest, pytest_timeout" >/dev/null 2>&1 \
-   || [ "${TE_REINSTALL:-0}" = "1" ]; then
+# Installed means: importable from this checkout (run from / so that the working folder
+# is not on the path), with this pyproject's entry points, and the test tools present.
+# An install of another checkout, or of an older version, is replaced.
+installed() {
+    (cd / && TE_ROOT="$OLDPWD" "$PY" - <<'PYEOF'
+import importlib.metadata as m
+import os
+import sys
+
+import msgpack, numpy, pytest, pytest_timeout, zmq  # noqa: F401, E401
+import transfer_engine
+
+here = os.path.realpath(os.path.join(os.environ["TE_ROOT"], "transfer_engine"))
+if os.path.realpath(os.path.dirname(transfer_engine.__file__)) != here:
+    sys.exit(1)
+names = {(ep.group, ep.name) for ep in m.distribution("transfer-engine").entry_points}
+sys.exit(0 if ("sglang.srt.plugins", "transfer_engine") in names else 1)
+PYEOF
+    ) >/dev/null 2>&1
+}
+if [ "${TE_REINSTALL:-0}" = "1" ] || ! installed; then
     pip_q -e ".[test]"
 fi
