@@ -17,10 +17,12 @@ from transfer_engine.layout import (
     block_extents,
     block_major_layout,
     block_runs,
+    kv_blocks,
     pairs_for_blocks,
     vllm_cpu_layout,
     vllm_gpu_layout,
 )
+from transfer_engine.planner import coalesce
 from transfer_engine.segment import RemoteSegment, Segment, describe_memory
 
 torch = pytest.importorskip("torch")
@@ -407,9 +409,13 @@ def test_random_layouts_and_ids_move_exactly_the_chosen_blocks(memory: Memory) -
             rids = rng.sample(range(nr), count)
         src, lay_l = make(rng.choice(kinds), nl, True, trial)
         dst, lay_r = make(rng.choice(kinds), nr, False, trial)
-        pairs = pairs_for_blocks([lay_l], [lay_r], memory.local(src), memory.remote(dst),
-                                 lids, rids)
+        lseg, rseg = memory.local(src), memory.remote(dst)
+        pairs = pairs_for_blocks([lay_l], [lay_r], lseg, rseg, lids, rids)
         assert sum(p[0].length for p in pairs) == count * lay_l.nbytes
+        # the same pairs as arrays: once merged where they touch, equal
+        as_blocks = [p for b in kv_blocks([lay_l], [lay_r], lseg, rseg, lids, rids)
+                     for p in b]
+        assert _merged(as_blocks) == _merged(pairs)
         memory.write(pairs)
         for lb, rb in zip(lids, rids, strict=True):
             assert block(dst, lay_r, rb) == block(src, lay_l, lb)
@@ -417,14 +423,33 @@ def test_random_layouts_and_ids_move_exactly_the_chosen_blocks(memory: Memory) -
         assert all(block(dst, lay_r, b) == zero for b in range(nr) if b not in rids)
 
 
-def test_pairs_reject_bad_requests_before_building_anything(memory: Memory) -> None:
+def _merged(pairs: list[tuple[Descriptor, Descriptor]]) -> list[Any]:
+    return coalesce([((loc.segment.id, loc.offset, loc.length),
+                      (rem.segment.id, rem.offset, rem.length)) for loc, rem in pairs])
+
+
+def test_kv_blocks_move_the_blocks(memory: Memory) -> None:
+    src = filled_torch(6, 2, BS, HEADS, DIM)  # block-major: K and V of a block touch
+    dst = torch.zeros(2, 9, BS, HEADS, DIM, dtype=torch.bfloat16)
+    blocks = kv_blocks([BlockLayout.from_tensor(src, block_dim=0, kv_dim=1)],
+                       [vllm_gpu_layout(dst)], memory.local(src), memory.remote(dst),
+                       [0, 1, 5], [2, 3, 8])
+    assert [len(b) for b in blocks] == [3, 3]  # K, V: a part's blocks are not adjacent
+    memory.write([p for b in blocks for p in b])
+    for lb, rb in ((0, 2), (1, 3), (5, 8)):
+        assert torch.equal(dst[:, rb], src[lb])
+
+
+@pytest.mark.parametrize("build", [pairs_for_blocks, kv_blocks])
+def test_pairs_reject_bad_requests_before_building_anything(memory: Memory,
+                                                            build: Any) -> None:
     t = filled_torch(2, 6, BS, HEADS, DIM)
     lay = vllm_gpu_layout(t)
     lseg, rseg = memory.local(t), memory.remote(t)
 
     def bad(match: str, *args: Any) -> InvalidDescriptorError:
         with pytest.raises(InvalidDescriptorError, match=match) as info:
-            pairs_for_blocks(*args)
+            build(*args)
         return info.value
 
     bad("1 local layouts but 2 remote", [lay], [lay, lay], lseg, rseg, [0], [0])
@@ -451,5 +476,5 @@ def test_pairs_reject_bad_requests_before_building_anything(memory: Memory) -> N
     shifted = BlockLayout(6, lay.block_stride, lay.block_bytes, lay.parts, 16)
     err = bad("past the segment", [lay], [shifted], lseg, rseg, [0], [0])
     assert (err.segment, err.offset, err.length) == (rseg.name, 16, lay.extent)
-    assert pairs_for_blocks([lay], [lay], lseg, rseg, [], []) == []
-    assert pairs_for_blocks([], [], [], [], [1], [2]) == []
+    assert build([lay], [lay], lseg, rseg, [], []) == []
+    assert build([], [], [], [], [1], [2]) == []

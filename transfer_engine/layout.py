@@ -25,14 +25,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from transfer_engine.descriptor import Descriptor
+import numpy as np
+
+from transfer_engine.descriptor import Blocks, Descriptor
 from transfer_engine.errors import InvalidDescriptorError
 
 if TYPE_CHECKING:
     from transfer_engine.segment import RemoteSegment, Segment
 
 __all__ = ["BlockLayout", "vllm_gpu_layout", "block_major_layout", "vllm_cpu_layout",
-           "block_runs", "block_extents", "pairs_for_blocks"]
+           "block_runs", "block_extents", "pairs_for_blocks", "kv_blocks"]
 
 # (logical rank among the block's interior dims, size), in memory order (outer first)
 PartShape = tuple[tuple[int, int], ...]
@@ -365,20 +367,8 @@ def pairs_for_blocks(local_layouts: Sequence[BlockLayout],
     id is out of range, a layout does not fit its segment or the two layouts of a layer
     differ in block size, part count, part shape or dtype.
     """
-    layers = len(local_layouts)
-    if len(remote_layouts) != layers:
-        raise InvalidDescriptorError(f"{layers} local layouts but {len(remote_layouts)} "
-                                     "remote layouts")
-    lsegs = _per_layer(local_segments, layers, "local segments")
-    rsegs = _per_layer(remote_segments, layers, "remote segments")
-    try:
-        lids = _ids(local_block_ids, "local block ids")
-        rids = _ids(remote_block_ids, "remote block ids")
-    except ValueError as exc:
-        raise InvalidDescriptorError(str(exc)) from exc
-    if len(lids) != len(rids):
-        raise InvalidDescriptorError(f"{len(lids)} local block ids but {len(rids)} remote "
-                                     "block ids")
+    lsegs, rsegs, lids, rids = _checked(local_layouts, remote_layouts, local_segments,
+                                        remote_segments, local_block_ids, remote_block_ids)
     if not lids:
         return []
     both = _pair_runs(lids, rids)
@@ -409,6 +399,57 @@ def pairs_for_blocks(local_layouts: Sequence[BlockLayout],
                 prev = (Descriptor(lseg, lo, n), Descriptor(rseg, ro, n))
                 out.append(prev)
     return out
+
+
+def kv_blocks(local_layouts: Sequence[BlockLayout],
+              remote_layouts: Sequence[BlockLayout],
+              local_segments: Segment | Sequence[Segment],
+              remote_segments: RemoteSegment | Sequence[RemoteSegment],
+              local_block_ids: Sequence[int],
+              remote_block_ids: Sequence[int]) -> list[Blocks]:
+    """The pairs of :func:`pairs_for_blocks` as arrays: one :class:`Blocks` per layer and
+    part (K, V), runs of blocks adjacent on both sides merged. The cheap way for many
+    blocks; parts that touch (K and V of a block-major layout) are merged by the planner
+    instead. Same arguments and errors as :func:`pairs_for_blocks`."""
+    lsegs, rsegs, lids, rids = _checked(local_layouts, remote_layouts, local_segments,
+                                        remote_segments, local_block_ids, remote_block_ids)
+    if not lids:
+        return []
+    runs = np.array(_pair_runs(lids, rids), dtype=np.int64).reshape(-1, 3)
+    single = np.array([lids, rids, [1] * len(lids)], dtype=np.int64).T
+    out: list[Blocks] = []
+    for layer, (lay, ray, lseg, rseg) in enumerate(
+            zip(local_layouts, remote_layouts, lsegs, rsegs, strict=True)):
+        _check_layer(layer, lay, ray, lseg, rseg, lids, rids)
+        rows = runs if lay.contiguous and ray.contiguous else single
+        lb, rb, count = rows[:, 0], rows[:, 1], rows[:, 2]
+        for lpart, rpart in zip(lay.parts, ray.parts, strict=True):
+            out.append(Blocks(lseg, rseg, lay.segment_offset + lpart + lb * lay.block_stride,
+                              ray.segment_offset + rpart + rb * ray.block_stride,
+                              count * lay.block_bytes))
+    return out
+
+
+def _checked(local_layouts: Sequence[BlockLayout], remote_layouts: Sequence[BlockLayout],
+             local_segments: Any, remote_segments: Any, local_block_ids: Sequence[int],
+             remote_block_ids: Sequence[int]
+             ) -> tuple[list[Any], list[Any], list[int], list[int]]:
+    """Per-layer segments and the id lists, checked for matching lengths and types."""
+    layers = len(local_layouts)
+    if len(remote_layouts) != layers:
+        raise InvalidDescriptorError(f"{layers} local layouts but {len(remote_layouts)} "
+                                     "remote layouts")
+    lsegs = _per_layer(local_segments, layers, "local segments")
+    rsegs = _per_layer(remote_segments, layers, "remote segments")
+    try:
+        lids = _ids(local_block_ids, "local block ids")
+        rids = _ids(remote_block_ids, "remote block ids")
+    except ValueError as exc:
+        raise InvalidDescriptorError(str(exc)) from exc
+    if len(lids) != len(rids):
+        raise InvalidDescriptorError(f"{len(lids)} local block ids but {len(rids)} remote "
+                                     "block ids")
+    return lsegs, rsegs, lids, rids
 
 
 def _check_layer(layer: int, lay: BlockLayout, ray: BlockLayout, lseg: Any, rseg: Any,

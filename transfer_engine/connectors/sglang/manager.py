@@ -56,7 +56,7 @@ from transfer_engine.connectors.sglang.rooms import (
 )
 from transfer_engine.control.auth import AuthConfig, Signer
 from transfer_engine.control.messages import Ack, Message
-from transfer_engine.descriptor import Descriptor
+from transfer_engine.descriptor import Blocks
 from transfer_engine.engine import Engine
 from transfer_engine.errors import (
     ClosedError,
@@ -69,7 +69,7 @@ from transfer_engine.errors import (
     TransferError,
     TransferTimeout,
 )
-from transfer_engine.layout import BlockLayout, pairs_for_blocks
+from transfer_engine.layout import BlockLayout, kv_blocks
 from transfer_engine.notify import Notification
 from transfer_engine.peer import ControlClient, Peer
 from transfer_engine.segment import RemoteSegment, Segment
@@ -450,18 +450,18 @@ class TransferEngineKVManager(BaseKVManager):  # type: ignore[misc]
             self._senders.discard(room)
 
     def pairs(self, claim: SendRoom, src_pages: list[int], dst_pages: list[int],
-              src_aux: int | None) -> list[tuple[Descriptor, Descriptor]]:
-        """Descriptor pairs moving pages (and the aux row) of one chunk; runs of pages
-        adjacent on both sides become one descriptor per buffer."""
-        out: list[tuple[Descriptor, Descriptor]] = []
+              src_aux: int | None) -> list[Blocks]:
+        """What one chunk moves: its pages (and the aux row), as one :class:`Blocks` per
+        buffer; runs of pages adjacent on both sides are merged."""
+        out: list[Blocks] = []
         if src_pages:
-            out += pairs_for_blocks(self._kv_layouts, [lay for _, lay in claim.kv_remote],
-                                    self._kv_segments, [seg for seg, _ in claim.kv_remote],
-                                    src_pages, dst_pages)
+            out += kv_blocks(self._kv_layouts, [lay for _, lay in claim.kv_remote],
+                             self._kv_segments, [seg for seg, _ in claim.kv_remote],
+                             src_pages, dst_pages)
         if src_aux is not None and claim.aux_index >= 0 and self._aux:
-            out += pairs_for_blocks(self._aux_layouts, [lay for _, lay in claim.aux_remote],
-                                    self._aux_segments, [seg for seg, _ in claim.aux_remote],
-                                    [src_aux], [claim.aux_index])
+            out += kv_blocks(self._aux_layouts, [lay for _, lay in claim.aux_remote],
+                             self._aux_segments, [seg for seg, _ in claim.aux_remote],
+                             [src_aux], [claim.aux_index])
         return out
 
     # --- decode: rooms ----------------------------------------------------------------
