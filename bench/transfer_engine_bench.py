@@ -16,7 +16,8 @@ of ``--block_size`` bytes and waits for each batch, for ``--duration`` seconds a
 warm-up: one batch in flight per thread, as in Mooncake's bench (whose blocks are
 contiguous with one thread). Unless ``--contiguous``, the blocks of a batch sit in
 shuffled slots on both sides, so the engine cannot coalesce them into fewer, larger
-pieces. ``--rails`` and ``--slice_size`` override the tcp/shm transports' tuning.
+pieces. ``--rails`` and ``--slice_size`` override the tcp/shm transports' tuning,
+``--spread`` the tcp transport's.
 
 Reported per run and as the median of ``--repeat`` runs: GB/s (1e9 bytes/s), blocks
 and batches per second, batch latency p50/p99, and CPU seconds per GB for the initiator
@@ -112,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rails per peer (default: the transport's own)")
     p.add_argument("--slice_size", type=_size, default=None,
                    help="bytes per work request on tcp/shm (default: the transport's own)")
+    p.add_argument("--spread", type=int, default=None,
+                   help="most tcp rails one transfer is cut over (default: what the "
+                        "host's cores allow)")
     p.add_argument("--api", choices=("blocks", "pairs"), default="blocks",
                    help="how batches are described: Blocks arrays, or a Descriptor pair "
                         "per block")
@@ -139,14 +143,17 @@ def _check_flags(a: argparse.Namespace) -> None:
             raise UsageError(f"--{name} must be at least 1")
     if a.rails is not None and a.rails < 1:
         raise UsageError("--rails must be at least 1")
+    if a.spread is not None and a.spread < 1:
+        raise UsageError("--spread must be at least 1")
     if a.duration <= 0:
         raise UsageError("--duration must be positive")
     if a.mode == "initiator" and not a.local and not a.segment_id:
         raise UsageError("--mode initiator needs --segment_id (the target's endpoint) "
                          "or --local")
-    if a.protocol == "rdma" and (a.rails is not None or a.slice_size is not None):
-        raise UsageError("--rails and --slice_size are for tcp and shm; rdma opens one "
-                         "rail per NIC pair")
+    if a.protocol == "rdma" and (a.rails is not None or a.slice_size is not None
+                                 or a.spread is not None):
+        raise UsageError("--rails, --slice_size and --spread are for tcp and shm; rdma "
+                         "opens one rail per NIC pair")
 
 
 def make_transports(a: argparse.Namespace) -> list[Any] | None:
@@ -165,18 +172,15 @@ def make_transports(a: argparse.Namespace) -> list[Any] | None:
             msg = " ".join(str(exc).split())
             raise UsageError(f"--protocol rdma needs {what} with an active port, "
                              f"none usable here: {msg}") from None
-    if a.rails is None and a.slice_size is None:
+    if a.rails is None and a.slice_size is None and a.spread is None:
         return {"tcp": ["tcp"], "shm": ["shm", "tcp"], "auto": None}[a.protocol]
+    from transfer_engine.transport.shm import ShmTransport
     from transfer_engine.transport.tcp import TcpTransport
-    tuning: dict[str, int] = {}
-    if a.rails is not None:
-        tuning["rails"] = a.rails
-    if a.slice_size is not None:
-        tuning["slice_size"] = a.slice_size
-    tcp = TcpTransport(host=a.host, **tuning)
+    rails = {} if a.rails is None else {"rails": a.rails}
+    sliced = {} if a.slice_size is None else {"slice_size": a.slice_size}
+    tcp = TcpTransport(host=a.host, spread=a.spread, **rails, **sliced)
     if a.protocol == "shm" or a.protocol == "auto":
-        from transfer_engine.transport.shm import ShmTransport
-        return [ShmTransport(**tuning), tcp]
+        return [ShmTransport(**rails, **sliced), tcp]
     return [tcp]
 
 
@@ -566,7 +570,8 @@ def summarize(a: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "protocol": a.protocol, "transport": res["transport"], "operation": a.operation,
         "block_size": a.block_size, "batch_size": a.batch_size, "threads": a.threads,
-        "rails": res["rails"], "api": a.api, "slice_size": a.slice_size, "contiguous": a.contiguous,
+        "rails": res["rails"], "spread": a.spread, "api": a.api, "slice_size": a.slice_size,
+        "contiguous": a.contiguous,
         "duration": a.duration, "repeat": a.repeat, "buffer_size": a.buffer_size,
         "coalescable_pairs": res["coalescable_pairs"],
     }

@@ -789,6 +789,7 @@ class Engine:
             # rail, and a lone caller keeps to one warm connection (alternating between
             # idle ones measured slower)
             rails = sorted(rails, key=lambda rail: rail.inflight)
+            rails = rails[:transport.spread(rails)]
         caps = transport.capabilities
         weights = [float(getattr(rail, "weight", 1.0)) for rail in rails]
         plan = plan_columns(xfer.extents, num_rails=len(rails), slice_size=caps.slice_size,

@@ -187,6 +187,12 @@ class Transport(abc.ABC):
         """Transport-specific facts (e.g. 'devices' for rdma); None when unknown."""
         return None
 
+    def spread(self, rails: Sequence[Rail]) -> int:
+        """Over how many of a peer's ``rails`` (least busy first) one transfer is cut;
+        the rest serve concurrent transfers. All of them unless a transport knows
+        better."""
+        return len(rails)
+
     def __enter__(self) -> Transport:
         return self
 
