@@ -10,15 +10,14 @@ import numpy as np
 from transfer_engine.errors import NotSupportedError
 from transfer_engine.transport.base import Work
 from transfer_engine.transport.shm import ShmServer, ShmTransport
-from transfer_engine.transport.stream import Connection, recv_into_views
+from transfer_engine.transport.stream import Connection, Targets, recv_into_views
 from transfer_engine.transport.tcp import TcpRail, TcpServer, TcpTransport
 
 
 class RefusingShmServer(ShmServer):
     """Behaves as a kernel that forbids cross-memory attach (EPERM)."""
 
-    def land(self, conn: Connection, views: list[memoryview], remote: np.ndarray,
-             local: np.ndarray | None) -> None:
+    def land(self, conn: Connection, views: Targets, local: np.ndarray | None) -> None:
         raise NotSupportedError("cross-memory attach refused: Operation not permitted",
                                 peer=conn.peer, op="write", transport="shm")
 
@@ -39,8 +38,7 @@ class DroppingTcpServer(TcpServer):
 
     drop_after = 1 << 20
 
-    def land(self, conn: Connection, views: list[memoryview], remote: np.ndarray,
-             local: np.ndarray | None) -> None:
+    def land(self, conn: Connection, views: Targets, local: np.ndarray | None) -> None:
         budget = self.drop_after
         partial = []
         for v in views:

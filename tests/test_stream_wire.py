@@ -7,6 +7,7 @@ import os
 import socket
 import struct
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -16,12 +17,14 @@ from tests.transport_contract import random_bytes
 from transfer_engine import Engine, InvalidDescriptorError
 from transfer_engine.transport.stream import (
     ANSWER,
+    FLAG_UNIFORM,
     HEADER,
     KIND_ANSWER,
     KIND_HELLO,
     KIND_READ,
     KIND_WRITE,
     WIRE_VERSION,
+    pack_uniform,
     unpack_error,
 )
 
@@ -44,6 +47,15 @@ class RawRail:
         head = HEADER.pack(kind, 0, len(entries), 0, 0, 0, self.wr_id, 0, 0)
         words = struct.pack("<" + "QQQ" * len(entries), *(w for e in entries for w in e))
         self.sock.sendall(head + words + payload)
+        return self.answer()
+
+    def request_uniform(self, kind: int, segment: int, length: int, offsets: list[int],
+                        payload: bytes = b"") -> tuple[int, bytes]:
+        """A request whose entries share one segment and length: offsets alone."""
+        self.wr_id += 1
+        head = HEADER.pack(kind, FLAG_UNIFORM, len(offsets), 0, 0, 0, self.wr_id, 0, 0)
+        entries = pack_uniform(segment, length, np.array(offsets, dtype=np.uint64))
+        self.sock.sendall(head + entries + payload)
         return self.answer()
 
     def answer(self) -> tuple[int, bytes]:
@@ -138,11 +150,97 @@ def test_unknown_segment_is_refused(target: tuple[Engine, np.ndarray, list[int]]
     assert status == 0 and raw.recv(4) == _memory(target)[:4].tobytes()
 
 
-def test_a_first_version_rail_is_turned_away(target: tuple[Engine, np.ndarray, list[int]]
-                                             ) -> None:
-    rail = RawRail(target[0], version=1)
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_version_rail_is_turned_away(target: tuple[Engine, np.ndarray, list[int]],
+                                              version: int) -> None:
+    rail = RawRail(target[0], version=version)
     try:
         with pytest.raises(ConnectionResetError):
             rail.answer()
     finally:
         rail.close()
+
+
+def test_uniform_entries_write_and_read(target: tuple[Engine, np.ndarray, list[int]],
+                                        raw: RawRail) -> None:
+    _, _, ids = target
+    offsets = [9000, 0, SIZE - 512, 4096]
+    payload = random_bytes(512 * len(offsets), 7).tobytes()
+    status, _ = raw.request_uniform(KIND_WRITE, ids[1], 512, offsets, payload)
+    assert status == 0
+    memory = _memory(target)
+    for k, off in enumerate(offsets):
+        assert memory[SIZE + off:SIZE + off + 512].tobytes() == payload[k * 512:][:512]
+    status, _ = raw.request_uniform(KIND_READ, ids[1], 512, offsets[::-1])
+    assert status == 0
+    assert raw.recv(len(payload)) == b"".join(
+        payload[k * 512:][:512] for k in reversed(range(len(offsets))))
+
+
+@pytest.mark.parametrize("length,offset", [
+    (16, (1 << 64) - 8),  # offset + length wraps around 2**64
+    (16, SIZE - 8),  # runs past the end
+    (0, 0),  # empty
+    (8, 1 << 63),  # negative as a signed offset
+    (SIZE + 1, 0),  # longer than the segment
+])
+def test_hostile_uniform_entries_are_refused_and_the_rail_stays_in_step(
+        target: tuple[Engine, np.ndarray, list[int]], raw: RawRail, length: int,
+        offset: int) -> None:
+    _, _, ids = target
+    before = _memory(target).copy()
+    status, body = raw.request_uniform(KIND_WRITE, ids[0], length, [4096, offset],
+                                       b"\xaa" * (2 * length))
+    err = unpack_error(body, status, "b", "write", "tcp")
+    assert status != 0 and isinstance(err, InvalidDescriptorError)
+    assert err.length == length and err.segment == "first"
+    assert np.array_equal(_memory(target), before)  # not even the good entry landed
+    status, _ = raw.request_uniform(KIND_WRITE, ids[0], 4, [100, 200], b"abcdefgh")
+    assert status == 0
+    after = _memory(target)
+    assert bytes(after[100:104]) == b"abcd" and bytes(after[200:204]) == b"efgh"
+
+
+def test_uniform_entries_of_an_unknown_segment_are_refused(
+        target: tuple[Engine, np.ndarray, list[int]], raw: RawRail) -> None:
+    status, body = raw.request_uniform(KIND_READ, 1 << 40, 8, [0, 8])
+    assert isinstance(unpack_error(body, status, "b", "read", "tcp"), InvalidDescriptorError)
+    status, _ = raw.request_uniform(KIND_READ, target[2][0], 4, [0])
+    assert status == 0 and raw.recv(4) == _memory(target)[:4].tobytes()
+
+
+def test_engine_sends_blocks_of_one_length_as_uniform_entries(
+        make_engine: Callable[..., Engine]) -> None:
+    """The engine's own requests for Blocks of one length use the compact entries (the
+    target counts them), and the bytes land where they should."""
+    from transfer_engine import Blocks
+    from transfer_engine.transport import stream
+
+    seen: list[int] = []
+    encode = stream.encode_request
+
+    def spy(kind: int, work: Any, *args: Any, **kwargs: Any) -> bytes:
+        data = encode(kind, work, *args, **kwargs)
+        seen.append(HEADER.unpack_from(data)[1] & FLAG_UNIFORM)
+        return data
+
+    import transfer_engine.transport.tcp as tcp
+    a = make_engine("a", transports=["tcp"])
+    b = make_engine("b", transports=["tcp"])
+    src, dst = random_bytes(SIZE, 3), random_bytes(SIZE, 4)
+    seg = a.register(src)
+    peer = a.connect(b.endpoint)
+    remote = peer.segment(b.register(dst).name)
+    lo = np.array([4096 * 7, 0, 4096 * 3])
+    ro = np.array([4096 * 100, 4096 * 5, 4096 * 9])
+    tcp.encode_request = spy  # type: ignore[assignment]
+    try:
+        a.write(peer, Blocks(seg, remote, lo, ro, 4096)).wait(10)
+        for k in range(3):
+            assert np.array_equal(dst[ro[k]:ro[k] + 4096], src[lo[k]:lo[k] + 4096])
+        a.write(peer, Blocks(seg, remote, lo, ro + 1, [4096, 100, 5])).wait(10)
+    finally:
+        tcp.encode_request = encode  # type: ignore[assignment]
+    assert seen == [FLAG_UNIFORM, 0]
+    for k, n in enumerate([4096, 100, 5]):
+        assert np.array_equal(dst[ro[k] + 1:ro[k] + 1 + n], src[lo[k]:lo[k] + n])

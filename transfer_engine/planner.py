@@ -40,14 +40,18 @@ class Spans(Sequence[Span]):
 
     Reads as a list of tuples, made on first use: a transport that takes the arrays
     (the stream transports put them on the wire as they are) never pays for the tuples.
+    ``uniform`` is ``(segment, length)`` when every row is known to share both, so that
+    a transport may send the offsets alone.
     """
 
-    __slots__ = ("segment", "offset", "length", "_rows")
+    __slots__ = ("segment", "offset", "length", "uniform", "_rows")
 
-    def __init__(self, segment: np.ndarray, offset: np.ndarray, length: np.ndarray) -> None:
+    def __init__(self, segment: np.ndarray, offset: np.ndarray, length: np.ndarray,
+                 uniform: tuple[int, int] | None = None) -> None:
         self.segment = segment
         self.offset = offset
         self.length = length
+        self.uniform = uniform
         self._rows: list[Span] | None = None
 
     def rows(self) -> list[Span]:
@@ -284,8 +288,10 @@ def pack_columns(pieces: Columns, *, max_sge: int, max_wr_bytes: int,
         return []
     ls, lo, rs, ro, n = pieces.lseg, pieces.loff, pieces.rseg, pieces.roff, pieces.length
     total = pieces.nbytes
+    uniform = (int(rs[0]), pieces.block) if pieces.single and pieces.block > 0 else None
     if remote_scatter and count <= max_sge and total <= max_wr_bytes:  # one request
-        return [WorkRequest(Spans(ls, lo, n), Spans(rs, ro, n), total, pieces=pieces)]
+        return [WorkRequest(Spans(ls, lo, n), Spans(rs, ro, n, uniform), total,
+                            pieces=pieces)]
     ends = np.cumsum(n)  # ends[k]: bytes of pieces 0..k
     starts = [0]  # pieces that start a new remote range
     if not remote_scatter:
@@ -303,7 +309,7 @@ def pack_columns(pieces: Columns, *, max_sge: int, max_wr_bytes: int,
         part = pieces.slice(i, end)
         local = Spans(part.lseg, part.loff, part.length)
         if remote_scatter:
-            remote: Sequence[Span] = Spans(part.rseg, part.roff, part.length)
+            remote: Sequence[Span] = Spans(part.rseg, part.roff, part.length, uniform)
         else:
             remote = [(int(rs[i]), int(ro[i]), nbytes)]
         out.append(WorkRequest(local, remote, nbytes, pieces=part))
@@ -370,14 +376,18 @@ def plan_columns(cols: Columns, *, num_rails: int, slice_size: int, max_sge: int
 
     A request holds at most ``slice_size`` bytes; a transfer smaller than
     ``num_rails * slice_size`` is cut finer (down to ``min_split`` bytes per rail) so
-    that every rail gets a share.
+    that every rail gets a share. Rows are merged (``merge``) unless the transport
+    scatters remotely and the transfer fits one request as it is.
     """
     if num_rails < 1:
         raise ValueError("num_rails must be >= 1")
-    if merge:
-        cols = coalesce_columns(cols)
     total = cols.nbytes
     cap = min(slice_size, max_wr_bytes, max(min_split, -(-total // num_rails)))
+    if merge and not (remote_scatter and len(cols) <= max_sge and total <= cap):
+        # (a transfer that is one request anyway on a transport that scatters remotely
+        # gains only a shorter iovec list from merging, which the kernel walks faster
+        # than NumPy sorts it)
+        cols = coalesce_columns(cols)
     pieces = slice_columns(cols, cap)
     requests = pack_columns(pieces, max_sge=max_sge, max_wr_bytes=cap,
                             remote_scatter=remote_scatter)

@@ -189,12 +189,11 @@ class ShmServer(StreamServer):
         except OSError as exc:
             raise _translate(exc, conn, op) from exc
 
-    def land(self, conn: Connection, views: Targets, remote: np.ndarray,
-             local: np.ndarray | None) -> None:
+    def land(self, conn: Connection, views: Targets, local: np.ndarray | None) -> None:
         self._copy(conn, views, local, write_to_peer=False, op="write")
 
     def serve(self, conn: Connection, wr_id: int, views: Targets,
-              remote: np.ndarray, local: np.ndarray | None) -> None:
+              local: np.ndarray | None) -> None:
         try:
             self._copy(conn, views, local, write_to_peer=True, op="read")
         except TransferError as exc:

@@ -8,11 +8,12 @@ the immediate after the bytes, and answers.
 
 Wire format (little-endian; one request, one answer, in order on each connection):
 
-    request  = header(32) remote[n_remote](24 each) local[n_local](16 each)
-               body[body_len] payload
+    request  = header(32) remote local[n_local](16 each) body[body_len] payload
     header   = kind u8, flags u8, n_remote u16, n_local u16, pad u16, body_len u32,
                wr_id u64, transfer_id u64, expected u32
-    remote   = segment u64, offset u64, length u64        (target memory)
+    flags    = 1: with immediate; 2: uniform remote entries
+    remote   = n_remote of (segment u64, offset u64, length u64)   (target memory)
+             | uniform: segment u64, length u64, then n_remote offsets u64
     local    = address u64, length u64                    (initiator memory, shm only)
     body     = HELLO: msgpack {name, version, pid}; WRITE with immediate: notify bytes
     payload  = the bytes (tcp WRITE only)
@@ -22,8 +23,12 @@ Wire format (little-endian; one request, one answer, in order on each connection
 
 Entries are whole 64-bit words, so the target reads them as one aligned ``(n, 3)``
 array and checks a request of a thousand blocks with a handful of array operations.
-Versions (``version`` in the HELLO): 1, 20-byte remote entries (segment u32); 2, the
-24-byte entries above.
+Blocks of one length in one segment (the paged-KV case) travel as their offsets alone:
+a third of the bytes, and one reduction to check them all. Each NumPy call counts here:
+the kernel's copy of a batch evicts the caches, so a call costs 10-15 us when the next
+request comes, several times its warm cost.
+Versions (``version`` in the HELLO): 1, 20-byte remote entries (segment u32); 2, 24-byte
+entries; 3, uniform entries added.
 
 Subclasses say only how the payload moves (:meth:`StreamServer.land` /
 :meth:`StreamServer.serve` on the target, :meth:`StreamRail._send_request` /
@@ -66,10 +71,11 @@ from transfer_engine.transport.iovec import IOVEC_IO, iov_views, recv_iov, send_
 
 log = logging.getLogger(__name__)
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 KIND_HELLO, KIND_WRITE, KIND_READ, KIND_ANSWER = 1, 2, 3, 0x81
-FLAG_IMM = 1
+FLAG_IMM, FLAG_UNIFORM = 1, 2
 HEADER = struct.Struct("<BBHHHIQQI")
+UNIFORM = struct.Struct("<QQ")  # segment, length of every entry
 ANSWER = struct.Struct("<BBHIQ")
 REMOTE_WORDS = 3  # segment, offset, length: u64 each
 LOCAL_DT = np.dtype([("address", "<u8"), ("length", "<u8")])
@@ -169,13 +175,14 @@ def send_bytes(sock: socket.socket, data: bytes) -> None:
         raise PeerClosed(str(exc)) from exc
 
 
-def send_gather(sock: socket.socket, head: bytes, iov: np.ndarray | None, nbytes: int
-                ) -> None:
+def send_gather(sock: socket.socket, head: bytes, iov: np.ndarray | None, nbytes: int,
+                headroom: np.ndarray | None = None) -> None:
     """Sends ``head`` and then the ``nbytes`` bytes ``iov`` describes.
 
     Above ``EARLY_HEAD_BYTES`` the head goes in a call of its own: with TCP_NODELAY it
     leaves at once, so the target checks the entries while the payload is still being
-    copied in, rather than after the sender's first 64 KiB segment.
+    copied in, rather than after the sender's first 64 KiB segment. ``headroom``, if
+    given, is ``iov`` with one spare row in front, which then describes the head.
     """
     if iov is None or not nbytes:
         send_bytes(sock, head)
@@ -190,10 +197,13 @@ def send_gather(sock: socket.socket, head: bytes, iov: np.ndarray | None, nbytes
         except OSError as exc:
             raise PeerClosed(str(exc)) from exc
         return
-    rows = np.empty((len(iov) + 1, 2), dtype=np.uint64)
+    if headroom is not None:
+        rows = headroom
+    else:
+        rows = np.empty((len(iov) + 1, 2), dtype=np.uint64)
+        rows[1:] = iov
     # the address of the bytes object's own buffer (no copy); ``head`` outlives the call
     rows[0] = (ctypes.cast(ctypes.c_char_p(head), ctypes.c_void_p).value or 0, len(head))
-    rows[1:] = iov
     try:
         send_iov(sock, rows, len(head) + nbytes)
     except OSError as exc:
@@ -240,6 +250,11 @@ def pack_remote(remote: Sequence[tuple[int, int, int]]) -> bytes:
     return struct.pack("<" + "QQQ" * len(remote), *chain.from_iterable(remote))
 
 
+def pack_uniform(segment: int, length: int, offsets: np.ndarray) -> bytes:
+    """The ``remote`` entries of a uniform request (``FLAG_UNIFORM``)."""
+    return UNIFORM.pack(segment, length) + np.asarray(offsets, dtype="<u8").tobytes()
+
+
 def pack_local(local: Sequence[tuple[int, int]]) -> bytes:
     """The ``local`` entries of a request (LOCAL_DT records): (address, length)."""
     return struct.pack("<" + "QQ" * len(local), *chain.from_iterable(local))
@@ -257,13 +272,19 @@ def encode_request(kind: int, work: Work | None, body: bytes = b"", local: bytes
     flags = FLAG_IMM if imm is not None else 0
     if imm is not None and imm.notify:
         body = imm.notify
-    n_remote = len(work.remote)
+    remote = work.remote
+    n_remote = len(remote)
     if n_remote > MAX_ENTRIES:
         raise ValueError(f"{n_remote} remote entries in one request (at most {MAX_ENTRIES})")
+    if isinstance(remote, Spans) and remote.uniform is not None:
+        flags |= FLAG_UNIFORM
+        entries = pack_uniform(*remote.uniform, remote.offset)
+    else:
+        entries = pack_remote(remote)
     header = HEADER.pack(kind, flags, n_remote, len(local) // LOCAL_DT.itemsize, 0,
                          len(body), work.wr_id, imm.transfer_id if imm else 0,
                          imm.expected if imm else 0)
-    return b"".join((header, pack_remote(work.remote), local, body))
+    return b"".join((header, entries, local, body))
 
 
 def pack_error(exc: TransferError) -> bytes:
@@ -536,26 +557,31 @@ def _check_entries(conn: Connection, seg: Segment, rows: np.ndarray, write: bool
 class Targets:
     """Where one request's bytes land (or come from) in the target's memory, checked
     and pinned: ``iov`` rows of (address, length) for gathered I/O, and the same ranges
-    as memoryviews when iterated (made on demand: the fast paths never need them)."""
+    as memoryviews when iterated (made on demand: the fast paths never need them).
+    ``headroom``, when set, is ``iov`` with a spare row in front (for an answer's head)."""
 
-    __slots__ = ("iov", "nbytes", "_segs", "_ids", "_offsets")
+    __slots__ = ("iov", "nbytes", "headroom", "_segs", "_ids")
 
     def __init__(self, iov: np.ndarray, nbytes: int, segs: dict[int, Segment],
-                 ids: np.ndarray, offsets: np.ndarray) -> None:
+                 ids: np.ndarray | None = None, headroom: np.ndarray | None = None) -> None:
         self.iov = iov
+        self.headroom = headroom
         self.nbytes = nbytes
         self._segs = segs
-        self._ids = ids
-        self._offsets = offsets
+        self._ids = ids  # each row's segment id; None: every row is in the one segment
 
     def __len__(self) -> int:
         return len(self.iov)
 
     def __iter__(self) -> Iterator[memoryview]:
-        bases = {i: seg.view() for i, seg in self._segs.items()}
-        for seg_id, offset, (_, length) in zip(self._ids.tolist(), self._offsets.tolist(),
-                                               self.iov.tolist(), strict=True):
-            yield bases[seg_id][offset:offset + length]
+        if not len(self.iov):
+            return
+        ids = ([next(iter(self._segs))] * len(self.iov) if self._ids is None
+               else self._ids.tolist())
+        bases = {i: (seg.view(), seg.address) for i, seg in self._segs.items()}
+        for seg_id, (address, length) in zip(ids, self.iov.tolist(), strict=True):
+            view, base = bases[seg_id]
+            yield view[address - base:address - base + length]
 
 
 class StreamServer:
@@ -576,17 +602,16 @@ class StreamServer:
         self._acceptor.start()
 
     # hooks
-    def land(self, conn: Connection, views: Targets, remote: np.ndarray,
-             local: np.ndarray | None) -> None:
+    def land(self, conn: Connection, views: Targets, local: np.ndarray | None) -> None:
         """Moves a WRITE's bytes into ``views`` (already checked and pinned).
 
-        ``remote`` holds the request's (segment, offset, length) rows, ``local`` the
-        initiator's (address, length) records when it sent them (shm).
+        ``local`` holds the initiator's (address, length) records when it sent them
+        (shm).
         """
         raise NotImplementedError
 
     def serve(self, conn: Connection, wr_id: int, views: Targets,
-              remote: np.ndarray, local: np.ndarray | None) -> None:
+              local: np.ndarray | None) -> None:
         """Moves a READ's bytes to the initiator and answers."""
         raise NotImplementedError
 
@@ -644,28 +669,41 @@ class StreamServer:
             raise ProtocolError(f"unknown request kind {kind}", peer=conn.peer)
         if n_remote > MAX_ENTRIES or n_local > MAX_ENTRIES or body_len > MAX_BODY:
             raise ProtocolError("request too large", peer=conn.peer)
-        remote_end = n_remote * REMOTE_WORDS * 8
+        uniform = flags & FLAG_UNIFORM
+        remote_end = (UNIFORM.size + n_remote * 8 if uniform
+                      else n_remote * REMOTE_WORDS * 8)
         local_end = remote_end + n_local * LOCAL_DT.itemsize
         blob = recv_exact(sock, local_end + body_len)  # entries and body: one call
-        remote = np.frombuffer(blob, "<u8", n_remote * REMOTE_WORDS).reshape(
-            n_remote, REMOTE_WORDS)
         local = np.frombuffer(blob, LOCAL_DT, n_local, remote_end) if n_local else None
         body = blob[local_end:]
+        op = Op.WRITE if kind == KIND_WRITE else Op.READ
         nbytes = 0
-        low = high = [0, 0, 0]  # column minima and maxima of the entries
-        if n_remote:
-            low, high = remote.min(axis=0).tolist(), remote.max(axis=0).tolist()
-            if high[2] > MAX_REQUEST_BYTES:
-                raise ProtocolError("request too large", peer=conn.peer, length=high[2])
-            # no wrap-around: every length is bounded
-            nbytes = (n_remote * high[2] if low[2] == high[2]
-                      else int(remote[:, 2].sum()))
+        if uniform:
+            seg_id, length = UNIFORM.unpack_from(blob)
+            offsets = np.frombuffer(blob, "<u8", n_remote, UNIFORM.size)
+            if length > MAX_REQUEST_BYTES:
+                raise ProtocolError("request too large", peer=conn.peer, length=length)
+            nbytes = n_remote * length
+        else:
+            remote = np.frombuffer(blob, "<u8", n_remote * REMOTE_WORDS).reshape(
+                n_remote, REMOTE_WORDS)
+            low = high = [0, 0, 0]  # column minima and maxima of the entries
+            if n_remote:
+                low, high = remote.min(axis=0).tolist(), remote.max(axis=0).tolist()
+                if high[2] > MAX_REQUEST_BYTES:
+                    raise ProtocolError("request too large", peer=conn.peer, length=high[2])
+                # no wrap-around: every length is bounded
+                nbytes = (n_remote * high[2] if low[2] == high[2]
+                          else int(remote[:, 2].sum()))
         if nbytes > MAX_REQUEST_BYTES:
             raise ProtocolError("request too large", peer=conn.peer, length=nbytes)
-        op = Op.WRITE if kind == KIND_WRITE else Op.READ
         pinned: list[Any] = []
         try:
-            views = self._resolve(conn, op, remote, nbytes, low, high, pinned)
+            if uniform:
+                views = self._resolve_uniform(conn, op, seg_id, length, offsets, nbytes,
+                                              pinned)
+            else:
+                views = self._resolve(conn, op, remote, nbytes, low, high, pinned)
         except TransferError as exc:
             if op is Op.WRITE:
                 self.refuse_write(conn, nbytes)
@@ -675,7 +713,7 @@ class StreamServer:
             if op is Op.WRITE:
                 try:
                     if nbytes:
-                        self.land(conn, views, remote, local)
+                        self.land(conn, views, local)
                 except TransferError as exc:
                     send_bytes(sock, self._answer(wr_id, exc))
                     return
@@ -685,7 +723,7 @@ class StreamServer:
                         conn.peer, Immediate(transfer_id, expected, body or None))
                 send_bytes(sock, self._answer(wr_id, None))
             else:
-                self.serve(conn, wr_id, views, remote, local)
+                self.serve(conn, wr_id, views, local)
         finally:
             for seg in pinned:
                 seg.unpin()
@@ -696,7 +734,7 @@ class StreamServer:
         the bytes go. ``low``/``high`` are the entries' column minima and maxima."""
         write = op is Op.WRITE
         opname = str(op)
-        ids, offsets = remote[:, 0], remote[:, 1]
+        ids = remote[:, 0]
         segs: dict[int, Segment] = {}
         if len(remote) and low[0] == high[0]:
             seg_id = low[0]
@@ -707,6 +745,42 @@ class StreamServer:
                 seg = self._host.local_segment(seg_id, peer=conn.peer, op=opname)
                 _check_entries(conn, seg, remote[ids == seg_id], write, opname)
                 segs[seg_id] = seg
+        self._pin(conn, opname, segs, pinned)
+        if len(segs) <= 1:  # (offset, length) rows plus (base, 0): the iovec rows
+            base = next(iter(segs.values())).address if segs else 0
+            rows = np.empty((len(remote) + 1, 2), dtype=np.uint64)
+            np.add(remote[:, 1:], np.array((base, 0), dtype=np.uint64), out=rows[1:])
+            return Targets(rows[1:], nbytes, segs, headroom=rows)
+        iov = remote[:, 1:].copy()
+        for seg_id, seg in segs.items():
+            iov[ids == seg_id, 0] += np.uint64(seg.address)
+        return Targets(iov, nbytes, segs, ids)
+
+    def _resolve_uniform(self, conn: Connection, op: Op, seg_id: int, length: int,
+                         offsets: np.ndarray, nbytes: int, pinned: list[Any]) -> Targets:
+        """:meth:`_resolve` for uniform entries: ``length`` bytes at each of ``offsets``
+        (unsigned, so one maximum bounds both ends) in one segment."""
+        if not len(offsets):
+            return Targets(np.empty((0, 2), dtype=np.uint64), 0, {})
+        write = op is Op.WRITE
+        opname = str(op)
+        seg = self._host.local_segment(seg_id, peer=conn.peer, op=opname)
+        limit = seg.length
+        if not (0 < length <= limit and (seg.writable or not write)
+                and int(offsets.max()) <= limit - length):
+            for offset in offsets.tolist():
+                seg.check(offset, length, write=write, op=opname, peer=conn.peer)
+            raise InvalidDescriptorError("request refused", peer=conn.peer, op=opname,
+                                         segment=seg.name, length=length)
+        self._pin(conn, opname, {seg_id: seg}, pinned)
+        rows = np.empty((len(offsets) + 1, 2), dtype=np.uint64)  # row 0: the answer's head
+        np.add(offsets, np.uint64(seg.address), out=rows[1:, 0])
+        rows[1:, 1] = length
+        return Targets(rows[1:], nbytes, {seg_id: seg}, headroom=rows)
+
+    def _pin(self, conn: Connection, opname: str, segs: dict[int, Segment],
+             pinned: list[Any]) -> None:
+        """Pins host-memory ``segs`` into ``pinned``; raises (nothing pinned) otherwise."""
         for seg in segs.values():
             if seg.device != "cpu":
                 raise NotSupportedError(f"{seg.device} memory is not reachable over "
@@ -721,14 +795,6 @@ class StreamServer:
                 seg.unpin()
             pinned.clear()
             raise
-        if len(segs) <= 1:  # (offset, length) rows plus (base, 0): the iovec rows
-            base = next(iter(segs.values())).address if segs else 0
-            iov = remote[:, 1:] + np.array((base, 0), dtype=np.uint64)
-        else:
-            iov = remote[:, 1:].copy()
-            for seg_id, seg in segs.items():
-                iov[ids == seg_id, 0] += np.uint64(seg.address)
-        return Targets(iov, nbytes, segs, ids, offsets)
 
     def _answer(self, wr_id: int, exc: TransferError | None) -> bytes:
         if exc is None:

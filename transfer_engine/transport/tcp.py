@@ -103,13 +103,13 @@ class TcpRail(StreamRail):
 class TcpServer(StreamServer):
     transport_name = "tcp"
 
-    def land(self, conn: Connection, views: Targets, remote: np.ndarray,
-             local: np.ndarray | None) -> None:
+    def land(self, conn: Connection, views: Targets, local: np.ndarray | None) -> None:
         recv_scatter(conn.sock, views.iov, views.nbytes)
 
     def serve(self, conn: Connection, wr_id: int, views: Targets,
-              remote: np.ndarray, local: np.ndarray | None) -> None:
-        send_gather(conn.sock, self._answer(wr_id, None), views.iov, views.nbytes)
+              local: np.ndarray | None) -> None:
+        send_gather(conn.sock, self._answer(wr_id, None), views.iov, views.nbytes,
+                    views.headroom)
 
     def refuse_write(self, conn: Connection, nbytes: int) -> None:
         drain(conn.sock, nbytes)
