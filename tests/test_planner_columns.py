@@ -71,3 +71,36 @@ def test_one_request_when_everything_fits() -> None:
     assert [len(w.local) for w in wrs] == [127, 1]
     wrs = pack_columns(cols, max_sge=128, max_wr_bytes=128 * 4096 - 1, remote_scatter=True)
     assert [len(w.local) for w in wrs] == [127, 1]
+
+
+def test_blocks_of_one_length_are_packed_in_order_as_they_are() -> None:
+    """Blocks of one known length: requests take as many blocks as the bytes and entry
+    bounds allow, in the caller's order, and say that their remote entries are uniform
+    (the stream transports then send offsets alone)."""
+    rng = random.Random(5)
+    for _ in range(300):
+        block = rng.choice([1, 7, 512, 4096])
+        count = rng.randint(1, 300)
+        lo = np.array(rng.sample(range(4 * count), count)) * block
+        ro = np.array(rng.sample(range(4 * count), count)) * block
+        if rng.random() < 0.3:  # some runs contiguous on both sides
+            lo, ro = np.sort(lo), np.sort(ro)
+        cols = Columns.uniform(1, lo, 2, ro, np.full(count, block), count * block, block)
+        pairs: list[Pair] = [((1, int(a), block), (2, int(b), block))
+                             for a, b in zip(lo, ro, strict=True)]
+        rails, sge = rng.randint(1, 3), rng.randint(1, 64)
+        slice_size, wr_bytes = rng.randint(block, 40 * block), rng.randint(block, 80 * block)
+        plan = plan_columns(cols, num_rails=rails, slice_size=slice_size, max_sge=sge,
+                            max_wr_bytes=wr_bytes, remote_scatter=True, min_split=block)
+        check_plan(plan, pairs, num_rails=rails, slice_size=slice_size, max_sge=sge,
+                   max_wr_bytes=wr_bytes, remote_scatter=True)
+        remotes = [w.remote for w in plan.requests]
+        assert all(isinstance(r, Spans) and r.uniform in (None, (2, block)) for r in remotes)
+        cap = min(slice_size, wr_bytes, max(block, -(-count * block // rails)))
+        if block * sge >= cap:  # bytes bound every request: the pairs go as they are
+            per = cap // block
+            assert [len(r) for r in remotes] == [min(per, count - i)
+                                                 for i in range(0, count, per)]
+            spans = [r for r in remotes if isinstance(r, Spans)]
+            assert all(r.uniform == (2, block) for r in spans)
+            assert np.array_equal(np.concatenate([r.offset for r in spans]), ro)

@@ -288,10 +288,17 @@ def pack_columns(pieces: Columns, *, max_sge: int, max_wr_bytes: int,
         return []
     ls, lo, rs, ro, n = pieces.lseg, pieces.loff, pieces.rseg, pieces.roff, pieces.length
     total = pieces.nbytes
-    uniform = (int(rs[0]), pieces.block) if pieces.single and pieces.block > 0 else None
+    block = pieces.block
+    uniform = (int(rs[0]), block) if pieces.single and block > 0 else None
     if remote_scatter and count <= max_sge and total <= max_wr_bytes:  # one request
         return [WorkRequest(Spans(ls, lo, n), Spans(rs, ro, n, uniform), total,
                             pieces=pieces)]
+    if remote_scatter and 0 < block <= max_wr_bytes:  # as many blocks as fit, in order
+        per = min(max_sge, max_wr_bytes // block)
+        parts = [pieces.slice(i, i + per) for i in range(0, count, per)]
+        return [WorkRequest(Spans(part.lseg, part.loff, part.length),
+                            Spans(part.rseg, part.roff, part.length, uniform),
+                            len(part) * block, pieces=part) for part in parts]
     ends = np.cumsum(n)  # ends[k]: bytes of pieces 0..k
     starts = [0]  # pieces that start a new remote range
     if not remote_scatter:
@@ -376,17 +383,21 @@ def plan_columns(cols: Columns, *, num_rails: int, slice_size: int, max_sge: int
 
     A request holds at most ``slice_size`` bytes; a transfer smaller than
     ``num_rails * slice_size`` is cut finer (down to ``min_split`` bytes per rail) so
-    that every rail gets a share. Rows are merged (``merge``) unless the transport
-    scatters remotely and the transfer fits one request as it is.
+    that every rail gets a share. Rows are merged (``merge``) unless that cannot save
+    a request (see the comment below).
     """
     if num_rails < 1:
         raise ValueError("num_rails must be >= 1")
     total = cols.nbytes
     cap = min(slice_size, max_wr_bytes, max(min_split, -(-total // num_rails)))
-    if merge and not (remote_scatter and len(cols) <= max_sge and total <= cap):
-        # (a transfer that is one request anyway on a transport that scatters remotely
-        # gains only a shorter iovec list from merging, which the kernel walks faster
-        # than NumPy sorts it)
+    # On a transport that scatters remotely, merging cannot cut the request count of a
+    # transfer that is one request anyway, or of blocks of one length whose requests
+    # are bounded by bytes rather than by entries: it would only shorten iovec lists,
+    # which the kernel walks faster than NumPy sorts them.
+    as_is = remote_scatter and (
+        (len(cols) <= max_sge and total <= cap)
+        or (cols.single and 0 < cols.block <= cap and cols.block * max_sge >= cap))
+    if merge and not as_is:
         cols = coalesce_columns(cols)
     pieces = slice_columns(cols, cap)
     requests = pack_columns(pieces, max_sge=max_sge, max_wr_bytes=cap,
