@@ -143,3 +143,49 @@ def test_iov_views_cover_the_same_bytes() -> None:
     views = iov_views(iov)
     assert [len(v) for v in views] == [n for _, n in ranges]
     assert b"".join(bytes(v) for v in views) == gathered(buf, ranges)
+
+
+@pytest.mark.parametrize("count,max_len", [(5, 3 << 20), (400, 40000)])
+def test_large_receives_arrive_whole_in_chunks(tcp_pair: tuple[socket.socket, socket.socket],
+                                                count: int, max_len: int) -> None:
+    """Megabytes are received in chunks of about RECV_CHUNK (long rows split); every byte
+    still lands in place."""
+    a, b = tcp_pair
+    rng = random.Random(max_len)
+    src = np.random.default_rng(max_len).integers(0, 256, 32 << 20, dtype=np.uint8)
+    dst = np.zeros(32 << 20, dtype=np.uint8)
+    siov, sranges = scattered(src, rng, count, max_len)
+    diov, dranges = scattered(dst, random.Random(max_len + 1), count, max_len)
+    # the same sizes on both sides
+    diov[:, 1] = siov[:, 1]
+    dranges = [(o, n) for (o, _), (_, n) in zip(dranges, sranges, strict=True)]
+    nbytes = sum(n for _, n in sranges)
+    assert nbytes > 2 * iovec.RECV_CHUNK
+    receiver = threading.Thread(target=recv_iov, args=(b, diov, nbytes))
+    receiver.start()
+    send_iov(a, siov, nbytes)
+    receiver.join(10)
+    assert not receiver.is_alive()
+    assert gathered(dst, dranges) == gathered(src, sranges)
+
+
+def test_chunks_cover_the_rows_in_order() -> None:
+    rng = np.random.default_rng(3)
+    chunk = iovec.RECV_CHUNK
+    for _ in range(300):
+        n = int(rng.integers(1, 40))
+        lengths = rng.integers(1, 3 * chunk, n).astype(np.uint64)
+        addresses = (rng.permutation(1 << 16)[:n] * (4 * chunk)).astype(np.uint64)
+        iov = iovec_array(addresses, lengths)
+        parts = iovec._chunks(iov, int(lengths.sum()))
+        rows = np.concatenate([p for p, _ in parts])
+        assert all(int(p[:, 1].sum()) == size and size <= 2 * chunk for p, size in parts)
+        # the same bytes in the same order: rows only split, never moved
+        ends = np.cumsum(rows[:, 1])
+        starts = ends - rows[:, 1]
+        for (address, length), begin in zip(iov.tolist(),
+                                            np.concatenate(([0], np.cumsum(lengths)[:-1])),
+                                            strict=True):
+            inside = (starts >= begin) & (ends <= begin + length)
+            assert int(rows[inside, 1].sum()) == length
+            assert rows[inside, 0].tolist() == (address + starts[inside] - begin).tolist()

@@ -23,9 +23,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["IOVEC_IO", "IOV_MAX", "iovec_array", "iov_views", "send_iov", "recv_iov"]
+__all__ = ["IOVEC_IO", "IOV_MAX", "RECV_CHUNK", "iovec_array", "iov_views", "send_iov", "recv_iov"]
 
 IOV_MAX = 1024
+RECV_CHUNK = 1 << 20
 
 
 class _MsgHdr(ctypes.Structure):
@@ -109,10 +110,49 @@ def send_iov(sock: socket.socket, iov: np.ndarray, nbytes: int) -> None:
 def recv_iov(sock: socket.socket, iov: np.ndarray, nbytes: int) -> None:
     """Fills the ``nbytes`` bytes described by ``iov`` in order (blocking socket).
 
-    Raises ``ConnectionResetError`` when the stream ends first.
+    More than ``2 * RECV_CHUNK`` bytes are received in calls of about ``RECV_CHUNK``:
+    on loopback, one ``MSG_WAITALL`` call for 8 MiB streamed 20-35% slower than calls
+    of a few hundred KiB in a raw two-process test, and 1 MiB calls gained 5-10% in the
+    engine bench at 64 KiB and 1 MiB blocks (256 KiB calls gained less and cost more
+    CPU). Raises ``ConnectionResetError`` when the stream ends first.
     """
     assert _libc is not None
     iov = np.ascontiguousarray(iov, dtype=np.uint64)
+    if nbytes > 2 * RECV_CHUNK:
+        for part, size in _chunks(iov, nbytes):
+            _recv_all(sock, part, size)
+        return
+    _recv_all(sock, iov, nbytes)
+
+
+def _chunks(iov: np.ndarray, nbytes: int) -> list[tuple[np.ndarray, int]]:
+    """``iov`` cut into consecutive pieces of about ``RECV_CHUNK`` bytes (rows longer
+    than that are split first), with their sizes."""
+    lengths = iov[:, 1].astype(np.int64)  # a row's length fits: it is in memory
+    if int(lengths.max()) > RECV_CHUNK:
+        count = -(-lengths // RECV_CHUNK)
+        row = np.repeat(np.arange(len(iov)), count)
+        start = (np.arange(len(row)) - np.repeat(np.cumsum(count) - count, count)) * RECV_CHUNK
+        lengths = np.minimum(RECV_CHUNK, lengths[row] - start)
+        split = np.empty((len(row), 2), dtype=np.uint64)
+        split[:, 0] = iov[row, 0] + start.astype(np.uint64)
+        split[:, 1] = lengths
+        iov = split
+    ends = np.cumsum(lengths)
+    cuts = np.searchsorted(ends, np.arange(RECV_CHUNK, nbytes, RECV_CHUNK), side="left") + 1
+    out = []
+    row0 = done = 0
+    for cut in (*np.unique(cuts).tolist(), len(iov)):
+        if cut > row0:
+            size = int(ends[cut - 1]) - done
+            out.append((iov[row0:cut], size))
+            done += size
+            row0 = cut
+    return out
+
+
+def _recv_all(sock: socket.socket, iov: np.ndarray, nbytes: int) -> None:
+    assert _libc is not None
     got = _call(_libc.recvmsg, sock.fileno(), iov, _WAITALL)
     while got < nbytes:
         if got == 0:
