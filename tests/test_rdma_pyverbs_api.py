@@ -25,7 +25,8 @@ What is exercised, against the real library:
   ``post_send``; a request pyverbs refuses fails that work only;
 - the error paths that need no device: ``get_device_list()`` raising becomes
   ``NotSupportedError``; a failing ``post_send`` becomes ``PeerLostError`` with the errno
-  once; values pyverbs cannot convert become ``ProtocolError``;
+  once; values pyverbs cannot convert become ``ProtocolError``; a device that fails to
+  open partway closes what it opened (on stand-ins for the device objects);
 - the memory rules of pyverbs' work-request objects (freed only by ``close()``, once).
 
 What is NOT exercised (it needs a device; only the ``rdma``-marked tests in
@@ -211,6 +212,52 @@ def test_gid_selection_reads_query_gid_type_values(v: Any) -> None:
     assert dev._gid_index(port, 5) == 5  # asked for explicitly
     ib = types.SimpleNamespace(link_layer=v.e.IBV_LINK_LAYER_INFINIBAND, gid_tbl_len=6)
     assert dev._gid_index(ib, None) == 0
+
+
+@pytest.mark.parametrize("failing", ["PD", "CQ"])
+def test_a_device_that_fails_to_open_closes_what_it_opened(
+        v: Any, monkeypatch: pytest.MonkeyPatch, failing: str) -> None:
+    """``Device.__init__`` failing partway (here the PD, or the CQ after the completion
+    channel) closes the context and everything opened after it, newest first, and says
+    which step failed. NO DEVICE: the context, PD, channel and CQ are stand-ins (there
+    is no NIC to open here); the error is pyverbs' own ``PyverbsRDMAError``."""
+    closed: list[str] = []
+
+    class _Obj:
+        kind = "?"
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if self.kind == failing:
+                raise PyverbsRDMAError(f"Failed to create {self.kind}", 12)
+
+        def close(self) -> None:
+            closed.append(self.kind)
+
+    class _Ctx(_Obj):
+        kind = "Context"
+
+        def query_device(self) -> Any:
+            return types.SimpleNamespace(phys_port_cnt=1, max_cqe=4096, max_sge=30,
+                                         max_sge_rd=30, max_qp_rd_atom=16,
+                                         max_qp_init_rd_atom=16)
+
+        def query_port(self, num: int) -> Any:
+            return types.SimpleNamespace(state=v.e.IBV_PORT_ACTIVE, lid=1, active_mtu=5,
+                                         max_msg_sz=1 << 30,
+                                         link_layer=v.e.IBV_LINK_LAYER_INFINIBAND)
+
+        def query_gid(self, port: int, index: int) -> Any:
+            return v.GID("fe80:0000:0000:0000:0202:c9ff:fe00:0001")
+
+    stand_ins = {name: type(name, (_Obj,), {"kind": name})
+                 for name in ("PD", "CompChannel", "CQ")}
+    fake = types.SimpleNamespace(**{**vars(v), "Context": _Ctx, **stand_ins})
+    monkeypatch.setattr("transfer_engine.transport.rdma_verbs._VERBS", fake)
+    with pytest.raises(NotSupportedError) as info:
+        Device("fake0", gid_index=None, cq_depth=64, relaxed_ordering=False,
+               on_wc=lambda wc: None, poll_interval=0.01)
+    assert f"Failed to create {failing}" in str(info.value) and "fake0" in str(info.value)
+    assert closed == {"PD": ["Context"], "CQ": ["CompChannel", "PD", "Context"]}[failing]
 
 
 # --- QP setup objects, built by the transport's own functions ---------------------------

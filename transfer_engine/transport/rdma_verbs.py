@@ -283,18 +283,32 @@ class Device:
                  relaxed_ordering: bool, on_wc: Any, poll_interval: float) -> None:
         v = verbs()
         self.name = name
-        with translate(NotSupportedError, f"opening RDMA device {name}"):
-            self.ctx = v.Context(name=name)
-            attr = self.ctx.query_device()
-            self.port, port = self._active_port(attr.phys_port_cnt)
-            self.lid = port.lid
-            self.mtu = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}.get(port.active_mtu, 1024)
-            self.max_msg_size = int(port.max_msg_sz) or (1 << 30)
-            self.gid_index = self._gid_index(port, gid_index)
-            self.gid = str(self.ctx.query_gid(self.port, self.gid_index))
-            self.pd = v.PD(self.ctx)
-            self.channel, self._chan_fd = _new_channel_fd(lambda: v.CompChannel(self.ctx))
-            self.cq = v.CQ(self.ctx, min(cq_depth, attr.max_cqe), None, self.channel, 0)
+        opened: list[Any] = []  # closed in reverse if opening fails partway
+        try:
+            with translate(NotSupportedError, f"opening RDMA device {name}"):
+                self.ctx = v.Context(name=name)
+                opened.append(self.ctx)
+                attr = self.ctx.query_device()
+                self.port, port = self._active_port(attr.phys_port_cnt)
+                self.lid = port.lid
+                self.mtu = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}.get(port.active_mtu,
+                                                                            1024)
+                self.max_msg_size = int(port.max_msg_sz) or (1 << 30)
+                self.gid_index = self._gid_index(port, gid_index)
+                self.gid = str(self.ctx.query_gid(self.port, self.gid_index))
+                self.pd = v.PD(self.ctx)
+                opened.append(self.pd)
+                self.channel, self._chan_fd = _new_channel_fd(lambda: v.CompChannel(self.ctx))
+                opened.append(self.channel)
+                self.cq = v.CQ(self.ctx, min(cq_depth, attr.max_cqe), None, self.channel, 0)
+                opened.append(self.cq)
+        except BaseException:
+            for obj in reversed(opened):
+                try:
+                    obj.close()
+                except Exception as exc:  # the first failure is the one to report
+                    log.warning("closing %s on %s: %s", type(obj).__name__, name, exc)
+            raise
         self.max_sge = max(1, min(attr.max_sge, 30))
         self.max_sge_rd = max(1, min(getattr(attr, "max_sge_rd", 0) or attr.max_sge, 30))
         self.max_rd_atomic = max(1, min(attr.max_qp_rd_atom, 16))  # as responder
