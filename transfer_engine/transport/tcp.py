@@ -136,6 +136,7 @@ class TcpTransport(Transport):
             raise ValueError("spread must be at least 1")
         self._bind = (host, port)
         self._spread = spread
+        self._cores = _cores()  # read once: spread() runs on every transfer
         self._buffer_bytes = buffer_bytes
         self._caps = Capabilities(max_sge=1000, max_wr_bytes=64 << 20, remote_scatter=True,
                                   default_rails=rails, slice_size=slice_size,
@@ -208,8 +209,9 @@ class TcpTransport(Transport):
         two of them busy (sender and receiver), a rail to another host one."""
         if self._spread is not None:
             return max(1, min(len(rails), self._spread))
-        per_rail = 2 if any(getattr(rail, "loopback", False) for rail in rails) else 1
-        return max(1, min(len(rails), _cores() // per_rail))
+        # a peer's rails all join the same two endpoints: the first tells for all
+        per_rail = 2 if rails and getattr(rails[0], "loopback", False) else 1
+        return max(1, min(len(rails), self._cores // per_rail))
 
     def info(self, key: str) -> Any:
         if key == "bytes_received" and self._server is not None:
