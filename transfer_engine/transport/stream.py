@@ -46,9 +46,9 @@ import socket
 import struct
 import threading
 from bisect import bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import accumulate, chain
-from typing import Any
+from typing import Any, NoReturn
 
 import msgpack
 import numpy as np
@@ -548,7 +548,14 @@ def _check_entries(conn: Connection, seg: Segment, rows: np.ndarray, write: bool
             or (high[1] <= limit and high[2] <= limit
                 and int((rows[:, 1] + rows[:, 2]).max()) <= limit)):
         return
-    for offset, length in rows[:, 1:].tolist():
+    _refuse(conn, seg, rows[:, 1:].tolist(), write, op)
+
+
+def _refuse(conn: Connection, seg: Segment, ranges: Iterable[Sequence[int]], write: bool,
+            op: str) -> NoReturn:
+    """Raises the segment's precise error for the first (offset, length) range it may not
+    serve, once the fast bounds check has failed."""
+    for offset, length in ranges:
         seg.check(offset, length, write=write, op=op, peer=conn.peer)
     raise InvalidDescriptorError("request refused", peer=conn.peer, op=op,
                                  segment=seg.name)
@@ -768,10 +775,8 @@ class StreamServer:
         limit = seg.length
         if not (0 < length <= limit and (seg.writable or not write)
                 and int(offsets.max()) <= limit - length):
-            for offset in offsets.tolist():
-                seg.check(offset, length, write=write, op=opname, peer=conn.peer)
-            raise InvalidDescriptorError("request refused", peer=conn.peer, op=opname,
-                                         segment=seg.name, length=length)
+            _refuse(conn, seg, ((offset, length) for offset in offsets.tolist()), write,
+                    opname)
         self._pin(conn, opname, {seg_id: seg}, pinned)
         rows = np.empty((len(offsets) + 1, 2), dtype=np.uint64)  # row 0: the answer's head
         np.add(offsets, np.uint64(seg.address), out=rows[1:, 0])
