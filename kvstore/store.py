@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +36,7 @@ from kvstore.errors import (
 )
 from kvstore.index import ABSENT, CuckooIndex
 from kvstore.ttl import ClockReclaimer, ExpiryLayers
+from transfer_engine.closeable import Closeable
 
 __all__ = ["KVStore", "StoreStats"]
 
@@ -59,7 +59,7 @@ class StoreStats:
     compactions: int
 
 
-class KVStore:
+class KVStore(Closeable):
     """In-memory KV block store.
 
     Parameters:
@@ -121,21 +121,6 @@ class KVStore:
         self._closed = True
         self._expiry.clear()
         self._index.clear()
-
-    def __enter__(self) -> KVStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_closed", True):
-            return
-        try:
-            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2)
-            self.close()
-        except Exception:  # noqa: BLE001 - a finaliser must never raise
-            pass
 
     def _check_open(self) -> None:
         if self._closed:

@@ -23,7 +23,6 @@ import socket
 import threading
 import time
 import uuid
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from typing import Any, cast
 import numpy as np
 import zmq
 
+from transfer_engine.closeable import Closeable
 from transfer_engine.control.auth import AuthConfig, open_request, seal
 from transfer_engine.control.messages import (
     Denied,
@@ -141,7 +141,7 @@ class _Transfer:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class Engine:
+class Engine(Closeable):
     """A transfer engine instance.
 
     :param name: unique name of this engine among its peers.
@@ -949,21 +949,8 @@ class Engine:
         finally:
             self._stack.close()
 
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_closed", True):
-            return
-        try:
-            warnings.warn(f"Engine {self.name!r} was not closed", ResourceWarning,
-                          stacklevel=2)
-            self.close()
-        except Exception:
-            pass
+    def _unclosed(self) -> str:
+        return f"Engine {self.name!r} was not closed"
 
     def __repr__(self) -> str:
         state = " CLOSED" if self._closed else ""

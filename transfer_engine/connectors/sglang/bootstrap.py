@@ -11,12 +11,12 @@ per-request state: rooms are settled between the ranks themselves.
 from __future__ import annotations
 
 import threading
-import warnings
 from typing import Any
 
 import zmq
 from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer
 
+from transfer_engine.closeable import Closeable
 from transfer_engine.connectors.sglang.channel import Service
 from transfer_engine.connectors.sglang.messages import (
     BACKEND_VERSION,
@@ -32,7 +32,7 @@ from transfer_engine.errors import ProtocolError, UnknownPeerError
 __all__ = ["TransferEngineKVBootstrapServer"]
 
 
-class TransferEngineKVBootstrapServer(BaseKVBootstrapServer):  # type: ignore[misc]
+class TransferEngineKVBootstrapServer(BaseKVBootstrapServer, Closeable):  # type: ignore[misc]
     """Serves prefill rank registrations on ``host:port`` from a thread until closed.
 
     :param host: address to listen on (``0.0.0.0`` for every interface).
@@ -94,21 +94,8 @@ class TransferEngineKVBootstrapServer(BaseKVBootstrapServer):  # type: ignore[mi
         self._service.close()
         self._zctx.term()
 
-    def __enter__(self) -> TransferEngineKVBootstrapServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_closed", True):
-            return
-        try:
-            warnings.warn(f"bootstrap server on port {self.port} was not closed",
-                          ResourceWarning, stacklevel=2)
-            self.close()
-        except Exception:
-            pass
+    def _unclosed(self) -> str:
+        return f"bootstrap server on port {self.port} was not closed"
 
     def __repr__(self) -> str:
         state = " CLOSED" if self._closed else ""

@@ -22,7 +22,6 @@ import logging
 import threading
 import time
 import uuid
-import warnings
 from contextlib import ExitStack
 from typing import Any
 
@@ -30,6 +29,7 @@ import numpy as np
 import zmq
 from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs
 
+from transfer_engine.closeable import Closeable
 from transfer_engine.connectors.compat import compat_hash, describe_mismatch
 from transfer_engine.connectors.sglang.channel import (
     Links,
@@ -86,7 +86,7 @@ def _mode(mode: Any) -> str:
     return value
 
 
-class TransferEngineKVManager(BaseKVManager):  # type: ignore[misc]
+class TransferEngineKVManager(BaseKVManager, Closeable):  # type: ignore[misc]
     """SGLang's KV manager on our engine (one per scheduler rank).
 
     :param args: SGLang's ``KVArgs`` for this rank (buffers, page size, rank).
@@ -596,21 +596,8 @@ class TransferEngineKVManager(BaseKVManager):  # type: ignore[misc]
             self._closed = True
         self._stack.close()
 
-    def __enter__(self) -> TransferEngineKVManager:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_closed", True):
-            return
-        try:
-            warnings.warn(f"{type(self).__name__} {self.name!r} was not closed",
-                          ResourceWarning, stacklevel=2)
-            self.close()
-        except Exception:
-            pass
+    def _unclosed(self) -> str:
+        return f"{type(self).__name__} {self.name!r} was not closed"
 
     def __repr__(self) -> str:
         state = " CLOSED" if self._closed else ""
