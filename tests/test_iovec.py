@@ -46,6 +46,16 @@ def gathered(buf: np.ndarray, ranges: list[tuple[int, int]]) -> bytes:
     return b"".join(buf[o:o + n].tobytes() for o, n in ranges)
 
 
+def move(a: socket.socket, b: socket.socket, siov: np.ndarray, diov: np.ndarray,
+         nbytes: int) -> None:
+    """Sends what ``siov`` describes from ``a`` and receives it into ``diov`` on ``b``."""
+    receiver = threading.Thread(target=recv_iov, args=(b, diov, nbytes))
+    receiver.start()
+    send_iov(a, siov, nbytes)
+    receiver.join(10)
+    assert not receiver.is_alive()
+
+
 @pytest.mark.parametrize("count,max_len", [(1, 1), (128, 4096), (3000, 64)])
 def test_scatter_gather_round_trip(tcp_pair: tuple[socket.socket, socket.socket],
                                    count: int, max_len: int) -> None:
@@ -63,11 +73,7 @@ def test_scatter_gather_round_trip(tcp_pair: tuple[socket.socket, socket.socket]
     diov = iovec_array(np.array([dst.ctypes.data + o for o, _ in dranges], dtype=np.uint64),
                        np.array([n for _, n in dranges], dtype=np.uint64))
     nbytes = sum(n for _, n in sranges)
-    receiver = threading.Thread(target=recv_iov, args=(b, diov, nbytes))
-    receiver.start()
-    send_iov(a, siov, nbytes)
-    receiver.join(10)
-    assert not receiver.is_alive()
+    move(a, b, siov, diov, nbytes)
     assert gathered(dst, dranges) == gathered(src, sranges)
     untouched = np.ones(len(dst), dtype=bool)
     for o, n in dranges:
@@ -161,11 +167,7 @@ def test_large_receives_arrive_whole_in_chunks(tcp_pair: tuple[socket.socket, so
     dranges = [(o, n) for (o, _), (_, n) in zip(dranges, sranges, strict=True)]
     nbytes = sum(n for _, n in sranges)
     assert nbytes > 2 * iovec.RECV_CHUNK
-    receiver = threading.Thread(target=recv_iov, args=(b, diov, nbytes))
-    receiver.start()
-    send_iov(a, siov, nbytes)
-    receiver.join(10)
-    assert not receiver.is_alive()
+    move(a, b, siov, diov, nbytes)
     assert gathered(dst, dranges) == gathered(src, sranges)
 
 
