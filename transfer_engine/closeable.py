@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import warnings
-from typing import Self
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11 on
 
 __all__ = ["Closeable"]
 
