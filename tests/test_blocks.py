@@ -102,6 +102,30 @@ def test_arrays_are_copied(make_engine: Callable[..., Engine]) -> None:
         blocks.local_offsets[0] = 1  # read-only
 
 
+def test_kept_blocks_move_again_and_are_rechecked(make_engine: Callable[..., Engine]
+                                                   ) -> None:
+    """A Blocks is checked and laid out once, when built; each transfer of it still moves
+    the bytes the memory holds then, and still checks that its segments are live."""
+    a, b, src, dst = _pair(make_engine, "tcp", MiB)
+    peer = a.connect(b.endpoint)
+    rng = np.random.default_rng(5)
+    lo = rng.permutation(MiB // (4 * KiB))[:64] * 4 * KiB
+    ro = rng.permutation(MiB // (4 * KiB))[:64] * 4 * KiB
+    blocks = Blocks(a.segments["src"], peer.segment("dst"), lo, ro, 4 * KiB)
+    for round_ in range(3):
+        src[:] = random_bytes(MiB, 50 + round_)
+        a.write(peer, blocks).wait(10)
+        for x, y in zip(lo, ro, strict=True):
+            assert np.array_equal(dst[y:y + 4 * KiB], src[x:x + 4 * KiB])
+        dst[:] = random_bytes(MiB, 60 + round_)
+        a.read(peer, blocks).wait(10)
+        for x, y in zip(lo, ro, strict=True):
+            assert np.array_equal(src[x:x + 4 * KiB], dst[y:y + 4 * KiB])
+    a.segments["src"].close()
+    with pytest.raises(InvalidDescriptorError, match="registered with this engine"):
+        a.write(peer, blocks)
+
+
 @pytest.mark.parametrize("bad, words", [
     (dict(ro=[1 * MiB - 10]), "out of bounds"),
     (dict(lo=[-1]), "out of bounds"),

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from transfer_engine.planner import Columns
+
 if TYPE_CHECKING:
     from transfer_engine.segment import RemoteSegment, Segment
 
@@ -85,9 +87,16 @@ class Blocks:
     are copied, so the caller may reuse its own at once. Raises ``ValueError`` for arrays
     that are not 1-D integers of one length; offsets and lengths are checked against the
     segments when a transfer is submitted.
+
+    The array work is done here, once, while the arrays are fresh in the cache: their
+    largest offsets and their planner columns. The copies are read-only, so a transfer
+    (and every later transfer of the same blocks) only compares those maxima with its
+    segments' sizes, with no NumPy call; on a host busy copying, each such call costs
+    several times its nominal price.
     """
 
-    __slots__ = ("local", "remote", "local_offsets", "remote_offsets", "lengths", "block")
+    __slots__ = ("local", "remote", "local_offsets", "remote_offsets", "lengths", "block",
+                 "_reach", "_columns")
 
     def __init__(self, local: Segment, remote: RemoteSegment, local_offsets: npt.ArrayLike,
                  remote_offsets: npt.ArrayLike, lengths: npt.ArrayLike | int) -> None:
@@ -108,6 +117,19 @@ class Blocks:
             self.lengths = _offsets(lengths, "lengths")
             if len(self.lengths) != count:
                 raise ValueError(f"{count} offsets but {len(self.lengths)} lengths")
+        # the largest local and remote offsets, seen unsigned (a negative one is huge,
+        # so one maximum bounds both ends); only for blocks of one length
+        self._reach: tuple[int, int] | None = None
+        if self.block > 0 and count:
+            self._reach = (int(self.local_offsets.view(np.uint64).max()),
+                           int(self.remote_offsets.view(np.uint64).max()))
+        self._columns: Columns | None = None
+        lid, rid = getattr(local, "id", None), getattr(remote, "id", None)
+        if isinstance(lid, int) and isinstance(rid, int):  # else refused when submitted
+            self._columns = Columns.uniform(
+                lid, self.local_offsets, rid, self.remote_offsets, self.lengths,
+                count * self.block if self.block > 0 else None, max(self.block, 0),
+                frozen=True)
 
     def __len__(self) -> int:
         return len(self.lengths)

@@ -106,14 +106,12 @@ def _in_bounds(nums: np.ndarray, llen: int | np.ndarray, rlen: int | np.ndarray
 
 
 def _blocks_in_bounds(g: Blocks, llen: int, rlen: int) -> tuple[int, int] | None:
-    """:func:`_in_bounds` for one :class:`Blocks`; four reductions when its pairs share
-    one length."""
+    """:func:`_in_bounds` for one :class:`Blocks`; no NumPy call when its pairs share
+    one length (the Blocks measured its largest offsets when it was built)."""
     block = g.block
     if block > 0:
-        # seen unsigned, a negative offset is huge: one reduction bounds both ends
-        if (block <= llen and block <= rlen
-                and int(g.local_offsets.view(np.uint64).max()) <= llen - block
-                and int(g.remote_offsets.view(np.uint64).max()) <= rlen - block):
+        lmax, rmax = g._reach or (0, 0)  # the largest offsets, seen unsigned
+        if block <= llen and block <= rlen and lmax <= llen - block and rmax <= rlen - block:
             return len(g.local_offsets) * block, block
         return None
     if block < 0:
@@ -688,10 +686,10 @@ class Engine(Closeable):
 
     def _validate_blocks(self, op: Op, peer: Peer, groups: Sequence[Blocks]
                          ) -> tuple[Columns, list[Segment]]:
-        """:meth:`_validate` for arrays: a few array checks per segment pair."""
+        """:meth:`_validate` for arrays: a few array checks per segment pair (none for one
+        Blocks of one length, which brings its own maxima and columns)."""
         write = op is Op.WRITE
         parts: list[tuple[Blocks, int]] = []
-        block = 0
         for g in groups:
             lseg, rseg = g.local, g.remote
             if not len(g):
@@ -707,16 +705,13 @@ class Engine(Closeable):
                 raise InvalidDescriptorError("descriptors failed validation",
                                              peer=peer.name, op=str(op))
             parts.append((g, sized[0]))
-            block = sized[1]
         if not parts:
             raise InvalidDescriptorError("a transfer needs at least one pair", peer=peer.name,
                                          op=str(op))
         total = sum(n for _, n in parts)
         first = parts[0][0]
-        if len(parts) == 1:
-            return (Columns.uniform(first.local.id, first.local_offsets, first.remote.id,
-                                    first.remote_offsets, first.lengths, total, block),
-                    [first.local])
+        if len(parts) == 1 and first._columns is not None:
+            return first._columns, [first.local]
         lsegs = list({id(g.local): g.local for g, _ in parts}.values())
         counts = [len(g) for g, _ in parts]
         cols = Columns(np.repeat([g.local.id for g, _ in parts], counts),

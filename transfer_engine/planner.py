@@ -155,12 +155,16 @@ class Columns:
 
     @classmethod
     def uniform(cls, lseg: int, loff: np.ndarray, rseg: int, roff: np.ndarray,
-                length: np.ndarray, nbytes: int | None = None, block: int = 0) -> Columns:
+                length: np.ndarray, nbytes: int | None = None, block: int = 0,
+                frozen: bool = False) -> Columns:
         """Columns whose pairs all go from one local to one remote segment (``block``:
-        the one length of every pair, if known)."""
+        the one length of every pair, if known). ``frozen`` makes the segment columns
+        read-only too, for columns kept and planned again."""
         n = len(length)
-        return cls(np.full(n, lseg, dtype=np.int64), _i64(loff),
-                   np.full(n, rseg, dtype=np.int64), _i64(roff), _i64(length), single=True,
+        lcol, rcol = np.full(n, lseg, dtype=np.int64), np.full(n, rseg, dtype=np.int64)
+        if frozen:
+            lcol.flags.writeable = rcol.flags.writeable = False
+        return cls(lcol, _i64(loff), rcol, _i64(roff), _i64(length), single=True,
                    nbytes=nbytes, block=block)
 
     def __len__(self) -> int:
