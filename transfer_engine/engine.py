@@ -708,10 +708,10 @@ class Engine(Closeable):
         if not parts:
             raise InvalidDescriptorError("a transfer needs at least one pair", peer=peer.name,
                                          op=str(op))
-        total = sum(n for _, n in parts)
         first = parts[0][0]
         if len(parts) == 1 and first._columns is not None:
             return first._columns, [first.local]
+        total = sum(n for _, n in parts)
         lsegs = list({id(g.local): g.local for g, _ in parts}.values())
         counts = [len(g) for g, _ in parts]
         cols = Columns(np.repeat([g.local.id for g, _ in parts], counts),
