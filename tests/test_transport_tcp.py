@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -8,7 +9,16 @@ import pytest
 
 from tests.transport_contract import MiB, TransportContract, random_bytes
 from transfer_engine import Blocks, Engine
-from transfer_engine.transport.tcp import TcpRail, TcpTransport, _cores
+from transfer_engine.transport.tcp import (
+    LOOPBACK_CONGESTION,
+    TcpRail,
+    TcpTransport,
+    _cores,
+    congestion_of,
+)
+
+needs_congestion = pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"),
+                                      reason="TCP_CONGESTION is Linux only")
 
 
 class TestTcpContract(TransportContract):
@@ -57,3 +67,44 @@ def test_a_transfer_uses_spread_rails(make_engine: Callable[..., Engine],
     assert np.array_equal(src, dst)
     assert sum(r.bytes_sent > 0 for r in rails) == spread
     assert sum(r.bytes_sent for r in rails) >= 16 * MiB
+
+
+def _server_congestion(engine: Engine) -> list[str | None]:
+    server = engine._transports["tcp"]._server  # the accepted ends of the rails
+    return sorted(congestion_of(sock) for sock in server._conns)
+
+
+@needs_congestion
+def test_loopback_rails_use_a_loss_based_congestion_control(
+        make_engine: Callable[..., Engine]) -> None:
+    a = make_engine("a", transports=["tcp"])
+    b = make_engine("b", transports=["tcp"])
+    src = random_bytes(8 * MiB, 1)
+    dst = random_bytes(8 * MiB, 2)
+    peer = a.connect(b.endpoint)
+    rails = peer.rails["tcp"]
+    chosen = {rail.congestion for rail in rails}
+    assert len(chosen) == 1 and chosen <= set(LOOPBACK_CONGESTION)
+    assert all(congestion_of(rail._sock) == rail.congestion for rail in rails)
+    assert _server_congestion(b) == [rail.congestion for rail in rails]
+    seg, remote = a.register(src), peer.segment(b.register(dst).name)
+    offsets = np.arange(0, 8 * MiB, 64 << 10)
+    a.write(peer, Blocks(seg, remote, offsets, offsets[::-1].copy(), 64 << 10)).wait(30)
+    assert np.array_equal(src.reshape(-1, 64 << 10), dst.reshape(-1, 64 << 10)[::-1])
+
+
+@needs_congestion
+def test_congestion_none_keeps_the_hosts_default(make_engine: Callable[..., Engine]) -> None:
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        default = f.read().strip()
+    a = make_engine("a", transports=[TcpTransport(congestion=None)])
+    b = make_engine("b", transports=[TcpTransport(congestion=None)])
+    peer = a.connect(b.endpoint)
+    assert {rail.congestion for rail in peer.rails["tcp"]} == {default}
+    assert set(_server_congestion(b)) == {default}
+
+
+@needs_congestion
+def test_a_congestion_control_the_host_refuses_is_named() -> None:
+    with pytest.raises(ValueError, match="'no-such-cc' refused by this host"):
+        TcpTransport(congestion="no-such-cc")

@@ -625,6 +625,10 @@ class StreamServer:
     def refuse_write(self, conn: Connection, nbytes: int) -> None:
         """Consumes the payload of a refused WRITE so the stream stays in step."""
 
+    def tune(self, sock: socket.socket) -> None:
+        """Sets the options of an accepted connection before it serves anything."""
+        tune_socket(sock, self._buffer_bytes)
+
     def _accept_loop(self) -> None:
         while True:
             try:
@@ -635,7 +639,12 @@ class StreamServer:
                 if self._closed:
                     sock.close()
                     return
-                tune_socket(sock, self._buffer_bytes)
+                try:
+                    self.tune(sock)
+                except OSError as exc:  # died early, or an option the host refuses
+                    log.warning("%s connection not accepted: %s", self.transport_name, exc)
+                    sock.close()
+                    continue
                 thread = threading.Thread(target=self._serve_conn, args=(sock,), daemon=True,
                                           name=f"te-{self.transport_name}-serve")
                 self._conns[sock] = thread
