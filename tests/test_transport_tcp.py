@@ -62,7 +62,7 @@ def test_a_transfer_uses_spread_rails(make_engine: Callable[..., Engine],
     remote = peer.segment(b.register(dst).name)
     rails = peer.rails["tcp"]
     assert all(isinstance(r, TcpRail) and r.loopback for r in rails)
-    offsets = np.arange(0, 16 * MiB, MiB)  # four 4 MiB requests after coalescing
+    offsets = np.arange(0, 16 * MiB, MiB)  # coalesced: one request per rail used
     a.write(peer, Blocks(seg, remote, offsets, offsets, MiB)).wait(30)
     assert np.array_equal(src, dst)
     assert sum(r.bytes_sent > 0 for r in rails) == spread
