@@ -3,8 +3,11 @@
 * :func:`socket_gbps`: one raw loopback TCP stream between two processes. The sender
   (this process) gathers a batch of ``block_size`` memoryviews per ``sendmsg``; the
   receiver (a child process) ``recv_into``s each block into its own slot of a
-  pre-faulted buffer. 4 MiB socket buffers, ``TCP_NODELAY``. This is what plain Python
-  sockets reach here, the yardstick for the engine's TCP transport.
+  pre-faulted buffer. 4 MiB socket buffers, ``TCP_NODELAY``, and the host's congestion
+  control unless one is named (the engine's loopback rails use their own, see
+  :mod:`transfer_engine.transport.tcp`; naming it here measures the socket under the
+  same). This is what plain Python sockets reach here, the yardstick for the engine's
+  TCP transport.
 * :func:`memcpy_gbps`: one thread copying ``block_size`` chunks between two pre-faulted
   256 MiB buffers with ``np.copyto``, the yardstick for the same-host transport.
 
@@ -30,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from bench.stats import cpu_seconds, fill_random
+from transfer_engine.transport.tcp import check_congestion, congestion_of, set_congestion
 
 __all__ = ["socket_gbps", "socket_baseline", "memcpy_gbps", "Child", "child_env"]
 
@@ -139,13 +143,15 @@ def _slots(buffer_size: int, block_size: int, contiguous: bool, seed: int) -> np
     return np.random.default_rng(seed).permutation(count).astype(np.int64)
 
 
-def _tune(sock: socket.socket) -> None:
+def _tune(sock: socket.socket, congestion: str | None = None) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+    set_congestion(sock, congestion)
 
 
-def _receiver(block_size: int, buffer_size: int, contiguous: bool) -> int:
+def _receiver(block_size: int, buffer_size: int, contiguous: bool,
+              congestion: str | None) -> int:
     """Child side of :func:`socket_gbps`: receive until EOF, answer the byte count."""
     buf = np.empty(buffer_size, dtype=np.uint8)
     fill_random(buf, 2)
@@ -160,7 +166,7 @@ def _receiver(block_size: int, buffer_size: int, contiguous: bool) -> int:
         conn, _ = listener.accept()
     with conn:
         conn.settimeout(120)
-        _tune(conn)
+        _tune(conn, congestion)
         cpu0 = cpu_seconds()
         total = 0
         i = 0
@@ -195,9 +201,11 @@ def socket_gbps(block_size: int, total_bytes: int | None = None, duration: float
 
 def socket_baseline(block_size: int, total_bytes: int | None = None, duration: float = 3.0,
                     *, batch_size: int = 16, buffer_size: int = DEFAULT_BUFFER,
-                    contiguous: bool = False, warmup: float = 0.3) -> dict[str, float]:
-    """One raw loopback TCP stream at ``block_size``: ``gbps`` (1e9 bytes/s) and CPU
-    seconds per GB of the sender and of the receiver.
+                    contiguous: bool = False, warmup: float = 0.3,
+                    congestion: str | None = None) -> dict[str, Any]:
+    """One raw loopback TCP stream at ``block_size``: ``gbps`` (1e9 bytes/s), CPU
+    seconds per GB of the sender and of the receiver, and the ``congestion`` control
+    it ran under (``congestion`` names one for both ends; None: the host's).
 
     Sends ``batch_size`` blocks per ``sendmsg`` for ``duration`` seconds (or until
     ``total_bytes``), after ``warmup`` seconds not counted; the time runs until the
@@ -214,10 +222,13 @@ def socket_baseline(block_size: int, total_bytes: int | None = None, duration: f
     batch_bytes = batch_size * block_size
     args = ["-m", "bench.baselines", "--receiver", "--block_size", str(block_size),
             "--buffer_size", str(buffer_size)] + (["--contiguous"] if contiguous else [])
+    if congestion is not None:
+        args += ["--congestion", congestion]
     with Child(args) as child:
         port = int(child.expect("PORT ", 60))
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-            _tune(sock)
+            _tune(sock, congestion)
+            algorithm = congestion_of(sock)
             sendmsg = sock.sendmsg
             sent = 0
             k = 0
@@ -265,7 +276,8 @@ def socket_baseline(block_size: int, total_bytes: int | None = None, duration: f
             raise RuntimeError(f"socket baseline receiver exited with {rc}")
     return {"gbps": sent / elapsed / 1e9,
             "cpu_s_per_gb_sender": cpu_sender / (sent / 1e9),
-            "cpu_s_per_gb_receiver": cpu_receiver / (received / 1e9)}
+            "cpu_s_per_gb_receiver": cpu_receiver / (received / 1e9),
+            "congestion": algorithm}
 
 
 def memcpy_gbps(block_size: int, duration: float = 1.0, *,
@@ -307,16 +319,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--buffer_size", type=int, default=DEFAULT_BUFFER)
     p.add_argument("--duration", type=float, default=3.0)
     p.add_argument("--contiguous", action="store_true")
+    p.add_argument("--congestion", default=None,
+                   help="TCP congestion control of the socket (default: the host's)")
     p.add_argument("--receiver", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.receiver:
-        return _receiver(a.block_size, a.buffer_size, a.contiguous)
+        return _receiver(a.block_size, a.buffer_size, a.contiguous, a.congestion)
+    try:
+        check_congestion(a.congestion)
+    except ValueError as exc:
+        p.error(str(exc))
     sb = socket_baseline(a.block_size, duration=a.duration, batch_size=a.batch_size,
-                         buffer_size=a.buffer_size, contiguous=a.contiguous)
+                         buffer_size=a.buffer_size, contiguous=a.contiguous,
+                         congestion=a.congestion)
     s = sb["gbps"]
     m = memcpy_gbps(a.block_size, duration=min(a.duration, 1.0), buffer_size=a.buffer_size,
                     contiguous=a.contiguous)
-    print(f"socket one stream {s:.2f} GB/s (CPU s/GB: sender "
+    print(f"socket one stream ({sb['congestion']}) {s:.2f} GB/s (CPU s/GB: sender "
           f"{sb['cpu_s_per_gb_sender']:.3f}, receiver {sb['cpu_s_per_gb_receiver']:.3f})   "
           f"memcpy one thread {m:.2f} GB/s")
     return 0

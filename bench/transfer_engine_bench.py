@@ -17,7 +17,11 @@ warm-up: one batch in flight per thread, as in Mooncake's bench (whose blocks ar
 contiguous with one thread). Unless ``--contiguous``, the blocks of a batch sit in
 shuffled slots on both sides, so the engine cannot coalesce them into fewer, larger
 pieces. ``--rails`` and ``--slice_size`` override the tcp/shm transports' tuning,
-``--spread`` the tcp transport's.
+``--spread`` the tcp transport's. The raw socket baseline runs under the host's TCP
+congestion control; the engine's rails within one host use a loss-based one (see
+:mod:`transfer_engine.transport.tcp`), and ``--baseline_congestion auto`` measures the
+socket under that same choice. The JSON names both (``congestion``,
+``baseline_socket_congestion``).
 
 Reported per run and as the median of ``--repeat`` runs: GB/s (1e9 bytes/s), blocks
 and batches per second, batch latency p50/p99, and CPU seconds per GB for the initiator
@@ -105,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the target as a child process on loopback")
     p.add_argument("--baseline", action="store_true",
                    help="also measure a raw one-stream socket and one-thread memcpy")
+    p.add_argument("--baseline_congestion", metavar="NAME", default=None,
+                   help="TCP congestion control of the raw socket baseline (default: the "
+                        "host's; 'auto': what the engine's rails within one host use)")
     p.add_argument("--json", metavar="PATH", default=None, help="write the results here")
     p.add_argument("--repeat", type=int, default=1, help="runs; the medians are reported")
     p.add_argument("--contiguous", action="store_true",
@@ -145,6 +152,12 @@ def _check_flags(a: argparse.Namespace) -> None:
         raise UsageError("--rails must be at least 1")
     if a.spread is not None and a.spread < 1:
         raise UsageError("--spread must be at least 1")
+    if a.baseline_congestion is not None:
+        from transfer_engine.transport.tcp import check_congestion
+        try:
+            check_congestion(a.baseline_congestion)
+        except ValueError as exc:
+            raise UsageError(f"--baseline_congestion: {exc}") from None
     if a.duration <= 0:
         raise UsageError("--duration must be positive")
     if a.mode == "initiator" and not a.local and not a.segment_id:
@@ -511,7 +524,9 @@ def run_initiator(a: argparse.Namespace, endpoint: str,
                                 for t in range(a.threads)]
             merged = _coalescable(layout)
             rails = {name: len(r) for name, r in peer.rails.items()}
-            print(f"# {a.operation} via {peer.transport} (rails {rails}), "
+            congestion = getattr(peer.rails.get("tcp", [None])[0], "congestion", None)
+            cc = f", congestion {congestion}" if congestion else ""
+            print(f"# {a.operation} via {peer.transport} (rails {rails}{cc}), "
                   f"{a.threads} thread(s) x {a.batch_size} x {bs} B blocks, "
                   f"{'contiguous' if a.contiguous else 'shuffled'} slots "
                   f"({merged} coalescable pairs), {a.duration:g} s x {a.repeat}", flush=True)
@@ -522,8 +537,10 @@ def run_initiator(a: argparse.Namespace, endpoint: str,
                 run["transport"] = peer.transport
                 if a.baseline:
                     sock = socket_baseline(bs, duration=a.duration, batch_size=a.batch_size,
-                                           contiguous=a.contiguous)
+                                           contiguous=a.contiguous,
+                                           congestion=a.baseline_congestion)
                     run["baseline_socket_gbps"] = sock["gbps"]
+                    run["baseline_socket_congestion"] = sock["congestion"]
                     run["baseline_socket_cpu_s_per_gb"] = (sock["cpu_s_per_gb_sender"]
                                                            + sock["cpu_s_per_gb_receiver"])
                     run["baseline_memcpy_gbps"] = memcpy_gbps(
@@ -535,7 +552,7 @@ def run_initiator(a: argparse.Namespace, endpoint: str,
             stats = dict(eng.stats)
             used = peer.transport
     return {"runs": runs, "verified": verified, "transport": used, "rails": rails,
-            "coalescable_pairs": merged, "engine_stats": stats}
+            "congestion": congestion, "coalescable_pairs": merged, "engine_stats": stats}
 
 
 # --- reporting ---------------------------------------------------------------------
@@ -570,7 +587,8 @@ def summarize(a: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "protocol": a.protocol, "transport": res["transport"], "operation": a.operation,
         "block_size": a.block_size, "batch_size": a.batch_size, "threads": a.threads,
-        "rails": res["rails"], "spread": a.spread, "api": a.api, "slice_size": a.slice_size,
+        "rails": res["rails"], "congestion": res.get("congestion"), "spread": a.spread,
+        "api": a.api, "slice_size": a.slice_size,
         "contiguous": a.contiguous,
         "duration": a.duration, "repeat": a.repeat, "buffer_size": a.buffer_size,
         "coalescable_pairs": res["coalescable_pairs"],
@@ -589,6 +607,7 @@ def summarize(a: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
         out["baseline_memcpy_gbps"] = mem
         out["baseline_socket_cpu_s_per_gb"] = median(
             [r["baseline_socket_cpu_s_per_gb"] for r in runs])
+        out["baseline_socket_congestion"] = runs[0].get("baseline_socket_congestion")
         # each run's engine figure against the baselines measured right after it: the
         # machine's mood changes between runs, less within one
         out["ratio_vs_socket"] = median([r["gbps"] / r["baseline_socket_gbps"] for r in runs
@@ -610,7 +629,9 @@ def _print_summary(a: argparse.Namespace, out: dict[str, Any]) -> None:
         extra.append(f"cpu/GB both sides {out['cpu_s_per_gb_total']:.3f}")
     if a.baseline:
         extra.append(f"socket cpu/GB both sides {out['baseline_socket_cpu_s_per_gb']:.3f}")
-        extra.append(f"vs socket {out['ratio_vs_socket']:.2f}x")
+        sock_cc = out.get("baseline_socket_congestion")
+        extra.append(f"vs socket {out['ratio_vs_socket']:.2f}x"
+                     + (f" (socket under {sock_cc})" if sock_cc else ""))
         extra.append(f"vs memcpy {out['ratio_vs_memcpy']:.2f}x")
     extra.append(f"verified {str(out['verified']).lower()}")
     print("# " + ", ".join(extra), flush=True)

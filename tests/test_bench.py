@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,27 @@ def test_metadata_server_other_than_p2p_is_refused(capsys: pytest.CaptureFixture
 def test_initiator_needs_a_target(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--mode", "initiator"]) == 2
     assert "--segment_id" in capsys.readouterr().err
+
+
+def test_socket_baseline_runs_under_the_congestion_control_asked_for() -> None:
+    from bench.baselines import socket_baseline
+    from transfer_engine.transport.tcp import LOOPBACK_CONGESTION
+
+    if not hasattr(socket, "TCP_CONGESTION"):
+        pytest.skip("TCP_CONGESTION is Linux only")
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        default = f.read().strip()
+    host = socket_baseline(65536, 8 << 20, duration=1.0, buffer_size=16 << 20, warmup=0.0)
+    auto = socket_baseline(65536, 8 << 20, duration=1.0, buffer_size=16 << 20, warmup=0.0,
+                           congestion="auto")
+    assert host["congestion"] == default
+    assert auto["congestion"] in LOOPBACK_CONGESTION
+    assert host["gbps"] > 0 and auto["gbps"] > 0
+
+
+def test_a_baseline_congestion_control_the_host_refuses_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["--local", "--baseline", "--baseline_congestion", "no-such-cc"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--baseline_congestion" in err and "'no-such-cc' refused by this host" in err

@@ -130,7 +130,7 @@ def set_congestion(sock: socket.socket, policy: str | None) -> str | None:
     return None
 
 
-def _check_congestion(policy: str | None) -> None:
+def check_congestion(policy: str | None) -> None:
     """Raises ValueError, at construction, for an algorithm this host refuses."""
     if policy is None or policy == AUTO or _TCP_CONGESTION is None:
         return
@@ -216,7 +216,7 @@ class TcpTransport(Transport):
                  spread: int | None = None, congestion: str | None = AUTO) -> None:
         if spread is not None and spread < 1:
             raise ValueError("spread must be at least 1")
-        _check_congestion(congestion)
+        check_congestion(congestion)
         self._congestion = congestion
         self._bind = (host, port)
         self._spread = spread
