@@ -11,6 +11,7 @@ import pytest
 
 from tests.transport_contract import random_bytes
 from transfer_engine import Blocks, Descriptor, Engine, InvalidDescriptorError
+from transfer_engine.transport.tcp import TcpTransport
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -124,6 +125,40 @@ def test_kept_blocks_move_again_and_are_rechecked(make_engine: Callable[..., Eng
     a.segments["src"].close()
     with pytest.raises(InvalidDescriptorError, match="registered with this engine"):
         a.write(peer, blocks)
+
+
+@pytest.mark.parametrize("rails", [2, 4])
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_blocks_cut_into_several_requests_move_their_own_rows(
+        make_engine: Callable[..., Engine], op: str, rails: int) -> None:
+    """A Blocks lays out its local (address, length) rows when built; a transfer cut into
+    several requests hands each its own slice of them (over 4 rails here), unless the
+    planner merges neighbouring blocks first and lays the rows out anew (over 2)."""
+    a = make_engine("a", transports=[TcpTransport(rails=rails, spread=rails)])
+    b = make_engine("b", transports=["tcp"])
+    src, dst = random_bytes(16 * MiB, 21), random_bytes(16 * MiB, 22)
+    local, remote = a.register(src), a.connect(b.endpoint).segment(b.register(dst).name)
+    peer = a.peer(b.name)
+    rng = np.random.default_rng(7)
+    slots = 16 * MiB // (4 * KiB)
+    lo = rng.permutation(slots)[:3000] * 4 * KiB  # over max_sge: several requests
+    ro = rng.permutation(slots)[:3000] * 4 * KiB
+    blocks = Blocks(local, remote, lo, ro, 4 * KiB)
+    rows = blocks._columns.iov
+    assert rows is not None and not rows.flags.writeable
+    assert rows[:, 0].tolist() == (lo + local.address).tolist()
+    assert set(rows[:, 1].tolist()) == {4 * KiB}
+    want_src, want_dst = src.copy(), dst.copy()
+    if op == "write":
+        a.write(peer, blocks).wait(10)
+        for x, y in zip(lo, ro, strict=True):
+            want_dst[y:y + 4 * KiB] = want_src[x:x + 4 * KiB]
+    else:
+        a.read(peer, blocks).wait(10)
+        for x, y in zip(lo, ro, strict=True):
+            want_src[x:x + 4 * KiB] = want_dst[y:y + 4 * KiB]
+    assert np.array_equal(src, want_src) and np.array_equal(dst, want_dst)
+    assert all(rail.bytes_sent for rail in peer.rails["tcp"])
 
 
 @pytest.mark.parametrize("bad, words", [

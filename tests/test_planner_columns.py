@@ -13,9 +13,11 @@ from transfer_engine.planner import (
     Columns,
     Pair,
     Spans,
+    coalesce_columns,
     pack_columns,
     plan_columns,
     plan_transfer,
+    slice_columns,
 )
 
 
@@ -104,3 +106,29 @@ def test_blocks_of_one_length_are_packed_in_order_as_they_are() -> None:
             spans = [r for r in remotes if isinstance(r, Spans)]
             assert all(r.uniform == (2, block) for r in spans)
             assert np.array_equal(np.concatenate([r.offset for r in spans]), ro)
+
+
+def test_local_rows_follow_their_pairs_through_the_planner() -> None:
+    """``iov`` rows stay aligned with their pairs when the planner sorts or slices them,
+    and are dropped where it merges pairs (the engine lays merged rows out anew)."""
+    base = 1 << 40
+    lo = np.array([0, 8192, 4096, 16384], dtype=np.int64)
+    ro = np.array([12288, 0, 4096, 8192], dtype=np.int64)  # remote neighbours only
+    iov = np.stack([lo + base, np.full(4, 4096)], axis=1).astype(np.uint64)
+    cols = Columns.uniform(1, lo, 2, ro, np.full(4, 4096), block=4096)
+    cols.iov = iov
+    sorted_cols = coalesce_columns(cols)
+    assert sorted_cols.roff.tolist() == [0, 4096, 8192, 12288]
+    assert sorted_cols.iov is not None
+    assert sorted_cols.iov[:, 0].tolist() == (sorted_cols.loff + base).tolist()
+    part = sorted_cols.slice(1, 3)
+    assert part.iov is not None and part.iov[:, 0].tolist() == (part.loff + base).tolist()
+    picked = sorted_cols.take(np.array([3, 0]))
+    assert picked.iov is not None
+    assert picked.iov[:, 0].tolist() == (picked.loff + base).tolist()
+    merged = Columns.uniform(1, np.array([0, 4096]), 2, np.array([0, 4096]),
+                             np.full(2, 4096), block=4096)
+    merged.iov = np.array([[base, 4096], [base + 4096, 4096]], dtype=np.uint64)
+    out = coalesce_columns(merged)
+    assert len(out) == 1 and out.length.tolist() == [8192] and out.iov is None
+    assert slice_columns(out, 4096).iov is None

@@ -89,7 +89,9 @@ class Blocks:
     segments when a transfer is submitted.
 
     The array work is done here, once, while the arrays are fresh in the cache: their
-    largest offsets and their planner columns. The copies are read-only, so a transfer
+    largest offsets, their planner columns and, for host memory, the local side's
+    ``(address, length)`` rows that the stream transports hand to the kernel. The copies
+    are read-only, so a transfer
     (and every later transfer of the same blocks) only compares those maxima with its
     segments' sizes, with no NumPy call; on a host busy copying, each such call costs
     several times its nominal price.
@@ -130,6 +132,13 @@ class Blocks:
                 lid, self.local_offsets, rid, self.remote_offsets, self.lengths,
                 count * self.block if self.block > 0 else None, max(self.block, 0),
                 frozen=True)
+            base = getattr(local, "address", None)
+            if getattr(local, "device", None) == "cpu" and isinstance(base, int):
+                iov = np.empty((count, 2), dtype=np.uint64)
+                np.add(self.local_offsets, base, out=iov[:, 0], casting="unsafe")
+                iov[:, 1] = self.lengths
+                iov.flags.writeable = False
+                self._columns.iov = iov
 
     def __len__(self) -> int:
         return len(self.lengths)

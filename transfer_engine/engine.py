@@ -822,6 +822,8 @@ class Engine(Closeable):
         pieces = wr.pieces
         if pieces is None:
             pieces = Columns.from_pairs([(loc, loc) for loc in wr.local])
+        elif pieces.iov is not None:  # laid out when its Blocks was built
+            return pieces.iov
         if len(segments) == 1:
             return iovec_array(pieces.loff + segments[0].address, pieces.length)
         address = np.zeros(len(pieces), dtype=np.int64)

@@ -129,14 +129,18 @@ class Columns:
     ``single`` records that every row has the same local and the same remote segment
     (the common case), which spares the planner the checks for mixed segments; ``block``
     that every row has that one length (0: not known); ``nbytes`` may be given when the
-    caller already knows it.
+    caller already knows it. ``iov``, when known, holds each row's local memory as an
+    ``(address, length)`` uint64 row (host memory only); slices keep their part of it,
+    and any other reshaping drops it.
     """
 
-    __slots__ = ("lseg", "loff", "rseg", "roff", "length", "single", "block", "_nbytes")
+    __slots__ = ("lseg", "loff", "rseg", "roff", "length", "single", "block", "iov",
+                 "_nbytes")
 
     def __init__(self, lseg: np.ndarray, loff: np.ndarray, rseg: np.ndarray,
                  roff: np.ndarray, length: np.ndarray, *, single: bool = False,
-                 nbytes: int | None = None, block: int = 0) -> None:
+                 nbytes: int | None = None, block: int = 0,
+                 iov: np.ndarray | None = None) -> None:
         self.lseg = lseg
         self.loff = loff
         self.rseg = rseg
@@ -144,6 +148,7 @@ class Columns:
         self.length = length
         self.single = single
         self.block = block
+        self.iov = iov
         self._nbytes = nbytes
 
     @classmethod
@@ -177,14 +182,16 @@ class Columns:
         return self._nbytes
 
     def slice(self, start: int, end: int) -> Columns:
+        iov = self.iov
         return Columns(self.lseg[start:end], self.loff[start:end], self.rseg[start:end],
                        self.roff[start:end], self.length[start:end], single=self.single,
-                       block=self.block)
+                       block=self.block, iov=None if iov is None else iov[start:end])
 
     def take(self, index: np.ndarray) -> Columns:
+        iov = self.iov
         return Columns(self.lseg[index], self.loff[index], self.rseg[index],
                        self.roff[index], self.length[index], single=self.single,
-                       block=self.block)
+                       block=self.block, iov=None if iov is None else iov[index])
 
     def to_pairs(self) -> list[Pair]:
         ls, lo, rs, ro, n = (c.tolist() for c in (self.lseg, self.loff, self.rseg,
@@ -227,7 +234,7 @@ def coalesce_columns(cols: Columns) -> Columns:
         joins &= (ls[1:] == ls[:-1]) & (rs[1:] == rs[:-1])
     if not joins.any():
         return Columns(ls, lo, rs, ro, n, single=single, nbytes=cols._nbytes,
-                       block=cols.block)
+                       block=cols.block, iov=None if cols.iov is None else cols.iov[order])
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
     return Columns(ls[starts], lo[starts], rs[starts], ro[starts],
                    np.add.reduceat(n, starts), single=single, nbytes=cols._nbytes)
