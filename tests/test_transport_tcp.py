@@ -108,3 +108,25 @@ def test_congestion_none_keeps_the_hosts_default(make_engine: Callable[..., Engi
 def test_a_congestion_control_the_host_refuses_is_named() -> None:
     with pytest.raises(ValueError, match="'no-such-cc' refused by this host"):
         TcpTransport(congestion="no-such-cc")
+
+
+def test_concurrent_transfers_keep_to_the_active_rails(make_engine: Callable[..., Engine]
+                                                       ) -> None:
+    """With one active rail (a 2-core host on loopback, or ``spread=1``) concurrent
+    transfers queue on it and the other rail stays idle; every byte still lands."""
+    assert TcpTransport(rails=3, spread=1).active([_FakeRail(True)] * 3) == 1
+    assert TcpTransport(rails=3, spread=2).active([_FakeRail(True)] * 3) == 2
+    a = make_engine("a", transports=[TcpTransport(rails=2, spread=1)])
+    b = make_engine("b", transports=["tcp"])
+    src = random_bytes(16 * MiB, 3)
+    dst = random_bytes(16 * MiB, 4)
+    seg = a.register(src)
+    peer = a.connect(b.endpoint)
+    remote = peer.segment(b.register(dst).name)
+    handles = [a.write(peer, Blocks(seg, remote, [k * 4 * MiB], [k * 4 * MiB], 4 * MiB))
+               for k in range(4)]
+    for handle in handles:
+        handle.wait(30)
+    assert np.array_equal(src, dst)
+    rails = peer.rails["tcp"]
+    assert rails[0].bytes_sent == 16 * MiB and rails[1].bytes_sent == 0

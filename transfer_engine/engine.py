@@ -780,10 +780,10 @@ class Engine(Closeable):
         transport = self._transports[name]
         rails = xfer.peer.rails[name]
         if len(rails) > 1:
-            # the least busy first: a transfer smaller than two shares goes to an idle
-            # rail, and a lone caller keeps to one warm connection (alternating between
-            # idle ones measured slower)
-            rails = sorted(rails, key=lambda rail: rail.inflight)
+            # the least busy of the active rails first: a transfer smaller than two
+            # shares goes to an idle rail, and a lone caller keeps to one warm connection
+            # (alternating between idle ones measured slower)
+            rails = sorted(rails[:transport.active(rails)], key=lambda rail: rail.inflight)
             rails = rails[:transport.spread(rails)]
         caps = transport.capabilities
         weights = [float(getattr(rail, "weight", 1.0)) for rail in rails]

@@ -187,10 +187,16 @@ class Transport(abc.ABC):
         """Transport-specific facts (e.g. 'devices' for rdma); None when unknown."""
         return None
 
-    def spread(self, rails: Sequence[Rail]) -> int:
-        """Over how many of a peer's ``rails`` (least busy first) one transfer is cut;
-        the rest serve concurrent transfers. All of them unless a transport knows
+    def active(self, rails: Sequence[Rail]) -> int:
+        """How many of a peer's ``rails`` carry transfers at once: each transfer starts
+        on the least busy of the first so many. All of them unless a transport knows
         better."""
+        return len(rails)
+
+    def spread(self, rails: Sequence[Rail]) -> int:
+        """Over how many of the :meth:`active` ``rails`` (least busy first) one transfer
+        is cut; the rest serve concurrent transfers. All of them unless a transport
+        knows better."""
         return len(rails)
 
     def __enter__(self) -> Transport:
