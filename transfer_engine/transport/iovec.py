@@ -111,10 +111,12 @@ def recv_iov(sock: socket.socket, iov: np.ndarray, nbytes: int) -> None:
     """Fills the ``nbytes`` bytes described by ``iov`` in order (blocking socket).
 
     More than ``2 * RECV_CHUNK`` bytes are received in calls of about ``RECV_CHUNK``:
-    on loopback, one ``MSG_WAITALL`` call for 8 MiB streamed 20-35% slower than calls
-    of a few hundred KiB in a raw two-process test, and 1 MiB calls gained 5-10% in the
-    engine bench at 64 KiB and 1 MiB blocks (256 KiB calls gained less and cost more
-    CPU). Raises ``ConnectionResetError`` when the stream ends first.
+    under BBR congestion control, one ``MSG_WAITALL`` call for 8 MiB streamed 20-35%
+    slower on loopback than calls of a few hundred KiB in a raw two-process test, and
+    1 MiB calls gained 5-10% in the engine bench at 64 KiB and 1 MiB blocks (256 KiB
+    calls gained less and cost more CPU). Under cubic (what loopback rails use) the
+    size of the calls made no measurable difference. Raises ``ConnectionResetError``
+    when the stream ends first.
     """
     assert _libc is not None
     iov = np.ascontiguousarray(iov, dtype=np.uint64)
