@@ -52,6 +52,7 @@ import numpy as np
 
 from bench.baselines import Child, memcpy_gbps, socket_baseline
 from bench.stats import cpu_seconds, expected_bytes, fill_random, median, percentile
+from transfer_engine.transport.tcp import check_congestion
 
 __all__ = ["main", "build_parser"]
 
@@ -153,7 +154,6 @@ def _check_flags(a: argparse.Namespace) -> None:
     if a.spread is not None and a.spread < 1:
         raise UsageError("--spread must be at least 1")
     if a.baseline_congestion is not None:
-        from transfer_engine.transport.tcp import check_congestion
         try:
             check_congestion(a.baseline_congestion)
         except ValueError as exc:

@@ -9,6 +9,8 @@ import pytest
 
 from tests.transport_contract import MiB, TransportContract, random_bytes
 from transfer_engine import Blocks, Engine
+from transfer_engine.peer import Peer
+from transfer_engine.segment import RemoteSegment, Segment
 from transfer_engine.transport.tcp import (
     LOOPBACK_CONGESTION,
     TcpRail,
@@ -50,16 +52,24 @@ def test_spread_follows_the_cores() -> None:
         TcpTransport(spread=0)
 
 
-@pytest.mark.parametrize("spread", [1, 2])
-def test_a_transfer_uses_spread_rails(make_engine: Callable[..., Engine],
-                                      spread: int) -> None:
-    a = make_engine("a", transports=[TcpTransport(rails=2, spread=spread)])
+def _sixteen_mib(make_engine: Callable[..., Engine], transport: TcpTransport
+                 ) -> tuple[Engine, Peer, Segment, RemoteSegment, np.ndarray, np.ndarray]:
+    """Engine a (over ``transport``) connected to engine b, with 16 MiB of random bytes
+    registered on each side: (a, peer b, a's segment, b's segment, a's bytes, b's)."""
+    a = make_engine("a", transports=[transport])
     b = make_engine("b", transports=["tcp"])
     src = random_bytes(16 * MiB, 1)
     dst = random_bytes(16 * MiB, 2)
     seg = a.register(src)
     peer = a.connect(b.endpoint)
-    remote = peer.segment(b.register(dst).name)
+    return a, peer, seg, peer.segment(b.register(dst).name), src, dst
+
+
+@pytest.mark.parametrize("spread", [1, 2])
+def test_a_transfer_uses_spread_rails(make_engine: Callable[..., Engine],
+                                      spread: int) -> None:
+    a, peer, seg, remote, src, dst = _sixteen_mib(make_engine, TcpTransport(rails=2,
+                                                                           spread=spread))
     rails = peer.rails["tcp"]
     assert all(isinstance(r, TcpRail) and r.loopback for r in rails)
     offsets = np.arange(0, 16 * MiB, MiB)  # coalesced: one request per rail used
@@ -116,13 +126,8 @@ def test_concurrent_transfers_keep_to_the_active_rails(make_engine: Callable[...
     transfers queue on it and the other rail stays idle; every byte still lands."""
     assert TcpTransport(rails=3, spread=1).active([_FakeRail(True)] * 3) == 1
     assert TcpTransport(rails=3, spread=2).active([_FakeRail(True)] * 3) == 2
-    a = make_engine("a", transports=[TcpTransport(rails=2, spread=1)])
-    b = make_engine("b", transports=["tcp"])
-    src = random_bytes(16 * MiB, 3)
-    dst = random_bytes(16 * MiB, 4)
-    seg = a.register(src)
-    peer = a.connect(b.endpoint)
-    remote = peer.segment(b.register(dst).name)
+    a, peer, seg, remote, src, dst = _sixteen_mib(make_engine,
+                                                  TcpTransport(rails=2, spread=1))
     handles = [a.write(peer, Blocks(seg, remote, [k * 4 * MiB], [k * 4 * MiB], 4 * MiB))
                for k in range(4)]
     for handle in handles:

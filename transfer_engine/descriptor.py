@@ -91,10 +91,9 @@ class Blocks:
     The array work is done here, once, while the arrays are fresh in the cache: their
     largest offsets, their planner columns and, for host memory, the local side's
     ``(address, length)`` rows that the stream transports hand to the kernel. The copies
-    are read-only, so a transfer
-    (and every later transfer of the same blocks) only compares those maxima with its
-    segments' sizes, with no NumPy call; on a host busy copying, each such call costs
-    several times its nominal price.
+    are read-only, so a transfer (and every later transfer of the same blocks) only
+    compares those maxima with its segments' sizes, with no NumPy call; on a host busy
+    copying, each such call costs several times its nominal price.
     """
 
     __slots__ = ("local", "remote", "local_offsets", "remote_offsets", "lengths", "block",
@@ -134,9 +133,9 @@ class Blocks:
                 frozen=True)
             base = getattr(local, "address", None)
             if getattr(local, "device", None) == "cpu" and isinstance(base, int):
-                iov = np.empty((count, 2), dtype=np.uint64)
-                np.add(self.local_offsets, base, out=iov[:, 0], casting="unsafe")
-                iov[:, 1] = self.lengths
+                # imported here: the transport package imports this module
+                from transfer_engine.transport.iovec import iovec_array
+                iov = iovec_array(self.local_offsets + base, self.lengths)
                 iov.flags.writeable = False
                 self._columns.iov = iov
 

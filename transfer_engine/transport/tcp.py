@@ -30,9 +30,10 @@ Congestion control: a rail whose two ends are on one host uses a loss-based algo
 (cubic, else reno, whichever the host allows) in place of the host's default, on both
 ends. On loopback there is no network whose queues need protecting, and a model-based
 algorithm such as BBR (the default on the host we measure on) throttles a stream whose
-receiver copies in long ``MSG_WAITALL`` calls, as the engine's receivers do: in a raw two-process test such a stream ran at 3.1-4.2 GB/s under
-BBR against 5.3-7.1 under cubic or reno, and the engine at 64 KiB x 128 went from 4.50
-to 5.27 GB/s with 8% less CPU per GB. Rails to other hosts keep the host's choice, which
+receiver copies in long ``MSG_WAITALL`` calls, as the engine's receivers do: in a raw
+two-process test such a stream ran at 3.1-4.2 GB/s under BBR against 5.3-7.1 under
+cubic or reno, and the engine at 64 KiB x 128 went from 4.50 to 5.27 GB/s with 8% less
+CPU per GB. Rails to other hosts keep the host's choice, which
 is the operator's for the real network, unless ``congestion`` names one.
 """
 
@@ -137,7 +138,7 @@ def check_congestion(policy: str | None) -> None:
         return
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         try:
-            probe.setsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, policy.encode())
+            set_congestion(probe, policy)
         except OSError as exc:
             try:
                 with open("/proc/sys/net/ipv4/tcp_allowed_congestion_control") as f:
