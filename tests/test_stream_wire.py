@@ -3,77 +3,25 @@ entries are refused before any byte lands, and the connection stays in step."""
 
 from __future__ import annotations
 
-import os
-import socket
-import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import msgpack
 import numpy as np
 import pytest
 
+from tests.rails import RawRail, handshake, hello_frame
 from tests.transport_contract import random_bytes
 from transfer_engine import Engine, InvalidDescriptorError
+from transfer_engine.errors import AuthenticationError
 from transfer_engine.transport.stream import (
-    ANSWER,
     FLAG_UNIFORM,
     HEADER,
-    KIND_ANSWER,
-    KIND_HELLO,
     KIND_READ,
     KIND_WRITE,
-    WIRE_VERSION,
-    pack_uniform,
     unpack_error,
 )
 
 SIZE = 1 << 20
-
-
-class RawRail:
-    """A hand-driven rail: the initiator side of the protocol without the engine."""
-
-    def __init__(self, engine: Engine, version: int = WIRE_VERSION) -> None:
-        info = engine.metadata()["transports"]["tcp"]
-        self.sock = socket.create_connection((info["host"], info["port"]), timeout=5)
-        body = msgpack.packb({"name": "raw", "version": version, "pid": os.getpid()})
-        self.sock.sendall(HEADER.pack(KIND_HELLO, 0, 0, 0, 0, len(body), 0, 0, 0) + body)
-        self.wr_id = 0
-
-    def request(self, kind: int, entries: list[tuple[int, int, int]], payload: bytes = b""
-                ) -> tuple[int, bytes]:
-        self.wr_id += 1
-        head = HEADER.pack(kind, 0, len(entries), 0, 0, 0, self.wr_id, 0, 0)
-        words = struct.pack("<" + "QQQ" * len(entries), *(w for e in entries for w in e))
-        self.sock.sendall(head + words + payload)
-        return self.answer()
-
-    def request_uniform(self, kind: int, segment: int, length: int, offsets: list[int],
-                        payload: bytes = b"") -> tuple[int, bytes]:
-        """A request whose entries share one segment and length: offsets alone."""
-        self.wr_id += 1
-        head = HEADER.pack(kind, FLAG_UNIFORM, len(offsets), 0, 0, 0, self.wr_id, 0, 0)
-        entries = pack_uniform(segment, length, np.array(offsets, dtype=np.uint64))
-        self.sock.sendall(head + entries + payload)
-        return self.answer()
-
-    def answer(self) -> tuple[int, bytes]:
-        kind, status, _, body_len, wr_id = ANSWER.unpack(self.recv(ANSWER.size))
-        assert kind == KIND_ANSWER
-        return status, self.recv(body_len)
-
-    def recv(self, n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = self.sock.recv(n - len(data))
-            if not chunk:
-                raise ConnectionResetError("target closed the rail")
-            data += chunk
-        return data
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.fixture
@@ -87,10 +35,9 @@ def target(make_engine: Callable[..., Engine]) -> Iterator[tuple[Engine, np.ndar
 
 @pytest.fixture
 def raw(target: tuple[Engine, np.ndarray, list[int]]) -> Iterator[RawRail]:
-    rail = RawRail(target[0])
+    rail = RawRail(target[0], handshake(target[0])[1])
     try:
-        status, _ = rail.answer()  # the hello's
-        assert status == 0
+        assert rail.status == 0  # the hello's
         yield rail
     finally:
         rail.close()
@@ -150,13 +97,17 @@ def test_unknown_segment_is_refused(target: tuple[Engine, np.ndarray, list[int]]
     assert status == 0 and raw.recv(4) == _memory(target)[:4].tobytes()
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_an_older_version_rail_is_turned_away(target: tuple[Engine, np.ndarray, list[int]],
                                               version: int) -> None:
-    rail = RawRail(target[0], version=version)
+    rail = RawRail(target[0], None)
     try:
-        with pytest.raises(ConnectionResetError):
-            rail.answer()
+        _, credential = handshake(target[0])
+        rail.sock.sendall(hello_frame(credential, "tcp", rail.challenge, version=version))
+        status, body = rail.answer()
+        assert isinstance(unpack_error(body, status, "b", "connect", "tcp"),
+                          AuthenticationError)
+        assert rail.closed_by_target()
     finally:
         rail.close()
 

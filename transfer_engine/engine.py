@@ -32,7 +32,7 @@ import numpy as np
 import zmq
 
 from transfer_engine.closeable import Closeable
-from transfer_engine.control.auth import AuthConfig, open_request, seal
+from transfer_engine.control.auth import AuthConfig, check_exposure, open_request, seal
 from transfer_engine.control.messages import (
     Denied,
     ErrorReply,
@@ -49,6 +49,7 @@ from transfer_engine.control.metastore import (
     MetadataStore,
     RegistryStore,
 )
+from transfer_engine.control.tickets import Credential, Ticket, TicketBook
 from transfer_engine.descriptor import Blocks, Descriptor, Op
 from transfer_engine.errors import (
     AuthenticationError,
@@ -161,14 +162,19 @@ class Engine(Closeable):
     :param auth: signing of control messages (handshake and registry): an
         :class:`~transfer_engine.control.auth.AuthConfig`, or the shared secret itself
         (``str``/``bytes``, at least 16 bytes). Default: ``AuthConfig.from_env()``
-        (``$TE_CONTROL_SECRET``), unsigned when that is unset.
+        (``$TE_CONTROL_SECRET``), unsigned when that is unset. Rails are bound to
+        handshaken peers either way (:mod:`~transfer_engine.control.tickets`).
+    :param insecure: without a secret the engine serves loopback only; ``True`` (or
+        ``$TE_ALLOW_INSECURE=1``) lets it serve another address anyway, with a warning:
+        then anyone who reaches the control port can handshake and move bytes.
     """
 
     def __init__(self, name: str, *, host: str = "127.0.0.1", port: int = 0,
                  transports: Sequence[str | Transport] | None = None,
                  timeout: float = 10.0, registry: str | MetadataStore | None = None,
                  role: str = "any", pod: str = "", zone: str = "",
-                 auth: AuthConfig | str | bytes | None = None) -> None:
+                 auth: AuthConfig | str | bytes | None = None,
+                 insecure: bool | None = None) -> None:
         self.name = name
         self.host = host
         self.timeout = timeout
@@ -193,6 +199,10 @@ class Engine(Closeable):
         if not isinstance(auth, AuthConfig):
             auth = AuthConfig(secret=auth) if auth is not None else AuthConfig.from_env()
         self._signer = auth.signer()
+        self._secret = auth.key if auth.secret is not None else None
+        check_exposure(host, self._secret is not None, insecure, what=f"engine {name!r}")
+        self._tickets = TicketBook(self._secret, name)
+        self._ranges: np.ndarray | None = None  # local_ranges(), rebuilt on (de)register
         self.membership: MetadataStore | None = None
         try:
             self._start_control(host, port)
@@ -285,6 +295,21 @@ class Engine(Closeable):
             except Exception:
                 log.exception("notification callback failed")
 
+    def admit_rail(self, ticket: object, transport: str, challenge: bytes, nonce: object,
+                   proof: object) -> tuple[Ticket, bytes]:
+        return self._tickets.admit(ticket, transport, challenge, nonce, proof)
+
+    def local_ranges(self) -> np.ndarray:
+        ranges = self._ranges
+        if ranges is None:
+            with self._lock:
+                segs = [s for s in self._segments.values()
+                        if not s.closed and s.device == "cpu"]
+                ranges = np.array([(s.address, s.length, int(s.writable)) for s in segs],
+                                  dtype=np.uint64).reshape(-1, 3)
+                self._ranges = ranges
+        return ranges
+
     # --- metadata and control endpoint ------------------------------------------------
 
     def metadata(self) -> dict[str, Any]:
@@ -346,7 +371,9 @@ class Engine(Closeable):
                 raise ProtocolError("hello without a name")
             if name == self.name:
                 raise ProtocolError(f"peer uses our own name {name!r}")
-            return Welcome(self.metadata())
+            pid = msg.meta.get("pid")
+            ticket = self._tickets.issue(name, pid if isinstance(pid, int) else 0)
+            return Welcome(self.metadata(), ticket)
         if isinstance(msg, SegmentsRequest):
             return SegmentsReply(self.metadata()["segments"])
         raise ProtocolError(f"unexpected {msg.kind} on the control endpoint")
@@ -383,6 +410,7 @@ class Engine(Closeable):
                 raise
             self._segments[seg_id] = seg
             self._segment_names[name] = seg
+            self._ranges = None
             self._stack.callback(seg.close)
         self._publish()
         return seg
@@ -391,6 +419,7 @@ class Engine(Closeable):
         with self._lock:
             self._segments.pop(seg.id, None)
             self._segment_names.pop(seg.name, None)
+            self._ranges = None
         for transport in self._transports.values():
             transport.deregister(seg)
         self._publish()
@@ -420,12 +449,13 @@ class Engine(Closeable):
             if not isinstance(name, str) or not name:
                 raise ProtocolError("welcome without a name", peer=address)
             client.peer = name
+            credential = Credential.from_welcome(reply.ticket, self._secret, name, self.name)
             peer = Peer(meta, client, timeout)
         except BaseException:
             client.close()
             raise
         try:
-            self._open_rails(peer, timeout)
+            self._open_rails(peer, timeout, credential)
         except BaseException:
             peer.close()
             raise
@@ -437,7 +467,7 @@ class Engine(Closeable):
             old.close()
         return peer
 
-    def _open_rails(self, peer: Peer, timeout: float) -> None:
+    def _open_rails(self, peer: Peer, timeout: float, credential: Credential) -> None:
         errors: list[str] = []
         for name, transport in self._transports.items():
             info = peer.meta.get("transports", {}).get(name)
@@ -447,7 +477,7 @@ class Engine(Closeable):
             try:
                 for _ in range(max(1, transport.capabilities.default_rails)):
                     rails.append(transport.connect(peer.name, info, self._on_complete,
-                                                   timeout))
+                                                   timeout, credential))
             except TransferError as exc:
                 for rail in rails:
                     rail.close()

@@ -145,6 +145,7 @@ _WIRE_CODES: dict[int, type[TransferError]] = {
     4: BusyError,
     5: NotSupportedError,
     6: RemoteError,
+    7: AuthenticationError,
 }
 _CODES_BY_TYPE = {cls: code for code, cls in _WIRE_CODES.items()}
 

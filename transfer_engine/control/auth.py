@@ -24,7 +24,10 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import ipaddress
+import logging
 import os
+import socket
 import struct
 import threading
 import time
@@ -35,7 +38,9 @@ from transfer_engine.control.messages import Denied, Message, decode, encode
 from transfer_engine.errors import AuthenticationError
 
 __all__ = ["AuthConfig", "Signer", "MAGIC", "OVERHEAD", "seal", "open_request",
-           "open_reply"]
+           "open_reply", "check_exposure", "is_loopback"]
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"TEA1"
 _HEAD = struct.Struct("!4sd16s32s")
@@ -168,3 +173,41 @@ def open_reply(frame: bytes, signer: Signer | None, peer: str | None = None,
     if isinstance(msg, Denied):
         raise AuthenticationError(f"refused by the peer: {msg.reason}", peer=peer, op=op)
     return msg
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` (a literal or a name) stands for is a loopback
+    one; a name that does not resolve counts as not loopback."""
+    host = host.strip("[]")
+    if host.startswith("tcp://"):
+        host = host[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback
+                               for i in infos)
+
+
+def check_exposure(host: str, signed: bool, insecure: bool | None, what: str) -> None:
+    """Refuses to serve a non-loopback ``host`` without a control secret unless the
+    operator opted in (``insecure=True`` or ``$TE_ALLOW_INSECURE=1``), which is logged.
+
+    Raises ``ValueError`` naming both ways out.
+    """
+    if signed or is_loopback(host):
+        return
+    if insecure is None:
+        insecure = os.environ.get("TE_ALLOW_INSECURE", "") not in ("", "0", "false", "no")
+    if not insecure:
+        raise ValueError(
+            f"{what} would serve {host!r} without a control secret: anyone who reaches it "
+            "could read and write registered memory. Set TE_CONTROL_SECRET (or "
+            "TE_CONTROL_SECRET_FILE, or auth=...) on every engine and the registry, or "
+            "opt in with insecure=True / TE_ALLOW_INSECURE=1")
+    log.warning("%s serves %s without a control secret (opted in): any process that "
+                "reaches it can handshake and move bytes", what, host)

@@ -62,10 +62,12 @@ class Hello(Message):
 @message
 @dataclass(frozen=True, slots=True)
 class Welcome(Message):
-    """Target -> initiator: my metadata (transports, segments)."""
+    """Target -> initiator: my metadata (transports, segments) and the ticket that lets
+    the initiator open rails to me (:mod:`~transfer_engine.control.tickets`)."""
 
     kind: ClassVar[str] = "welcome"
     meta: dict[str, Any] = field(default_factory=dict)
+    ticket: dict[str, Any] = field(default_factory=dict)
 
 
 @message

@@ -9,8 +9,10 @@ Protocol (who calls what, in which order):
    segment's keys for this transport: an RDMA rkey, nothing for TCP) travels with the
    segment's metadata. ``deregister(segment)`` when it closes.
 3. To reach a peer the engine checks ``reachable(peer_meta)`` and calls
-   ``connect(peer, info, on_complete)`` once per rail it wants, with the ``info`` that
-   peer published for this transport.
+   ``connect(peer, info, on_complete, timeout, credential)`` once per rail it wants,
+   with the ``info`` that peer published for this transport and the rail ticket its
+   handshake issued (:mod:`~transfer_engine.control.tickets`). A target serves a rail
+   only once it proved a ticket (``host.admit_rail``), and only as that ticket's peer.
 4. The engine posts :class:`Work` with ``rail.post(work)``. A rail keeps the order of
    the work posted to it. ``on_complete`` is called exactly once per posted work, from
    a transport thread: with ``error=None`` once its bytes are in place at the
@@ -35,6 +37,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from transfer_engine.descriptor import Op
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from transfer_engine.control.tickets import Credential, Ticket
     from transfer_engine.errors import TransferError
     from transfer_engine.segment import Segment
 
@@ -110,6 +115,18 @@ class Host(Protocol):
 
     def deliver_immediate(self, peer: str, imm: Immediate) -> None: ...
 
+    def admit_rail(self, ticket: object, transport: str, challenge: bytes, nonce: object,
+                   proof: object) -> tuple[Ticket, bytes]:
+        """Checks a rail's opening against the tickets this engine issued; returns the
+        ticket (the rail is bound to its peer) and the answer proving our side.
+        Raises ``AuthenticationError`` that discloses nothing."""
+        ...
+
+    def local_ranges(self) -> np.ndarray:
+        """(address, length, writable) rows of this engine's open host segments, what
+        a same-host rail announces to its target."""
+        ...
+
 
 class Rail(abc.ABC):
     """One independent ordered path to one peer (a TCP connection, an RDMA QP)."""
@@ -171,9 +188,11 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def connect(self, peer: str, info: dict[str, Any], on_complete: OnComplete,
-                timeout: float | None = None) -> Rail:
-        """Opens one rail to ``peer`` (``info`` is what the peer's ``start`` returned).
-        Raises ``ConnectError`` or ``TransferTimeout``."""
+                timeout: float | None = None, credential: Credential | None = None
+                ) -> Rail:
+        """Opens one rail to ``peer`` (``info`` is what the peer's ``start`` returned),
+        proving it with ``credential``, the ticket the peer's handshake gave us.
+        Raises ``ConnectError``, ``AuthenticationError`` or ``TransferTimeout``."""
 
     @property
     @abc.abstractmethod

@@ -17,10 +17,21 @@ a registered, open segment is ever written, and a deregistered segment is refuse
 as over TCP. For a READ it pushes (``process_vm_writev``). The answer follows the copy,
 so a finished handle means the bytes landed.
 
+Who may be copied: the target takes the initiator's process from the kernel
+(``SO_PEERCRED`` on the Unix socket, and a pidfd to that process), never from a message,
+and serves the rail only if it is the process the ticket's handshake named. Each copy
+first checks that this process is still the one that connected (its pidfd has not
+exited, so its pid cannot have passed to another process) and that every initiator
+range lies inside a segment the initiator announced on the rail (writable ones only,
+for a READ). The socket lives in a private folder (mode 0700) of its own.
+
 Fallback: when the kernel refuses cross-memory attach (``EPERM`` under a strict ptrace
 policy or a seccomp filter; ``ENOSYS``) the answer carries ``NotSupportedError`` and
-the engine repeats the transfer over TCP. Each process allows peers to attach with
-``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`` where Yama is active.
+the engine repeats the transfer over TCP. No process is opened to every other: where
+Yama restricts ptrace to descendants (``ptrace_scope`` 1) an initiator names, with
+``PR_SET_PTRACER``, the one target process (as the kernel reports it on the socket)
+that may attach to it, and only its latest shm peer can; with ``ptrace_scope`` 0 (same
+user) or ``CAP_SYS_PTRACE`` nothing is granted; at 2 or 3 only the capability works.
 """
 
 from __future__ import annotations
@@ -28,17 +39,22 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import select
+import shutil
 import socket
+import struct
 import tempfile
-import uuid
 from typing import Any
 
 import numpy as np
 
+from transfer_engine.control.tickets import Credential
 from transfer_engine.descriptor import Op
 from transfer_engine.errors import (
+    AuthenticationError,
     ClosedError,
     ConnectError,
+    InvalidDescriptorError,
     NotSupportedError,
     PeerLostError,
     TransferError,
@@ -48,12 +64,15 @@ from transfer_engine.transport.base import Capabilities, Host, OnComplete, Rail,
 from transfer_engine.transport.stream import (
     KIND_READ,
     KIND_WRITE,
+    STALL_TIMEOUT,
     Connection,
     StreamRail,
     StreamServer,
     Targets,
+    _Refused,
+    encode_announce,
     encode_request,
-    hello,
+    open_rail,
     pack_local,
     send_bytes,
 )
@@ -61,7 +80,8 @@ from transfer_engine.transport.stream import (
 __all__ = ["ShmTransport", "host_id"]
 
 _PR_SET_PTRACER = 0x59616D61
-_PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+_SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5+
+_UCRED = struct.Struct("iII")  # pid, uid, gid
 
 
 class _IoVec(ctypes.Structure):
@@ -149,13 +169,91 @@ def _translate(exc: OSError, conn: Connection, op: str) -> TransferError:
                          transport="shm")
 
 
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a Unix socket, as the
+    kernel recorded it when the connection was made."""
+    return _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                         _UCRED.size))
+
+
+def _pidfd(sock: socket.socket, pid: int) -> int | None:
+    """A pidfd for the socket's peer process: from the socket itself where the kernel
+    offers it (no window for the pid to be reused), else opened by pid right after
+    the credentials were read. None where neither exists."""
+    try:
+        return int(sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD))
+    except OSError:
+        pass
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _exited(pidfd: int | None) -> bool:
+    """Whether the process behind ``pidfd`` has exited (a pidfd polls readable then)."""
+    if pidfd is None:
+        return False
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _ptrace_scope() -> int | None:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None  # no Yama: same-user processes may attach (classic ptrace rules)
+
+
+def grant_attach(pid: int) -> None:
+    """Lets process ``pid`` (a same-host target) copy to and from our memory where Yama
+    would otherwise forbid it; one process at a time, never any process."""
+    if _ptrace_scope() != 1:
+        return
+    try:
+        _libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(pid), 0, 0, 0)
+    except Exception:  # not Linux: nothing to grant
+        pass
+
+
+def outside_ranges(ranges: np.ndarray | None, rows: np.ndarray, writable: bool) -> bool:
+    """Whether any (address, length) row of ``rows`` leaves the announced ``ranges``
+    ((start, end, writable) rows sorted by start), or needs a writable one and is not."""
+    if not len(rows):
+        return False
+    if ranges is None or not len(ranges):
+        return True
+    address = rows["address"]
+    length = rows["length"]
+    idx = np.searchsorted(ranges[:, 0], address, side="right").astype(np.int64) - 1
+    if bool((idx < 0).any()):
+        return True
+    hit = ranges[idx]
+    # address >= start here, so end - address does not wrap
+    bad = length > hit[:, 1] - address
+    if writable:
+        bad |= hit[:, 2] == 0
+    return bool(bad.any())
+
+
 class ShmRail(StreamRail):
     transport_name = "shm"
+
+    def __init__(self, sock: socket.socket, peer: str, index: int, on_complete: OnComplete,
+                 host: Host, announced: np.ndarray) -> None:
+        self._announced = announced  # the ranges the target knows of
+        super().__init__(sock, peer, index, on_complete, host)
 
     def _payload(self, work: Work) -> int:
         return 0  # the target copies; only (address, length) entries travel
 
     def _send_request(self, work: Work) -> None:
+        ranges = self._host.local_ranges()
+        if ranges is not self._announced:  # a segment came or went: say so first
+            send_bytes(self._sock, encode_announce(ranges))
+            self._announced = ranges
         if work.iov is not None:  # (address, length) rows: the LOCAL_DT layout
             local = np.ascontiguousarray(work.iov, dtype="<u8").tobytes()
         else:
@@ -174,16 +272,30 @@ class ShmRail(StreamRail):
 class ShmServer(StreamServer):
     transport_name = "shm"
 
+    def vouch(self, conn: Connection) -> None:
+        pid, uid, _ = peer_credentials(conn.sock)
+        if pid <= 0 or pid != conn.pid:
+            raise _Refused(f"the connecting process ({pid}) is not the one the handshake "
+                           f"named ({conn.pid})")
+        conn.pidfd = _pidfd(conn.sock, pid)
+
     def _copy(self, conn: Connection, views: Targets, local: np.ndarray | None,
               write_to_peer: bool, op: str) -> None:
         if local is None:
             raise NotSupportedError("shm request without initiator addresses",
                                     peer=conn.peer, op=op, transport="shm")
+        if outside_ranges(conn.ranges, local, writable=write_to_peer):
+            raise InvalidDescriptorError("initiator range outside the segments it "
+                                         "announced", peer=conn.peer, op=op,
+                                         transport="shm")
         ours = views.iov.tolist()
         theirs = local.tolist()
         if views.nbytes != sum(n for _, n in theirs):
             raise NotSupportedError("shm request sizes disagree", peer=conn.peer, op=op,
                                     transport="shm")
+        if _exited(conn.pidfd):
+            raise PeerLostError("peer process is gone", peer=conn.peer, op=op,
+                                transport="shm")
         try:
             cross_copy(conn.pid, ours, theirs, write=write_to_peer)
         except OSError as exc:
@@ -202,30 +314,30 @@ class ShmServer(StreamServer):
         send_bytes(conn.sock, self._answer(wr_id, None))
 
 
-def _allow_attach() -> None:
-    try:
-        _libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(_PR_SET_PTRACER_ANY), 0, 0, 0)
-    except Exception:  # not Linux with Yama: nothing to allow
-        pass
-
-
 class ShmTransport(Transport):
     """Cross-memory-attach rails between processes of one host.
 
     :param rails: connections opened per peer (copies of different rails run in
         parallel on the target).
     :param slice_size: bytes per work request.
-    :param socket_dir: folder for the Unix sockets (default: the system temp folder).
+    :param socket_dir: folder in which the transport makes its private (0700) socket
+        folder (default: the system temp folder).
+    :param stall_timeout: longest pause the target allows inside a request or an
+        answer before it drops the rail.
     """
 
     name = "shm"
 
     def __init__(self, rails: int = 2, slice_size: int = 4 << 20,
-                 socket_dir: str | None = None) -> None:
+                 socket_dir: str | None = None, stall_timeout: float = STALL_TIMEOUT) -> None:
+        if not stall_timeout > 0:
+            raise ValueError("stall_timeout must be positive")
         self._caps = Capabilities(max_sge=1000, max_wr_bytes=256 << 20, remote_scatter=True,
                                   same_host_only=True, default_rails=rails,
                                   slice_size=slice_size, min_split=1 << 20)
-        self._dir = socket_dir or tempfile.gettempdir()
+        self._parent = socket_dir or tempfile.gettempdir()
+        self._stall = stall_timeout
+        self._dir: str | None = None
         self._path: str | None = None
         self._server: ShmServer | None = None
         self._host: Host | None = None
@@ -238,12 +350,17 @@ class ShmTransport(Transport):
 
     def start(self, host: Host) -> dict[str, Any]:
         self._host = host
-        _allow_attach()
-        self._path = os.path.join(self._dir, f"te-{os.getpid()}-{uuid.uuid4().hex[:12]}.sock")
+        self._dir = tempfile.mkdtemp(prefix="te-shm-", dir=self._parent)  # mode 0700
+        self._path = os.path.join(self._dir, "rail.sock")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(self._path)
-        listener.listen(128)
-        self._server = ShmServer(listener, host, 0)
+        try:
+            listener.bind(self._path)
+            listener.listen(128)
+        except OSError:
+            listener.close()
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+        self._server = ShmServer(listener, host, 0, self._stall)
         return {"path": self._path, "host_id": host.host_id, "pid": os.getpid()}
 
     def register(self, segment: Segment) -> dict[str, Any]:
@@ -254,25 +371,35 @@ class ShmTransport(Transport):
 
     def reachable(self, peer_meta: dict[str, Any]) -> bool:
         info = peer_meta.get("transports", {}).get("shm")
-        return bool(info) and self._host is not None and info.get("host_id") == self._host.host_id
+        return (isinstance(info, dict) and self._host is not None
+                and info.get("host_id") == self._host.host_id)
 
     def connect(self, peer: str, info: dict[str, Any], on_complete: OnComplete,
-                timeout: float | None = 10.0) -> Rail:
+                timeout: float | None = 10.0, credential: Credential | None = None
+                ) -> Rail:
         if self._closed or self._host is None:
             raise ClosedError("transport is closed", peer=peer, transport=self.name)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        announced = self._host.local_ranges()
         try:
             sock.settimeout(timeout)
-            sock.connect(info["path"])
-            sock.settimeout(None)
-            hello(sock, self._host.name, timeout)
+            sock.connect(str(info["path"]))
+            grant_attach(peer_credentials(sock)[0])  # the kernel's word, not the peer's
+            open_rail(sock, credential, self.name, timeout, announced)
+        except AuthenticationError as exc:
+            sock.close()
+            raise exc.with_context(peer=peer, op="connect", transport=self.name) from None
         except Exception as exc:
             sock.close()
             raise ConnectError(f"cannot open shm rail at {info.get('path')}: {exc}",
                                peer=peer, op="connect", transport=self.name) from exc
-        rail = ShmRail(sock, peer, len(self._rails), on_complete, self._host)
+        rail = ShmRail(sock, peer, len(self._rails), on_complete, self._host, announced)
         self._rails.append(rail)
         return rail
+
+    def revoke(self, segment: Segment) -> None:
+        if self._server is not None:
+            self._server.revoke(segment)
 
     def close(self) -> None:
         if self._closed:
@@ -283,8 +410,5 @@ class ShmTransport(Transport):
         self._rails.clear()
         if self._server is not None:
             self._server.close()
-        if self._path:
-            try:
-                os.unlink(self._path)
-            except OSError:
-                pass
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)

@@ -6,20 +6,33 @@ answers in order. The target runs one thread per connection that validates each
 request against its segment table *before* touching memory, moves the bytes, counts
 the immediate after the bytes, and answers.
 
+Opening (see :mod:`transfer_engine.control.tickets`): on accept the target sends a
+challenge; the initiator answers with a HELLO that proves it holds a ticket from the
+control handshake; the target answers with its own proof and from then on takes every
+request on the connection as that ticket's peer's. A connection that does not open
+this way is answered with a bare "rail refused" and closed: a stranger learns nothing
+about segments, peers or why.
+
 Wire format (little-endian; one request, one answer, in order on each connection):
 
+    challenge = magic "TEr4" nonce(32)                       (target, on accept)
     request  = header(32) remote local[n_local](16 each) body[body_len] payload
     header   = kind u8, flags u8, n_remote u16, n_local u16, pad u16, body_len u32,
                wr_id u64, transfer_id u64, expected u32
     flags    = 1: with immediate; 2: uniform remote entries
     remote   = n_remote of (segment u64, offset u64, length u64)   (target memory)
              | uniform: segment u64, length u64, then n_remote offsets u64
+             | ANNOUNCE: n_remote of (address u64, length u64, writable u64)
     local    = address u64, length u64                    (initiator memory, shm only)
-    body     = HELLO: msgpack {name, version, pid}; WRITE with immediate: notify bytes
+    body     = HELLO: msgpack {version, ticket, nonce, proof, pid};
+               WRITE with immediate: notify bytes
     payload  = the bytes (tcp WRITE only)
     answer   = kind u8 (0x81), status u8 (0 ok, else an error code), pad u16,
-               body_len u32, wr_id u64; body = msgpack error details; then, for a tcp
-               READ that succeeded, the bytes.
+               body_len u32, wr_id u64; body = msgpack error details (the HELLO's: the
+               target's proof); then, for a tcp READ that succeeded, the bytes.
+
+ANNOUNCE (shm) tells the target which ranges of the initiator's memory are registered
+segments: the target copies to or from no other initiator memory.
 
 Entries are whole 64-bit words, so the target reads them as one aligned ``(n, 3)``
 array and checks a request of a thousand blocks with a handful of array operations.
@@ -28,7 +41,15 @@ a third of the bytes, and one reduction to check them all. Each NumPy call count
 the kernel's copy of a batch evicts the caches, so a call costs 10-15 us when the next
 request comes, several times its warm cost.
 Versions (``version`` in the HELLO): 1, 20-byte remote entries (segment u32); 2, 24-byte
-entries; 3, uniform entries added.
+entries; 3, uniform entries added; 4, the challenge, ticket-bound rails and ANNOUNCE.
+
+Bounds: a connection must open within ``HELLO_TIMEOUT`` seconds; at most
+``MAX_OPENING`` connections may be opening at once (a new one pushes out the oldest: a
+peer opens in one round trip, so a crowd of stalled openings cannot lock it out) and
+``MAX_CONNECTIONS`` may be open in all (more are closed at once); once open, a request
+that has begun must keep arriving (and an answer keep leaving) with no pause longer
+than the stall timeout, or the rail is dropped, its thread and socket freed. An open
+rail may stay idle between requests.
 
 Subclasses say only how the payload moves (:meth:`StreamServer.land` /
 :meth:`StreamServer.serve` on the target, :meth:`StreamRail._send_request` /
@@ -39,12 +60,14 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import errno
 import logging
 import os
 import queue
 import socket
 import struct
 import threading
+import time
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import accumulate, chain
@@ -53,8 +76,16 @@ from typing import Any, NoReturn
 import msgpack
 import numpy as np
 
+from transfer_engine.control.tickets import (
+    CHALLENGE_BYTES,
+    CHALLENGE_MAGIC,
+    Credential,
+    Ticket,
+    new_challenge,
+)
 from transfer_engine.descriptor import Op
 from transfer_engine.errors import (
+    AuthenticationError,
     ClosedError,
     InvalidDescriptorError,
     NotSupportedError,
@@ -71,8 +102,8 @@ from transfer_engine.transport.iovec import IOVEC_IO, iov_views, recv_iov, send_
 
 log = logging.getLogger(__name__)
 
-WIRE_VERSION = 3
-KIND_HELLO, KIND_WRITE, KIND_READ, KIND_ANSWER = 1, 2, 3, 0x81
+WIRE_VERSION = 4
+KIND_HELLO, KIND_WRITE, KIND_READ, KIND_ANNOUNCE, KIND_ANSWER = 1, 2, 3, 4, 0x81
 FLAG_IMM, FLAG_UNIFORM = 1, 2
 HEADER = struct.Struct("<BBHHHIQQI")
 UNIFORM = struct.Struct("<QQ")  # segment, length of every entry
@@ -85,6 +116,13 @@ MAX_REQUEST_BYTES = 1 << 30
 _IOV_CHUNK = 1000  # sendmsg/recvmsg_into take at most IOV_MAX buffers
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
 EARLY_HEAD_BYTES = 256 << 10
+# accept() failures that pass once fds or memory are freed
+_RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+HELLO_TIMEOUT = 5.0  # seconds a new connection has to open
+STALL_TIMEOUT = 20.0  # longest pause inside a request or an answer
+MAX_OPENING = 64  # connections opening at once
+MAX_CONNECTIONS = 4096  # connections open at once, per server
+MAX_ANNOUNCED = 1 << 16  # ranges an initiator may announce
 
 
 class PeerClosed(Exception):
@@ -506,31 +544,80 @@ class StreamRail(Rail):
                 f"inflight={self.inflight}>")
 
 
-def hello(sock: socket.socket, name: str, timeout: float | None) -> None:
-    """First message of a rail: who we are. The target answers once it accepted us."""
-    body = msgpack.packb({"name": name, "version": WIRE_VERSION, "pid": os.getpid()})
+def open_rail(sock: socket.socket, credential: Credential | None, transport: str,
+              timeout: float | None, ranges: np.ndarray | None = None) -> None:
+    """Opens a rail: answers the target's challenge with our ticket, checks the target's
+    proof and, for shm, announces our segments' ``ranges`` (ANNOUNCE rows). Raises
+    :class:`AuthenticationError` or :class:`PeerClosed`/``OSError``."""
+    if credential is None:
+        raise AuthenticationError("no rail ticket: connect through the engine's handshake",
+                                  transport=transport, op="connect")
     sock.settimeout(timeout)
     try:
+        challenge = recv_exact(sock, CHALLENGE_BYTES)
+        if not challenge.startswith(CHALLENGE_MAGIC):
+            raise ProtocolError("the target does not speak rail version "
+                                f"{WIRE_VERSION}", transport=transport, op="connect")
+        nonce, proof = credential.opening(transport, challenge)
+        body = msgpack.packb({"version": WIRE_VERSION, "ticket": credential.ticket,
+                              "nonce": nonce, "proof": proof, "pid": os.getpid()})
         send_bytes(sock, encode_request(KIND_HELLO, None, body))
         kind, status, _, body_len, _ = ANSWER.unpack(recv_exact(sock, ANSWER.size))
+        if body_len > MAX_BODY:
+            raise ProtocolError("malformed answer to the rail's hello", transport=transport,
+                                op="connect")
         answer = recv_exact(sock, body_len)
+        if kind != KIND_ANSWER or status:
+            raise unpack_error(answer, status or 2, "?", "connect", transport)
+        credential.check_answer(transport, challenge, nonce, answer)
+        if ranges is not None:
+            send_bytes(sock, encode_announce(ranges))
     finally:
         sock.settimeout(None)
-    if kind != KIND_ANSWER or status:
-        raise unpack_error(answer, status or 2, "?", "connect", "stream")
+
+
+def encode_announce(ranges: np.ndarray) -> bytes:
+    """An ANNOUNCE request: ``ranges`` rows of (address, length, writable)."""
+    rows = np.ascontiguousarray(ranges, dtype="<u8").reshape(-1, 3)
+    if len(rows) > MAX_ANNOUNCED:
+        raise ValueError(f"{len(rows)} ranges to announce (at most {MAX_ANNOUNCED})")
+    body = rows.tobytes()
+    return HEADER.pack(KIND_ANNOUNCE, 0, 0, 0, 0, len(body), 0, 0, 0) + body
+
+
+def set_stall_timeout(sock: socket.socket, seconds: float | None) -> None:
+    """Bounds, in the kernel, every pause of a blocking call on ``sock`` (SO_RCVTIMEO,
+    SO_SNDTIMEO): the data path keeps its one-call receives, and a stalled peer makes a
+    call fail with EAGAIN instead of holding a thread forever."""
+    sec = int(seconds or 0)
+    usec = int(((seconds or 0) - sec) * 1e6)
+    tv = struct.pack("ll", sec, usec)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 # --- target side ----------------------------------------------------------------------
 
 class Connection:
-    """What the target knows of one accepted rail."""
+    """What the target knows of one open rail: the peer its ticket names (never what
+    its messages say), that peer's process, what the rail has pinned right now, and the
+    initiator ranges it announced (shm)."""
 
-    __slots__ = ("sock", "peer", "pid")
+    __slots__ = ("sock", "peer", "pid", "ticket", "pinned", "ranges", "pidfd")
 
-    def __init__(self, sock: socket.socket, peer: str, pid: int) -> None:
+    def __init__(self, sock: socket.socket, peer: str, pid: int,
+                 ticket: Ticket | None = None) -> None:
         self.sock = sock
         self.peer = peer
         self.pid = pid
+        self.ticket = ticket
+        self.pinned: list[Any] = []
+        self.ranges: np.ndarray | None = None  # (start, end, writable) rows, sorted
+        self.pidfd: int | None = None
+
+
+class _Refused(Exception):
+    """A connection that did not open: closed without an answer."""
 
 
 def _check_entries(conn: Connection, seg: Segment, rows: np.ndarray, write: bool, op: str,
@@ -596,14 +683,20 @@ class StreamServer:
 
     transport_name = "stream"
 
-    def __init__(self, listener: socket.socket, host: Host, buffer_bytes: int) -> None:
+    def __init__(self, listener: socket.socket, host: Host, buffer_bytes: int,
+                 stall_timeout: float = STALL_TIMEOUT) -> None:
         self._listener = listener
         self._host = host
         self._buffer_bytes = buffer_bytes
+        self._stall = stall_timeout
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
+        self._open: dict[socket.socket, Connection] = {}
+        self._opening: collections.OrderedDict[socket.socket, None] = (
+            collections.OrderedDict())  # oldest first
         self._closed = False
         self.bytes_received = 0
+        self.stats: collections.Counter[str] = collections.Counter()
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
                                           name=f"te-{self.transport_name}-accept")
         self._acceptor.start()
@@ -629,16 +722,46 @@ class StreamServer:
         """Sets the options of an accepted connection before it serves anything."""
         tune_socket(sock, self._buffer_bytes)
 
+    def vouch(self, conn: Connection) -> None:
+        """Checks what the transport itself can tell of the peer once its ticket is
+        good (shm: the kernel's word on its process); raises :class:`_Refused`."""
+
     def _accept_loop(self) -> None:
+        backoff = 0.0
         while True:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return  # listener closed
+            except OSError as exc:
+                if self._closed or exc.errno in (errno.EBADF, errno.EINVAL, None):
+                    return  # listener closed
+                if exc.errno in _RESOURCE_ERRORS:  # out of fds or memory: wait, go on
+                    if not backoff:
+                        log.warning("%s: cannot accept rails (%s); retrying with backoff",
+                                    self.transport_name, exc.strerror)
+                    self.stats["accept_errors"] += 1
+                    backoff = min(1.0, backoff * 2 or 0.01)
+                    time.sleep(backoff)
+                continue  # ECONNABORTED, EPROTO, EINTR...: that one connection only
+            if backoff:
+                log.warning("%s: accepting rails again", self.transport_name)
+                backoff = 0.0
             with self._lock:
                 if self._closed:
                     sock.close()
                     return
+                if len(self._conns) >= MAX_CONNECTIONS:
+                    self.stats["connections_shed"] += 1
+                    sock.close()
+                    continue
+                if len(self._opening) >= MAX_OPENING:
+                    # a peer opens in a round trip: the oldest opening is a straggler
+                    stale = next(iter(self._opening))
+                    del self._opening[stale]
+                    self.stats["openings_shed"] += 1
+                    try:
+                        stale.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
                 try:
                     self.tune(sock)
                 except OSError as exc:  # died early, or an option the host refuses
@@ -648,23 +771,71 @@ class StreamServer:
                 thread = threading.Thread(target=self._serve_conn, args=(sock,), daemon=True,
                                           name=f"te-{self.transport_name}-serve")
                 self._conns[sock] = thread
-            thread.start()
+                self._opening[sock] = None
+            try:
+                thread.start()
+            except RuntimeError:  # no thread to be had: shed the connection
+                with self._lock:
+                    self._conns.pop(sock, None)
+                    self._opening.pop(sock, None)
+                sock.close()
+
+    def _admit(self, sock: socket.socket) -> tuple[Connection, bytes]:
+        """The opening: challenge, ticket, proofs; returns the connection and our proof.
+        Raises :class:`_Refused`."""
+        sock.settimeout(HELLO_TIMEOUT)
+        challenge = new_challenge()
+        try:
+            send_bytes(sock, challenge)
+            kind, _, _, _, _, body_len, _, _, _ = HEADER.unpack(
+                recv_exact(sock, HEADER.size))
+            if kind != KIND_HELLO or body_len > 4096:
+                raise _Refused("no hello")
+            info = msgpack.unpackb(recv_exact(sock, body_len))
+        except (PeerClosed, TimeoutError, OSError, ValueError, msgpack.UnpackException,
+                struct.error) as exc:
+            raise _Refused(f"no valid hello: {exc}") from None
+        if not isinstance(info, dict) or info.get("version") != WIRE_VERSION:
+            raise _Refused(f"rail version {info.get('version') if isinstance(info, dict) else '?'}")
+        try:
+            ticket, proof = self._host.admit_rail(info.get("ticket"), self.transport_name,
+                                                  challenge, info.get("nonce"),
+                                                  info.get("proof"))
+        except TransferError as exc:
+            raise _Refused(str(exc)) from None
+        conn = Connection(sock, ticket.peer, ticket.pid, ticket)
+        try:
+            self.vouch(conn)
+        except BaseException:
+            ticket.release()
+            raise
+        return conn, proof
 
     def _serve_conn(self, sock: socket.socket) -> None:
         conn: Connection | None = None
+        opening = True
         try:
-            sock.settimeout(10.0)  # the hello must come promptly
-            kind, _, _, _, _, body_len, _, _, _ = HEADER.unpack(recv_exact(sock, HEADER.size))
-            if kind != KIND_HELLO or body_len > MAX_BODY:
-                raise ProtocolError("rail must start with a hello")
-            info = msgpack.unpackb(recv_exact(sock, body_len))
-            if not isinstance(info, dict) or info.get("version") != WIRE_VERSION:
-                raise ProtocolError(f"unsupported rail version {info!r:.80}")
-            conn = Connection(sock, str(info["name"]), int(info.get("pid", 0)))
+            try:
+                conn, proof = self._admit(sock)
+            except _Refused as exc:
+                self.stats["rails_refused"] += 1
+                log.info("%s rail refused: %s", self.transport_name, exc)
+                try:
+                    send_bytes(sock, self._answer(0, AuthenticationError("rail refused")))
+                except PeerClosed:
+                    pass
+                return
             sock.settimeout(None)
-            send_bytes(sock, ANSWER.pack(KIND_ANSWER, 0, 0, 0, 0))
+            set_stall_timeout(sock, self._stall)
+            send_bytes(sock, ANSWER.pack(KIND_ANSWER, 0, 0, len(proof), 0) + proof)
+            with self._lock:
+                self._opening.pop(sock, None)
+                opening = False
+                self._open[sock] = conn
             while True:
-                self._serve_one(conn)
+                head = self._next_header(conn)
+                if head is not None:
+                    self._serve_one(conn, head)
         except (PeerClosed, TimeoutError):
             pass
         except TransferError as exc:
@@ -675,12 +846,41 @@ class StreamServer:
         finally:
             with self._lock:
                 self._conns.pop(sock, None)
+                self._open.pop(sock, None)
+                if opening:
+                    self._opening.pop(sock, None)
+            if conn is not None:
+                if conn.ticket is not None:
+                    conn.ticket.release()
+                if conn.pidfd is not None:
+                    os.close(conn.pidfd)
             sock.close()
 
-    def _serve_one(self, conn: Connection) -> None:
+    def _next_header(self, conn: Connection) -> bytes | None:
+        """The next request's header; None when the rail stayed idle for a stall
+        timeout (an idle rail is fine; a request cut off midway is not)."""
+        sock = conn.sock
+        try:
+            head = sock.recv(HEADER.size, _WAITALL)
+        except (BlockingIOError, TimeoutError):
+            if self._closed:
+                raise PeerClosed("server closed") from None
+            return None
+        except OSError as exc:
+            raise PeerClosed(str(exc)) from exc
+        if not head:
+            raise PeerClosed("connection closed by peer")
+        if len(head) < HEADER.size:
+            head += recv_exact(sock, HEADER.size - len(head))
+        return head
+
+    def _serve_one(self, conn: Connection, head: bytes) -> None:
         sock = conn.sock
         (kind, flags, n_remote, n_local, _, body_len, wr_id, transfer_id,
-         expected) = HEADER.unpack(recv_exact(sock, HEADER.size))
+         expected) = HEADER.unpack(head)
+        if kind == KIND_ANNOUNCE:
+            self._announce(conn, body_len)
+            return
         if kind not in (KIND_WRITE, KIND_READ):
             raise ProtocolError(f"unknown request kind {kind}", peer=conn.peer)
         if n_remote > MAX_ENTRIES or n_local > MAX_ENTRIES or body_len > MAX_BODY:
@@ -713,7 +913,7 @@ class StreamServer:
                           else int(remote[:, 2].sum()))
         if nbytes > MAX_REQUEST_BYTES:
             raise ProtocolError("request too large", peer=conn.peer, length=nbytes)
-        pinned: list[Any] = []
+        pinned = conn.pinned
         try:
             if uniform:
                 views = self._resolve_uniform(conn, op, seg_id, length, offsets, nbytes,
@@ -743,6 +943,23 @@ class StreamServer:
         finally:
             for seg in pinned:
                 seg.unpin()
+            pinned.clear()
+
+    def _announce(self, conn: Connection, body_len: int) -> None:
+        """Records the initiator's registered ranges (rows of address, length,
+        writable), sorted by address, as (start, end, writable) rows."""
+        if body_len % 24 or body_len > MAX_ANNOUNCED * 24:
+            raise ProtocolError("malformed announcement", peer=conn.peer)
+        rows = np.frombuffer(recv_exact(conn.sock, body_len), "<u8").reshape(-1, 3)
+        start, length = rows[:, 0], rows[:, 1]
+        if len(rows) and bool(((length == 0) | (start > np.uint64(2**64 - 1) - length)).any()):
+            raise ProtocolError("announced range is empty or wraps", peer=conn.peer)
+        order = np.argsort(start, kind="stable")
+        out = np.empty((len(rows), 3), dtype=np.uint64)
+        out[:, 0] = start[order]
+        out[:, 1] = start[order] + length[order]
+        out[:, 2] = rows[order, 2] != 0
+        conn.ranges = out
 
     def _resolve(self, conn: Connection, op: Op, remote: np.ndarray, nbytes: int,
                  low: list[int], high: list[int], pinned: list[Any]) -> Targets:
@@ -815,6 +1032,22 @@ class StreamServer:
             return ANSWER.pack(KIND_ANSWER, 0, 0, 0, wr_id)
         body = pack_error(exc)
         return ANSWER.pack(KIND_ANSWER, error_code(exc), 0, len(body), wr_id) + body
+
+    def revoke(self, segment: Segment) -> int:
+        """Tears down the rails that hold ``segment`` pinned mid-request (its owner is
+        closing it and the peer stalls), so that their pins drop; returns how many. What
+        a torn WRITE leaves: a prefix of its bytes may have landed; no immediate was
+        counted; the initiator's transfer fails."""
+        with self._lock:
+            stuck = [c for c in self._open.values() if any(p is segment for p in c.pinned)]
+        for conn in stuck:
+            log.warning("%s rail from %s torn down: segment %s is closing", self.transport_name,
+                        conn.peer, segment.name)
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        return len(stuck)
 
     def close(self) -> None:
         with self._lock:

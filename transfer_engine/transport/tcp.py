@@ -47,20 +47,22 @@ from typing import Any
 
 import numpy as np
 
+from transfer_engine.control.tickets import Credential
 from transfer_engine.descriptor import Op
-from transfer_engine.errors import ClosedError, ConnectError, TransferTimeout
+from transfer_engine.errors import AuthenticationError, ClosedError, ConnectError, TransferTimeout
 from transfer_engine.segment import Segment
 from transfer_engine.transport.base import Capabilities, Host, OnComplete, Rail, Transport, Work
 from transfer_engine.transport.stream import (
     KIND_READ,
     KIND_WRITE,
+    STALL_TIMEOUT,
     Connection,
     StreamRail,
     StreamServer,
     Targets,
     drain,
     encode_request,
-    hello,
+    open_rail,
     recv_scatter,
     send_bytes,
     send_gather,
@@ -174,9 +176,10 @@ class TcpServer(StreamServer):
     transport_name = "tcp"
 
     def __init__(self, listener: socket.socket, host: Host, buffer_bytes: int,
-                 congestion: str | None = AUTO) -> None:
+                 congestion: str | None = AUTO, stall_timeout: float = STALL_TIMEOUT
+                 ) -> None:
         self._congestion = congestion  # before the acceptor starts
-        super().__init__(listener, host, buffer_bytes)
+        super().__init__(listener, host, buffer_bytes, stall_timeout)
 
     def tune(self, sock: socket.socket) -> None:
         super().tune(sock)
@@ -209,15 +212,21 @@ class TcpTransport(Transport):
         others; see the module's notes), None (the host's default everywhere), or an
         algorithm's name for every rail (``"cubic"``, ``"bbr"``, ...; ValueError if the
         host refuses it).
+    :param stall_timeout: longest pause the target allows inside a request or an
+        answer before it drops the rail (an idle rail stays).
     """
 
     name = "tcp"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, rails: int = 2,
                  slice_size: int = 16 << 20, buffer_bytes: int = SOCKET_BUFFER,
-                 spread: int | None = None, congestion: str | None = AUTO) -> None:
+                 spread: int | None = None, congestion: str | None = AUTO,
+                 stall_timeout: float = STALL_TIMEOUT) -> None:
         if spread is not None and spread < 1:
             raise ValueError("spread must be at least 1")
+        if not stall_timeout > 0:
+            raise ValueError("stall_timeout must be positive")
+        self._stall = stall_timeout
         check_congestion(congestion)
         self._congestion = congestion
         self._bind = (host, port)
@@ -243,7 +252,8 @@ class TcpTransport(Transport):
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(addr[4])
         listener.listen(128)
-        self._server = TcpServer(listener, host, self._buffer_bytes, self._congestion)
+        self._server = TcpServer(listener, host, self._buffer_bytes, self._congestion,
+                                 self._stall)
         bound = listener.getsockname()
         return {"host": bound[0], "port": bound[1]}
 
@@ -257,10 +267,15 @@ class TcpTransport(Transport):
         return "tcp" in peer_meta.get("transports", {})
 
     def connect(self, peer: str, info: dict[str, Any], on_complete: OnComplete,
-                timeout: float | None = 10.0) -> Rail:
+                timeout: float | None = 10.0, credential: Credential | None = None
+                ) -> Rail:
         if self._closed or self._host is None:
             raise ClosedError("transport is closed", peer=peer, transport=self.name)
-        target = (info["host"], int(info["port"]))
+        try:
+            target = (str(info["host"]), int(info["port"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConnectError(f"peer published no usable tcp endpoint: {info!r:.120}",
+                               peer=peer, op="connect", transport=self.name) from exc
         try:
             sock = socket.create_connection(target, timeout=timeout)
         except TimeoutError as exc:
@@ -272,7 +287,10 @@ class TcpTransport(Transport):
         try:
             tune_socket(sock, self._buffer_bytes)
             set_congestion(sock, self._congestion)
-            hello(sock, self._host.name, timeout)
+            open_rail(sock, credential, self.name, timeout)
+        except AuthenticationError as exc:
+            sock.close()
+            raise exc.with_context(peer=peer, op="connect", transport=self.name) from None
         except Exception as exc:
             sock.close()
             raise ConnectError(f"rail handshake with {target} failed: {exc}", peer=peer,
@@ -307,7 +325,13 @@ class TcpTransport(Transport):
         and 0.60 over two)."""
         return self.spread(rails)
 
+    def revoke(self, segment: Segment) -> None:
+        if self._server is not None:
+            self._server.revoke(segment)
+
     def info(self, key: str) -> Any:
         if key == "bytes_received" and self._server is not None:
             return self._server.bytes_received
+        if key == "server_stats" and self._server is not None:
+            return dict(self._server.stats)
         return None

@@ -1,0 +1,215 @@
+"""Rail tickets: how a data-plane connection proves it belongs to a handshaken peer.
+
+The control handshake (``Hello`` -> ``Welcome``) is where a peer proves itself: with a
+control secret every message is signed (:mod:`~transfer_engine.control.auth`); without
+one, only processes that reach the loopback control endpoint can take part. A rail
+(a TCP connection, a Unix socket, an RDMA side channel) is a separate connection, so the
+target hands the initiator a *ticket* in its ``Welcome``: a random id and a 32-byte key.
+
+- With a secret, the key never travels: both sides derive it as
+  ``HMAC(secret, "te-rail-key" | ticket id | target | initiator)``. Someone who sees the
+  ``Welcome`` learns the id and nothing he can use.
+- Without one, the key travels in the ``Welcome`` (the control plane then serves
+  loopback only, unless the operator opted in to more).
+
+A rail opens with a challenge-response that costs one round trip and nothing per byte::
+
+    target    -> initiator: CHALLENGE = magic(4) nonce(32)
+    initiator -> target   : ticket id, client nonce, proof = HMAC(key, "c" | transport |
+                            nonce | client nonce)
+    target    -> initiator: HMAC(key, "s" | transport | nonce | client nonce)
+
+The target then binds the rail to the ticket's peer: every request and notification on
+it is that peer's, whatever names its messages carry. A fresh nonce per connection
+makes a recorded opening useless; the target's answer proves to the initiator that it
+talks to the engine it handshook with. The book of tickets is bounded (oldest dropped
+first, a few per peer name), and so is the number of rails one ticket may hold open.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import os
+import threading
+from dataclasses import dataclass, field
+
+from transfer_engine.errors import AuthenticationError
+
+__all__ = ["Ticket", "TicketBook", "Credential", "CHALLENGE_MAGIC", "CHALLENGE_BYTES",
+           "rail_key", "client_proof", "server_proof", "new_challenge"]
+
+CHALLENGE_MAGIC = b"TEr4"
+CHALLENGE_BYTES = len(CHALLENGE_MAGIC) + 32
+ID_BYTES = 16
+KEY_BYTES = 32
+
+
+def rail_key(secret: bytes, ticket_id: bytes, target: str, initiator: str) -> bytes:
+    """The ticket's key as both sides derive it from the shared control secret."""
+    msg = b"te-rail-key\0" + ticket_id + target.encode() + b"\0" + initiator.encode()
+    return hmac.digest(secret, msg, hashlib.sha256)
+
+
+def _proof(tag: bytes, key: bytes, transport: str, challenge: bytes, nonce: bytes) -> bytes:
+    return hmac.digest(key, tag + transport.encode() + b"\0" + challenge + nonce,
+                       hashlib.sha256)
+
+
+def client_proof(key: bytes, transport: str, challenge: bytes, nonce: bytes) -> bytes:
+    """What the initiator sends: it holds the ticket's key."""
+    return _proof(b"te-rail-c\0", key, transport, challenge, nonce)
+
+
+def server_proof(key: bytes, transport: str, challenge: bytes, nonce: bytes) -> bytes:
+    """What the target answers: it holds the same key (it issued the ticket)."""
+    return _proof(b"te-rail-s\0", key, transport, challenge, nonce)
+
+
+def new_challenge() -> bytes:
+    return CHALLENGE_MAGIC + os.urandom(CHALLENGE_BYTES - len(CHALLENGE_MAGIC))
+
+
+@dataclass(frozen=True, slots=True)
+class Credential:
+    """The initiator's side of a ticket: what it needs to open rails to one peer."""
+
+    ticket: bytes
+    key: bytes
+
+    def opening(self, transport: str, challenge: bytes) -> tuple[bytes, bytes]:
+        """``(client nonce, proof)`` answering ``challenge``."""
+        nonce = os.urandom(32)
+        return nonce, client_proof(self.key, transport, challenge, nonce)
+
+    def check_answer(self, transport: str, challenge: bytes, nonce: bytes,
+                     answer: bytes) -> None:
+        """Raises unless the target proved it holds the key."""
+        expect = server_proof(self.key, transport, challenge, nonce)
+        if not hmac.compare_digest(expect, answer):
+            raise AuthenticationError("the rail's target did not prove the ticket's key",
+                                      transport=transport, op="connect")
+
+    @classmethod
+    def from_welcome(cls, wire: object, secret: bytes | None, target: str,
+                     initiator: str) -> Credential:
+        """Reads the ticket a ``Welcome`` carries (raises ``AuthenticationError``)."""
+        if not isinstance(wire, dict):
+            raise AuthenticationError("the peer issued no rail ticket", peer=target,
+                                      op="connect")
+        ticket, key = wire.get("id"), wire.get("key")
+        if not isinstance(ticket, bytes) or len(ticket) != ID_BYTES:
+            raise AuthenticationError("malformed rail ticket", peer=target, op="connect")
+        if secret:
+            key = rail_key(secret, ticket, target, initiator)
+        elif not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise AuthenticationError("rail ticket without a key (does the peer sign with "
+                                      "a control secret we lack?)", peer=target,
+                                      op="connect")
+        return cls(ticket, key)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """The target's record of one ticket."""
+
+    id: bytes
+    peer: str
+    key: bytes
+    pid: int  # the process the handshake named (checked against SO_PEERCRED on shm)
+    rails: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def release(self) -> None:
+        """A rail bound to this ticket closed."""
+        with self.lock:
+            self.rails = max(0, self.rails - 1)
+
+
+class TicketBook:
+    """Tickets this engine issued; thread-safe and bounded.
+
+    :param secret: the control secret (keys are derived from it), or None (random keys,
+        sent in the ``Welcome``).
+    :param target: this engine's name (part of the derived key).
+    :param max_tickets: tickets kept at most; the oldest go first.
+    :param per_peer: tickets kept per peer name (a reconnecting peer gets a new one).
+    :param max_rails: rails one ticket may hold open at once.
+    """
+
+    def __init__(self, secret: bytes | None, target: str, max_tickets: int = 4096,
+                 per_peer: int = 4, max_rails: int = 64) -> None:
+        self._secret = secret or None
+        self._target = target
+        self._max = max_tickets
+        self._per_peer = per_peer
+        self.max_rails = max_rails
+        self._tickets: collections.OrderedDict[bytes, Ticket] = collections.OrderedDict()
+        self._by_peer: dict[str, collections.deque[bytes]] = {}
+        self._lock = threading.Lock()
+        self.refused = 0
+
+    def issue(self, peer: str, pid: int = 0) -> dict[str, bytes]:
+        """A new ticket for ``peer``; returns its wire form for the ``Welcome``."""
+        ticket_id = os.urandom(ID_BYTES)
+        if self._secret is not None:
+            key, wire = rail_key(self._secret, ticket_id, self._target, peer), {
+                "id": ticket_id}
+        else:
+            key = os.urandom(KEY_BYTES)
+            wire = {"id": ticket_id, "key": key}
+        with self._lock:
+            self._tickets[ticket_id] = Ticket(ticket_id, peer, key, pid)
+            ids = self._by_peer.setdefault(peer, collections.deque())
+            ids.append(ticket_id)
+            while len(ids) > self._per_peer:
+                self._tickets.pop(ids.popleft(), None)
+            while len(self._tickets) > self._max:
+                old = self._tickets.popitem(last=False)[1]
+                self._forget(old)
+        return wire
+
+    def _forget(self, ticket: Ticket) -> None:
+        ids = self._by_peer.get(ticket.peer)
+        if ids is not None:
+            try:
+                ids.remove(ticket.id)
+            except ValueError:
+                pass
+            if not ids:
+                del self._by_peer[ticket.peer]
+
+    def admit(self, ticket_id: object, transport: str, challenge: bytes, nonce: object,
+              proof: object) -> tuple[Ticket, bytes]:
+        """Checks a rail's opening; returns the ticket (its rail count taken) and the
+        answer to send. Raises ``AuthenticationError`` that says nothing more."""
+        refused = AuthenticationError("rail refused", transport=transport, op="connect")
+        if not (isinstance(ticket_id, bytes) and isinstance(nonce, bytes)
+                and isinstance(proof, bytes) and len(nonce) == 32):
+            self.refused += 1
+            raise refused
+        with self._lock:
+            ticket = self._tickets.get(ticket_id)
+        if ticket is None or not hmac.compare_digest(
+                client_proof(ticket.key, transport, challenge, nonce), proof):
+            self.refused += 1
+            raise refused
+        with ticket.lock:
+            if ticket.rails >= self.max_rails:
+                self.refused += 1
+                raise AuthenticationError(f"peer holds {ticket.rails} rails already",
+                                          peer=ticket.peer, transport=transport,
+                                          op="connect")
+            ticket.rails += 1
+        return ticket, server_proof(ticket.key, transport, challenge, nonce)
+
+    def revoke_peer(self, peer: str) -> None:
+        """Drops every ticket of ``peer`` (rails already open stay bound)."""
+        with self._lock:
+            for ticket_id in self._by_peer.pop(peer, ()):
+                self._tickets.pop(ticket_id, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._tickets)
