@@ -231,8 +231,9 @@ def outside_ranges(ranges: np.ndarray | None, rows: np.ndarray, writable: bool) 
     if bool((idx < 0).any()):
         return True
     hit = ranges[idx]
-    # address >= start here, so end - address does not wrap
-    bad = length > hit[:, 1] - address
+    end = hit[:, 1]
+    # start <= address here; where address < end, end - address does not wrap
+    bad = (address >= end) | (length > end - np.minimum(address, end))
     if writable:
         bad |= hit[:, 2] == 0
     return bool(bad.any())
