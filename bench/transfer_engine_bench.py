@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address to listen on and advertise (a target reached from "
                         "another host needs this host's address)")
     p.add_argument("--port", type=int, default=0, help="target control port (0: any)")
+    p.add_argument("--secret-file", "--secret_file", dest="secret_file", metavar="PATH",
+                   default=None,
+                   help="control secret shared by initiator and target (the same as "
+                        "TE_CONTROL_SECRET_FILE; TE_CONTROL_SECRET also works): control "
+                        "messages are signed and rails open with a ticket's proof")
     p.add_argument("--grace", type=float, default=600.0,
                    help="target: seconds served beyond duration x repeat")
     return p
@@ -160,6 +165,14 @@ def _check_flags(a: argparse.Namespace) -> None:
             raise UsageError(f"--baseline_congestion: {exc}") from None
     if a.duration <= 0:
         raise UsageError("--duration must be positive")
+    if a.secret_file is not None:
+        try:
+            with open(a.secret_file, "rb") as f:
+                if len(f.read().strip()) < 16:
+                    raise UsageError(f"--secret-file {a.secret_file}: a control secret "
+                                     "needs at least 16 bytes")
+        except OSError as exc:
+            raise UsageError(f"--secret-file: {exc}") from None
     if a.mode == "initiator" and not a.local and not a.segment_id:
         raise UsageError("--mode initiator needs --segment_id (the target's endpoint) "
                          "or --local")
@@ -580,6 +593,13 @@ def _row(label: str, run: dict[str, Any], baseline: bool) -> str:
     return f"{label:8}" + " ".join(cells)
 
 
+def _authenticated() -> bool:
+    """Whether this run's engines sign control messages (a control secret is set)."""
+    from transfer_engine.control.auth import AuthConfig
+
+    return AuthConfig.from_env().secret is not None
+
+
 def summarize(a: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
     runs = res["runs"]
     keys = ["gbps", "ops_per_s", "batches_per_s", "p50_us", "p99_us",
@@ -592,6 +612,7 @@ def summarize(a: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
         "contiguous": a.contiguous,
         "duration": a.duration, "repeat": a.repeat, "buffer_size": a.buffer_size,
         "coalescable_pairs": res["coalescable_pairs"],
+        "authenticated": _authenticated(),
     }
     for k in keys:
         out[k] = median([r[k] for r in runs])
@@ -634,6 +655,7 @@ def _print_summary(a: argparse.Namespace, out: dict[str, Any]) -> None:
                      + (f" (socket under {sock_cc})" if sock_cc else ""))
         extra.append(f"vs memcpy {out['ratio_vs_memcpy']:.2f}x")
     extra.append(f"verified {str(out['verified']).lower()}")
+    extra.append("authenticated" if out.get("authenticated") else "no control secret")
     print("# " + ", ".join(extra), flush=True)
 
 
@@ -645,6 +667,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parser.parse_args(argv)
     try:
         _check_flags(a)
+        if a.secret_file is not None:  # for our engines and the local target's
+            os.environ["TE_CONTROL_SECRET_FILE"] = os.path.abspath(a.secret_file)
+            os.environ.pop("TE_CONTROL_SECRET", None)
         if a.mode == "target":
             return run_target(a, watch_parent=a._child)
         if a.protocol == "rdma":  # fail before starting anything
@@ -664,6 +689,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = summarize(a, res)
     _print_summary(a, out)
     if a.json:
+        folder = os.path.dirname(a.json)
+        if folder:
+            os.makedirs(folder, exist_ok=True)
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)
             f.write("\n")

@@ -83,3 +83,27 @@ def test_a_baseline_congestion_control_the_host_refuses_is_a_usage_error(
     assert rc == 2
     err = capsys.readouterr().err
     assert "--baseline_congestion" in err and "'no-such-cc' refused by this host" in err
+
+
+def test_a_run_with_a_secret_file_is_authenticated(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("TE_CONTROL_SECRET", raising=False)
+    monkeypatch.delenv("TE_CONTROL_SECRET_FILE", raising=False)
+    secret = tmp_path / "secret"
+    secret.write_text("bench-secret-of-at-least-16-bytes\n")
+    out = tmp_path / "results" / "auth.json"  # a folder that does not exist yet
+    rc = main(["--local", "--duration", "0.3", "--protocol", "tcp", "--block_size", "65536",
+               "--batch_size", "4", "--secret-file", str(secret), "--json", str(out)])
+    assert rc == 0, capsys.readouterr()
+    res = json.loads(out.read_text())
+    assert res["authenticated"] is True and res["verified"] is True
+    assert "authenticated" in capsys.readouterr().out
+
+
+def test_a_short_secret_file_is_a_usage_error(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("short")
+    assert main(["--local", "--secret-file", str(secret)]) == 2
+    assert "16 bytes" in capsys.readouterr().err

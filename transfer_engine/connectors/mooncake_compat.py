@@ -290,6 +290,9 @@ class TransferEngine:
             except NotSupportedError as exc:
                 log.warning("initialize: %s", exc)
                 return ERR_DEVICE_NOT_FOUND
+            except ValueError as exc:  # an exposed address without a control secret
+                log.warning("initialize: %s", exc)
+                return ERR_INVALID_ARGUMENT
             except (TransferEngineError, OSError) as exc:
                 log.warning("initialize: %s", exc)
                 return ERR_SOCKET
