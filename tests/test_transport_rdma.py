@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.hardware import rdma_skip_reason
+from transfer_engine.control.tickets import Credential, Ticket, TicketBook
 from transfer_engine.descriptor import Extent, Op
 from transfer_engine.errors import ClosedError, InvalidDescriptorError, NotSupportedError
 from transfer_engine.segment import Segment, describe_memory
@@ -75,6 +76,17 @@ class _Host:
         self.segments: dict[int, Segment] = {}
         self.immediates: list[tuple[str, Immediate]] = []
         self.got = threading.Condition()
+        self.tickets = TicketBook(None, name)
+
+    def admit_rail(self, *opening: Any) -> tuple[Ticket, bytes]:
+        return self.tickets.admit(*opening)
+
+    def local_ranges(self) -> np.ndarray:
+        return np.empty((0, 3), dtype=np.uint64)
+
+    def credential_for(self, peer: str) -> Credential:
+        """What this host's handshake would hand ``peer``: a ticket for its rails."""
+        return Credential.from_welcome(self.tickets.issue(peer), None, self.name, peer)
 
     def local_segment(self, segment_id: int, *, peer: str | None = None,
                       op: str | None = None) -> Segment:
@@ -129,7 +141,8 @@ def test_write_with_imm_and_notify_then_read(loopback: Any) -> None:
     _segment(ha, ta, 1, src)
     _segment(hb, tb, 2, dst)
     done = _Completions()
-    rails = [ta.connect("b", info, done) for _ in range(2)]
+    rails = [ta.connect("b", info, done, credential=hb.credential_for("a"))
+             for _ in range(2)]
     half = 1 << 19
     rails[0].post(Work(1, Op.WRITE, [Extent(1, 0, half)], [Extent(2, 0, half)], half,
                        Immediate(7, 2)))
@@ -156,7 +169,7 @@ def test_deregistered_remote_segment_fails_precisely(loopback: Any) -> None:
     _segment(ha, ta, 1, src)
     seg = _segment(hb, tb, 2, dst)
     done = _Completions()
-    rail = ta.connect("b", info, done)
+    rail = ta.connect("b", info, done, credential=hb.credential_for("a"))
     tb.deregister(seg)
     rail.post(Work(1, Op.WRITE, [Extent(1, 0, 8192)], [Extent(2, 0, 8192)], 8192))
     (completion,) = done.wait(1)
@@ -166,8 +179,8 @@ def test_deregistered_remote_segment_fails_precisely(loopback: Any) -> None:
 
 @pytest.mark.rdma
 def test_closed_rail_refuses_work(loopback: Any) -> None:
-    ta, _tb, (ha, _hb), info = loopback
-    rail = ta.connect("b", info, _Completions())
+    ta, _tb, (ha, hb), info = loopback
+    rail = ta.connect("b", info, _Completions(), credential=hb.credential_for("a"))
     rail.close()
     rail.close()  # idempotent
     assert rail.closed

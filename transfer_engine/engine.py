@@ -253,7 +253,7 @@ class Engine(Closeable):
                 transport = spec
             else:
                 try:
-                    kwargs = {"host": self.host} if spec == "tcp" else {}
+                    kwargs = {"host": self.host} if spec in ("tcp", "rdma") else {}
                     transport = load_transport(spec, **kwargs)
                 except TransferEngineError as exc:
                     log.info("transport %s unavailable: %s", spec, exc)

@@ -17,12 +17,17 @@ Connection protocol (the handshake carries only what ``start`` returns)::
 QP number, so each transport owns a small TCP side channel at ``endpoint``. Frames are a
 4-byte little-endian length and a msgpack map with ``"v": 1``:
 
-    initiator -> {"kind": "connect", "peer": our engine name, "rail": index,
-                  "device": the target NIC wanted, "qp": our QpInfo}
-    target    -> {"qp": its fresh QP's QpInfo, "segments": {id: [base, length, rkey]}}
+    target    -> {"challenge": magic and nonce}                       (on accept)
+    initiator -> {"kind": "connect", "rail": index, "device": the target NIC wanted,
+                  "ticket", "nonce", "proof": the rail ticket's answer, "qp": our QpInfo}
+    target    -> {"qp": its fresh QP's QpInfo, "proof": the target's answer,
+                  "segments": {id: [base, length, rkey]}}
     initiator -> {"kind": "segments", "ids": [...]}   (a segment registered later)
     target    -> {"segments": {...}}                    or {"error": code, "message"}
 
+No rkey and no QP leave the target before the initiator proved a ticket from the
+engines' handshake (:mod:`~transfer_engine.control.tickets`); the target takes the
+peer's name from the ticket, and refuses anything else with a bare "rail refused".
 The side connection stays open for the life of the rail: when it closes, the target
 destroys that QP, so a dead initiator leaks nothing. Rail ``k`` to a peer uses local NIC
 ``k % n_local`` and remote NIC ``k % n_remote`` (``rdma_plan.stripe_pairs``); ask for
@@ -56,11 +61,13 @@ the descriptor is readable.
 from __future__ import annotations
 
 import collections
+import errno
 import itertools
 import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -68,8 +75,15 @@ from typing import Any
 import msgpack
 
 from transfer_engine import topology
+from transfer_engine.control.tickets import (
+    CHALLENGE_MAGIC,
+    Credential,
+    Ticket,
+    new_challenge,
+)
 from transfer_engine.descriptor import Op
 from transfer_engine.errors import (
+    AuthenticationError,
     ClosedError,
     ConnectError,
     PeerLostError,
@@ -121,6 +135,7 @@ from transfer_engine.transport.rdma_verbs import (
     translate,
     verbs,
 )
+from transfer_engine.transport.stream import HELLO_TIMEOUT
 
 __all__ = ["RdmaTransport", "RdmaRail"]
 
@@ -131,6 +146,8 @@ _FRAME = struct.Struct("<I")
 _MAX_FRAME = 16 << 20
 _RECV_BIT = 1 << 63
 _SEEN_MAX = 1 << 16  # (transfer, origin rail) pairs remembered for de-duplication
+_MAX_SIDE = 4096  # side channels served at once
+_MAX_OPENING_FRAME = 16 << 10  # a connect message before its ticket is proven
 
 
 def _send_frame(sock: socket.socket, msg: dict[str, Any]) -> None:
@@ -138,7 +155,11 @@ def _send_frame(sock: socket.socket, msg: dict[str, Any]) -> None:
     sock.sendall(_FRAME.pack(len(data)) + data)
 
 
-def _recv_frame(sock: socket.socket, peer: str | None) -> dict[str, Any]:
+class _SideRefused(Exception):
+    """A side channel that did not open: answered with a bare refusal."""
+
+
+def _recv_frame(sock: socket.socket, peer: str | None, limit: int = 0) -> dict[str, Any]:
     def exact(n: int) -> bytes:
         buf = bytearray()
         while len(buf) < n:
@@ -148,7 +169,7 @@ def _recv_frame(sock: socket.socket, peer: str | None) -> dict[str, Any]:
             buf += chunk
         return bytes(buf)
     (size,) = _FRAME.unpack(exact(_FRAME.size))
-    if size > _MAX_FRAME:
+    if size > (limit or _MAX_FRAME):
         raise ProtocolError(f"side-channel frame of {size} bytes", peer=peer,
                             transport="rdma")
     try:
@@ -445,8 +466,9 @@ class RdmaTransport(Transport):
     :param devices: NIC names (``"mlx5_0,mlx5_1"`` or a list); None takes every device
         with an active port.
     :param rails_per_nic: queue pairs per NIC pair that ``default_rails`` asks for.
-    :param host: address the side channel listens on; ``advertise``: the address peers
-        dial (default: this host's name).
+    :param host: address the side channel listens on (the engine passes its own, so
+        without a control secret it is loopback unless opted in); ``advertise``: the
+        address peers dial (default: ``host``, or this host's name for a wildcard).
     :param port: side-channel port; 0 picks a free one.
     :param gid_index: GID table index (RoCE needs the right one); None picks one.
     :param slice_size: bytes per work request the planner aims for.
@@ -458,7 +480,7 @@ class RdmaTransport(Transport):
     name = "rdma"
 
     def __init__(self, devices: str | list[str] | None = None, rails_per_nic: int = 2,
-                 host: str = "0.0.0.0", port: int = 0, advertise: str | None = None,
+                 host: str = "127.0.0.1", port: int = 0, advertise: str | None = None,
                  gid_index: int | None = None, slice_size: int = 1 << 20,
                  max_notify: int = 4096, sq_depth: int = 1024, recv_depth: int = 256,
                  notify_slots: int = 64, relaxed_ordering: bool = True,
@@ -548,10 +570,15 @@ class RdmaTransport(Transport):
         return bool(info and info.get("devices") and info.get("endpoint"))
 
     def connect(self, peer: str, info: dict[str, Any], on_complete: OnComplete,
-                timeout: float | None = 10.0) -> Rail:
+                timeout: float | None = 10.0, credential: Credential | None = None
+                ) -> Rail:
         if self._closed or self._host is None:
             raise ClosedError("transport is closed or not started", peer=peer,
                               transport="rdma", op="connect")
+        if credential is None:
+            raise AuthenticationError("no rail ticket: connect through the engine's "
+                                      "handshake", peer=peer, transport="rdma",
+                                      op="connect")
         remote_devs = list(info.get("devices") or [])
         endpoint = str(info.get("endpoint", ""))
         if not remote_devs or not endpoint.startswith("tcp://"):
@@ -576,10 +603,20 @@ class RdmaTransport(Transport):
             raise ConnectError(f"cannot reach side channel {endpoint}: {exc}", peer=peer,
                                transport="rdma", op="connect") from exc
         try:
-            _send_frame(sock, {"kind": "connect", "peer": self._host.name, "rail": index,
-                               "device": remote_dev,
+            sock.settimeout(timeout)
+            challenge = _recv_frame(sock, peer).get("challenge")
+            if not isinstance(challenge, bytes) or not challenge.startswith(CHALLENGE_MAGIC):
+                raise ProtocolError("the side channel sent no challenge", peer=peer,
+                                    transport="rdma")
+            nonce, proof = credential.opening("rdma", challenge)
+            _send_frame(sock, {"kind": "connect", "rail": index, "device": remote_dev,
+                               "ticket": credential.ticket, "nonce": nonce, "proof": proof,
                                "qp": dev.qp_info(qp, psn).to_wire()})
             reply = _recv_frame(sock, peer)
+            answer = reply.get("proof")
+            credential.check_answer("rdma", challenge, nonce,
+                                    answer if isinstance(answer, bytes) else b"")
+            sock.settimeout(None)
             theirs = QpInfo.from_wire(reply.get("qp"), peer)
             dev.connect_qp(qp, psn, theirs, negotiate_mtu(dev.mtu, theirs.mtu), peer=peer)
             keys = _keys_from_wire(reply.get("segments", {}))
@@ -727,13 +764,28 @@ class RdmaTransport(Transport):
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
+        backoff = 0.0
         while not self._closed:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock,), name="te-rdma-side",
-                             daemon=True).start()
+            except OSError as exc:
+                if self._closed or exc.errno in (errno.EBADF, errno.EINVAL, None):
+                    return
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    backoff = min(1.0, backoff * 2 or 0.01)
+                    time.sleep(backoff)
+                continue
+            backoff = 0.0
+            with self._lock:
+                crowded = len(self._side_socks) >= _MAX_SIDE
+            if crowded:
+                sock.close()
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(sock,), name="te-rdma-side",
+                                 daemon=True).start()
+            except RuntimeError:
+                sock.close()
 
     def _segments_for(self, device: str, ids: list[int] | None) -> dict[int, list[int]]:
         with self._lock:
@@ -746,9 +798,11 @@ class RdmaTransport(Transport):
         peer: str | None = None
         with self._lock:
             self._side_socks.add(sock)
+        ticket: Ticket | None = None
         try:
-            msg = _recv_frame(sock, None)
-            peer, rail, want = str(msg["peer"]), int(msg["rail"]), str(msg["device"])
+            ticket, proof, msg = self._open_side(sock)
+            sock.settimeout(None)
+            peer, rail, want = ticket.peer, int(msg["rail"]), str(msg["device"])
             dev = self._by_name.get(want)
             if msg.get("kind") != "connect" or dev is None:
                 raise ConnectError(f"no rdma device {want!r} here", peer=peer)
@@ -761,12 +815,18 @@ class RdmaTransport(Transport):
             dev.add_inbound(conn)
             with self._lock:
                 self._inbound[(peer, conn.key)] = conn
-            _send_frame(sock, {"qp": dev.qp_info(conn.qp, psn).to_wire(),
+            _send_frame(sock, {"qp": dev.qp_info(conn.qp, psn).to_wire(), "proof": proof,
                                "segments": self._segments_for(want, None)})
             while not self._closed:
                 msg = _recv_frame(sock, peer)
                 ids = [int(i) for i in msg.get("ids", [])]
                 _send_frame(sock, {"segments": self._segments_for(want, ids)})
+        except _SideRefused:
+            try:  # a bare refusal: a stranger learns nothing
+                _send_frame(sock, {"error": error_code(AuthenticationError("")),
+                                   "message": "rail refused"})
+            except OSError:
+                pass
         except (TransferError, KeyError, ValueError, TypeError) as exc:
             if not isinstance(exc, PeerLostError):
                 try:
@@ -780,6 +840,8 @@ class RdmaTransport(Transport):
             with self._lock:
                 self._side_socks.discard(sock)
             sock.close()
+            if ticket is not None:
+                ticket.release()
             if conn is not None:
                 conn.device.remove_inbound(conn)
                 with self._lock:
@@ -789,6 +851,24 @@ class RdmaTransport(Transport):
                 if peer is not None and not self._peer_has_inbound(peer):
                     with self._lock:
                         self._unwrap.forget(peer)
+
+    def _open_side(self, sock: socket.socket) -> tuple[Ticket, bytes, dict[str, Any]]:
+        """The side channel's opening: our challenge, the peer's ticket and proof (the
+        same as a stream rail's, see :mod:`~transfer_engine.control.tickets`); returns
+        the ticket, our answer and the connect message. Raises :class:`_SideRefused`."""
+        assert self._host is not None
+        sock.settimeout(HELLO_TIMEOUT)
+        challenge = new_challenge()
+        try:
+            _send_frame(sock, {"challenge": challenge})
+            msg = _recv_frame(sock, None, limit=_MAX_OPENING_FRAME)
+            if msg.get("kind") != "connect":
+                raise _SideRefused("no connect")
+            ticket, proof = self._host.admit_rail(msg.get("ticket"), "rdma", challenge,
+                                                  msg.get("nonce"), msg.get("proof"))
+        except (TransferError, OSError) as exc:
+            raise _SideRefused(str(exc)) from None
+        return ticket, proof, msg
 
     def _peer_has_inbound(self, peer: str) -> bool:
         with self._lock:
