@@ -17,7 +17,13 @@ from typing import Any
 
 import zmq
 
-from transfer_engine.control.auth import Signer, open_reply, open_request, seal
+from transfer_engine.control.auth import (
+    Signer,
+    check_exposure,
+    open_reply,
+    open_request,
+    seal,
+)
 from transfer_engine.control.messages import Ack, Denied, ErrorReply, Message
 from transfer_engine.errors import AuthenticationError, TransferEngineError, TransferError
 
@@ -58,6 +64,7 @@ class Service:
     def __init__(self, zctx: zmq.Context[Any], host: str, port: int,
                  handler: Callable[[Message], Message], name: str,
                  signer: Signer | None) -> None:
+        check_exposure(host, signer is not None, None, what=f"SGLang {name} service")
         self._handler = handler
         self._signer = signer
         self._sock: zmq.Socket[bytes] = zctx.socket(zmq.ROUTER)
