@@ -318,13 +318,11 @@ class Arena:
     def unpin(self, token: int) -> None:
         """Drops the pins of :meth:`pin`'s ``token``; a held record whose last pin goes is
         released."""
-        if self._pending.pop(token, None) is not None:
-            return  # nothing was freed while it was held: nothing to count down
-        locs = self._counted.pop(token, None)
-        if locs is None:
-            return
+        # still pending: nothing was freed while it was held, so nothing to count down
+        pending = self._pending.pop(token, None) is not None
+        locs = None if pending else self._counted.pop(token, None)
         pins, held = self._pins, self._held
-        for loc in locs.tolist():
+        for loc in () if locs is None else locs.tolist():
             left = pins[loc] - 1
             if left > 0:
                 pins[loc] = left
@@ -379,7 +377,8 @@ class Arena:
             fail("held_bytes does not match the held records")
         holes = np.array(sorted(self._hole_size.items()), dtype=np.int64).reshape(-1, 2)
         starts = np.concatenate((locs, held, holes[:, 0]))
-        ends = starts + np.concatenate(((self.header_bytes + lens + 7) & ~7, held_sizes, holes[:, 1]))
+        sizes = (self.header_bytes + lens + 7) & ~7
+        ends = starts + np.concatenate((sizes, held_sizes, holes[:, 1]))
         order = np.argsort(starts, kind="stable")
         starts, ends = starts[order], ends[order]
         if (ends[:-1] > starts[1:]).any():

@@ -206,7 +206,8 @@ def test_bad_argument_raises_store_error_and_changes_nothing(
     with _store(key_bytes) as store:
         keys = list(range(1, 12))
         for k in keys:
-            store.put(k, rng.integers(0, 256, size=500, dtype=np.uint8), ttl=100.0 if k % 2 else None)
+            value = rng.integers(0, 256, size=500, dtype=np.uint8)
+            store.put(k, value, ttl=100.0 if k % 2 else None)
         before = _snapshot(store, keys)
         with pytest.raises(StoreError) as info:
             call(store)
