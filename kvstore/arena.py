@@ -344,16 +344,6 @@ class Arena:
             self._counted[token] = locs
         self._pending.clear()
 
-    @property
-    def pinned_records(self) -> int:
-        """Distinct records pinned, held ones included."""
-        self._count_pins()
-        return len(self._pins)
-
-    @property
-    def held_records(self) -> int:
-        return len(self._held)
-
     def verify(self, locs: I64) -> None:
         """Raises :class:`StoreError` unless ``locs`` are exactly the live records and
         live records, held records and free extents tile the reserved slabs: no overlap,
@@ -433,6 +423,11 @@ class Arena:
 
     def set_deadline(self, loc: int, deadline: float) -> None:
         self._f64[(loc >> 3) + self.key_words + 1] = deadline
+
+    def value_span(self, loc: int) -> tuple[int, int]:
+        """Start and end offsets in :attr:`buffer` of the value at ``loc``."""
+        start = loc + self.header_bytes
+        return start, start + int(self._u64[(loc >> 3) + self.key_words])
 
     def value_view(self, loc: int) -> memoryview:
         """Read-only zero-copy view of the value at ``loc``."""
