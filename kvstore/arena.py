@@ -29,7 +29,12 @@ and returns the new locations; the caller updates the index. Afterwards the only
 slab tails that could not take the next record.
 
 Zero-copy views handed out by :meth:`value_view` point into the arena: they are valid
-until that record is freed or the arena is compacted.
+until that record is freed or the arena is compacted. A caller that hands views out and
+cannot tell when they are dropped *pins* their records (:meth:`pin`): freeing a pinned
+record only retires it (its bytes are *held*, neither live nor reusable) until the last
+pin goes (:meth:`unpin`), and compaction moves no record of a slab that holds a pinned one
+(the other slabs are packed as usual, around it). So a pinned view never shows another
+record's bytes.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import math
 import numpy as np
 import numpy.typing as npt
 
-from kvstore.errors import CapacityError, InvalidArgumentError, ValueTooLargeError
+from kvstore.errors import CapacityError, InvalidArgumentError, StoreError, ValueTooLargeError
 
 __all__ = ["Arena"]
 
@@ -111,6 +116,13 @@ class Arena:
         self.live_bytes = 0
         self.live_records = 0
         self.moved_bytes = 0  # by the last compaction
+        self._tokens = itertools.count()
+        self._pending: dict[int, I64] = {}  # pin token -> locations, not counted yet
+        self._counted: dict[int, I64] = {}  # pin token -> locations counted in _pins
+        self._pins: dict[int, int] = {}  # location -> pins counted and not released
+        self._held: dict[int, int] = {}  # freed while pinned: location -> record size
+        self.held_bytes = 0
+        self.settled_waste = 0  # not-live bytes a compaction with pins could not remove
 
     # -- accounting --------------------------------------------------------------------
 
@@ -271,16 +283,102 @@ class Arena:
         self.live_records += n
         return locs
 
-    def free(self, loc: int) -> None:
-        """Releases the record at ``loc``."""
+    def free(self, loc: int) -> int:
+        """Frees the record at ``loc``; returns the bytes made reusable (0 while it is
+        pinned: it is held until :meth:`unpin` releases the last pin)."""
         value_len = int(self._u64[(loc >> 3) + self.key_words])
         self.live_bytes -= self.header_bytes + value_len
         self.live_records -= 1
-        self._release(loc, self.record_size(value_len))
+        size = self.record_size(value_len)
+        if self._pending:
+            self._count_pins()
+        if loc in self._pins:
+            self._held[loc] = size
+            self.held_bytes += size
+            return 0
+        self._release(loc, size)
+        return size
 
-    def free_many(self, locs: npt.ArrayLike) -> None:
-        for loc in np.asarray(locs, dtype=np.int64).reshape(-1).tolist():
-            self.free(loc)
+    def free_many(self, locs: npt.ArrayLike) -> int:
+        """:meth:`free` of each location; returns the bytes made reusable."""
+        return sum(self.free(loc) for loc in np.asarray(locs, dtype=np.int64).reshape(-1).tolist())
+
+    # -- pins --------------------------------------------------------------------------
+
+    def pin(self, locs: I64) -> int:
+        """Keeps the records at ``locs`` (live ones; repeats allowed) in place, bytes and
+        location, until :meth:`unpin` of the returned token.
+
+        Counting is lazy: a pin only costs a dict entry until something is freed while it
+        is held, so pins that come and go between frees (a read loop) stay O(1)."""
+        token = next(self._tokens)
+        self._pending[token] = locs
+        return token
+
+    def unpin(self, token: int) -> None:
+        """Drops the pins of :meth:`pin`'s ``token``; a held record whose last pin goes is
+        released."""
+        # still pending: nothing was freed while it was held, so nothing to count down
+        pending = self._pending.pop(token, None) is not None
+        locs = None if pending else self._counted.pop(token, None)
+        pins, held = self._pins, self._held
+        for loc in () if locs is None else locs.tolist():
+            left = pins[loc] - 1
+            if left > 0:
+                pins[loc] = left
+                continue
+            del pins[loc]
+            size = held.pop(loc, 0)
+            if size:
+                self.held_bytes -= size
+                self._release(loc, size)
+        if not pins and not self._pending:
+            self.settled_waste = 0
+
+    def _count_pins(self) -> None:
+        """Counts the pins not counted yet into ``_pins`` (location -> pins)."""
+        pins = self._pins
+        for token, locs in self._pending.items():
+            for loc in locs.tolist():
+                pins[loc] = pins.get(loc, 0) + 1
+            self._counted[token] = locs
+        self._pending.clear()
+
+    def verify(self, locs: I64) -> None:
+        """Raises :class:`StoreError` unless ``locs`` are exactly the live records and
+        live records, held records and free extents tile the reserved slabs: no overlap,
+        no record across a slab boundary, no byte unaccounted for."""
+        sb = self.slab_bytes
+        self._count_pins()
+
+        def fail(what: str) -> None:
+            raise StoreError(f"arena inconsistent: {what}")
+
+        if locs.size != self.live_records:
+            fail(f"{locs.size} records given, {self.live_records} live")
+        lens = self.lengths_at(locs)
+        if int((self.header_bytes + lens).sum()) != self.live_bytes:
+            fail("live_bytes does not match the live records")
+        held = np.array(sorted(self._held), dtype=np.int64)
+        if np.isin(held, locs).any():
+            fail("a held record is also live")
+        held_sizes = np.array([self._held[x] for x in held.tolist()], dtype=np.int64)
+        if int(held_sizes.sum()) != self.held_bytes:
+            fail("held_bytes does not match the held records")
+        holes = np.array(sorted(self._hole_size.items()), dtype=np.int64).reshape(-1, 2)
+        starts = np.concatenate((locs, held, holes[:, 0]))
+        sizes = (self.header_bytes + lens + 7) & ~7
+        ends = starts + np.concatenate((sizes, held_sizes, holes[:, 1]))
+        order = np.argsort(starts, kind="stable")
+        starts, ends = starts[order], ends[order]
+        if (ends[:-1] > starts[1:]).any():
+            fail("records or free extents overlap")
+        if (starts // sb != (ends - 1) // sb).any():
+            fail("a record or free extent crosses a slab boundary")
+        if int((ends - starts).sum()) != self.reserved_bytes:
+            fail("live, held and free bytes do not add up to the reserved slabs")
+        if set(self._free_slabs) & set((starts // sb).tolist()):
+            fail("a free slab holds records or extents")
 
     # -- record access -----------------------------------------------------------------
 
@@ -326,6 +424,11 @@ class Arena:
     def set_deadline(self, loc: int, deadline: float) -> None:
         self._f64[(loc >> 3) + self.key_words + 1] = deadline
 
+    def value_span(self, loc: int) -> tuple[int, int]:
+        """Start and end offsets in :attr:`buffer` of the value at ``loc``."""
+        start = loc + self.header_bytes
+        return start, start + int(self._u64[(loc >> 3) + self.key_words])
+
     def value_view(self, loc: int) -> memoryview:
         """Read-only zero-copy view of the value at ``loc``."""
         n = int(self._u64[(loc >> 3) + self.key_words])
@@ -337,42 +440,58 @@ class Arena:
     def compact(self, locs: npt.ArrayLike) -> I64:
         """Packs the live records ``locs`` (every live record, in any order) towards the
         start of the arena; returns their new locations in the same order. All other
-        space becomes free. Views into the arena are invalid afterwards."""
+        space becomes free. Views into the arena are invalid afterwards, except those of
+        pinned records: a slab holding a pinned record keeps every record and hole where
+        they are, and the other slabs are packed around it."""
         src_all = np.asarray(locs, dtype=np.int64).reshape(-1)
         if src_all.size != self.live_records:
             raise InvalidArgumentError(
                 f"compact needs every live record: got {src_all.size}, "
                 f"arena holds {self.live_records}"
             )
-        order = np.argsort(src_all, kind="stable")
-        src = src_all[order]
+        sb = self.slab_bytes
+        self._count_pins()
+        pinned = np.unique(np.fromiter(self._pins, dtype=np.int64, count=len(self._pins)) // sb)
+        movable = np.setdiff1d(np.arange(self.num_slabs, dtype=np.int64), pinned)
+        moves = np.flatnonzero(~np.isin(src_all // sb, pinned)) if pinned.size else None
+        src_sel = src_all if moves is None else src_all[moves]
+        order = np.argsort(src_sel, kind="stable")
+        src = src_sel[order]
         sizes = (self.header_bytes + self.lengths_at(src) + 7) & ~7
         n = src.size
         dst = np.empty(n, dtype=np.int64)
-        sb = self.slab_bytes
         window = sb // (self.header_bytes + 8) + 1
         tails: list[tuple[int, int]] = []
+        # Packing in the order of the movable slabs: a record never moves right, so the
+        # moves are safe within one buffer, and pinned slabs are never written.
         i = slab = 0
         while i < n:
+            base = int(movable[slab]) * sb
             chunk = sizes[i : i + window]
             cs = np.cumsum(chunk)
             k = int(np.searchsorted(cs, sb, side="right"))
-            dst[i : i + k] = slab * sb + cs[:k] - chunk[:k]
-            tails.append((slab * sb + int(cs[k - 1]), sb - int(cs[k - 1])))
+            dst[i : i + k] = base + cs[:k] - chunk[:k]
+            tails.append((base + int(cs[k - 1]), sb - int(cs[k - 1])))
             i += k
             slab += 1
         self.moved_bytes = self._move_runs(src, dst, sizes)
+        fixed = set(pinned.tolist())
+        kept = [(s, z) for s, z in self._hole_size.items() if s // sb in fixed]
         self._hole_size.clear()
         self._hole_end.clear()
         for bucket in self._classes:
             bucket.clear()
         self._nonempty = 0
-        for start, size in tails:
+        for start, size in kept + tails:
             if size:
                 self._add_extent(start, size)
-        self._free_slabs = list(range(slab, self.num_slabs))
-        out = np.empty(n, dtype=np.int64)
-        out[order] = dst
+        self._free_slabs = movable[slab:].tolist()  # ascending: a valid heap
+        out = src_all.copy()
+        if moves is None:
+            out[order] = dst
+        else:
+            out[moves[order]] = dst
+        self.settled_waste = self.reserved_bytes - self.live_bytes if pinned.size else 0
         return out
 
     def _move_runs(self, src: I64, dst: I64, sizes: I64) -> int:
