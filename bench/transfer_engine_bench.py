@@ -612,7 +612,7 @@ def summarize(a: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
         "contiguous": a.contiguous,
         "duration": a.duration, "repeat": a.repeat, "buffer_size": a.buffer_size,
         "coalescable_pairs": res["coalescable_pairs"],
-        "authenticated": _authenticated(),
+        "authenticated": _authenticated(),  # main() says for runs with --secret-file
     }
     for k in keys:
         out[k] = median([r[k] for r in runs])
@@ -665,11 +665,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     parser.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
+    saved = {k: os.environ.get(k) for k in ("TE_CONTROL_SECRET", "TE_CONTROL_SECRET_FILE")}
     try:
         _check_flags(a)
         if a.secret_file is not None:  # for our engines and the local target's
             os.environ["TE_CONTROL_SECRET_FILE"] = os.path.abspath(a.secret_file)
             os.environ.pop("TE_CONTROL_SECRET", None)
+            authenticated = True
+        else:
+            authenticated = _authenticated()
         if a.mode == "target":
             return run_target(a, watch_parent=a._child)
         if a.protocol == "rdma":  # fail before starting anything
@@ -686,7 +690,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("transfer_engine_bench: interrupted", file=sys.stderr)
         return 130
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     out = summarize(a, res)
+    out["authenticated"] = authenticated
     _print_summary(a, out)
     if a.json:
         folder = os.path.dirname(a.json)
