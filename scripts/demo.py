@@ -80,7 +80,7 @@ def decode_worker(layers: int, transports: str, registry: str) -> None:
             engine.register(t, name=f"layer{i}")
         print("READY", flush=True)
         for _ in range(2):
-            notes = engine.notifications(timeout=60)
+            notes = engine.notifications(timeout=60, max_count=1)  # one per request
             if not notes:
                 print("RESULT timeout", flush=True)
                 return
