@@ -308,6 +308,9 @@ def unpack_error(body: bytes, status: int, peer: str, op: str, transport: str) -
 
 # --- initiator side -------------------------------------------------------------------
 
+_LINGER_RESET = struct.pack("ii", 1, 0)
+
+
 class StreamRail(Rail):
     """One connection to a peer's stream server.
 
@@ -561,6 +564,10 @@ class StreamRail(Rail):
         with self._lock:
             if self._failure is None and not self._closed:
                 self._failure = error
+        try:  # close with a reset: bytes still queued either side are dropped, not landed
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+        except OSError:
+            pass
         self.close()
 
     def close(self) -> None:
