@@ -116,9 +116,9 @@ class TransferTimeout(TransferError):
 
 class TransferCancelled(TransferError):
     """The caller cancelled the transfer (``TransferHandle.cancel``). As after any
-    failure, a prefix of the destination may have been written and the notification was
-    not delivered; by the time the handle fails, this side moves none of its bytes any
-    more."""
+    failure, a prefix of the destination may have been written; by the time the handle
+    fails, this side moves none of its bytes any more (see
+    :mod:`transfer_engine.handle` for what may still reach the peer)."""
 
 
 class PeerLostError(TransferError):

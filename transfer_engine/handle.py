@@ -17,9 +17,12 @@ A handle is PENDING until the transfer ends, then DONE or FAILED, once:
 
 Whatever ends it, the handle finishes only once this side no longer copies bytes from
 or into its local memory, and its segments are unpinned then. On failure any prefix of
-the destination may have been written and the notification was not delivered. (Over
-``shm`` the peer copies; a request it already took may still complete after an abort
-while that peer runs.)
+the destination may have been written and the notification was not delivered. Two
+limits of a cancel (or deadline): a WRITE's bytes already in the peer's kernel may
+still land there after the handle failed (the aborted rail is reset, which drops most
+of them), and so, if a request's last byte had already reached it, may its
+notification; and over ``shm`` the peer copies, so a request it had already taken may
+still complete in our memory if that peer was stalled and resumes.
 """
 
 from __future__ import annotations
