@@ -156,3 +156,43 @@ def test_forget_peer_drops_only_that_peers_partial_transfers() -> None:
 def test_max_pending_below_one_is_refused(bound: int) -> None:
     with pytest.raises(ValueError, match="max_pending must be >= 1"):
         ImmediateCounter(max_pending=bound)
+
+
+def test_a_flood_from_one_peer_never_evicts_another_peers_notification() -> None:
+    counter = ImmediateCounter(max_per_peer=4096)
+    assert counter.arrive("good", 1, 2, b"req-1") is None  # one rail of two landed
+    for tid in range(70_000):
+        assert counter.arrive("evil", tid, 2, b"junk") is None
+    assert counter.pending("evil") == 4096 and counter.dropped == 70_000 - 4096
+    assert counter.arrive("good", 1, 2) == Notification("good", 1, b"req-1")
+    assert counter.arrive("good", 1, 2) is None  # exactly once: a repeat starts over
+
+
+def test_the_global_bound_evicts_from_the_peer_holding_the_most() -> None:
+    counter = ImmediateCounter(max_pending=10, max_per_peer=8)
+    counter.arrive("good", 1, 2)
+    for name in ("evil-a", "evil-b"):
+        for tid in range(100):
+            counter.arrive(name, tid, 2)
+    assert len(counter) == 10 and counter.pending("good") == 1
+    assert counter.arrive("good", 1, 2) == Notification("good", 1, b"")
+
+
+def test_payload_bytes_are_bounded_per_peer_and_in_all() -> None:
+    counter = ImmediateCounter(max_bytes=1 << 20, max_peer_bytes=256 << 10)
+    counter.arrive("good", 1, 3, b"g" * 1000)
+    for tid in range(100):
+        counter.arrive("evil", tid, 2, b"x" * (64 << 10))
+    assert counter.pending("evil") == 4  # 4 x 64 KiB fit its share
+    for i in range(8):
+        for tid in range(20):
+            counter.arrive(f"evil-{i}", tid, 2, b"x" * (64 << 10))
+    assert counter._total_bytes <= 1 << 20 and counter.pending("good") == 1
+    assert counter.arrive("good", 1, 3) is None
+    assert counter.arrive("good", 1, 3) == Notification("good", 1, b"g" * 1000)
+
+
+@pytest.mark.parametrize("field", ["max_per_peer", "max_bytes", "max_peer_bytes"])
+def test_other_bounds_below_one_are_refused(field: str) -> None:
+    with pytest.raises(ValueError, match=f"{field} must be >= 1"):
+        ImmediateCounter(**{field: 0})

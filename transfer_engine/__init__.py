@@ -16,6 +16,7 @@ from transfer_engine.errors import (
     ProtocolError,
     RegistrationError,
     RemoteError,
+    TransferCancelled,
     TransferEngineError,
     TransferError,
     TransferTimeout,
@@ -34,4 +35,5 @@ __all__ = [
     "TransferEngineError", "TransferError", "InvalidDescriptorError", "RegistrationError",
     "ConnectError", "ProtocolError", "TransferTimeout", "PeerLostError", "ClosedError",
     "BusyError", "NotSupportedError", "UnknownPeerError", "RemoteError",
+    "TransferCancelled",
 ]

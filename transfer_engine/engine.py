@@ -61,6 +61,7 @@ from transfer_engine.errors import (
     ProtocolError,
     TransferEngineError,
     TransferError,
+    TransferTimeout,
     UnknownPeerError,
 )
 from transfer_engine.handle import TransferHandle
@@ -69,9 +70,10 @@ from transfer_engine.peer import ControlClient, Peer
 from transfer_engine.planner import Columns, WorkRequest, plan_columns
 from transfer_engine.segment import RemoteSegment, Segment, describe_memory
 from transfer_engine.transport import load_transport
-from transfer_engine.transport.base import Completion, Immediate, Transport, Work
+from transfer_engine.transport.base import Completion, Immediate, Rail, Transport, Work
 from transfer_engine.transport.iovec import iovec_array
 from transfer_engine.transport.shm import host_id
+from transfer_engine.watchdog import Watchdog
 
 __all__ = ["Engine", "Pairs"]
 
@@ -138,6 +140,9 @@ class _Transfer:
     started: float = 0.0  # monotonic start of the current attempt
     finished: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    posted: list[tuple[Rail, Work]] | None = None  # the current attempt's work
+    posting: bool = False  # rail.post calls of ``posted`` under way
+    stopping: TransferError | None = None  # why it was cancelled (or timed out)
 
 
 class Engine(Closeable):
@@ -167,15 +172,30 @@ class Engine(Closeable):
     :param insecure: without a secret the engine serves loopback only; ``True`` (or
         ``$TE_ALLOW_INSECURE=1``) lets it serve another address anyway, with a warning:
         then anyone who reaches the control port can handshake and move bytes.
+    :param transfer_timeout: default deadline of every transfer, in seconds (a
+        transfer's own ``timeout=`` overrides it); past it the transfer fails with
+        :class:`TransferTimeout` as a cancel would. ``None`` (default): no deadline,
+        since a transfer may rightly take long; a silent peer is caught by
+        ``peer_timeout`` anyway.
+    :param peer_timeout: seconds a peer with transfers in flight may leave control
+        probes unanswered before it is declared lost (:meth:`peer_lost`). Probing
+        starts once a transfer is in flight for ``min(1, peer_timeout / 5)`` seconds;
+        idle peers are not probed. ``None`` disables it.
     """
+
+    _watchdog: Watchdog | None = None  # started with the first transfer
 
     def __init__(self, name: str, *, host: str = "127.0.0.1", port: int = 0,
                  transports: Sequence[str | Transport] | None = None,
                  timeout: float = 10.0, registry: str | MetadataStore | None = None,
                  role: str = "any", pod: str = "", zone: str = "",
                  auth: AuthConfig | str | bytes | None = None,
-                 insecure: bool | None = None) -> None:
+                 insecure: bool | None = None,
+                 transfer_timeout: float | None = None,
+                 peer_timeout: float | None = 10.0) -> None:
         self.name = name
+        self.transfer_timeout = transfer_timeout
+        self.peer_timeout = peer_timeout
         self.host = host
         self.timeout = timeout
         self.host_id = host_id()
@@ -396,7 +416,8 @@ class Engine(Closeable):
             if name in self._segment_names:
                 from transfer_engine.errors import RegistrationError
                 raise RegistrationError("a segment of that name is registered", segment=name)
-            seg = Segment(seg_id, name, info, on_close=self._deregister)
+            seg = Segment(seg_id, name, info, on_close=self._deregister,
+                          on_stuck=self._segment_stuck)
             done: list[Transport] = []
             try:
                 for transport in self._transports.values():
@@ -573,6 +594,7 @@ class Engine(Closeable):
             if peer is None or self._closed:
                 return 0
             live = [x for x in self._live.values() if x.peer is peer]
+            self._counter.forget_peer(name)  # its partial transfers never complete
         failed = 0
         for xfer in live:
             with xfer.lock:
@@ -601,27 +623,31 @@ class Engine(Closeable):
 
     # --- transfers --------------------------------------------------------------------
 
-    def write(self, peer: Peer | str, pairs: Pairs, notify: bytes | None = None
-              ) -> TransferHandle:
+    def write(self, peer: Peer | str, pairs: Pairs, notify: bytes | None = None, *,
+              timeout: float | None = None) -> TransferHandle:
         """Writes each local descriptor's bytes to its remote descriptor.
 
         ``pairs`` is a sequence of ``(local, remote)`` :class:`Descriptor` pairs, or a
         :class:`Blocks` (or a list of them): the same pairs as arrays, much cheaper for
         many small blocks. ``notify`` (bytes, at most 64 KiB) reaches the peer's
-        :meth:`notifications` once every byte has landed, exactly once. Raises
+        :meth:`notifications` once every byte has landed, exactly once. ``timeout``:
+        the transfer's deadline in seconds (default: the engine's
+        ``transfer_timeout``); past it the handle fails with :class:`TransferTimeout`
+        (see :meth:`TransferHandle.cancel` for what is stopped how). Raises
         :class:`InvalidDescriptorError` or :class:`UnknownPeerError` before anything
         moves.
         """
-        return self._submit(Op.WRITE, peer, pairs, notify)
+        return self._submit(Op.WRITE, peer, pairs, notify, timeout)
 
-    def read(self, peer: Peer | str, pairs: Pairs, notify: bytes | None = None
-             ) -> TransferHandle:
+    def read(self, peer: Peer | str, pairs: Pairs, notify: bytes | None = None, *,
+             timeout: float | None = None) -> TransferHandle:
         """Reads each remote descriptor's bytes into its local descriptor; ``notify``
-        reaches the peer after all of them arrived here."""
-        return self._submit(Op.READ, peer, pairs, notify)
+        reaches the peer after all of them arrived here. ``timeout`` as for
+        :meth:`write`."""
+        return self._submit(Op.READ, peer, pairs, notify, timeout)
 
     def _submit(self, op: Op, peer_ref: Peer | str, pairs: Pairs,
-                notify: bytes | None) -> TransferHandle:
+                notify: bytes | None, timeout: float | None = None) -> TransferHandle:
         if self._closed:
             raise ClosedError("engine is closed", op=str(op))
         peer = self.peer(peer_ref if isinstance(peer_ref, str) else peer_ref.name)
@@ -648,8 +674,16 @@ class Engine(Closeable):
             raise exc.with_context(peer=peer.name, op=str(op)) from None
         xfer = _Transfer(handle, peer, op, extents, bytes(notify) if notify is not None else None,
                          list(peer.order), pinned)
+        handle._canceller = self._cancel_handle
         with self._lock:
             self._live[handle.id] = xfer
+        if timeout is None:
+            timeout = self.transfer_timeout
+        watchdog = self._watchdog
+        if watchdog is None and (timeout is not None or self.peer_timeout is not None):
+            watchdog = self._start_watchdog()
+        if timeout is not None and watchdog is not None:
+            watchdog.add(time.monotonic() + timeout, handle.id, timeout)
         self.stats["transfers"] += 1
         failure = self._start_attempt(xfer)
         if failure is not None:
@@ -806,9 +840,22 @@ class Engine(Closeable):
         return None
 
     def _post_attempt(self, xfer: _Transfer) -> None:
-        name = xfer.transports[0]
+        while True:  # rails torn down (a cancel, a dead connection) carry nothing more
+            name = xfer.transports[0]
+            rails = [rail for rail in xfer.peer.rails[name] if not rail.closed]
+            if rails:
+                break
+            with xfer.lock:
+                skip = len(xfer.transports) > 1 and xfer.stopping is None
+                if skip:
+                    xfer.transports.pop(0)
+            if not skip:
+                self._finish(xfer, PeerLostError("no open rails to the peer",
+                                                 peer=xfer.peer.name, op=str(xfer.op),
+                                                 transport=name))
+                return
+            xfer.peer.demote(name)
         transport = self._transports[name]
-        rails = xfer.peer.rails[name]
         if len(rails) > 1:
             # the least busy of the active rails first: a transfer smaller than two
             # shares goes to an idle rail, and a lone caller keeps to one warm connection
@@ -839,12 +886,19 @@ class Engine(Closeable):
             iov = self._iov(wr, xfer.local_segments) if host else None
             works.append(Work(next(self._wr_ids), xfer.op, wr.local, wr.remote, wr.nbytes,
                               imm, iov, xfer))
+        items = [(rails[wr.rail], w) for wr, w in zip(plan.requests, works, strict=True)]
         with xfer.lock:
-            xfer.handle.transport = name
-            xfer.remaining = len(works)
-            xfer.error = None
-            xfer.started = time.monotonic()
-        self._post(xfer, [(rails[wr.rail], w) for wr, w in zip(plan.requests, works, strict=True)])
+            stopped = xfer.stopping
+            if stopped is None:
+                xfer.handle.transport = name
+                xfer.remaining = len(works)
+                xfer.error = None
+                xfer.started = time.monotonic()
+                xfer.posted, xfer.posting = items, True
+        if stopped is not None:
+            self._finish(xfer, stopped)
+            return
+        self._post(xfer, items)
 
     @staticmethod
     def _iov(wr: WorkRequest, segments: list[Segment]) -> np.ndarray:
@@ -861,14 +915,23 @@ class Engine(Closeable):
             address[pieces.lseg == seg.id] = seg.address
         return iovec_array(pieces.loff + address, pieces.length)
 
-    def _post(self, xfer: _Transfer, items: list[tuple[Any, Work]]) -> None:
-        for i, (rail, work) in enumerate(items):
-            try:
-                rail.post(work)
-            except TransferError as exc:
+    def _post(self, xfer: _Transfer, items: list[tuple[Rail, Work]]) -> None:
+        """Posts ``items`` (already ``xfer.posted``, with ``xfer.posting`` set)."""
+        try:
+            for i, (rail, work) in enumerate(items):
+                error = xfer.stopping
+                if error is None:
+                    try:
+                        rail.post(work)
+                        continue
+                    except TransferError as exc:
+                        error = exc
                 for _, unposted in items[i:]:
-                    self._on_complete(Completion(unposted, exc))
+                    self._on_complete(Completion(unposted, error))
                 return
+        finally:
+            with xfer.lock:
+                xfer.posting = False
 
     def _on_complete(self, done: Completion) -> None:
         xfer: _Transfer = done.work.context
@@ -881,10 +944,13 @@ class Engine(Closeable):
             if xfer.remaining > 0:
                 return
             error = xfer.error
-        if error is not None:
-            if (isinstance(error, _FALLBACK_ERRORS) and len(xfer.transports) > 1
-                    and not xfer.notifying and not self._closed):
+            fallback = (error is not None and isinstance(error, _FALLBACK_ERRORS)
+                        and len(xfer.transports) > 1 and not xfer.notifying
+                        and not self._closed and xfer.stopping is None)
+            if fallback:
                 failed = xfer.transports.pop(0)
+        if error is not None:
+            if fallback:
                 xfer.peer.demote(failed)
                 self.stats[f"fallback_{failed}"] += 1
                 log.info("transfer %d to %s: %s failed (%s); retrying over %s",
@@ -899,9 +965,12 @@ class Engine(Closeable):
             name = xfer.transports[0]
             work = Work(next(self._wr_ids), Op.WRITE, [], [], 0,
                         Immediate(next(self._transfer_ids), 1, xfer.notify), None, xfer)
+            rails = xfer.peer.rails[name]
+            items = [(next((r for r in rails if not r.closed), rails[0]), work)]
             with xfer.lock:
                 xfer.remaining = 1
-            self._post(xfer, [(xfer.peer.rails[name][0], work)])
+                xfer.posted, xfer.posting = items, True
+            self._post(xfer, items)
             return
         self._finish(xfer, None)
 
@@ -910,6 +979,8 @@ class Engine(Closeable):
             if xfer.finished:
                 return
             xfer.finished = True
+            if error is not None and xfer.stopping is not None:
+                error = xfer.stopping  # the cancel said why, whatever failed after it
             segments, xfer.local_segments = xfer.local_segments, []
         for seg in segments:
             seg.unpin()
@@ -921,6 +992,99 @@ class Engine(Closeable):
             if xfer.transports:
                 xfer.peer.succeeded(xfer.transports[0], time.monotonic() - xfer.started)
         xfer.handle._finish(error)
+
+    # --- stopping transfers: cancel, deadlines, stuck segments, silent peers ----------
+
+    def _cancel_handle(self, handle: TransferHandle, error: TransferError) -> bool:
+        with self._lock:
+            xfer = self._live.get(handle.id)
+        return xfer is not None and self._cancel(xfer, error)
+
+    def _cancel(self, xfer: _Transfer, error: TransferError) -> bool:
+        """Fails ``xfer`` with ``error`` once nothing of ours touches its memory: work
+        not yet sent is withdrawn, rails with its work on the wire are torn down (their
+        other work fails with ``PeerLostError``, which may fail over). False if it had
+        finished or was being stopped already."""
+        with xfer.lock:
+            if xfer.finished or xfer.stopping is not None:
+                return False
+            xfer.stopping = error
+            xfer.error = error
+            del xfer.transports[1:]  # no fallback
+            items = list(xfer.posted or ())
+            posting = xfer.posting
+        self.stats["transfers_timed_out" if isinstance(error, TransferTimeout)
+                   else "transfers_cancelled"] += 1
+        by_rail: dict[int, tuple[Rail, list[Work]]] = {}
+        for rail, work in items:
+            by_rail.setdefault(id(rail), (rail, []))[1].append(work)
+        for rail, works in by_rail.values():
+            if not posting:  # while posting, which work a rail holds is not settled
+                taken, busy = rail.withdraw(works)
+                for work in taken:
+                    self._on_complete(Completion(work, error))
+                if not busy:
+                    continue
+            self.stats["rails_torn_down"] += 1
+            log.info("tearing down a %s rail to %s to stop transfer %d (%s)",
+                     xfer.handle.transport, xfer.peer.name, xfer.handle.id, error.message)
+            rail.abort(PeerLostError(
+                f"rail torn down to stop transfer {xfer.handle.id} ({error.message})",
+                peer=xfer.peer.name, transport=xfer.handle.transport))
+        return True
+
+    def _segment_stuck(self, seg: Segment) -> None:
+        """``Segment.close`` found pins left after its wait: stop our transfers that use
+        the segment, and have every transport tear down peers' requests on it."""
+        with self._lock:
+            live = [x for x in self._live.values()
+                    if any(s is seg for s in x.local_segments)]
+        for xfer in live:
+            self._cancel(xfer, ClosedError("segment deregistered while the transfer used it",
+                                           peer=xfer.peer.name, op=str(xfer.op),
+                                           segment=seg.name))
+        for transport in self._transports.values():
+            try:
+                transport.revoke(seg)
+            except Exception:
+                log.exception("%s could not revoke segment %s", transport.name, seg.name)
+
+    def _start_watchdog(self) -> Watchdog | None:
+        with self._lock:
+            if self._watchdog is None and not self._closed:
+                self._watchdog = Watchdog(self.name, self._zctx, self._signer,
+                                          expire=self._expire, live=self._live,
+                                          stuck=self._stuck, silent=self._silent,
+                                          peer_timeout=self.peer_timeout)
+            return self._watchdog
+
+    def _expire(self, handle_id: int, seconds: float) -> None:
+        with self._lock:
+            xfer = self._live.get(handle_id)
+        if xfer is not None:
+            self._cancel(xfer, TransferTimeout(
+                f"transfer {handle_id} not finished within its deadline of {seconds}s",
+                peer=xfer.peer.name, op=str(xfer.op), transport=xfer.handle.transport,
+                length=xfer.handle.nbytes))
+
+    def _stuck(self, before: float) -> dict[Any, str]:
+        """Peers with a transfer in flight since before ``before``, and where to probe
+        them (their control endpoint)."""
+        with self._lock:
+            live = list(self._live.values())
+        out: dict[Any, str] = {}
+        for xfer in live:
+            peer = xfer.peer
+            if (0 < xfer.started < before and not xfer.finished and peer.lost is None
+                    and peer not in out):
+                out[peer] = peer.control_address
+        return out
+
+    def _silent(self, peer: Peer, seconds: float) -> None:
+        with self._lock:
+            current = self._peers.get(peer.name) is peer
+        if current:
+            self.peer_lost(peer.name, f"no answer to control probes for {seconds:.1f}s")
 
     # --- notifications ----------------------------------------------------------------
 
@@ -966,6 +1130,8 @@ class Engine(Closeable):
             self._notes_cond.notify_all()
             peers = list(self._peers.values())
         try:
+            if self._watchdog is not None:
+                self._watchdog.close()
             for peer in peers:  # their rails fail the work they hold with ClosedError
                 peer.close()
             with self._lock:

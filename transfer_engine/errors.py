@@ -20,6 +20,7 @@ __all__ = [
     "ProtocolError",
     "AuthenticationError",
     "TransferTimeout",
+    "TransferCancelled",
     "PeerLostError",
     "ClosedError",
     "BusyError",
@@ -111,6 +112,13 @@ class AuthenticationError(ProtocolError):
 
 class TransferTimeout(TransferError):
     """A bounded wait ran out. The transfer may still complete or fail later."""
+
+
+class TransferCancelled(TransferError):
+    """The caller cancelled the transfer (``TransferHandle.cancel``). As after any
+    failure, a prefix of the destination may have been written; by the time the handle
+    fails, this side moves none of its bytes any more (see
+    :mod:`transfer_engine.handle` for what may still reach the peer)."""
 
 
 class PeerLostError(TransferError):

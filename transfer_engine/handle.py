@@ -1,18 +1,46 @@
-"""Transfer handles: what ``Engine.write`` / ``Engine.read`` return."""
+"""Transfer handles: what ``Engine.write`` / ``Engine.read`` return.
+
+A handle is PENDING until the transfer ends, then DONE or FAILED, once:
+
+- ``wait(timeout)`` returns once every byte landed (and the notification was sent), or
+  raises the transfer's error; when only the *wait* ran out it raises
+  ``TransferTimeout`` and the transfer goes on.
+- A transfer submitted with a deadline (``Engine.write(..., timeout=)``, or the
+  engine's ``transfer_timeout``) that has not finished by then fails with
+  ``TransferTimeout``, as a cancel would.
+- ``cancel()`` fails it with ``TransferCancelled`` (True), or does nothing to a finished
+  one (False). Work not yet sent is withdrawn; work already on the wire is stopped by
+  tearing down its rail, and other transfers on that rail fail over to another
+  transport or fail with ``PeerLostError``.
+- A peer that stops answering (no reply to probes for ``peer_timeout``) fails it with
+  ``PeerLostError``.
+
+Whatever ends it, the handle finishes only once this side no longer copies bytes from
+or into its local memory, and its segments are unpinned then. On failure any prefix of
+the destination may have been written and the notification was not delivered. Two
+limits of a cancel (or deadline): a WRITE's bytes already in the peer's kernel may
+still land there after the handle failed (the aborted rail is reset, which drops most
+of them), and so, if a request's last byte had already reached it, may its
+notification; and over ``shm`` the peer copies, so a request it had already taken may
+still complete in our memory if that peer was stalled and resumes.
+"""
 
 from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from transfer_engine.descriptor import Op
-from transfer_engine.errors import TransferError, TransferTimeout
+from transfer_engine.errors import TransferCancelled, TransferError, TransferTimeout
 
 if TYPE_CHECKING:
     from transfer_engine.errors import TransferEngineError
 
 __all__ = ["TransferState", "TransferHandle"]
+
+CANCEL_WAIT = 5.0  # seconds cancel() waits for threads in a system call to let go
 
 
 class TransferState(enum.Enum):
@@ -29,7 +57,7 @@ class TransferHandle:
     """
 
     __slots__ = ("id", "op", "peer", "nbytes", "transport", "_state", "_error",
-                 "_bytes_done", "_latch", "_lock", "__weakref__")
+                 "_bytes_done", "_latch", "_lock", "_canceller", "__weakref__")
 
     def __init__(self, transfer_id: int, op: Op, peer: str, nbytes: int) -> None:
         self.id = transfer_id
@@ -45,6 +73,8 @@ class TransferHandle:
         self._latch = threading.Lock()
         self._latch.acquire()
         self._lock = threading.Lock()
+        # set by the engine: stops the transfer with an error; False if it had finished
+        self._canceller: Callable[[TransferHandle, TransferError], bool] | None = None
 
     @property
     def state(self) -> TransferState:
@@ -72,6 +102,25 @@ class TransferHandle:
             self._latch.release()
         if self._error is not None:
             raise self._error
+
+    def cancel(self) -> bool:
+        """Stops the transfer: it fails with :class:`TransferCancelled`. Returns False
+        (and changes nothing) if it had already finished, True if this call cancelled
+        it. On True the handle has failed, unless a thread of ours was inside a system
+        call on its memory: the socket is shut down under it and the handle fails as it
+        returns (waited for here up to :data:`CANCEL_WAIT` seconds)."""
+        if self._state is not TransferState.PENDING:
+            return False
+        error = TransferCancelled(f"transfer {self.id} cancelled", peer=self.peer,
+                                  op=str(self.op), transport=self.transport)
+        canceller = self._canceller
+        if canceller is None:  # not driven by an engine: nothing else to stop
+            return self._finish(error)
+        if not canceller(self, error):
+            return False
+        if self._latch.acquire(timeout=CANCEL_WAIT):
+            self._latch.release()
+        return True
 
     # engine side
     def _add_bytes(self, n: int) -> None:

@@ -35,50 +35,112 @@ class _Pending:
 class ImmediateCounter:
     """Counts immediates per (peer, transfer) and says when a notification is due.
 
-    ``max_pending`` bounds the table: a peer that sends partial transfers forever (or
-    dies mid-transfer) cannot grow it without limit; the oldest partial entries go first.
+    The table of partial transfers is bounded, so that a peer sending partial transfers
+    forever (or dying mid-transfer) costs a bounded amount, and costs it alone:
+
+    - ``max_per_peer`` partial transfers (and ``max_peer_bytes`` of their payloads) per
+      peer: beyond them the peer's own oldest partial entries go;
+    - ``max_pending`` entries (and ``max_bytes`` of payloads) in all: beyond them the
+      oldest entry of the peer holding the most goes.
+
+    So a flood from one peer never evicts another peer's pending notification unless
+    that other peer holds as much as the flooder. An evicted transfer starts over: its
+    notification never fires (the initiator's handle still completes).
     """
 
     max_pending: int = 65536
-    _pending: dict[tuple[str, int], _Pending] = field(default_factory=dict)
+    max_per_peer: int = 4096
+    max_bytes: int = 256 << 20
+    max_peer_bytes: int = 16 << 20
+    _peers: dict[str, dict[int, _Pending]] = field(default_factory=dict)
+    _bytes: dict[str, int] = field(default_factory=dict)  # payload bytes held per peer
+    _count: int = 0
+    _total_bytes: int = 0
     dropped: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_pending < 1:
-            raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
+        for name in ("max_pending", "max_per_peer", "max_bytes", "max_peer_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     def arrive(self, peer: str, transfer_id: int, expected: int,
                payload: bytes | None = None) -> Notification | None:
         """Records one immediate; returns the notification when it was the last one."""
         if expected < 1:
             raise ValueError(f"expected must be >= 1, got {expected}")
-        key = (peer, transfer_id)
-        entry = self._pending.get(key)
+        table = self._peers.get(peer)
+        entry = table.get(transfer_id) if table is not None else None
         if entry is None:
             if expected == 1:
                 return Notification(peer, transfer_id, payload or b"")
-            if len(self._pending) >= self.max_pending:
-                self._pending.pop(next(iter(self._pending)))
-                self.dropped += 1
-            entry = self._pending[key] = _Pending(expected)
+            if table is None:
+                table = self._peers[peer] = {}
+                self._bytes[peer] = 0
+            if len(table) >= min(self.max_per_peer, self.max_pending):
+                self._evict(peer)
+            elif self._count >= self.max_pending:
+                self._evict(max(self._peers, key=lambda p: len(self._peers[p])))
+            entry = table[transfer_id] = _Pending(expected)
+            self._count += 1
         elif entry.expected != expected:
             raise ValueError(
                 f"transfer {transfer_id} from {peer}: expected {entry.expected} "
                 f"immediates, a later one says {expected}")
         entry.seen += 1
-        if payload is not None:
-            entry.payload = payload
         if entry.seen < entry.expected:
+            if payload is not None:
+                self._hold(peer, entry, payload)
             return None
-        del self._pending[key]
-        return Notification(peer, transfer_id, entry.payload or b"")
+        self._drop(peer, transfer_id)
+        return Notification(peer, transfer_id, (payload if payload is not None
+                                                else entry.payload) or b"")
+
+    def _hold(self, peer: str, entry: _Pending, payload: bytes) -> None:
+        """Keeps ``payload`` with ``entry``, evicting within the byte bounds."""
+        size = len(payload) - len(entry.payload or b"")
+        entry.payload = payload
+        self._bytes[peer] += size
+        self._total_bytes += size
+        table = self._peers[peer]
+        while self._bytes[peer] > self.max_peer_bytes and len(table) > 1:
+            self._evict(peer, keep=entry)
+        while self._total_bytes > self.max_bytes:
+            victim = max(self._bytes, key=self._bytes.__getitem__)
+            if victim == peer and len(table) == 1:
+                break  # one payload alone (at most a message) is always kept
+            self._evict(victim, keep=entry)
+
+    def _evict(self, peer: str, keep: _Pending | None = None) -> None:
+        """Drops ``peer``'s oldest partial entry (not ``keep``)."""
+        table = self._peers[peer]
+        for transfer_id, entry in table.items():
+            if entry is not keep:
+                self._drop(peer, transfer_id)
+                self.dropped += 1
+                return
+
+    def _drop(self, peer: str, transfer_id: int) -> None:
+        table = self._peers[peer]
+        entry = table.pop(transfer_id)
+        self._count -= 1
+        size = len(entry.payload or b"")
+        self._bytes[peer] -= size
+        self._total_bytes -= size
+        if not table:
+            del self._peers[peer]
+            del self._bytes[peer]
+
+    def pending(self, peer: str) -> int:
+        """Partial transfers held for ``peer``."""
+        return len(self._peers.get(peer, ()))
 
     def forget_peer(self, peer: str) -> int:
         """Drops the partial transfers of a peer that went away; returns how many."""
-        keys = [k for k in self._pending if k[0] == peer]
-        for k in keys:
-            del self._pending[k]
-        return len(keys)
+        table = self._peers.pop(peer, {})
+        size = self._bytes.pop(peer, 0)
+        self._count -= len(table)
+        self._total_bytes -= size
+        return len(table)
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return self._count

@@ -120,6 +120,11 @@ class Peer:
         return self.order[0] if self.order else None
 
     @property
+    def control_address(self) -> str:
+        """The peer's control endpoint (where it answers probes)."""
+        return self._client.address
+
+    @property
     def segments(self) -> dict[str, RemoteSegment]:
         return dict(self._segments)
 

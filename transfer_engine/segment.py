@@ -3,9 +3,9 @@
 A :class:`Segment` is made by :meth:`Engine.register` from a CPU torch tensor, a numpy
 array, any writable buffer (bytearray, memoryview, mmap) or a raw ``(address, length)``.
 It keeps the owning object alive while registered. Deregistering (``close()``) revokes
-peer access: transfers already landing finish first (bounded wait), later ones are
-refused with :class:`InvalidDescriptorError`. Ids are never reused, so a stale id can
-never reach memory registered later.
+peer access: transfers already landing finish first (bounded wait; stalled ones are torn
+down), later ones are refused with :class:`InvalidDescriptorError`. Ids are never
+reused, so a stale id can never reach memory registered later.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from typing import Any
 from transfer_engine.errors import BusyError, InvalidDescriptorError, RegistrationError
 
 __all__ = ["Segment", "RemoteSegment", "MemoryInfo", "describe_memory"]
+
+REVOKE_GRACE = 2.0  # seconds for pins to drop once their transfers were torn down
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,11 +95,26 @@ def _view_at(address: int, length: int, writable: bool) -> memoryview:
 
 
 class Segment:
-    """A registered region of local memory, addressable by peers while open."""
+    """A registered region of local memory, addressable by peers while open.
+
+    Every transfer that moves bytes in or out of it holds a *pin* (ours while our
+    transfer uses it, the transport's while a peer's request lands or is read), and
+    :meth:`close` hands the memory back only once no pin is left. A peer stalled
+    mid-request cannot hold that off for ever: after the wait, the transfers still
+    pinning it are torn down (``on_stuck``: the engine fails its own transfers as a
+    cancel does, and asks every transport to ``revoke`` the segment, closing the
+    connections serving it).
+
+    What a torn-down WRITE into this segment leaves behind: any prefix of its bytes may
+    have landed; its immediate was not counted, so no notification fired for it; the
+    initiator's handle fails (``PeerLostError``). A torn-down READ from it sent the
+    initiator a prefix at most, and its handle fails too.
+    """
 
     __slots__ = (
         "id", "name", "address", "length", "device", "writable", "keys",
-        "_owner", "_view", "_cond", "_pins", "_open", "_on_close", "__weakref__",
+        "_owner", "_view", "_cond", "_pins", "_open", "_released", "_on_close",
+        "_on_stuck", "__weakref__",
     )
 
     def __init__(
@@ -106,6 +123,7 @@ class Segment:
         name: str,
         info: MemoryInfo,
         on_close: Callable[[Segment], None] | None = None,
+        on_stuck: Callable[[Segment], None] | None = None,
     ) -> None:
         self.id = seg_id
         self.name = name
@@ -120,7 +138,9 @@ class Segment:
         self._cond = threading.Condition()
         self._pins = 0
         self._open = True
+        self._released = False
         self._on_close = on_close
+        self._on_stuck = on_stuck
 
     @property
     def closed(self) -> bool:
@@ -170,15 +190,29 @@ class Segment:
             self.unpin()
 
     def close(self, timeout: float | None = 5.0) -> None:
-        """Deregisters: waits (bounded) for transfers using it, then revokes access."""
+        """Deregisters: refuses new pins at once, waits up to ``timeout`` seconds
+        (``None``: without bound) for the transfers using it, tears down those still
+        there (``on_stuck``) and waits a little more (``timeout`` again, between 0.1 s
+        and :data:`REVOKE_GRACE`), then revokes
+        access and releases the memory. Raises :class:`BusyError` if pins remain even
+        then; the segment stays closed to new transfers, and ``close()`` may be called
+        again. Idempotent once it returned."""
         with self._cond:
-            if not self._open:
+            if self._released:
                 return
             self._open = False  # new pins are refused from here on
-            if not self._cond.wait_for(lambda: self._pins == 0, timeout):
-                self._open = True
-                raise BusyError(f"{self._pins} transfers still use the segment",
-                                segment=self.name)
+            drained = self._cond.wait_for(lambda: self._pins == 0, timeout)
+        if not drained and self._on_stuck is not None:
+            self._on_stuck(self)
+        with self._cond:
+            if self._released:
+                return
+            grace = REVOKE_GRACE if timeout is None else min(REVOKE_GRACE,
+                                                             max(timeout, 0.1))
+            if not drained and not self._cond.wait_for(lambda: self._pins == 0, grace):
+                raise BusyError(f"{self._pins} transfers still use the segment after "
+                                "tearing them down", segment=self.name)
+            self._released = True
         if self._on_close is not None:
             self._on_close(self)
         self._view = None

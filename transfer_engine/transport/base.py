@@ -23,7 +23,12 @@ Protocol (who calls what, in which order):
 5. Target side: a transport resolves incoming remote extents with
    ``host.local_segment(id)`` and :meth:`Segment.check`, pins the segment while bytes
    land, and never touches memory that failed the check.
-6. ``close()`` closes every rail (their pending work fails with ``ClosedError``) and
+6. To stop a transfer early (cancel, deadline, a segment closing) the engine calls
+   ``rail.withdraw(works)``: work not yet sent is taken back and never completed by
+   the rail; if some of it is already on the wire, the engine calls ``rail.abort``.
+   When a segment cannot drain its pins, ``transport.revoke(segment)`` tears down what
+   serves peers' requests on it.
+7. ``close()`` closes every rail (their pending work fails with ``ClosedError``) and
    stops accepting. Closing twice is a no-op.
 """
 
@@ -145,8 +150,19 @@ class Rail(abc.ABC):
     def abort(self, error: TransferError) -> None:
         """Closes the rail because its peer is known to be gone: pending work completes
         with ``error`` (say, ``PeerLostError``) rather than ``ClosedError``. Idempotent;
-        rails that cannot tell the two apart just close."""
+        rails that cannot tell the two apart just close.
+
+        Either way, a work completes only once this side no longer touches its local
+        memory (no system call is still copying from or into it)."""
         self.close()
+
+    def withdraw(self, works: Sequence[Work]) -> tuple[list[Work], bool]:
+        """Takes back those of ``works`` this rail has not begun to send: it will never
+        send nor complete them. Returns them, and whether any other of ``works`` may
+        still be moving bytes (sent and not completed): then only :meth:`abort` stops
+        them. The default takes nothing back and assumes work in flight unless the rail
+        is closed."""
+        return [], not self.closed
 
     @property
     @abc.abstractmethod
@@ -181,6 +197,14 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def deregister(self, segment: Segment) -> None: ...
+
+    def revoke(self, segment: Segment) -> None:  # noqa: B027 (optional, not abstract)
+        """Ends peers' access to ``segment`` now: requests being served on it are torn
+        down mid-way (their connections closed) so that their pins drop. Called when
+        :meth:`Segment.close` still finds pins after its wait; the segment already
+        refuses new ones. A torn WRITE may leave a prefix of its bytes; its immediate
+        is not counted. The default does nothing (a transport whose requests cannot
+        stall)."""
 
     @abc.abstractmethod
     def reachable(self, peer_meta: dict[str, Any]) -> bool:

@@ -346,8 +346,18 @@ def unpack_error(body: bytes, status: int, peer: str, op: str, transport: str) -
 
 # --- initiator side -------------------------------------------------------------------
 
+_LINGER_RESET = struct.pack("ii", 1, 0)
+
+
 class StreamRail(Rail):
-    """One connection to a peer's stream server."""
+    """One connection to a peer's stream server.
+
+    A work completes only once no thread of ours touches its local memory any more:
+    should the rail fail while a thread is sending a WRITE's payload or receiving a
+    READ's bytes, that thread completes the work when its system call has returned
+    (the socket is shut down, so it returns at once). Work not yet taken by the sender
+    can be withdrawn (:meth:`withdraw`).
+    """
 
     transport_name = "stream"
     inline_bytes = 512 << 10  # largest work an idle rail sends in the caller's thread
@@ -362,6 +372,13 @@ class StreamRail(Rail):
         self._lock = threading.Lock()
         self._pending: collections.deque[Work] = collections.deque()
         self._queue: queue.SimpleQueue[Work | None] = queue.SimpleQueue()
+        # posted work the sender has not taken yet, by id(): whoever pops it owns it
+        self._queued: dict[int, Work] = {}
+        # work whose memory a thread of ours is copying now (at most a sender's and the
+        # reader's), and the error of those the rail failed meanwhile: their thread
+        # completes them once it lets go (ids, as Work compares by value)
+        self._touched: dict[int, Work] = {}
+        self._held: dict[int, TransferError] = {}
         self._closed = False
         self._failure: TransferError | None = None
         self._send_lock = threading.Lock()
@@ -395,7 +412,7 @@ class StreamRail(Rail):
     @property
     def inflight(self) -> int:
         with self._lock:
-            return len(self._pending) + self._queue.qsize()
+            return len(self._pending) + len(self._queued)
 
     def post(self, work: Work) -> None:
         # An idle rail sends small work in the caller's thread: a thread hand-off costs
@@ -407,19 +424,32 @@ class StreamRail(Rail):
                                   transport=self.transport_name)
             if self._failure is not None:
                 raise self._failure
-            inline = self._busy == 0 and self._payload(work) <= self.inline_bytes
+            payload = self._payload(work)
+            inline = self._busy == 0 and payload <= self.inline_bytes
             self._busy += 1
             if inline:
                 self._send_lock.acquire()  # free: nothing queued or being sent
+                self._pending.append(work)
+                if payload:
+                    self._touched[id(work)] = work
             else:
+                self._queued[id(work)] = work
                 self._queue.put(work)
         if inline:
             try:
-                self._send_one(work)
+                self._transmit(work, payload > 0)
             finally:
                 self._send_lock.release()
                 with self._lock:
                     self._busy -= 1
+
+    def withdraw(self, works: Sequence[Work]) -> tuple[list[Work], bool]:
+        with self._lock:
+            taken = [w for w in works if self._queued.pop(id(w), None) is not None]
+            ids = {id(w) for w in works}
+            busy = (any(id(w) in ids for w in self._pending)
+                    or any(key in ids for key in self._touched))
+        return taken, busy
 
     def _error(self, exc_type: type[TransferError], message: str, work: Work | None = None
                ) -> TransferError:
@@ -433,29 +463,51 @@ class StreamRail(Rail):
                 return
             try:
                 with self._send_lock:
-                    self._send_one(work)
+                    with self._lock:
+                        if self._queued.pop(id(work), None) is None:
+                            continue  # withdrawn, or already failed by _fail_all
+                        failed = self._failure
+                        touch = failed is None and self._payload(work) > 0
+                        if failed is None:
+                            self._pending.append(work)
+                        if touch:
+                            self._touched[id(work)] = work
+                    if failed is None:
+                        self._transmit(work, touch)
+                if failed is not None:
+                    self._complete(work, failed)
             finally:
                 with self._lock:
                     self._busy -= 1
 
-    def _send_one(self, work: Work) -> None:
-        with self._lock:
-            if self._failure is not None or self._closed:
-                failed = self._failure or self._error(ClosedError, "rail is closed", work)
-            else:
-                failed = None
-                self._pending.append(work)
-        if failed is not None:
-            self._complete(work, failed)
-            return
+    def _transmit(self, work: Work, touched: bool) -> None:
+        """Sends ``work`` (already pending), then lets go of its memory if ``touched``
+        (only a payload sent from our memory touches it; a READ's bytes are the
+        reader's)."""
+        error = None
         try:
             self._send_request(work)
             self.bytes_sent += work.nbytes
         except PeerClosed as exc:
-            self._fail_all(self._error(PeerLostError, f"connection lost while sending: {exc}"))
+            error = self._error(PeerLostError, f"connection lost while sending: {exc}")
         except Exception as exc:  # a bug must not leave a handle waiting forever
             log.exception("rail %s#%d send failed", self.peer, self.index)
-            self._fail_all(self._error(ProtocolError, f"send failed: {exc!r}"))
+            error = self._error(ProtocolError, f"send failed: {exc!r}")
+        if touched:
+            self._let_go(work)
+        if error is not None:
+            self._fail_all(error)
+
+    def _let_go(self, work: Work) -> bool:
+        """Our thread no longer touches ``work``'s memory; completes it if the rail
+        failed meanwhile (and says so)."""
+        with self._lock:
+            del self._touched[id(work)]
+            error = self._held.pop(id(work), None)
+        if error is None:
+            return False
+        self._complete(work, error)
+        return True
 
     def _read_loop(self) -> None:
         try:
@@ -468,6 +520,10 @@ class StreamRail(Rail):
                 body = recv_exact(self._sock, body_len)
                 with self._lock:
                     work = self._pending[0] if self._pending else None
+                    take = (work is not None and work.wr_id == wr_id and not status
+                            and work.op is Op.READ)
+                    if take and work is not None:
+                        self._touched[id(work)] = work
                 if work is None or work.wr_id != wr_id:
                     raise ProtocolError(f"answer for unknown work request {wr_id}",
                                         peer=self.peer, transport=self.transport_name)
@@ -475,9 +531,17 @@ class StreamRail(Rail):
                 if status:
                     error = unpack_error(body, status, self.peer, str(work.op),
                                          self.transport_name)
-                elif work.op is Op.READ:
-                    self._take_read(work)
+                elif take:
+                    held = False
+                    try:
+                        self._take_read(work)
+                    finally:
+                        held = self._let_go(work)
+                    if held:
+                        continue  # the rail failed meanwhile; the next read ends us
                 with self._lock:
+                    if not self._pending or self._pending[0] is not work:
+                        continue  # failed meanwhile, and completed by _fail_all
                     self._pending.popleft()
                 self._complete(work, error)
         except PeerClosed as exc:
@@ -491,6 +555,18 @@ class StreamRail(Rail):
         finally:
             if not self._closed:
                 self._fail_all(self._error(PeerLostError, "connection lost"))
+            self._release()
+
+    def _release(self) -> None:
+        """Closes the socket of a rail that failed by itself, once no thread of ours can
+        still use it: a dead peer's rail holds no descriptor until it is closed."""
+        if self._sender is not threading.current_thread():
+            self._sender.join(timeout=5)
+        if self._send_lock.acquire(timeout=5):  # an inline send in a caller's thread
+            try:
+                self._sock.close()
+            finally:
+                self._send_lock.release()
 
     def _complete(self, work: Work, error: TransferError | None) -> None:
         try:
@@ -503,28 +579,33 @@ class StreamRail(Rail):
             if self._failure is None:
                 self._failure = error
             error = self._failure  # the first cause wins: a later close keeps it
-            pending = list(self._pending)
+            pending = []
+            for work in self._pending:
+                if id(work) in self._touched:  # completed by its thread on letting go
+                    self._held[id(work)] = error
+                else:
+                    pending.append(work)
             self._pending.clear()
-        for work in pending:
-            self._complete(work, error)
+            queued = list(self._queued.values())
+            self._queued.clear()
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.shutdown(socket.SHUT_RDWR)  # a thread in a system call returns
         except OSError:
             pass
-        # fail queued work, then wake the sender so that it ends
-        while True:
-            try:
-                queued = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if queued is not None:
-                self._complete(queued, error)
-        self._queue.put(None)
+        for work in pending:
+            self._complete(work, error)
+        for work in queued:
+            self._complete(work, error)
+        self._queue.put(None)  # the sender skips what was queued, then ends
 
     def abort(self, error: TransferError) -> None:
         with self._lock:
             if self._failure is None and not self._closed:
                 self._failure = error
+        try:  # close with a reset: bytes still queued either side are dropped, not landed
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+        except OSError:
+            pass
         self.close()
 
     def close(self) -> None:
@@ -536,7 +617,7 @@ class StreamRail(Rail):
         for thread in (self._sender, self._reader):
             if thread is not threading.current_thread():
                 thread.join(timeout=5)
-        self._sock.close()
+        self._release()
 
     def __repr__(self) -> str:
         state = "CLOSED" if self._closed else ("FAILED" if self._failure else "OPEN")

@@ -1,0 +1,220 @@
+"""Every wait ends: cancel, deadlines, silent peers, stuck segments, immediate floods.
+
+Stalled peers are real processes stopped with SIGSTOP (their sockets stay open and
+answer nothing); every test resumes or kills what it stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+
+from tests.test_faults import spawn_peer  # noqa: F401  (the shared peer-process fixture)
+from tests.transport_contract import random_bytes
+from transfer_engine import (
+    ClosedError,
+    Descriptor,
+    Engine,
+    PeerLostError,
+    TransferCancelled,
+    TransferState,
+    TransferTimeout,
+)
+from transfer_engine.descriptor import Op
+from transfer_engine.handle import TransferHandle
+from transfer_engine.transport.base import Immediate
+from transfer_engine.transport.tcp import TcpTransport
+
+MiB = 1 << 20
+Spawn = Callable[..., tuple[subprocess.Popen[str], str]]
+
+
+@contextmanager
+def stopped(proc: subprocess.Popen[str]) -> Iterator[None]:
+    """The peer process frozen for the block (its kernel still accepts bytes until its
+    socket buffers fill)."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # the signal is delivered asynchronously
+            with open(f"/proc/{proc.pid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] in ("T", "t"):
+                    break
+            time.sleep(0.005)
+        yield
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+
+
+def peer_threads(name: str) -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.endswith(
+        tuple(f"-{name}#{i}" for i in range(8)))]
+
+
+def test_cancel_of_a_handle_without_engine_and_of_a_finished_one() -> None:
+    h = TransferHandle(1, Op.WRITE, "b", 10)
+    assert h.cancel() and h.state is TransferState.FAILED
+    with pytest.raises(TransferCancelled, match="cancelled") as info:
+        h.wait(0)
+    assert info.value.peer == "b" and info.value.op == "write"
+    assert not h.cancel()
+    done = TransferHandle(2, Op.READ, "b", 10)
+    done._finish()
+    assert not done.cancel() and done.state is TransferState.DONE
+
+
+def test_cancel_after_completion_is_a_no_op(make_engine: Callable[..., Engine]) -> None:
+    a = make_engine("a", transports=["tcp"])
+    b = make_engine("b", transports=["tcp"])
+    dst = np.zeros(MiB, dtype=np.uint8)
+    b.register(dst, name="dst")
+    src = a.register(random_bytes(MiB, 1))
+    peer = a.connect(b.endpoint)
+    h = a.write(peer, [(Descriptor(src, 0, MiB), Descriptor(peer.segment("dst"), 0, MiB))],
+                timeout=30)
+    h.wait(10)
+    assert not h.cancel() and h.state is TransferState.DONE
+    assert dst.tobytes() == bytes(src.view())
+    assert a._watchdog is not None and a._watchdog.probing == 0  # idle: no probes
+
+
+def test_cancel_withdraws_queued_work_and_tears_down_a_rail_only_for_work_on_the_wire(
+        spawn_peer: Spawn) -> None:  # noqa: F811
+    size = 16 * MiB
+    proc, endpoint = spawn_peer("stalled", size, 3)
+    a = Engine("a", transports=[TcpTransport(rails=1)], timeout=5.0, peer_timeout=None)
+    try:
+        peer = a.connect(endpoint)
+        seg = a.register(random_bytes(size, 5))
+        remote = peer.segment("dst")
+        with stopped(proc):
+            first = a.write(peer, [(Descriptor(seg, 0, size), Descriptor(remote, 0, size))])
+            queued = a.write(peer, [(Descriptor(seg, 0, MiB), Descriptor(remote, 0, MiB))])
+            time.sleep(0.2)  # the first fills the socket buffers and blocks the sender
+            assert queued.cancel()
+            with pytest.raises(TransferCancelled):
+                queued.wait(0)
+            assert a.stats["rails_torn_down"] == 0 and not first.done()
+            started = time.monotonic()
+            assert first.cancel()
+            assert time.monotonic() - started < 2
+            assert first.state is TransferState.FAILED
+            with pytest.raises(TransferCancelled):
+                first.wait(0)
+            assert a.stats["rails_torn_down"] == 1 and not a._live
+            seg.close(timeout=0.1)  # nothing pins it any more
+            assert not first.cancel()
+        # the torn-down rail was the only one: a fresh connect brings new rails (a
+        # prefix of the cancelled write may land at the start of dst: test the end)
+        peer = a.connect(endpoint)
+        data = a.register(random_bytes(MiB, 9))
+        back = a.register(np.zeros(MiB, dtype=np.uint8))
+        pairs = [(Descriptor(data, 0, MiB),
+                  Descriptor(peer.segment("dst"), size - MiB, MiB))]
+        a.write(peer, pairs).wait(10)
+        a.read(peer, [(Descriptor(back, 0, MiB), pairs[0][1])]).wait(10)
+        assert back.view().tobytes() == data.view().tobytes()
+    finally:
+        a.close()
+
+
+def test_a_deadline_fails_a_stalled_transfer_with_transfer_timeout(
+        spawn_peer: Spawn) -> None:  # noqa: F811
+    size = 8 * MiB
+    proc, endpoint = spawn_peer("slow", size, 4)
+    a = Engine("a", transports=["tcp"], timeout=5.0, peer_timeout=None,
+               transfer_timeout=30.0)
+    try:
+        peer = a.connect(endpoint)
+        dst = a.register(np.zeros(size, dtype=np.uint8))
+        pairs = [(Descriptor(dst, 0, size), Descriptor(peer.segment("dst"), 0, size))]
+        with stopped(proc):
+            started = time.monotonic()
+            h = a.read(peer, pairs, timeout=0.3)
+            with pytest.raises(TransferTimeout, match="deadline of 0.3s") as info:
+                h.wait(5)
+            assert 0.25 < time.monotonic() - started < 2
+            assert info.value.peer == "slow" and info.value.op == "read"
+            assert h.state is TransferState.FAILED and not h.cancel()
+            assert a.stats["transfers_timed_out"] == 1
+            dst.close(timeout=0.1)  # unpinned
+    finally:
+        a.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_silent_peer_is_declared_lost_and_its_threads_and_sockets_go(
+        spawn_peer: Spawn, transport: str) -> None:  # noqa: F811
+    size = 8 * MiB
+    proc, endpoint = spawn_peer("frozen", size, 6, "shm,tcp")
+    a = Engine("a", transports=[transport], timeout=5.0, peer_timeout=1.0)
+    try:
+        peer = a.connect(endpoint)
+        seg = a.register(random_bytes(size, 7))
+        pairs = [(Descriptor(seg, 0, size), Descriptor(peer.segment("dst"), 0, size))]
+        a.write(peer, pairs).wait(10)  # a live peer answers its probes: nothing happens
+        assert peer_threads("frozen")
+        with stopped(proc):
+            started = time.monotonic()
+            h = a.write(peer, pairs)
+            with pytest.raises(PeerLostError, match="no answer to control probes"):
+                h.wait(10)
+            assert time.monotonic() - started < 3.5  # grace 0.2 s + 1 s + a tick
+            assert peer.lost is not None and a.stats["peers_lost"] == 1
+            deadline = time.monotonic() + 5
+            while peer_threads("frozen") and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert peer_threads("frozen") == []
+            assert all(rail.closed for rails in peer.rails.values() for rail in rails)
+            assert a._watchdog is not None and a._watchdog.probing == 0
+            with pytest.raises(PeerLostError):
+                a.write(peer, pairs)
+        peer = a.connect(endpoint)  # resumed: a fresh connect works
+        a.write(peer, pairs).wait(10)
+    finally:
+        a.close()
+
+
+def test_closing_a_segment_a_stalled_read_lands_in_returns_within_the_bound(
+        spawn_peer: Spawn) -> None:  # noqa: F811
+    size = 8 * MiB
+    proc, endpoint = spawn_peer("stuck", size, 8)
+    a = Engine("a", transports=["tcp"], timeout=5.0, peer_timeout=None)
+    try:
+        peer = a.connect(endpoint)
+        dst = a.register(np.zeros(size, dtype=np.uint8))
+        pairs = [(Descriptor(dst, 0, size), Descriptor(peer.segment("dst"), 0, size))]
+        with stopped(proc):
+            h = a.read(peer, pairs)
+            time.sleep(0.1)
+            started = time.monotonic()
+            dst.close(timeout=0.3)
+            assert time.monotonic() - started < 2
+            assert dst.closed
+            with pytest.raises(ClosedError, match="segment deregistered") as info:
+                h.wait(1)
+            assert info.value.segment == dst.name
+    finally:
+        a.close()
+
+
+def test_a_flood_of_partial_immediates_spares_another_peers_notification(
+        make_engine: Callable[..., Engine]) -> None:
+    b = make_engine("b", transports=["tcp"])
+    b.deliver_immediate("good", Immediate(7, 2, b"req-17"))  # one rail of two landed
+    for tid in range(70_000):
+        b.deliver_immediate("evil", Immediate(tid, 2, b"junk"))
+    assert b.notifications(timeout=0) == []
+    b.deliver_immediate("good", Immediate(7, 2))
+    notes = b.notifications(timeout=0)
+    assert [(n.peer, n.payload) for n in notes] == [("good", b"req-17")]
+    b.deliver_immediate("good", Immediate(7, 2))  # a replay starts over: not twice
+    assert b.notifications(timeout=0) == []
