@@ -293,24 +293,34 @@ def encode(msg: Message) -> bytes:
     return data
 
 
+_FIELD_NAMES: dict[str, tuple[str, ...]] = {}  # kind -> field names, for encode_packed
+
+
+def _field_names(msg: Message) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(msg.kind)
+    if names is None:
+        names = _FIELD_NAMES[msg.kind] = tuple(f.name for f in dataclasses.fields(msg))
+    return names
+
+
 def encode_packed(msg: Message, **packed: list[bytes]) -> bytes:
     """:func:`encode`, with the named list fields given as items already msgpack-encoded
     (``packed`` maps field name -> items): a registry reply of many stored records is
     joined from their bytes, not re-encoded. The bytes equal ``encode`` of the same
     message with those items decoded."""
-    fields = dataclasses.fields(msg)
-    unknown = set(packed) - {f.name for f in fields}
+    names = _field_names(msg)
+    unknown = set(packed) - set(names)
     if unknown:
         raise TypeError(f"{msg.kind} has no field {sorted(unknown)[0]!r}")
     packer = msgpack.Packer()
     parts = [packer.pack_map_header(3), packer.pack("v"), packer.pack(PROTOCOL_VERSION),
              packer.pack("kind"), packer.pack(msg.kind), packer.pack("body"),
-             packer.pack_map_header(len(fields))]
-    for f in fields:
-        parts.append(packer.pack(f.name))
-        items = packed.get(f.name)
+             packer.pack_map_header(len(names))]
+    for name in names:
+        parts.append(packer.pack(name))
+        items = packed.get(name)
         if items is None:
-            parts.append(packer.pack(getattr(msg, f.name)))
+            parts.append(packer.pack(getattr(msg, name)))
         else:
             parts.append(packer.pack_array_header(len(items)))
             parts.extend(items)

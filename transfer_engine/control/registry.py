@@ -335,8 +335,8 @@ class Registry:
                 self._send(frames[0].bytes, ErrorReply("expected a single-frame message"))
             return
         ident, data = frames[0].bytes, frames[1].bytes
-        source = self._source(frames[1])
         charged = len(data) > _SMALL_FRAME  # only a registration is this large
+        source = self._source(frames[1]) if charged else ""
         if charged and not self._buckets.take(source):
             # refused before its (up to 1 MiB) decoding or signature check costs anything
             self.stats["rejected"] += 1
@@ -344,26 +344,32 @@ class Registry:
             self._send(ident, ErrorReply(self._rate_message(source)))
             return
         try:
-            msg = open_request(data, self._signer, peer=source)
-        except AuthenticationError as exc:
-            self.stats["rejected"] += 1
-            self.stats["denied"] += 1
-            self._reject(str(exc))
-            self._send(ident, Denied(exc.message), signed=False)
+            msg = open_request(data, self._signer)
+        except TransferError as exc:
+            exc.with_context(peer=source or self._source(frames[1]))
+            self._refuse(ident, exc)
             return
-        except ProtocolError as exc:
-            self.stats["rejected"] += 1
-            self._reject(str(exc))
-            self._send(ident, ErrorReply(str(exc)))
-            return
+        if not source and isinstance(msg, Register):
+            source = self._source(frames[1])
         try:
             reply = self._handle(ident, msg, source, charged, now)
         except TransferError as exc:
             self.stats["rejected"] += 1
-            self._reject(f"{msg.kind} from {source}: {exc.message}")
+            self._reject(f"{msg.kind} from {source or self._source(frames[1])}: "
+                         f"{exc.message}")
             reply = ErrorReply(exc.message)
         if reply is not None:
             self._send(ident, reply)
+
+    def _refuse(self, ident: bytes, exc: TransferError) -> None:
+        """Answers a message that failed authentication or decoding."""
+        self.stats["rejected"] += 1
+        self._reject(str(exc))
+        if isinstance(exc, AuthenticationError):
+            self.stats["denied"] += 1
+            self._send(ident, Denied(exc.message), signed=False)
+        else:
+            self._send(ident, ErrorReply(str(exc)))
 
     @staticmethod
     def _source(frame: zmq.Frame) -> str:
