@@ -446,6 +446,42 @@ def test_list_and_watch_follow_pages() -> None:
             sub.close()
 
 
+def test_snapshot_pages_and_the_events_after_them_add_up() -> None:
+    """Members that join or leave while a watcher pages through a snapshot reach it as
+    events after the snapshot's seq; a snapshot whose seq is evicted meanwhile starts
+    over."""
+    limits = RegistryLimits(page_bytes=16 * KiB, join_rate=0, log_bytes=64 * KiB)
+    with Registry(interval=60, limits=limits) as reg:
+        assert reg.endpoint is not None
+        with RegistryClient(reg.endpoint, name="zz") as last, Wire(reg.endpoint) as wire:
+            last.register(big_record("zz", 8))
+            assert pipelined(wire, fake_registrations(10, "m", 128))
+            first = wire.ask(Watch("", -1, 0.0))
+            assert isinstance(first, Events) and first.snapshot and first.after == ""
+            assert first.next and first.seq == 11
+            names = [m["name"] for m in first.members]
+            assert isinstance(wire.ask(big_record("a", 8).to_message("a" * 32)),
+                              Registered)  # sorts before the cursor
+            last.leave()  # sorts after it
+            page = first
+            while page.next:
+                page = wire.ask(Watch(first.epoch, first.seq, 0.0, page.next))
+                assert isinstance(page, Events) and page.snapshot and page.seq == 11
+                names += [m["name"] for m in page.members]
+            assert names == [f"m-{i:05d}" for i in range(10)]
+            events = wire.ask(Watch(first.epoch, first.seq, 0.0))
+            assert isinstance(events, Events) and not events.snapshot
+            assert [(e["type"], e["name"]) for e in events.events] == [("join", "a"),
+                                                                       ("leave", "zz")]
+            # the snapshot's seq is evicted between two pages: it starts over
+            page = wire.ask(Watch("", -1, 0.0))
+            assert isinstance(page, Events) and page.next
+            assert pipelined(wire, fake_registrations(10, "n", 128))  # 97 KB of events
+            again = wire.ask(Watch(page.epoch, page.seq, 0.0, page.next))
+            assert isinstance(again, Events) and again.snapshot
+            assert again.after == "" and again.seq == 23 > page.seq == 13
+
+
 # --- scale ----------------------------------------------------------------------------
 
 
