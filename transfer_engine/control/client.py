@@ -14,6 +14,13 @@ gets either exactly that or, if it fell behind or the registry restarted (new ep
 snapshot that it diffs against its view, so no join or leave is ever lost or invented.
 Each poll is an ordinary signed request, so the same authentication covers events, and
 it is answered the moment an event exists, so latency matches a PUB socket's.
+
+Ownership: the client makes a random owner token that only it and the registry know; it
+goes with every registration, heartbeat and leave, so no one else can remove, replace or
+keep alive our name (the public ``incarnation`` cannot prove that: every peer that
+handshakes with us learns it). Paging: a list and a watch snapshot arrive in pages cut
+under the message size limit; :meth:`RegistryClient.list` and the watch follow them, so
+callers see every member however many there are.
 """
 
 from __future__ import annotations
@@ -22,14 +29,17 @@ import collections
 import itertools
 import logging
 import queue
+import secrets
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
-from transfer_engine.control.auth import AuthConfig, open_reply, seal
+from transfer_engine.control.auth import OVERHEAD, AuthConfig, open_reply, seal
 from transfer_engine.control.messages import (
+    MAX_MESSAGE_BYTES,
     Ack,
     ErrorReply,
     Events,
@@ -64,7 +74,23 @@ __all__ = ["RegistryClient"]
 
 log = logging.getLogger(__name__)
 
-_MAX_REPLY = 64 << 20  # a list of many members with their segments
+_MAX_REPLY = MAX_MESSAGE_BYTES + OVERHEAD + 4096  # one page: replies are paged
+_MAX_MEMBERS = 1_000_000  # records a list or a snapshot may bring, across its pages
+
+
+@dataclass
+class _WatchState:
+    """Where the watch stands: the last seq applied in ``epoch``, and while a paged
+    snapshot arrives, the records so far and the cursor of the next page."""
+
+    since: int = -1
+    epoch: str = ""
+    after: str = ""  # next snapshot page to ask for ("" : none pending)
+    snapshot: dict[str, MemberRecord] | None = None
+    complete: bool = True
+
+    def reset(self) -> None:
+        self.since, self.epoch, self.after, self.snapshot = -1, "", "", None
 
 
 class RegistryClient:
@@ -89,6 +115,7 @@ class RegistryClient:
         self.epoch = ""
         self.stats = collections.Counter[str]()
         self._signer = (auth or AuthConfig()).signer()
+        self._token = secrets.token_hex(16)  # proves we own our name; never published
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._lock = threading.Lock()
         self._req_lock = threading.Lock()
@@ -141,7 +168,7 @@ class RegistryClient:
         :meth:`leave` or :meth:`close`. Raises ``ConnectError`` if refused,
         ``AuthenticationError`` on a secret mismatch, ``TransferTimeout``."""
         try:
-            reply = self._request(record.to_message(), timeout)
+            reply = self._request(record.to_message(self._token), timeout)
         except RemoteError as exc:
             raise ConnectError(exc.message, peer="registry", op="register") from exc
         if not isinstance(reply, Registered):
@@ -166,7 +193,8 @@ class RegistryClient:
         with self._lock:
             record, self._record = self._record, None
         if record is not None and not self._closed:
-            reply = self._request(Leave(record.name, record.incarnation), timeout)
+            reply = self._request(Leave(record.name, record.incarnation, self._token),
+                                  timeout)
             if not isinstance(reply, Ack):
                 raise ProtocolError(f"expected ack, got {reply.kind}", peer="registry")
 
@@ -181,11 +209,23 @@ class RegistryClient:
 
     def list(self, role: str | None = None, timeout: float | None = None
              ) -> list[MemberRecord]:
-        reply = self._request(ListMembers(role or ""), timeout)
-        if not isinstance(reply, Members):
-            raise ProtocolError(f"expected members, got {reply.kind}", peer="registry")
-        records = [MemberRecord.from_wire(m, peer="registry") for m in reply.members]
-        return sorted(records, key=lambda r: r.name)
+        """Every member (of ``role``), sorted by name, fetched page by page; ``timeout``
+        bounds each page. A member present throughout is listed exactly once; one that
+        joins or leaves meanwhile may or may not be."""
+        records: list[MemberRecord] = []
+        after = ""
+        while True:
+            reply = self._request(ListMembers(role or "", after), timeout)
+            if not isinstance(reply, Members):
+                raise ProtocolError(f"expected members, got {reply.kind}", peer="registry")
+            records.extend(MemberRecord.from_wire(m, peer="registry") for m in reply.members)
+            if not reply.next:
+                return sorted(records, key=lambda r: r.name)
+            if reply.next <= after or len(records) > _MAX_MEMBERS:
+                raise ProtocolError(f"registry list pages do not end (cursor {reply.next!r} "
+                                    f"after {after!r}, {len(records)} records)",
+                                    peer="registry", op="list")
+            after = reply.next
 
     # --- events -----------------------------------------------------------------------
 
@@ -231,23 +271,21 @@ class RegistryClient:
         self.stats[f"event_{event.kind.value}"] += 1
         self._events.put((None, event))
 
+    def _apply_snapshot(self, fresh: dict[str, MemberRecord], complete: bool) -> None:
+        """Diffs a whole snapshot (all its pages) against the view."""
+        with self._lock:
+            for record in fresh.values():
+                self._upsert(record)
+            if complete:
+                for name in [n for n in self._view if n not in fresh]:
+                    del self._view[name]
+                    self._emit(MemberEvent(EventKind.LEAVE, name,
+                                           reason="absent from the registry"))
+
     def _apply(self, reply: Events) -> bool:
-        """Updates the view from a watch answer; True when a full snapshot is needed."""
+        """Updates the view from a page of events; True when a full snapshot is needed."""
         resync = False
         with self._lock:
-            if reply.snapshot:
-                fresh = {}
-                for wire in reply.members:
-                    record = MemberRecord.from_wire(wire, peer="registry")
-                    fresh[record.name] = record
-                for record in fresh.values():
-                    self._upsert(record)
-                if reply.complete:
-                    for name in [n for n in self._view if n not in fresh]:
-                        del self._view[name]
-                        self._emit(MemberEvent(EventKind.LEAVE, name,
-                                               reason="absent from the registry"))
-                return False
             for ev in reply.events:
                 kind, name = ev.get("type"), ev.get("name", "")
                 if kind in ("join", "update"):
@@ -288,7 +326,7 @@ class RegistryClient:
         hb_sent: tuple[float, bool] | None = None  # (when, was a registration)
         watch_deadline: float | None = None
         retry_at = 0.0
-        since, wepoch = -1, ""
+        state = _WatchState()
         poller = zmq.Poller()
         try:
             while not self._stop.is_set():
@@ -301,8 +339,8 @@ class RegistryClient:
                     poller.register(hb, zmq.POLLIN)
                 if (record is not None and hb is not None and hb_sent is None
                         and (now >= next_hb or (dirty and now >= retry_at))):
-                    msg: Message = (record.to_message() if dirty
-                                    else Heartbeat(record.name, record.incarnation))
+                    msg: Message = (record.to_message(self._token) if dirty else
+                                    Heartbeat(record.name, record.incarnation, self._token))
                     hb.send(seal(msg, self._signer))
                     hb_sent = (now, dirty)
                     with self._lock:
@@ -323,7 +361,8 @@ class RegistryClient:
                     watch = self._socket()
                     poller.register(watch, zmq.POLLIN)
                 if watching and watch is not None and watch_deadline is None:
-                    watch.send(seal(Watch(wepoch, since, self.watch_wait), self._signer))
+                    watch.send(seal(Watch(state.epoch, state.since, self.watch_wait,
+                                          state.after), self._signer))
                     watch_deadline = now + self.watch_wait + self.timeout
                 if watch is not None and watch_deadline is not None and now > watch_deadline:
                     self.stats["watch_unanswered"] += 1
@@ -338,7 +377,7 @@ class RegistryClient:
                 if hb is not None and hb in ready:
                     frame = hb.recv()
                     hb_sent = None
-                    retry_at, reset_watch = self._on_heartbeat_reply(frame, wepoch)
+                    retry_at, reset_watch = self._on_heartbeat_reply(frame, state.epoch)
                     if reset_watch and watch is not None:
                         poller.unregister(watch)
                         watch.close(0)
@@ -346,7 +385,7 @@ class RegistryClient:
                 if watch is not None and watch in ready:
                     frame = watch.recv()
                     watch_deadline = None
-                    since, wepoch = self._on_watch_reply(frame, since, wepoch)
+                    self._on_watch_reply(frame, state)
         except Exception:  # never leave a member silently unregistered without a trace
             log.exception("registry client %s: background thread failed", self.name)
         finally:
@@ -385,20 +424,52 @@ class RegistryClient:
             return time.monotonic() + self.interval, False
         return 0.0, False
 
-    def _on_watch_reply(self, frame: bytes, since: int, wepoch: str) -> tuple[int, str]:
+    def _on_watch_reply(self, frame: bytes, state: _WatchState) -> None:
+        """Applies a watch answer and moves ``state`` on: to the next events, or to the
+        next page of a snapshot (applied once its last page is in)."""
         try:
             reply = open_reply(frame, self._signer, peer="registry", op="watch")
             if isinstance(reply, ErrorReply):
                 raise RemoteError(reply.message, peer="registry", op="watch")
             if not isinstance(reply, Events):
                 raise ProtocolError(f"expected events, got {reply.kind}", peer="registry")
+            if reply.snapshot:
+                self._snapshot_page(reply, state)
+                return
             resync = self._apply(reply)
         except TransferError as exc:
             self.stats["watch_rejected"] += 1
             log.warning("registry client %s: watch failed: %s; resyncing", self.name, exc)
             time.sleep(0.05)  # bounded back-off against a registry that keeps refusing
-            return -1, ""
-        return (-1 if resync else reply.seq), reply.epoch
+            state.reset()
+            return
+        state.since, state.epoch, state.after, state.snapshot = (
+            -1 if resync else reply.seq), reply.epoch, "", None
+
+    def _snapshot_page(self, reply: Events, state: _WatchState) -> None:
+        if not reply.after:  # a first page: (re)start collecting
+            state.snapshot, state.complete = {}, True
+            state.since, state.epoch = reply.seq, reply.epoch
+        elif (state.snapshot is None or reply.after != state.after
+              or reply.epoch != state.epoch):
+            raise ProtocolError(f"snapshot page after {reply.after!r} out of order",
+                                peer="registry", op="watch")
+        snapshot = state.snapshot
+        assert snapshot is not None
+        for wire in reply.members:
+            record = MemberRecord.from_wire(wire, peer="registry")
+            snapshot[record.name] = record
+        state.complete = state.complete and reply.complete
+        if reply.next:
+            if reply.next <= reply.after or len(snapshot) > _MAX_MEMBERS:
+                raise ProtocolError(f"snapshot pages do not end (cursor {reply.next!r} after "
+                                    f"{reply.after!r}, {len(snapshot)} records)",
+                                    peer="registry", op="watch")
+            state.after = reply.next
+            return
+        self.stats["snapshots"] += 1
+        self._apply_snapshot(snapshot, state.complete)
+        state.after, state.snapshot = "", None
 
     # --- life cycle -------------------------------------------------------------------
 

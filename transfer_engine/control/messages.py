@@ -9,6 +9,10 @@ Protocol versions:
     2: registry kinds (register, heartbeat, leave, lookup, list, watch and their
        replies), ``denied`` for failed authentication, a size limit per kind
        (``Message.max_bytes``); v1 kinds unchanged. Peers must speak the same version.
+    3: registry ownership and paging: ``register``, ``heartbeat`` and ``leave`` carry the
+       member's secret owner ``token`` (never published); ``list`` / ``members`` and
+       ``watch`` / ``events`` page through any number of members (``after`` / ``next``
+       cursors). Other kinds unchanged.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from transfer_engine.errors import ProtocolError
 __all__ = ["PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "Message", "Hello", "Welcome",
            "SegmentsRequest", "SegmentsReply", "ErrorReply", "Denied", "Register",
            "Registered", "Heartbeat", "HeartbeatAck", "Leave", "Lookup", "ListMembers",
-           "Members", "Watch", "Events", "Ack", "encode", "decode", "message"]
+           "Members", "Watch", "Events", "Ack", "encode", "encode_packed", "decode",
+           "message"]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 4 << 20
 
 _KINDS: dict[str, type[Message]] = {}
@@ -110,10 +115,12 @@ SMALL = 4096  # limit of the fixed-size registry kinds
 @message
 @dataclass(frozen=True, slots=True)
 class Register(Message):
-    """Member -> registry: join, or update our record (same ``incarnation``).
+    """Member -> registry: join, or update our record (same ``token``).
 
-    ``incarnation`` is random per member start; a heartbeat names it, so the registry
-    can tell a restarted member from a live one."""
+    ``incarnation`` is random per member start and public (peers compare it to tell a
+    restarted member from a live one). ``token`` is random per registry client and known
+    only to it and the registry: it proves ownership of ``name`` for updates,
+    heartbeats and leave, and is never published."""
 
     kind: ClassVar[str] = "register"
     max_bytes: ClassVar[int] = 1 << 20
@@ -127,6 +134,7 @@ class Register(Message):
     transports: dict[str, Any] = field(default_factory=dict)  # name -> endpoint info
     nics: list[Any] = field(default_factory=list)
     segments: list[Any] = field(default_factory=list)
+    token: str = ""  # owner proof (v3); never published
 
 
 @message
@@ -149,6 +157,7 @@ class Heartbeat(Message):
     max_bytes: ClassVar[int] = SMALL
     name: str = ""
     incarnation: str = ""
+    token: str = ""  # the registering client's owner token (v3)
 
 
 @message
@@ -165,10 +174,13 @@ class HeartbeatAck(Message):
 @message
 @dataclass(frozen=True, slots=True)
 class Leave(Message):
+    """Only the owner may leave: ``incarnation`` and ``token`` must match the member's."""
+
     kind: ClassVar[str] = "leave"
     max_bytes: ClassVar[int] = SMALL
     name: str = ""
     incarnation: str = ""
+    token: str = ""  # the registering client's owner token (v3)
 
 
 @message
@@ -182,33 +194,40 @@ class Lookup(Message):
 @message
 @dataclass(frozen=True, slots=True)
 class ListMembers(Message):
-    """``role`` empty: every member."""
+    """``role`` empty: every member. One page of members whose names sort after
+    ``after`` (v3); the reply's ``next`` asks for the following page."""
 
     kind: ClassVar[str] = "list"
     max_bytes: ClassVar[int] = SMALL
     role: str = ""
+    after: str = ""
 
 
 @message
 @dataclass(frozen=True, slots=True)
 class Members(Message):
-    """Reply to lookup (one record) and list: member records as ``Register`` bodies."""
+    """Reply to lookup (one record) and list: member records (``Register`` bodies
+    without the token), sorted by name. ``next`` non-empty: more pages follow, ask with
+    ``ListMembers(after=next)``."""
 
     kind: ClassVar[str] = "members"
     members: list[dict[str, Any]] = field(default_factory=list)
+    next: str = ""
 
 
 @message
 @dataclass(frozen=True, slots=True)
 class Watch(Message):
     """Long poll: answered as soon as events after ``since`` exist in ``epoch``, or after
-    ``wait`` seconds with none. A different epoch, or ``since`` < 0, gets a snapshot."""
+    ``wait`` seconds with none. A different epoch, or ``since`` < 0, gets a snapshot.
+    ``after`` non-empty (v3): the next page of the snapshot taken at seq ``since``."""
 
     kind: ClassVar[str] = "watch"
     max_bytes: ClassVar[int] = SMALL
     epoch: str = ""
     since: int = -1
     wait: float = 1.0
+    after: str = ""
 
 
 @message
@@ -217,7 +236,11 @@ class Events(Message):
     """Events ``{"seq", "type": join|update|leave|expire|resync, "name", "member",
     "reason"}`` after the watched seq; with ``snapshot`` the full member list instead.
     ``complete`` False: the registry restarted recently and is still relearning its
-    members from their heartbeats, so absence from the snapshot means nothing yet."""
+    members from their heartbeats, so absence from the snapshot means nothing yet.
+
+    Paging (v3): events are cut into pages, ``seq`` being the last event included. A
+    snapshot page holds the members whose names sort after ``after`` (empty: the first
+    page); ``next`` non-empty: more pages follow, ask ``Watch(since=seq, after=next)``."""
 
     kind: ClassVar[str] = "events"
     epoch: str = ""
@@ -226,6 +249,8 @@ class Events(Message):
     snapshot: bool = False
     members: list[dict[str, Any]] = field(default_factory=list)
     complete: bool = True
+    after: str = ""
+    next: str = ""
 
 
 @message
@@ -264,6 +289,44 @@ def _field_error(annotation: str, value: Any) -> str | None:
 def encode(msg: Message) -> bytes:
     body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
     data: bytes = msgpack.packb({"v": PROTOCOL_VERSION, "kind": msg.kind, "body": body})
+    if len(data) > msg.max_bytes:
+        raise ProtocolError(f"{msg.kind} message of {len(data)} bytes exceeds its limit of "
+                            f"{msg.max_bytes}")
+    return data
+
+
+_FIELD_NAMES: dict[str, tuple[str, ...]] = {}  # kind -> field names, for encode_packed
+
+
+def _field_names(msg: Message) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(msg.kind)
+    if names is None:
+        names = _FIELD_NAMES[msg.kind] = tuple(f.name for f in dataclasses.fields(msg))
+    return names
+
+
+def encode_packed(msg: Message, **packed: list[bytes]) -> bytes:
+    """:func:`encode`, with the named list fields given as items already msgpack-encoded
+    (``packed`` maps field name -> items): a registry reply of many stored records is
+    joined from their bytes, not re-encoded. The bytes equal ``encode`` of the same
+    message with those items decoded."""
+    names = _field_names(msg)
+    unknown = set(packed) - set(names)
+    if unknown:
+        raise TypeError(f"{msg.kind} has no field {sorted(unknown)[0]!r}")
+    packer = msgpack.Packer()
+    parts = [packer.pack_map_header(3), packer.pack("v"), packer.pack(PROTOCOL_VERSION),
+             packer.pack("kind"), packer.pack(msg.kind), packer.pack("body"),
+             packer.pack_map_header(len(names))]
+    for name in names:
+        parts.append(packer.pack(name))
+        items = packed.get(name)
+        if items is None:
+            parts.append(packer.pack(getattr(msg, name)))
+        else:
+            parts.append(packer.pack_array_header(len(items)))
+            parts.extend(items)
+    data = b"".join(parts)
     if len(data) > msg.max_bytes:
         raise ProtocolError(f"{msg.kind} message of {len(data)} bytes exceeds its limit of "
                             f"{msg.max_bytes}")

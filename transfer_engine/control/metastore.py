@@ -64,8 +64,10 @@ class MemberRecord:
                 "control": self.control, "transports": self.transports,
                 "nics": self.nics, "segments": self.segments}
 
-    def to_message(self) -> Register:
-        return Register(**self.to_wire())
+    def to_message(self, token: str = "") -> Register:
+        """The registration of this record; ``token`` proves its holder owns the name
+        (see :class:`Register`) and is never part of the published record."""
+        return Register(**self.to_wire(), token=token)
 
     @classmethod
     def from_wire(cls, wire: Any, peer: str | None = None) -> MemberRecord:
