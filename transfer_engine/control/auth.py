@@ -38,7 +38,7 @@ from transfer_engine.control.messages import Denied, Message, decode, encode
 from transfer_engine.errors import AuthenticationError
 
 __all__ = ["AuthConfig", "Signer", "MAGIC", "OVERHEAD", "seal", "open_request",
-           "open_reply", "check_exposure", "is_loopback"]
+           "open_reply", "check_exposure", "is_loopback", "insecure_allowed", "INSECURE_ENV"]
 
 log = logging.getLogger(__name__)
 
@@ -175,16 +175,33 @@ def open_reply(frame: bytes, signer: Signer | None, peer: str | None = None,
     return msg
 
 
+INSECURE_ENV = "TE_ALLOW_INSECURE"
+
+
+def insecure_allowed(explicit: bool | None = None) -> bool:
+    """The opt-in to serve a network without a control secret: ``explicit`` when given,
+    else ``$TE_ALLOW_INSECURE`` (``1``/``true``/``yes``/``on``)."""
+    if explicit is not None:
+        return explicit
+    return os.environ.get(INSECURE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def is_loopback(host: str) -> bool:
-    """Whether every address ``host`` (a literal or a name) stands for is a loopback
-    one; a name that does not resolve counts as not loopback."""
-    host = host.strip("[]")
-    if host.startswith("tcp://"):
-        host = host[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    """Whether ``host`` (an address, a name, or a ZeroMQ endpoint) is reachable only
+    from this host: every address a name stands for must be a loopback one, and a name
+    that does not resolve, or a wildcard, counts as reachable from the network."""
+    scheme, sep, rest = host.partition("://")
+    if sep:
+        if scheme in ("ipc", "inproc"):
+            return True
+        host = rest.rsplit(":", 1)[0] if ":" in rest else rest
+    host = host.strip("[]").split("%")[0]
     try:
-        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
         pass
+    if not host or host == "*":
+        return False
     try:
         infos = socket.getaddrinfo(host, None)
     except (OSError, UnicodeError):
@@ -197,17 +214,15 @@ def check_exposure(host: str, signed: bool, insecure: bool | None, what: str) ->
     """Refuses to serve a non-loopback ``host`` without a control secret unless the
     operator opted in (``insecure=True`` or ``$TE_ALLOW_INSECURE=1``), which is logged.
 
-    Raises ``ValueError`` naming both ways out.
+    Raises ``ValueError`` naming the ways out.
     """
     if signed or is_loopback(host):
         return
-    if insecure is None:
-        insecure = os.environ.get("TE_ALLOW_INSECURE", "") not in ("", "0", "false", "no")
-    if not insecure:
+    if not insecure_allowed(insecure):
         raise ValueError(
             f"{what} would serve {host!r} without a control secret: anyone who reaches it "
-            "could read and write registered memory. Set TE_CONTROL_SECRET (or "
-            "TE_CONTROL_SECRET_FILE, or auth=...) on every engine and the registry, or "
-            "opt in with insecure=True / TE_ALLOW_INSECURE=1")
-    log.warning("%s serves %s without a control secret (opted in): any process that "
-                "reaches it can handshake and move bytes", what, host)
+            "could act as a peer. Set TE_CONTROL_SECRET (or TE_CONTROL_SECRET_FILE, or "
+            f"auth=...) everywhere, serve a loopback address, or opt in with insecure=True "
+            f"/ --insecure / {INSECURE_ENV}=1")
+    log.warning("%s serves %s WITHOUT a control secret (insecure opt-in): any host that "
+                "reaches it can act as a peer", what, host)

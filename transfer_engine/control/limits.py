@@ -9,19 +9,14 @@ network-reachable endpoint without a control secret unless the operator opted in
 from __future__ import annotations
 
 import collections
-import ipaddress
-import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["RegistryLimits", "SourceBuckets", "check_bind", "insecure_allowed",
-           "INSECURE_ENV"]
+from transfer_engine.control.auth import check_exposure
 
-log = logging.getLogger(__name__)
+__all__ = ["RegistryLimits", "SourceBuckets", "check_bind"]
 
-INSECURE_ENV = "TE_ALLOW_INSECURE"
 MiB = 1 << 20
 
 
@@ -100,45 +95,8 @@ class SourceBuckets:
         return len(self._buckets)
 
 
-def insecure_allowed(explicit: bool | None = None) -> bool:
-    """The opt-in to serve a network without a control secret: ``explicit`` when given,
-    else the environment variable ``TE_ALLOW_INSECURE`` (``1``/``true``/``yes``/``on``)."""
-    if explicit is not None:
-        return explicit
-    return os.environ.get(INSECURE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _local(endpoint: str) -> bool:
-    """Whether a ZeroMQ bind endpoint is reachable only from this host."""
-    transport, sep, address = endpoint.partition("://")
-    if not sep:
-        return False
-    if transport in ("ipc", "inproc"):
-        return True
-    if transport != "tcp":
-        return False
-    host = address.rsplit(":", 1)[0] if ":" in address else address
-    host = host.strip("[]").split("%")[0]
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # "*", an interface or host name: reachable from the network
-        return False
-
-
 def check_bind(bind: str, secret: bool, allow_insecure: bool | None = None) -> None:
     """Refuses (``ValueError``) to bind a network-reachable ``bind`` without a control
-    secret unless insecure serving was allowed; logs a warning when it was."""
-    if secret or _local(bind):
-        return
-    if not insecure_allowed(allow_insecure):
-        raise ValueError(
-            f"refusing to serve the registry on {bind} without a control secret: anyone "
-            f"who can reach it could register, replace or remove members. Set "
-            f"TE_CONTROL_SECRET (or TE_CONTROL_SECRET_FILE) on the registry and every "
-            f"member, bind a loopback address, or opt in to an unauthenticated registry "
-            f"on a trusted network with allow_insecure=True / --insecure / "
-            f"{INSECURE_ENV}=1")
-    log.warning("registry serving %s WITHOUT a control secret (insecure opt-in): any host "
-                "that reaches it can register, replace or remove members", bind)
+    secret unless insecure serving was allowed; logs a warning when it was. Anyone who
+    reaches such a registry could register, replace or remove members."""
+    check_exposure(bind, secret, allow_insecure, what="the registry")
