@@ -215,6 +215,36 @@ def test_a_rail_speaks_only_for_its_tickets_peer(victim: tuple[Engine, np.ndarra
     assert bytes(mem[:64]) == payload
 
 
+def _write_imm(rail: RawRail, seg_id: int, offset: int, tid: int, notify: bytes) -> None:
+    payload = random_bytes(64, tid).tobytes()
+    head = HEADER.pack(KIND_WRITE, 1, 1, 0, 0, len(notify), tid, tid, 2)
+    rail.sock.sendall(head + np.array([seg_id, offset, 64], dtype="<u8").tobytes() + notify
+                      + payload)
+    assert rail.answer()[0] == 0
+
+
+def test_an_impostor_under_the_same_name_cannot_complete_a_count(
+        victim: tuple[Engine, np.ndarray, int]) -> None:
+    """Without a secret anyone on loopback may handshake as "prefill-0"; immediates
+    still count per connection, so the impostor cannot fire the real peer's
+    notification before its bytes landed."""
+    b, _, seg_id = victim
+    _, real = handshake(b, name="prefill-0")
+    _, fake = handshake(b, name="prefill-0")
+    first, second = RawRail(b, real), RawRail(b, real)
+    impostor = RawRail(b, fake)
+    try:
+        _write_imm(first, seg_id, 0, 5, b"real")  # one of two rails landed
+        _write_imm(impostor, seg_id, 4096, 5, b"")  # the same transfer id and count
+        assert b.notifications(timeout=0.3) == []
+        _write_imm(second, seg_id, 8192, 5, b"")  # the real second rail
+        notes = b.notifications(timeout=5)
+        assert [(n.peer, n.payload) for n in notes] == [("prefill-0", b"real")]
+    finally:
+        for rail in (first, second, impostor):
+            rail.close()
+
+
 def test_a_ticket_opens_a_bounded_number_of_rails(victim: tuple[Engine, np.ndarray, int]
                                                   ) -> None:
     b, _, _ = victim

@@ -92,7 +92,7 @@ class _Host:
                       op: str | None = None) -> Segment:
         return self.segments[segment_id]
 
-    def deliver_immediate(self, peer: str, imm: Immediate) -> None:
+    def deliver_immediate(self, peer: str, imm: Immediate, origin: bytes = b"") -> None:
         with self.got:
             self.immediates.append((peer, imm))
             self.got.notify_all()

@@ -296,10 +296,11 @@ class Engine(Closeable):
                                          segment=segment_id)
         return seg
 
-    def deliver_immediate(self, peer: str, imm: Immediate) -> None:
+    def deliver_immediate(self, peer: str, imm: Immediate, origin: bytes = b"") -> None:
         with self._lock:
             try:
-                note = self._counter.arrive(peer, imm.transfer_id, imm.expected, imm.notify)
+                note = self._counter.arrive(peer, imm.transfer_id, imm.expected, imm.notify,
+                                            origin)
             except ValueError as exc:
                 log.warning("bad immediate from %s: %s", peer, exc)
                 return

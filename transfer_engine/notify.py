@@ -52,7 +52,10 @@ class ImmediateCounter:
     max_per_peer: int = 4096
     max_bytes: int = 256 << 20
     max_peer_bytes: int = 16 << 20
-    _peers: dict[str, dict[int, _Pending]] = field(default_factory=dict)
+    # per peer, partial transfers by (origin, transfer id): the origin (the rail
+    # ticket the immediates came through) keeps two connections that use one name, a
+    # restarted peer's or an impostor's, from completing each other's counts
+    _peers: dict[str, dict[tuple[bytes, int], _Pending]] = field(default_factory=dict)
     _bytes: dict[str, int] = field(default_factory=dict)  # payload bytes held per peer
     _count: int = 0
     _total_bytes: int = 0
@@ -64,12 +67,14 @@ class ImmediateCounter:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     def arrive(self, peer: str, transfer_id: int, expected: int,
-               payload: bytes | None = None) -> Notification | None:
-        """Records one immediate; returns the notification when it was the last one."""
+               payload: bytes | None = None, origin: bytes = b"") -> Notification | None:
+        """Records one immediate; returns the notification when it was the last one.
+        ``origin`` names the connection the immediates of one transfer share."""
         if expected < 1:
             raise ValueError(f"expected must be >= 1, got {expected}")
+        key = (origin, transfer_id)
         table = self._peers.get(peer)
-        entry = table.get(transfer_id) if table is not None else None
+        entry = table.get(key) if table is not None else None
         if entry is None:
             if expected == 1:
                 return Notification(peer, transfer_id, payload or b"")
@@ -80,7 +85,7 @@ class ImmediateCounter:
                 self._evict(peer)
             elif self._count >= self.max_pending:
                 self._evict(max(self._peers, key=lambda p: len(self._peers[p])))
-            entry = table[transfer_id] = _Pending(expected)
+            entry = table[key] = _Pending(expected)
             self._count += 1
         elif entry.expected != expected:
             raise ValueError(
@@ -91,7 +96,7 @@ class ImmediateCounter:
             if payload is not None:
                 self._hold(peer, entry, payload)
             return None
-        self._drop(peer, transfer_id)
+        self._drop(peer, key)
         return Notification(peer, transfer_id, (payload if payload is not None
                                                 else entry.payload) or b"")
 
@@ -113,15 +118,15 @@ class ImmediateCounter:
     def _evict(self, peer: str, keep: _Pending | None = None) -> None:
         """Drops ``peer``'s oldest partial entry (not ``keep``)."""
         table = self._peers[peer]
-        for transfer_id, entry in table.items():
+        for key, entry in table.items():
             if entry is not keep:
-                self._drop(peer, transfer_id)
+                self._drop(peer, key)
                 self.dropped += 1
                 return
 
-    def _drop(self, peer: str, transfer_id: int) -> None:
+    def _drop(self, peer: str, key: tuple[bytes, int]) -> None:
         table = self._peers[peer]
-        entry = table.pop(transfer_id)
+        entry = table.pop(key)
         self._count -= 1
         size = len(entry.payload or b"")
         self._bytes[peer] -= size

@@ -118,7 +118,10 @@ class Host(Protocol):
         """The open segment of that id, or raises ``InvalidDescriptorError``."""
         ...
 
-    def deliver_immediate(self, peer: str, imm: Immediate) -> None: ...
+    def deliver_immediate(self, peer: str, imm: Immediate, origin: bytes = b"") -> None:
+        """Counts one immediate of ``peer``'s; ``origin`` is the id of the rail ticket it
+        came through (every rail of one connection shares it)."""
+        ...
 
     def admit_rail(self, ticket: object, transport: str, challenge: bytes, nonce: object,
                    proof: object) -> tuple[Ticket, bytes]:

@@ -195,6 +195,7 @@ class _Inbound:
 
     def __init__(self, device: Device, peer: str, rail: int, depth: int, slot: int) -> None:
         self.device, self.peer, self.rail = device, peer, rail
+        self.origin = b""  # the rail ticket's id: immediates count per connection
         self.qp = device.create_qp(send_wr=1, recv_wr=depth, send_sge=1)
         self.slot = slot
         self._lock = threading.Lock()  # a poller re-posting vs. a side thread closing
@@ -736,20 +737,20 @@ class RdmaTransport(Transport):
                 wrapped, expected = decode_imm(socket.ntohl(wc.imm_data))
                 with self._lock:
                     tid = self._unwrap.full_id(conn.peer, wrapped)
-                self._deliver(conn.peer, tid, expected, conn.rail, None)
+                self._deliver(conn.peer, tid, expected, conn.rail, None, conn.origin)
             else:
                 data = conn.payload(index, min(wc.byte_len, conn.slot))
                 tid, expected, origin, payload = unpack_notify(data, conn.peer)
                 with self._lock:
                     self._unwrap.observe(conn.peer, tid)
-                self._deliver(conn.peer, tid, expected, origin, payload)
+                self._deliver(conn.peer, tid, expected, origin, payload, conn.origin)
         except TransferError as exc:
             log.warning("dropped a malformed rdma immediate from %s: %s", conn.peer, exc)
         finally:
             conn.post_recv(index)
 
     def _deliver(self, peer: str, tid: int, expected: int, origin: int,
-                 payload: bytes | None) -> None:
+                 payload: bytes | None, ticket: bytes = b"") -> None:
         seen = (peer, tid, origin)
         with self._lock:  # one poller thread per NIC: they share this table
             if seen in self._seen:
@@ -758,7 +759,7 @@ class RdmaTransport(Transport):
             if len(self._seen) > _SEEN_MAX:
                 self._seen.popitem(last=False)
         if self._host is not None:
-            self._host.deliver_immediate(peer, Immediate(tid, expected, payload))
+            self._host.deliver_immediate(peer, Immediate(tid, expected, payload), ticket)
 
     # --- side channel (target role) ---------------------------------------------------
 
@@ -809,6 +810,7 @@ class RdmaTransport(Transport):
             theirs = QpInfo.from_wire(msg.get("qp"), peer)
             conn = _Inbound(dev, peer, rail, self.recv_depth,
                             NOTIFY_HEADER.size + self.max_notify)
+            conn.origin = ticket.id
             psn = random_psn()
             dev.connect_qp(conn.qp, psn, theirs, negotiate_mtu(dev.mtu, theirs.mtu),
                            peer=peer)

@@ -1017,7 +1017,8 @@ class StreamServer:
                 self.bytes_received += nbytes
                 if flags & FLAG_IMM:
                     self._host.deliver_immediate(
-                        conn.peer, Immediate(transfer_id, expected, body or None))
+                        conn.peer, Immediate(transfer_id, expected, body or None),
+                        conn.ticket.id if conn.ticket is not None else b"")
                 send_bytes(sock, self._answer(wr_id, None))
             else:
                 self.serve(conn, wr_id, views, local)
