@@ -24,6 +24,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -86,6 +88,14 @@ DEFAULT_TRANSPORTS = ("shm", "rdma", "tcp")  # best first; missing ones are skip
 # Failures after which the same transfer is repeated over the peer's next transport.
 _FALLBACK_ERRORS = (NotSupportedError, PeerLostError)
 _BYTES_STAT = {Op.WRITE: "bytes_write", Op.READ: "bytes_read"}
+
+
+def _usable(peer: Peer) -> bool:
+    """Whether ``peer`` can carry a transfer now: not lost, with a transport whose rails
+    are open."""
+    return peer.lost is None and any(
+        rails and not all(rail.closed for rail in rails)
+        for name, rails in peer.rails.items() if name in peer.order)
 
 
 def _in_bounds(nums: np.ndarray, llen: int | np.ndarray, rlen: int | np.ndarray
@@ -209,6 +219,9 @@ class Engine(Closeable):
         self._wr_ids = itertools.count(1)
         self._peers: dict[str, Peer] = {}
         self._live: dict[int, _Transfer] = {}
+        self._by_address: dict[str, Peer] = {}  # control endpoint -> its peer
+        self._connecting: dict[str, Future[Peer]] = {}  # handshakes under way
+        self._retired: set[Peer] = set()  # replaced, closed when their transfers end
         self._counter = ImmediateCounter()
         self._notes: collections.deque[Notification] = collections.deque()
         self._notes_cond = threading.Condition(self._lock)
@@ -456,11 +469,46 @@ class Engine(Closeable):
     def connect(self, address: str, timeout: float | None = None) -> Peer:
         """Handshakes with the engine at ``address`` (its ``endpoint``, or with a
         registry, its member name) and opens rails on every transport both sides share,
-        best first. Returns the :class:`Peer`."""
+        best first. Returns the :class:`Peer`.
+
+        One connection per peer, whoever asks: a peer already connected at ``address``
+        with open rails is returned as it is; concurrent calls for one address share one
+        handshake (later callers wait for it and get its peer or its error). A peer
+        replaced by a new connection (it restarted, or was reached by another address)
+        keeps its rails until the transfers already on them have finished.
+        """
         self._check_open("connect")
         timeout = self.timeout if timeout is None else timeout
         if "://" not in address:
             return self.connect_name(address, timeout)
+        with self._lock:
+            known = self._by_address.get(address)
+            if known is not None and self._peers.get(known.name) is known and _usable(known):
+                return known
+            pending = self._connecting.get(address)
+            if pending is None:
+                pending = self._connecting[address] = Future()
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            try:
+                return pending.result(timeout)
+            except FutureTimeout:
+                raise TransferTimeout(f"another connect to {address} did not finish in "
+                                      f"{timeout}s", peer=address, op="connect") from None
+        try:
+            peer = self._handshake(address, timeout)
+        except BaseException as exc:
+            pending.set_exception(exc)
+            raise
+        finally:
+            with self._lock:
+                self._connecting.pop(address, None)
+        pending.set_result(peer)
+        return peer
+
+    def _handshake(self, address: str, timeout: float) -> Peer:
         client = ControlClient(self._zctx, address, peer=address, auth=self._signer)
         try:
             reply = client.request(Hello(self.metadata()), timeout)
@@ -476,6 +524,14 @@ class Engine(Closeable):
         except BaseException:
             client.close()
             raise
+        with self._lock:
+            old = self._peers.get(name)
+        if (old is not None and _usable(old)
+                and old.meta.get("incarnation") == meta.get("incarnation")):
+            peer.close()  # the same engine, reached by another address: one connection
+            with self._lock:
+                self._by_address[address] = old
+            return old
         try:
             self._open_rails(peer, timeout, credential)
         except BaseException:
@@ -484,8 +540,12 @@ class Engine(Closeable):
         with self._lock:
             old = self._peers.pop(peer.name, None)
             self._peers[peer.name] = peer
+            self._by_address[address] = peer
             self._stack.callback(peer.close)
-        if old is not None:
+            busy = old is not None and any(x.peer is old for x in self._live.values())
+            if old is not None and busy:
+                self._retired.add(old)  # closed once its transfers are done
+        if old is not None and not busy:
             old.close()
         return peer
 
@@ -987,6 +1047,12 @@ class Engine(Closeable):
             seg.unpin()
         with self._lock:
             self._live.pop(xfer.handle.id, None)
+            retire = (xfer.peer in self._retired
+                      and not any(x.peer is xfer.peer for x in self._live.values()))
+            if retire:
+                self._retired.discard(xfer.peer)
+        if retire:
+            xfer.peer.close()
         self.stats["transfers_failed" if error else "transfers_done"] += 1
         if error is None:
             self.stats[_BYTES_STAT[xfer.op]] += xfer.handle.nbytes
