@@ -1,0 +1,402 @@
+"""Transfers in flight: submit, plan, post, complete, fall back, cancel, expire.
+
+A transfer is validated, its local segments pinned, planned into work requests over
+the peer's best transport's rails, and posted; completions count down to its end, a
+failure that another transport may fix repeats it there (with one notification), and a
+cancel, a deadline or a stuck segment stops it once nothing of ours still touches its
+memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from transfer_engine.descriptor import Op
+from transfer_engine.errors import (
+    ClosedError,
+    InvalidDescriptorError,
+    NotSupportedError,
+    PeerLostError,
+    ProtocolError,
+    TransferError,
+    TransferTimeout,
+)
+from transfer_engine.handle import TransferHandle
+from transfer_engine.peer import Peer
+from transfer_engine.planner import Columns, WorkRequest, plan_columns
+from transfer_engine.segment import Segment
+from transfer_engine.state import EngineState
+from transfer_engine.transport.base import Completion, Immediate, Rail, Work
+from transfer_engine.transport.iovec import iovec_array
+from transfer_engine.validate import Pairs, validate
+from transfer_engine.watchdog import Watchdog
+
+log = logging.getLogger(__name__)
+
+# Failures after which the same transfer is repeated over the peer's next transport.
+_FALLBACK_ERRORS = (NotSupportedError, PeerLostError)
+_BYTES_STAT = {Op.WRITE: "bytes_write", Op.READ: "bytes_read"}
+
+
+@dataclass(eq=False)
+class _Transfer:
+    """Engine-side state of one transfer across its attempts."""
+
+    handle: TransferHandle
+    peer: Peer
+    op: Op
+    extents: Columns
+    notify: bytes | None
+    transports: list[str]
+    local_segments: list[Segment]
+    remaining: int = 0
+    error: TransferError | None = None
+    notifying: bool = False
+    started: float = 0.0  # monotonic start of the current attempt
+    finished: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    posted: list[tuple[Rail, Work]] | None = None  # the current attempt's work
+    posting: bool = False  # rail.post calls of ``posted`` under way
+    stopping: TransferError | None = None  # why it was cancelled (or timed out)
+
+class Transfers(EngineState):
+    """The engine's transfer table and its life cycle (a part of :class:`Engine`)."""
+
+    def write(self, peer: Peer | str, pairs: Pairs, notify: bytes | None = None, *,
+              timeout: float | None = None) -> TransferHandle:
+        """Writes each local descriptor's bytes to its remote descriptor.
+
+        ``pairs`` is a sequence of ``(local, remote)`` :class:`Descriptor` pairs, or a
+        :class:`Blocks` (or a list of them): the same pairs as arrays, much cheaper for
+        many small blocks. ``notify`` (bytes, at most 64 KiB) reaches the peer's
+        :meth:`notifications` once every byte has landed, exactly once. ``timeout``:
+        the transfer's deadline in seconds (default: the engine's
+        ``transfer_timeout``); past it the handle fails with :class:`TransferTimeout`
+        (see :meth:`TransferHandle.cancel` for what is stopped how). Raises
+        :class:`InvalidDescriptorError` or :class:`UnknownPeerError` before anything
+        moves.
+        """
+        return self._submit(Op.WRITE, peer, pairs, notify, timeout)
+
+    def read(self, peer: Peer | str, pairs: Pairs, notify: bytes | None = None, *,
+             timeout: float | None = None) -> TransferHandle:
+        """Reads each remote descriptor's bytes into its local descriptor; ``notify``
+        reaches the peer after all of them arrived here. ``timeout`` as for
+        :meth:`write`."""
+        return self._submit(Op.READ, peer, pairs, notify, timeout)
+
+    def _submit(self, op: Op, peer_ref: Peer | str, pairs: Pairs,
+                notify: bytes | None, timeout: float | None = None) -> TransferHandle:
+        if self._closed:
+            raise ClosedError("engine is closed", op=str(op))
+        peer = self.peer(peer_ref if isinstance(peer_ref, str) else peer_ref.name)
+        if peer.lost is not None:
+            raise PeerLostError(f"peer lost: {peer.lost}", peer=peer.name, op=str(op))
+        peer.reprobe()
+        if peer.order == [] or peer.transport is None:
+            raise PeerLostError("peer has no open rails", peer=peer.name, op=str(op))
+        if notify is not None and (not isinstance(notify, bytes | bytearray)
+                                   or len(notify) > 65536):
+            raise InvalidDescriptorError("notify must be bytes of at most 64 KiB",
+                                         peer=peer.name, op=str(op))
+        extents, locals_ = validate(self._segments, op, peer, pairs)
+        nbytes = extents.nbytes
+        handle = TransferHandle(next(self._transfer_ids), op, peer.name, nbytes)
+        pinned: list[Segment] = []
+        try:
+            for seg in locals_:
+                seg.pin()
+                pinned.append(seg)
+        except TransferError as exc:
+            for seg in pinned:
+                seg.unpin()
+            raise exc.with_context(peer=peer.name, op=str(op)) from None
+        xfer = _Transfer(handle, peer, op, extents, bytes(notify) if notify is not None else None,
+                         list(peer.order), pinned)
+        handle._canceller = self._cancel_handle
+        with self._lock:
+            self._live[handle.id] = xfer
+        if timeout is None:
+            timeout = self.transfer_timeout
+        watchdog = self._watchdog
+        if watchdog is None and (timeout is not None or self.peer_timeout is not None):
+            watchdog = self._start_watchdog()
+        if timeout is not None and watchdog is not None:
+            watchdog.add(time.monotonic() + timeout, handle.id, timeout)
+        self.stats["transfers"] += 1
+        failure = self._start_attempt(xfer)
+        if failure is not None:
+            raise failure
+        return handle
+
+    def _start_attempt(self, xfer: _Transfer) -> Exception | None:
+        """Plans and posts the transfer's next attempt. Should that fail unexpectedly,
+        the transfer fails (its segments unpinned, its handle finished) and the exception
+        is returned, for :meth:`_submit` to raise; nothing is left waiting."""
+        try:
+            self._post_attempt(xfer)
+        except Exception as exc:
+            log.exception("transfer %d to %s could not start", xfer.handle.id,
+                          xfer.peer.name)
+            error = exc if isinstance(exc, TransferError) else ProtocolError(
+                f"transfer could not start: {exc!r}", peer=xfer.peer.name, op=str(xfer.op))
+            self._finish(xfer, error)
+            return exc
+        return None
+
+    def _post_attempt(self, xfer: _Transfer) -> None:
+        while True:  # rails torn down (a cancel, a dead connection) carry nothing more
+            name = xfer.transports[0]
+            rails = [rail for rail in xfer.peer.rails[name] if not rail.closed]
+            if rails:
+                break
+            with xfer.lock:
+                skip = len(xfer.transports) > 1 and xfer.stopping is None
+                if skip:
+                    xfer.transports.pop(0)
+            if not skip:
+                self._finish(xfer, PeerLostError("no open rails to the peer",
+                                                 peer=xfer.peer.name, op=str(xfer.op),
+                                                 transport=name))
+                return
+            xfer.peer.demote(name)
+        transport = self._transports[name]
+        if len(rails) > 1:
+            # the least busy of the active rails first: a transfer smaller than two
+            # shares goes to an idle rail, and a lone caller keeps to one warm connection
+            # (alternating between idle ones measured slower)
+            rails = sorted(rails[:transport.active(rails)], key=lambda rail: rail.inflight)
+            rails = rails[:transport.spread(rails)]
+        caps = transport.capabilities
+        weights = [float(getattr(rail, "weight", 1.0)) for rail in rails]
+        plan = plan_columns(xfer.extents, num_rails=len(rails), slice_size=caps.slice_size,
+                            max_sge=caps.max_sge, max_wr_bytes=caps.max_wr_bytes,
+                            remote_scatter=caps.remote_scatter, weights=weights,
+                            min_split=caps.min_split)
+        transfer_id = next(self._transfer_ids)  # fresh per attempt: counts never mix
+        notify_pending = xfer.notify is not None and xfer.op is Op.WRITE
+        works: list[Work] = []
+        host = all(seg.device == "cpu" for seg in xfer.local_segments)
+        if not host and not caps.device_memory:
+            self._finish(xfer, NotSupportedError(
+                f"{name} cannot move device memory", peer=xfer.peer.name, op=str(xfer.op),
+                transport=name))
+            return
+        for wr in plan.requests:
+            imm = None
+            if wr.imm and xfer.op is Op.WRITE and xfer.notify is not None:
+                imm = Immediate(transfer_id, plan.rails_used,
+                                xfer.notify if notify_pending else None)
+                notify_pending = False
+            iov = self._iov(wr, xfer.local_segments) if host else None
+            works.append(Work(next(self._wr_ids), xfer.op, wr.local, wr.remote, wr.nbytes,
+                              imm, iov, xfer))
+        items = [(rails[wr.rail], w) for wr, w in zip(plan.requests, works, strict=True)]
+        with xfer.lock:
+            stopped = xfer.stopping
+            if stopped is None:
+                xfer.handle.transport = name
+                xfer.remaining = len(works)
+                xfer.error = None
+                xfer.started = time.monotonic()
+                xfer.posted, xfer.posting = items, True
+        if stopped is not None:
+            self._finish(xfer, stopped)
+            return
+        self._post(xfer, items)
+
+    @staticmethod
+    def _iov(wr: WorkRequest, segments: list[Segment]) -> np.ndarray:
+        """The (address, length) rows of a request's local pieces (pinned host memory)."""
+        pieces = wr.pieces
+        if pieces is None:
+            pieces = Columns.from_pairs([(loc, loc) for loc in wr.local])
+        elif pieces.iov is not None:  # laid out when its Blocks was built
+            return pieces.iov
+        if len(segments) == 1:
+            return iovec_array(pieces.loff + segments[0].address, pieces.length)
+        address = np.zeros(len(pieces), dtype=np.int64)
+        for seg in segments:
+            address[pieces.lseg == seg.id] = seg.address
+        return iovec_array(pieces.loff + address, pieces.length)
+
+    def _post(self, xfer: _Transfer, items: list[tuple[Rail, Work]]) -> None:
+        """Posts ``items`` (already ``xfer.posted``, with ``xfer.posting`` set)."""
+        try:
+            for i, (rail, work) in enumerate(items):
+                error = xfer.stopping
+                if error is None:
+                    try:
+                        rail.post(work)
+                        continue
+                    except TransferError as exc:
+                        error = exc
+                for _, unposted in items[i:]:
+                    self._on_complete(Completion(unposted, error))
+                return
+        finally:
+            with xfer.lock:
+                xfer.posting = False
+
+    def _on_complete(self, done: Completion) -> None:
+        xfer: _Transfer = done.work.context
+        with xfer.lock:
+            if done.error is not None:
+                xfer.error = xfer.error or done.error
+            else:
+                xfer.handle._add_bytes(done.work.nbytes)
+            xfer.remaining -= 1
+            if xfer.remaining > 0:
+                return
+            error = xfer.error
+            fallback = (error is not None and isinstance(error, _FALLBACK_ERRORS)
+                        and len(xfer.transports) > 1 and not xfer.notifying
+                        and not self._closed and xfer.stopping is None)
+            if fallback:
+                failed = xfer.transports.pop(0)
+        if error is not None:
+            if fallback:
+                xfer.peer.demote(failed)
+                self.stats[f"fallback_{failed}"] += 1
+                log.info("transfer %d to %s: %s failed (%s); retrying over %s",
+                         xfer.handle.id, xfer.peer.name, failed, error, xfer.transports[0])
+                xfer.handle._bytes_done = 0
+                self._start_attempt(xfer)
+                return
+            self._finish(xfer, error)
+            return
+        if xfer.op is Op.READ and xfer.notify is not None and not xfer.notifying:
+            xfer.notifying = True
+            name = xfer.transports[0]
+            work = Work(next(self._wr_ids), Op.WRITE, [], [], 0,
+                        Immediate(next(self._transfer_ids), 1, xfer.notify), None, xfer)
+            rails = xfer.peer.rails[name]
+            items = [(next((r for r in rails if not r.closed), rails[0]), work)]
+            with xfer.lock:
+                xfer.remaining = 1
+                xfer.posted, xfer.posting = items, True
+            self._post(xfer, items)
+            return
+        self._finish(xfer, None)
+
+    def _finish(self, xfer: _Transfer, error: TransferError | None) -> None:
+        with xfer.lock:  # once: a closing engine may race a late completion here
+            if xfer.finished:
+                return
+            xfer.finished = True
+            if error is not None and xfer.stopping is not None:
+                error = xfer.stopping  # the cancel said why, whatever failed after it
+            segments, xfer.local_segments = xfer.local_segments, []
+        for seg in segments:
+            seg.unpin()
+        with self._lock:
+            self._live.pop(xfer.handle.id, None)
+            retire = (xfer.peer in self._retired
+                      and not any(x.peer is xfer.peer for x in self._live.values()))
+            if retire:
+                self._retired.discard(xfer.peer)
+        if retire:
+            xfer.peer.close()
+        self.stats["transfers_failed" if error else "transfers_done"] += 1
+        if error is None:
+            self.stats[_BYTES_STAT[xfer.op]] += xfer.handle.nbytes
+            if xfer.transports:
+                xfer.peer.succeeded(xfer.transports[0], time.monotonic() - xfer.started)
+        xfer.handle._finish(error)
+
+    def _cancel_handle(self, handle: TransferHandle, error: TransferError) -> bool:
+        with self._lock:
+            xfer = self._live.get(handle.id)
+        return xfer is not None and self._cancel(xfer, error)
+
+    def _cancel(self, xfer: _Transfer, error: TransferError) -> bool:
+        """Fails ``xfer`` with ``error`` once nothing of ours touches its memory: work
+        not yet sent is withdrawn, rails with its work on the wire are torn down (their
+        other work fails with ``PeerLostError``, which may fail over). False if it had
+        finished or was being stopped already."""
+        with xfer.lock:
+            if xfer.finished or xfer.stopping is not None:
+                return False
+            xfer.stopping = error
+            xfer.error = error
+            del xfer.transports[1:]  # no fallback
+            items = list(xfer.posted or ())
+            posting = xfer.posting
+        self.stats["transfers_timed_out" if isinstance(error, TransferTimeout)
+                   else "transfers_cancelled"] += 1
+        by_rail: dict[int, tuple[Rail, list[Work]]] = {}
+        for rail, work in items:
+            by_rail.setdefault(id(rail), (rail, []))[1].append(work)
+        for rail, works in by_rail.values():
+            if not posting:  # while posting, which work a rail holds is not settled
+                taken, busy = rail.withdraw(works)
+                for work in taken:
+                    self._on_complete(Completion(work, error))
+                if not busy:
+                    continue
+            self.stats["rails_torn_down"] += 1
+            log.info("tearing down a %s rail to %s to stop transfer %d (%s)",
+                     xfer.handle.transport, xfer.peer.name, xfer.handle.id, error.message)
+            rail.abort(PeerLostError(
+                f"rail torn down to stop transfer {xfer.handle.id} ({error.message})",
+                peer=xfer.peer.name, transport=xfer.handle.transport))
+        return True
+
+    def _segment_stuck(self, seg: Segment) -> None:
+        """``Segment.close`` found pins left after its wait: stop our transfers that use
+        the segment, and have every transport tear down peers' requests on it."""
+        with self._lock:
+            live = [x for x in self._live.values()
+                    if any(s is seg for s in x.local_segments)]
+        for xfer in live:
+            self._cancel(xfer, ClosedError("segment deregistered while the transfer used it",
+                                           peer=xfer.peer.name, op=str(xfer.op),
+                                           segment=seg.name))
+        for transport in self._transports.values():
+            try:
+                transport.revoke(seg)
+            except Exception:
+                log.exception("%s could not revoke segment %s", transport.name, seg.name)
+
+    def _start_watchdog(self) -> Watchdog | None:
+        with self._lock:
+            if self._watchdog is None and not self._closed:
+                self._watchdog = Watchdog(self.name, self._zctx, self._signer,
+                                          expire=self._expire, live=self._live,
+                                          stuck=self._stuck, silent=self._silent,
+                                          peer_timeout=self.peer_timeout)
+            return self._watchdog
+
+    def _expire(self, handle_id: int, seconds: float) -> None:
+        with self._lock:
+            xfer = self._live.get(handle_id)
+        if xfer is not None:
+            self._cancel(xfer, TransferTimeout(
+                f"transfer {handle_id} not finished within its deadline of {seconds}s",
+                peer=xfer.peer.name, op=str(xfer.op), transport=xfer.handle.transport,
+                length=xfer.handle.nbytes))
+
+    def _stuck(self, before: float) -> dict[Any, str]:
+        """Peers with a transfer in flight since before ``before``, and where to probe
+        them (their control endpoint)."""
+        with self._lock:
+            live = list(self._live.values())
+        out: dict[Any, str] = {}
+        for xfer in live:
+            peer = xfer.peer
+            if (0 < xfer.started < before and not xfer.finished and peer.lost is None
+                    and peer not in out):
+                out[peer] = peer.control_address
+        return out
+
+    def _silent(self, peer: Peer, seconds: float) -> None:
+        with self._lock:
+            current = self._peers.get(peer.name) is peer
+        if current:
+            self.peer_lost(peer.name, f"no answer to control probes for {seconds:.1f}s")
