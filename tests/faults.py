@@ -10,7 +10,8 @@ import numpy as np
 from transfer_engine.errors import NotSupportedError
 from transfer_engine.transport.base import Work
 from transfer_engine.transport.shm import ShmServer, ShmTransport
-from transfer_engine.transport.stream import Connection, Targets, recv_into_views
+from transfer_engine.transport.stream import Connection, Targets
+from transfer_engine.transport.stream.io import recv_into_views
 from transfer_engine.transport.tcp import TcpRail, TcpServer, TcpTransport
 
 

@@ -66,10 +66,10 @@ from transfer_engine.transport.stream import (
     KIND_WRITE,
     STALL_TIMEOUT,
     Connection,
+    Refused,
     StreamRail,
     StreamServer,
     Targets,
-    _Refused,
     encode_announce,
     encode_request,
     open_rail,
@@ -276,7 +276,7 @@ class ShmServer(StreamServer):
     def vouch(self, conn: Connection) -> None:
         pid, uid, _ = peer_credentials(conn.sock)
         if pid <= 0 or pid != conn.pid:
-            raise _Refused(f"the connecting process ({pid}) is not the one the handshake "
+            raise Refused(f"the connecting process ({pid}) is not the one the handshake "
                            f"named ({conn.pid})")
         conn.pidfd = _pidfd(conn.sock, pid)
 

@@ -1,0 +1,183 @@
+"""Byte moving for the stream transports: scatter and gather over a socket.
+
+Byte buffers are bytes or byte-format memoryviews (``len`` is their size in bytes).
+Each helper makes one system call in the common case, for any number of buffers:
+MSG_WAITALL lets the kernel fill a whole scatter list before waking us, and the cursor
+arithmetic after a short call runs only when one happened. A stalled peer is bounded in
+the kernel (:func:`set_stall_timeout`), so the calls keep their one-call receives.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import socket
+import struct
+from bisect import bisect_right
+from collections.abc import Sequence
+from itertools import accumulate
+from typing import Any
+
+import numpy as np
+
+from transfer_engine.transport.iovec import IOVEC_IO, iov_views, recv_iov, send_iov
+
+_IOV_CHUNK = 1000  # sendmsg/recvmsg_into take at most IOV_MAX buffers
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
+EARLY_HEAD_BYTES = 256 << 10
+
+
+class PeerClosed(Exception):
+    """The stream ended (EOF or reset); translated where the peer's name is known."""
+
+
+def _recv_into(sock: socket.socket, bufs: Sequence[Any]) -> int:
+    try:
+        n = sock.recvmsg_into(bufs, 0, _WAITALL)[0]
+    except OSError as exc:
+        raise PeerClosed(str(exc)) from exc
+    if n == 0:
+        raise PeerClosed("connection closed by peer")
+    return n
+
+
+def _rest(bufs: Sequence[Any], ends: list[int], done: int) -> list[Any]:
+    """The buffers still to be filled (or sent) after the first ``done`` bytes."""
+    i = bisect_right(ends, done)
+    head = memoryview(bufs[i])[done - ends[i] + len(bufs[i]):]
+    return [head, *bufs[i + 1:i + _IOV_CHUNK]]
+
+
+def recv_into_views(sock: socket.socket, views: Sequence[Any],
+                    nbytes: int | None = None) -> None:
+    """Fills ``views`` in order from ``sock``, scattering with recvmsg_into.
+
+    ``nbytes`` is their total size when the caller knows it.
+    """
+    if nbytes is None:
+        nbytes = sum(map(len, views))
+    if nbytes <= 0:
+        return
+    got = _recv_into(sock, views[:_IOV_CHUNK] if len(views) > _IOV_CHUNK else views)
+    if got == nbytes:
+        return
+    ends = list(accumulate(map(len, views)))
+    while got < nbytes:
+        got += _recv_into(sock, _rest(views, ends, got))
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """The next ``n`` bytes of the stream."""
+    if n <= 0:
+        return b""
+    try:
+        data = sock.recv(n, _WAITALL)
+    except OSError as exc:
+        raise PeerClosed(str(exc)) from exc
+    if len(data) == n:
+        return data
+    if not data:
+        raise PeerClosed("connection closed by peer")
+    buf = bytearray(n)
+    buf[:len(data)] = data
+    recv_into_views(sock, [memoryview(buf)[len(data):]], n - len(data))
+    return bytes(buf)
+
+
+def send_views(sock: socket.socket, bufs: Sequence[Any], nbytes: int | None = None) -> None:
+    """Sends every buffer in order, gathering with sendmsg (no concatenation copies).
+
+    ``nbytes`` is their total size when the caller knows it.
+    """
+    if nbytes is None:
+        nbytes = sum(map(len, bufs))
+    try:
+        sent = sock.sendmsg(bufs[:_IOV_CHUNK] if len(bufs) > _IOV_CHUNK else bufs)
+        if sent == nbytes:
+            return
+        ends = list(accumulate(map(len, bufs)))
+        while sent < nbytes:
+            sent += sock.sendmsg(_rest(bufs, ends, sent))
+    except OSError as exc:
+        raise PeerClosed(str(exc)) from exc
+
+
+def send_bytes(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError as exc:
+        raise PeerClosed(str(exc)) from exc
+
+
+def send_gather(sock: socket.socket, head: bytes, iov: np.ndarray | None, nbytes: int,
+                headroom: np.ndarray | None = None) -> None:
+    """Sends ``head`` and then the ``nbytes`` bytes ``iov`` describes.
+
+    Above ``EARLY_HEAD_BYTES`` the head goes in a call of its own: with TCP_NODELAY it
+    leaves at once, so the target checks the entries while the payload is still being
+    copied in, rather than after the sender's first 64 KiB segment. ``headroom``, if
+    given, is ``iov`` with one spare row in front, which then describes the head.
+    """
+    if iov is None or not nbytes:
+        send_bytes(sock, head)
+        return
+    if not IOVEC_IO:
+        send_views(sock, [head, *iov_views(iov)], len(head) + nbytes)
+        return
+    if nbytes >= EARLY_HEAD_BYTES:
+        send_bytes(sock, head)
+        try:
+            send_iov(sock, iov, nbytes)
+        except OSError as exc:
+            raise PeerClosed(str(exc)) from exc
+        return
+    if headroom is not None:
+        rows = headroom
+    else:
+        rows = np.empty((len(iov) + 1, 2), dtype=np.uint64)
+        rows[1:] = iov
+    # the address of the bytes object's own buffer (no copy); ``head`` outlives the call
+    rows[0] = (ctypes.cast(ctypes.c_char_p(head), ctypes.c_void_p).value or 0, len(head))
+    try:
+        send_iov(sock, rows, len(head) + nbytes)
+    except OSError as exc:
+        raise PeerClosed(str(exc)) from exc
+
+
+def recv_scatter(sock: socket.socket, iov: np.ndarray, nbytes: int) -> None:
+    """Fills the ``nbytes`` bytes ``iov`` describes from ``sock``."""
+    if not nbytes:
+        return
+    if not IOVEC_IO:
+        recv_into_views(sock, iov_views(iov), nbytes)
+        return
+    try:
+        recv_iov(sock, iov, nbytes)
+    except OSError as exc:
+        raise PeerClosed(str(exc)) from exc
+
+
+def drain(sock: socket.socket, nbytes: int) -> None:
+    scratch = memoryview(bytearray(min(nbytes, 1 << 20) or 1))
+    while nbytes > 0:
+        chunk = scratch[:min(nbytes, len(scratch))]
+        recv_into_views(sock, [chunk], len(chunk))
+        nbytes -= len(chunk)
+
+
+def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if buffer_bytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+
+
+def set_stall_timeout(sock: socket.socket, seconds: float | None) -> None:
+    """Bounds, in the kernel, every pause of a blocking call on ``sock`` (SO_RCVTIMEO,
+    SO_SNDTIMEO): the data path keeps its one-call receives, and a stalled peer makes a
+    call fail with EAGAIN instead of holding a thread forever."""
+    sec = int(seconds or 0)
+    usec = int(((seconds or 0) - sec) * 1e6)
+    tv = struct.pack("ll", sec, usec)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)

@@ -1,0 +1,362 @@
+"""The initiator's side of a stream rail: one connection to a peer's stream server.
+
+It opens with the ticket's proof (:func:`open_rail`), then sends requests from a sender
+thread (or the caller's, for small work on an idle rail) and takes the answers, in
+order, on a reader thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import socket
+import struct
+import threading
+from collections.abc import Sequence
+
+import msgpack
+import numpy as np
+
+from transfer_engine.control.tickets import (
+    CHALLENGE_BYTES,
+    CHALLENGE_MAGIC,
+    Credential,
+)
+from transfer_engine.descriptor import Op
+from transfer_engine.errors import (
+    AuthenticationError,
+    ClosedError,
+    PeerLostError,
+    ProtocolError,
+    TransferError,
+)
+from transfer_engine.transport.base import Completion, Host, OnComplete, Rail, Work
+from transfer_engine.transport.stream.io import (
+    PeerClosed,
+    recv_exact,
+    send_bytes,
+)
+from transfer_engine.transport.stream.wire import (
+    ANSWER,
+    KIND_ANSWER,
+    KIND_HELLO,
+    MAX_BODY,
+    WIRE_VERSION,
+    encode_announce,
+    encode_request,
+    unpack_error,
+)
+
+log = logging.getLogger(__name__)
+
+_LINGER_RESET = struct.pack("ii", 1, 0)
+
+
+class StreamRail(Rail):
+    """One connection to a peer's stream server.
+
+    A work completes only once no thread of ours touches its local memory any more:
+    should the rail fail while a thread is sending a WRITE's payload or receiving a
+    READ's bytes, that thread completes the work when its system call has returned
+    (the socket is shut down, so it returns at once). Work not yet taken by the sender
+    can be withdrawn (:meth:`withdraw`).
+    """
+
+    transport_name = "stream"
+    inline_bytes = 512 << 10  # largest work an idle rail sends in the caller's thread
+
+    def __init__(self, sock: socket.socket, peer: str, index: int, on_complete: OnComplete,
+                 host: Host) -> None:
+        self._sock = sock
+        self.peer = peer
+        self.index = index
+        self._on_complete = on_complete
+        self._host = host
+        self._lock = threading.Lock()
+        self._pending: collections.deque[Work] = collections.deque()
+        self._queue: queue.SimpleQueue[Work | None] = queue.SimpleQueue()
+        # posted work the sender has not taken yet, by id(): whoever pops it owns it
+        self._queued: dict[int, Work] = {}
+        # work whose memory a thread of ours is copying now (at most a sender's and the
+        # reader's), and the error of those the rail failed meanwhile: their thread
+        # completes them once it lets go (ids, as Work compares by value)
+        self._touched: dict[int, Work] = {}
+        self._held: dict[int, TransferError] = {}
+        self._closed = False
+        self._failure: TransferError | None = None
+        self._send_lock = threading.Lock()
+        self._busy = 0  # work queued or being sent
+        self.bytes_sent = 0
+        self._sender = threading.Thread(target=self._send_loop, daemon=True,
+                                        name=f"te-{self.transport_name}-send-{peer}#{index}")
+        self._reader = threading.Thread(target=self._read_loop, daemon=True,
+                                        name=f"te-{self.transport_name}-read-{peer}#{index}")
+        self._sender.start()
+        self._reader.start()
+
+    # hooks for subclasses
+    def _payload(self, work: Work) -> int:
+        """Bytes this side sends for ``work`` besides the request itself."""
+        return work.nbytes if work.op is Op.WRITE else 0
+
+    def _send_request(self, work: Work) -> None:
+        """Sends ``work``'s request (with the payload where the stream carries it);
+        raises :class:`PeerClosed` when the stream broke."""
+        raise NotImplementedError
+
+    def _take_read(self, work: Work) -> None:
+        """Called after a successful READ answer; the bytes may follow on the stream."""
+
+    # Rail API
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._failure is not None
+
+    @property
+    def inflight(self) -> int:
+        with self._lock:
+            return len(self._pending) + len(self._queued)
+
+    def post(self, work: Work) -> None:
+        # An idle rail sends small work in the caller's thread: a thread hand-off costs
+        # more than sending a few hundred KiB (a READ's request is small whatever it
+        # reads). Busy rails queue, keeping order.
+        with self._lock:
+            if self._closed:
+                raise ClosedError("rail is closed", peer=self.peer, op=str(work.op),
+                                  transport=self.transport_name)
+            if self._failure is not None:
+                raise self._failure
+            payload = self._payload(work)
+            inline = self._busy == 0 and payload <= self.inline_bytes
+            self._busy += 1
+            if inline:
+                self._send_lock.acquire()  # free: nothing queued or being sent
+                self._pending.append(work)
+                if payload:
+                    self._touched[id(work)] = work
+            else:
+                self._queued[id(work)] = work
+                self._queue.put(work)
+        if inline:
+            try:
+                self._transmit(work, payload > 0)
+            finally:
+                self._send_lock.release()
+                with self._lock:
+                    self._busy -= 1
+
+    def withdraw(self, works: Sequence[Work]) -> tuple[list[Work], bool]:
+        with self._lock:
+            taken = [w for w in works if self._queued.pop(id(w), None) is not None]
+            ids = {id(w) for w in works}
+            busy = (any(id(w) in ids for w in self._pending)
+                    or any(key in ids for key in self._touched))
+        return taken, busy
+
+    def _error(self, exc_type: type[TransferError], message: str, work: Work | None = None
+               ) -> TransferError:
+        return exc_type(message, peer=self.peer, transport=self.transport_name,
+                        op=str(work.op) if work else None)
+
+    def _send_loop(self) -> None:
+        while True:
+            work = self._queue.get()
+            if work is None:
+                return
+            try:
+                with self._send_lock:
+                    with self._lock:
+                        if self._queued.pop(id(work), None) is None:
+                            continue  # withdrawn, or already failed by _fail_all
+                        failed = self._failure
+                        touch = failed is None and self._payload(work) > 0
+                        if failed is None:
+                            self._pending.append(work)
+                        if touch:
+                            self._touched[id(work)] = work
+                    if failed is None:
+                        self._transmit(work, touch)
+                if failed is not None:
+                    self._complete(work, failed)
+            finally:
+                with self._lock:
+                    self._busy -= 1
+
+    def _transmit(self, work: Work, touched: bool) -> None:
+        """Sends ``work`` (already pending), then lets go of its memory if ``touched``
+        (only a payload sent from our memory touches it; a READ's bytes are the
+        reader's)."""
+        error = None
+        try:
+            self._send_request(work)
+            self.bytes_sent += work.nbytes
+        except PeerClosed as exc:
+            error = self._error(PeerLostError, f"connection lost while sending: {exc}")
+        except Exception as exc:  # a bug must not leave a handle waiting forever
+            log.exception("rail %s#%d send failed", self.peer, self.index)
+            error = self._error(ProtocolError, f"send failed: {exc!r}")
+        if touched:
+            self._let_go(work)
+        if error is not None:
+            self._fail_all(error)
+
+    def _let_go(self, work: Work) -> bool:
+        """Our thread no longer touches ``work``'s memory; completes it if the rail
+        failed meanwhile (and says so)."""
+        with self._lock:
+            del self._touched[id(work)]
+            error = self._held.pop(id(work), None)
+        if error is None:
+            return False
+        self._complete(work, error)
+        return True
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                kind, status, _, body_len, wr_id = ANSWER.unpack(
+                    recv_exact(self._sock, ANSWER.size))
+                if kind != KIND_ANSWER or body_len > MAX_BODY:
+                    raise ProtocolError("malformed answer", peer=self.peer,
+                                        transport=self.transport_name)
+                body = recv_exact(self._sock, body_len)
+                with self._lock:
+                    work = self._pending[0] if self._pending else None
+                    take = (work is not None and work.wr_id == wr_id and not status
+                            and work.op is Op.READ)
+                    if take and work is not None:
+                        self._touched[id(work)] = work
+                if work is None or work.wr_id != wr_id:
+                    raise ProtocolError(f"answer for unknown work request {wr_id}",
+                                        peer=self.peer, transport=self.transport_name)
+                error = None
+                if status:
+                    error = unpack_error(body, status, self.peer, str(work.op),
+                                         self.transport_name)
+                elif take:
+                    held = False
+                    try:
+                        self._take_read(work)
+                    finally:
+                        held = self._let_go(work)
+                    if held:
+                        continue  # the rail failed meanwhile; the next read ends us
+                with self._lock:
+                    if not self._pending or self._pending[0] is not work:
+                        continue  # failed meanwhile, and completed by _fail_all
+                    self._pending.popleft()
+                self._complete(work, error)
+        except PeerClosed as exc:
+            if not self._closed:
+                self._fail_all(self._error(PeerLostError, f"connection lost: {exc}"))
+        except TransferError as exc:
+            self._fail_all(exc)
+        except Exception as exc:
+            log.exception("rail %s#%d reader failed", self.peer, self.index)
+            self._fail_all(self._error(ProtocolError, f"reader failed: {exc!r}"))
+        finally:
+            if not self._closed:
+                self._fail_all(self._error(PeerLostError, "connection lost"))
+            self._release()
+
+    def _release(self) -> None:
+        """Closes the socket of a rail that failed by itself, once no thread of ours can
+        still use it: a dead peer's rail holds no descriptor until it is closed."""
+        if self._sender is not threading.current_thread():
+            self._sender.join(timeout=5)
+        if self._send_lock.acquire(timeout=5):  # an inline send in a caller's thread
+            try:
+                self._sock.close()
+            finally:
+                self._send_lock.release()
+
+    def _complete(self, work: Work, error: TransferError | None) -> None:
+        try:
+            self._on_complete(Completion(work, error))
+        except Exception:
+            log.exception("completion callback failed")
+
+    def _fail_all(self, error: TransferError) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = error
+            error = self._failure  # the first cause wins: a later close keeps it
+            pending = []
+            for work in self._pending:
+                if id(work) in self._touched:  # completed by its thread on letting go
+                    self._held[id(work)] = error
+                else:
+                    pending.append(work)
+            self._pending.clear()
+            queued = list(self._queued.values())
+            self._queued.clear()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # a thread in a system call returns
+        except OSError:
+            pass
+        for work in pending:
+            self._complete(work, error)
+        for work in queued:
+            self._complete(work, error)
+        self._queue.put(None)  # the sender skips what was queued, then ends
+
+    def abort(self, error: TransferError) -> None:
+        with self._lock:
+            if self._failure is None and not self._closed:
+                self._failure = error
+        try:  # close with a reset: bytes still queued either side are dropped, not landed
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+        except OSError:
+            pass
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._fail_all(self._error(ClosedError, "rail is closed"))
+        for thread in (self._sender, self._reader):
+            if thread is not threading.current_thread():
+                thread.join(timeout=5)
+        self._release()
+
+    def __repr__(self) -> str:
+        state = "CLOSED" if self._closed else ("FAILED" if self._failure else "OPEN")
+        return (f"<Rail {self.transport_name}\u2192{self.peer}#{self.index} {state} "
+                f"inflight={self.inflight}>")
+
+
+def open_rail(sock: socket.socket, credential: Credential | None, transport: str,
+              timeout: float | None, ranges: np.ndarray | None = None) -> None:
+    """Opens a rail: answers the target's challenge with our ticket, checks the target's
+    proof and, for shm, announces our segments' ``ranges`` (ANNOUNCE rows). Raises
+    :class:`AuthenticationError` or :class:`PeerClosed`/``OSError``."""
+    if credential is None:
+        raise AuthenticationError("no rail ticket: connect through the engine's handshake",
+                                  transport=transport, op="connect")
+    sock.settimeout(timeout)
+    try:
+        challenge = recv_exact(sock, CHALLENGE_BYTES)
+        if not challenge.startswith(CHALLENGE_MAGIC):
+            raise ProtocolError("the target does not speak rail version "
+                                f"{WIRE_VERSION}", transport=transport, op="connect")
+        nonce, proof = credential.opening(transport, challenge)
+        body = msgpack.packb({"version": WIRE_VERSION, "ticket": credential.ticket,
+                              "nonce": nonce, "proof": proof, "pid": os.getpid()})
+        send_bytes(sock, encode_request(KIND_HELLO, None, body))
+        kind, status, _, body_len, _ = ANSWER.unpack(recv_exact(sock, ANSWER.size))
+        if body_len > MAX_BODY:
+            raise ProtocolError("malformed answer to the rail's hello", transport=transport,
+                                op="connect")
+        answer = recv_exact(sock, body_len)
+        if kind != KIND_ANSWER or status:
+            raise unpack_error(answer, status or 2, "?", "connect", transport)
+        credential.check_answer(transport, challenge, nonce, answer)
+        if ranges is not None:
+            send_bytes(sock, encode_announce(ranges))
+    finally:
+        sock.settimeout(None)

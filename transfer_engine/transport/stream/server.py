@@ -1,0 +1,548 @@
+"""The target's side of the stream rails: accept, open, check, move, count, answer.
+
+One thread per open connection validates each request against the segment table
+*before* touching memory, moves the bytes (the subclass says how), counts the immediate
+after the bytes, and answers. Every resource a stranger can make it hold is bounded
+(see the bounds in :mod:`.wire`'s notes and the constants here).
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, NoReturn
+
+import msgpack
+import numpy as np
+
+from transfer_engine.control.tickets import (
+    Ticket,
+    new_challenge,
+)
+from transfer_engine.descriptor import Op
+from transfer_engine.errors import (
+    AuthenticationError,
+    InvalidDescriptorError,
+    NotSupportedError,
+    ProtocolError,
+    TransferError,
+    error_code,
+)
+from transfer_engine.segment import Segment
+from transfer_engine.transport.base import Host, Immediate
+from transfer_engine.transport.stream.io import (
+    _WAITALL,
+    PeerClosed,
+    recv_exact,
+    send_bytes,
+    set_stall_timeout,
+    tune_socket,
+)
+from transfer_engine.transport.stream.wire import (
+    ANSWER,
+    FLAG_IMM,
+    FLAG_UNIFORM,
+    HEADER,
+    KIND_ANNOUNCE,
+    KIND_ANSWER,
+    KIND_HELLO,
+    KIND_READ,
+    KIND_WRITE,
+    LOCAL_DT,
+    MAX_ANNOUNCED,
+    MAX_BODY,
+    MAX_ENTRIES,
+    MAX_REQUEST_BYTES,
+    REMOTE_WORDS,
+    UNIFORM,
+    WIRE_VERSION,
+    pack_error,
+)
+
+log = logging.getLogger(__name__)
+
+_RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+HELLO_TIMEOUT = 5.0  # seconds a new connection has to open
+STALL_TIMEOUT = 20.0  # longest pause inside a request or an answer
+MAX_OPENING = 64  # connections opening at once
+MAX_CONNECTIONS = 4096  # connections open at once, per server
+
+
+class Connection:
+    """What the target knows of one open rail: the peer its ticket names (never what
+    its messages say), that peer's process, what the rail has pinned right now, and the
+    initiator ranges it announced (shm)."""
+
+    __slots__ = ("sock", "peer", "pid", "ticket", "pinned", "ranges", "pidfd")
+
+    def __init__(self, sock: socket.socket, peer: str, pid: int,
+                 ticket: Ticket | None = None) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.pid = pid
+        self.ticket = ticket
+        self.pinned: list[Any] = []
+        self.ranges: np.ndarray | None = None  # (start, end, writable) rows, sorted
+        self.pidfd: int | None = None
+
+
+class Refused(Exception):
+    """A connection that did not open: closed without an answer."""
+
+
+def _check_entries(conn: Connection, seg: Segment, rows: np.ndarray, write: bool, op: str,
+                   low: list[int] | None = None, high: list[int] | None = None) -> None:
+    """Raises the segment's precise error for the first (segment, offset, length) row it
+    may not serve; ``low``/``high`` are the rows' column minima and maxima if known.
+
+    Rows are unsigned: each bound is checked before the sum that could wrap.
+    """
+    limit = seg.length
+    low = rows.min(axis=0).tolist() if low is None else low
+    high = rows.max(axis=0).tolist() if high is None else high
+    if (seg.writable or not write) and low[2] > 0 and (
+            high[1] + high[2] <= limit  # the largest offset and length still fit
+            or (high[1] <= limit and high[2] <= limit
+                and int((rows[:, 1] + rows[:, 2]).max()) <= limit)):
+        return
+    _refuse(conn, seg, rows[:, 1:].tolist(), write, op)
+
+
+def _refuse(conn: Connection, seg: Segment, ranges: Iterable[Sequence[int]], write: bool,
+            op: str) -> NoReturn:
+    """Raises the segment's precise error for the first (offset, length) range it may not
+    serve, once the fast bounds check has failed."""
+    for offset, length in ranges:
+        seg.check(offset, length, write=write, op=op, peer=conn.peer)
+    raise InvalidDescriptorError("request refused", peer=conn.peer, op=op,
+                                 segment=seg.name)
+
+
+class Targets:
+    """Where one request's bytes land (or come from) in the target's memory, checked
+    and pinned: ``iov`` rows of (address, length) for gathered I/O, and the same ranges
+    as memoryviews when iterated (made on demand: the fast paths never need them).
+    ``headroom``, when set, is ``iov`` with a spare row in front (for an answer's head)."""
+
+    __slots__ = ("iov", "nbytes", "headroom", "_segs", "_ids")
+
+    def __init__(self, iov: np.ndarray, nbytes: int, segs: dict[int, Segment],
+                 ids: np.ndarray | None = None, headroom: np.ndarray | None = None) -> None:
+        self.iov = iov
+        self.headroom = headroom
+        self.nbytes = nbytes
+        self._segs = segs
+        self._ids = ids  # each row's segment id; None: every row is in the one segment
+
+    def __len__(self) -> int:
+        return len(self.iov)
+
+    def __iter__(self) -> Iterator[memoryview]:
+        if not len(self.iov):
+            return
+        ids = ([next(iter(self._segs))] * len(self.iov) if self._ids is None
+               else self._ids.tolist())
+        bases = {i: (seg.view(), seg.address) for i, seg in self._segs.items()}
+        for seg_id, (address, length) in zip(ids, self.iov.tolist(), strict=True):
+            view, base = bases[seg_id]
+            yield view[address - base:address - base + length]
+
+
+class StreamServer:
+    """Accepts rails and serves their requests against the host's segments."""
+
+    transport_name = "stream"
+
+    def __init__(self, listener: socket.socket, host: Host, buffer_bytes: int,
+                 stall_timeout: float = STALL_TIMEOUT) -> None:
+        self._listener = listener
+        self._host = host
+        self._buffer_bytes = buffer_bytes
+        self._stall = stall_timeout
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._open: dict[socket.socket, Connection] = {}
+        self._opening: collections.OrderedDict[socket.socket, None] = (
+            collections.OrderedDict())  # oldest first
+        self._closed = False
+        self.bytes_received = 0
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
+                                          name=f"te-{self.transport_name}-accept")
+        self._acceptor.start()
+
+    # hooks
+    def land(self, conn: Connection, views: Targets, local: np.ndarray | None) -> None:
+        """Moves a WRITE's bytes into ``views`` (already checked and pinned).
+
+        ``local`` holds the initiator's (address, length) records when it sent them
+        (shm).
+        """
+        raise NotImplementedError
+
+    def serve(self, conn: Connection, wr_id: int, views: Targets,
+              local: np.ndarray | None) -> None:
+        """Moves a READ's bytes to the initiator and answers."""
+        raise NotImplementedError
+
+    def refuse_write(self, conn: Connection, nbytes: int) -> None:
+        """Consumes the payload of a refused WRITE so the stream stays in step."""
+
+    def tune(self, sock: socket.socket) -> None:
+        """Sets the options of an accepted connection before it serves anything."""
+        tune_socket(sock, self._buffer_bytes)
+
+    def vouch(self, conn: Connection) -> None:
+        """Checks what the transport itself can tell of the peer once its ticket is
+        good (shm: the kernel's word on its process); raises :class:`Refused`."""
+
+    def _accept_loop(self) -> None:
+        backoff = 0.0
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError as exc:
+                if self._closed or exc.errno in (errno.EBADF, errno.EINVAL, None):
+                    return  # listener closed
+                if exc.errno in _RESOURCE_ERRORS:  # out of fds or memory: wait, go on
+                    if not backoff:
+                        log.warning("%s: cannot accept rails (%s); retrying with backoff",
+                                    self.transport_name, exc.strerror)
+                    self.stats["accept_errors"] += 1
+                    backoff = min(1.0, backoff * 2 or 0.01)
+                    time.sleep(backoff)
+                continue  # ECONNABORTED, EPROTO, EINTR...: that one connection only
+            if backoff:
+                log.warning("%s: accepting rails again", self.transport_name)
+                backoff = 0.0
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                if len(self._conns) >= MAX_CONNECTIONS:
+                    self.stats["connections_shed"] += 1
+                    sock.close()
+                    continue
+                if len(self._opening) >= MAX_OPENING:
+                    # a peer opens in a round trip: the oldest opening is a straggler
+                    stale = next(iter(self._opening))
+                    del self._opening[stale]
+                    self.stats["openings_shed"] += 1
+                    try:
+                        stale.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                try:
+                    self.tune(sock)
+                except OSError as exc:  # died early, or an option the host refuses
+                    log.warning("%s connection not accepted: %s", self.transport_name, exc)
+                    sock.close()
+                    continue
+                thread = threading.Thread(target=self._serve_conn, args=(sock,), daemon=True,
+                                          name=f"te-{self.transport_name}-serve")
+                self._conns[sock] = thread
+                self._opening[sock] = None
+            try:
+                thread.start()
+            except RuntimeError:  # no thread to be had: shed the connection
+                with self._lock:
+                    self._conns.pop(sock, None)
+                    self._opening.pop(sock, None)
+                sock.close()
+
+    def _admit(self, sock: socket.socket) -> tuple[Connection, bytes]:
+        """The opening: challenge, ticket, proofs; returns the connection and our proof.
+        Raises :class:`Refused`."""
+        sock.settimeout(HELLO_TIMEOUT)
+        challenge = new_challenge()
+        try:
+            send_bytes(sock, challenge)
+            kind, _, _, _, _, body_len, _, _, _ = HEADER.unpack(
+                recv_exact(sock, HEADER.size))
+            if kind != KIND_HELLO or body_len > 4096:
+                raise Refused("no hello")
+            info = msgpack.unpackb(recv_exact(sock, body_len))
+        except (PeerClosed, TimeoutError, OSError, ValueError, msgpack.UnpackException,
+                struct.error) as exc:
+            raise Refused(f"no valid hello: {exc}") from None
+        if not isinstance(info, dict) or info.get("version") != WIRE_VERSION:
+            raise Refused(f"rail version {info.get('version') if isinstance(info, dict) else '?'}")
+        try:
+            ticket, proof = self._host.admit_rail(info.get("ticket"), self.transport_name,
+                                                  challenge, info.get("nonce"),
+                                                  info.get("proof"))
+        except TransferError as exc:
+            raise Refused(str(exc)) from None
+        conn = Connection(sock, ticket.peer, ticket.pid, ticket)
+        try:
+            self.vouch(conn)
+        except BaseException:
+            ticket.release()
+            raise
+        return conn, proof
+
+    def _serve_conn(self, sock: socket.socket) -> None:
+        conn: Connection | None = None
+        opening = True
+        try:
+            try:
+                conn, proof = self._admit(sock)
+            except Refused as exc:
+                self.stats["rails_refused"] += 1
+                log.info("%s rail refused: %s", self.transport_name, exc)
+                try:
+                    send_bytes(sock, self._answer(0, AuthenticationError("rail refused")))
+                except PeerClosed:
+                    pass
+                return
+            sock.settimeout(None)
+            set_stall_timeout(sock, self._stall)
+            send_bytes(sock, ANSWER.pack(KIND_ANSWER, 0, 0, len(proof), 0) + proof)
+            with self._lock:
+                self._opening.pop(sock, None)
+                opening = False
+                self._open[sock] = conn
+            while True:
+                head = self._next_header(conn)
+                if head is not None:
+                    self._serve_one(conn, head)
+        except (PeerClosed, TimeoutError):
+            pass
+        except TransferError as exc:
+            log.warning("%s rail from %s dropped: %s", self.transport_name,
+                        conn.peer if conn else "?", exc)
+        except Exception:
+            log.exception("%s server failed", self.transport_name)
+        finally:
+            with self._lock:
+                self._conns.pop(sock, None)
+                self._open.pop(sock, None)
+                if opening:
+                    self._opening.pop(sock, None)
+            if conn is not None:
+                if conn.ticket is not None:
+                    conn.ticket.release()
+                if conn.pidfd is not None:
+                    os.close(conn.pidfd)
+            sock.close()
+
+    def _next_header(self, conn: Connection) -> bytes | None:
+        """The next request's header; None when the rail stayed idle for a stall
+        timeout (an idle rail is fine; a request cut off midway is not)."""
+        sock = conn.sock
+        try:
+            head = sock.recv(HEADER.size, _WAITALL)
+        except (BlockingIOError, TimeoutError):
+            if self._closed:
+                raise PeerClosed("server closed") from None
+            return None
+        except OSError as exc:
+            raise PeerClosed(str(exc)) from exc
+        if not head:
+            raise PeerClosed("connection closed by peer")
+        if len(head) < HEADER.size:
+            head += recv_exact(sock, HEADER.size - len(head))
+        return head
+
+    def _serve_one(self, conn: Connection, head: bytes) -> None:
+        sock = conn.sock
+        (kind, flags, n_remote, n_local, _, body_len, wr_id, transfer_id,
+         expected) = HEADER.unpack(head)
+        if kind == KIND_ANNOUNCE:
+            self._announce(conn, body_len)
+            return
+        if kind not in (KIND_WRITE, KIND_READ):
+            raise ProtocolError(f"unknown request kind {kind}", peer=conn.peer)
+        if n_remote > MAX_ENTRIES or n_local > MAX_ENTRIES or body_len > MAX_BODY:
+            raise ProtocolError("request too large", peer=conn.peer)
+        uniform = flags & FLAG_UNIFORM
+        remote_end = (UNIFORM.size + n_remote * 8 if uniform
+                      else n_remote * REMOTE_WORDS * 8)
+        local_end = remote_end + n_local * LOCAL_DT.itemsize
+        blob = recv_exact(sock, local_end + body_len)  # entries and body: one call
+        local = np.frombuffer(blob, LOCAL_DT, n_local, remote_end) if n_local else None
+        body = blob[local_end:]
+        op = Op.WRITE if kind == KIND_WRITE else Op.READ
+        nbytes = 0
+        if uniform:
+            seg_id, length = UNIFORM.unpack_from(blob)
+            offsets = np.frombuffer(blob, "<u8", n_remote, UNIFORM.size)
+            if length > MAX_REQUEST_BYTES:
+                raise ProtocolError("request too large", peer=conn.peer, length=length)
+            nbytes = n_remote * length
+        else:
+            remote = np.frombuffer(blob, "<u8", n_remote * REMOTE_WORDS).reshape(
+                n_remote, REMOTE_WORDS)
+            low = high = [0, 0, 0]  # column minima and maxima of the entries
+            if n_remote:
+                low, high = remote.min(axis=0).tolist(), remote.max(axis=0).tolist()
+                if high[2] > MAX_REQUEST_BYTES:
+                    raise ProtocolError("request too large", peer=conn.peer, length=high[2])
+                # no wrap-around: every length is bounded
+                nbytes = (n_remote * high[2] if low[2] == high[2]
+                          else int(remote[:, 2].sum()))
+        if nbytes > MAX_REQUEST_BYTES:
+            raise ProtocolError("request too large", peer=conn.peer, length=nbytes)
+        pinned = conn.pinned
+        try:
+            if uniform:
+                views = self._resolve_uniform(conn, op, seg_id, length, offsets, nbytes,
+                                              pinned)
+            else:
+                views = self._resolve(conn, op, remote, nbytes, low, high, pinned)
+        except TransferError as exc:
+            if op is Op.WRITE:
+                self.refuse_write(conn, nbytes)
+            send_bytes(sock, self._answer(wr_id, exc))
+            return
+        try:
+            if op is Op.WRITE:
+                try:
+                    if nbytes:
+                        self.land(conn, views, local)
+                except TransferError as exc:
+                    send_bytes(sock, self._answer(wr_id, exc))
+                    return
+                self.bytes_received += nbytes
+                if flags & FLAG_IMM:
+                    self._host.deliver_immediate(
+                        conn.peer, Immediate(transfer_id, expected, body or None),
+                        conn.ticket.id if conn.ticket is not None else b"")
+                send_bytes(sock, self._answer(wr_id, None))
+            else:
+                self.serve(conn, wr_id, views, local)
+        finally:
+            for seg in pinned:
+                seg.unpin()
+            pinned.clear()
+
+    def _announce(self, conn: Connection, body_len: int) -> None:
+        """Records the initiator's registered ranges (rows of address, length,
+        writable), sorted by address, as (start, end, writable) rows."""
+        if body_len % 24 or body_len > MAX_ANNOUNCED * 24:
+            raise ProtocolError("malformed announcement", peer=conn.peer)
+        rows = np.frombuffer(recv_exact(conn.sock, body_len), "<u8").reshape(-1, 3)
+        start, length = rows[:, 0], rows[:, 1]
+        if len(rows) and bool(((length == 0) | (start > np.uint64(2**64 - 1) - length)).any()):
+            raise ProtocolError("announced range is empty or wraps", peer=conn.peer)
+        order = np.argsort(start, kind="stable")
+        out = np.empty((len(rows), 3), dtype=np.uint64)
+        out[:, 0] = start[order]
+        out[:, 1] = start[order] + length[order]
+        out[:, 2] = rows[order, 2] != 0
+        conn.ranges = out
+
+    def _resolve(self, conn: Connection, op: Op, remote: np.ndarray, nbytes: int,
+                 low: list[int], high: list[int], pinned: list[Any]) -> Targets:
+        """Checks every entry before any byte moves and pins the segments; returns where
+        the bytes go. ``low``/``high`` are the entries' column minima and maxima."""
+        write = op is Op.WRITE
+        opname = str(op)
+        ids = remote[:, 0]
+        segs: dict[int, Segment] = {}
+        if len(remote) and low[0] == high[0]:
+            seg_id = low[0]
+            segs[seg_id] = self._host.local_segment(seg_id, peer=conn.peer, op=opname)
+            _check_entries(conn, segs[seg_id], remote, write, opname, low, high)
+        elif len(remote):
+            for seg_id in np.unique(ids).tolist():
+                seg = self._host.local_segment(seg_id, peer=conn.peer, op=opname)
+                _check_entries(conn, seg, remote[ids == seg_id], write, opname)
+                segs[seg_id] = seg
+        self._pin(conn, opname, segs, pinned)
+        if len(segs) <= 1:  # (offset, length) rows plus (base, 0): the iovec rows
+            base = next(iter(segs.values())).address if segs else 0
+            rows = np.empty((len(remote) + 1, 2), dtype=np.uint64)
+            np.add(remote[:, 1:], np.array((base, 0), dtype=np.uint64), out=rows[1:])
+            return Targets(rows[1:], nbytes, segs, headroom=rows)
+        iov = remote[:, 1:].copy()
+        for seg_id, seg in segs.items():
+            iov[ids == seg_id, 0] += np.uint64(seg.address)
+        return Targets(iov, nbytes, segs, ids)
+
+    def _resolve_uniform(self, conn: Connection, op: Op, seg_id: int, length: int,
+                         offsets: np.ndarray, nbytes: int, pinned: list[Any]) -> Targets:
+        """:meth:`_resolve` for uniform entries: ``length`` bytes at each of ``offsets``
+        (unsigned, so one maximum bounds both ends) in one segment."""
+        if not len(offsets):
+            return Targets(np.empty((0, 2), dtype=np.uint64), 0, {})
+        write = op is Op.WRITE
+        opname = str(op)
+        seg = self._host.local_segment(seg_id, peer=conn.peer, op=opname)
+        limit = seg.length
+        if not (0 < length <= limit and (seg.writable or not write)
+                and int(offsets.max()) <= limit - length):
+            _refuse(conn, seg, ((offset, length) for offset in offsets.tolist()), write,
+                    opname)
+        self._pin(conn, opname, {seg_id: seg}, pinned)
+        rows = np.empty((len(offsets) + 1, 2), dtype=np.uint64)  # row 0: the answer's head
+        np.add(offsets, np.uint64(seg.address), out=rows[1:, 0])
+        rows[1:, 1] = length
+        return Targets(rows[1:], nbytes, {seg_id: seg}, headroom=rows)
+
+    def _pin(self, conn: Connection, opname: str, segs: dict[int, Segment],
+             pinned: list[Any]) -> None:
+        """Pins host-memory ``segs`` into ``pinned``; raises (nothing pinned) otherwise."""
+        for seg in segs.values():
+            if seg.device != "cpu":
+                raise NotSupportedError(f"{seg.device} memory is not reachable over "
+                                        f"{self.transport_name}", peer=conn.peer, op=opname,
+                                        transport=self.transport_name, segment=seg.name)
+        try:
+            for seg in segs.values():
+                seg.pin()
+                pinned.append(seg)
+        except TransferError:
+            for seg in pinned:
+                seg.unpin()
+            pinned.clear()
+            raise
+
+    def _answer(self, wr_id: int, exc: TransferError | None) -> bytes:
+        if exc is None:
+            return ANSWER.pack(KIND_ANSWER, 0, 0, 0, wr_id)
+        body = pack_error(exc)
+        return ANSWER.pack(KIND_ANSWER, error_code(exc), 0, len(body), wr_id) + body
+
+    def revoke(self, segment: Segment) -> int:
+        """Tears down the rails that hold ``segment`` pinned mid-request (its owner is
+        closing it and the peer stalls), so that their pins drop; returns how many. What
+        a torn WRITE leaves: a prefix of its bytes may have landed; no immediate was
+        counted; the initiator's transfer fails."""
+        with self._lock:
+            stuck = [c for c in self._open.values() if any(p is segment for p in c.pinned)]
+        for conn in stuck:
+            log.warning("%s rail from %s torn down: segment %s is closing", self.transport_name,
+                        conn.peer, segment.name)
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        return len(stuck)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns = list(self._conns.items())
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for sock, _ in conns:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._acceptor.join(timeout=5)
+        for _, thread in conns:
+            thread.join(timeout=5)

@@ -1,0 +1,155 @@
+"""The stream transports' wire format (tcp, shm): requests, answers, the opening.
+
+One rail is one stream connection: one request, one answer, in order.
+
+Opening (see :mod:`transfer_engine.control.tickets`): on accept the target sends a
+challenge; the initiator answers with a HELLO that proves it holds a ticket from the
+control handshake; the target answers with its own proof and from then on takes every
+request on the connection as that ticket's peer's. A connection that does not open
+this way is answered with a bare "rail refused" and closed: a stranger learns nothing
+about segments, peers or why.
+
+Wire format (little-endian; one request, one answer, in order on each connection):
+
+    challenge = magic "TEr4" nonce(32)                       (target, on accept)
+    request  = header(32) remote local[n_local](16 each) body[body_len] payload
+    header   = kind u8, flags u8, n_remote u16, n_local u16, pad u16, body_len u32,
+               wr_id u64, transfer_id u64, expected u32
+    flags    = 1: with immediate; 2: uniform remote entries
+    remote   = n_remote of (segment u64, offset u64, length u64)   (target memory)
+             | uniform: segment u64, length u64, then n_remote offsets u64
+             | ANNOUNCE: n_remote of (address u64, length u64, writable u64)
+    local    = address u64, length u64                    (initiator memory, shm only)
+    body     = HELLO: msgpack {version, ticket, nonce, proof, pid};
+               WRITE with immediate: notify bytes
+    payload  = the bytes (tcp WRITE only)
+    answer   = kind u8 (0x81), status u8 (0 ok, else an error code), pad u16,
+               body_len u32, wr_id u64; body = msgpack error details (the HELLO's: the
+               target's proof); then, for a tcp READ that succeeded, the bytes.
+
+ANNOUNCE (shm) tells the target which ranges of the initiator's memory are registered
+segments: the target copies to or from no other initiator memory.
+
+Entries are whole 64-bit words, so the target reads them as one aligned ``(n, 3)``
+array and checks a request of a thousand blocks with a handful of array operations.
+Blocks of one length in one segment (the paged-KV case) travel as their offsets alone:
+a third of the bytes, and one reduction to check them all. Each NumPy call counts here:
+the kernel's copy of a batch evicts the caches, so a call costs 10-15 us when the next
+request comes, several times its warm cost.
+Versions (``version`` in the HELLO): 1, 20-byte remote entries (segment u32); 2, 24-byte
+entries; 3, uniform entries added; 4, the challenge, ticket-bound rails and ANNOUNCE.
+
+Bounds (:mod:`.server` enforces them): a connection must open within
+``HELLO_TIMEOUT`` seconds; at most ``MAX_OPENING`` connections may be opening at once (a
+new one pushes out the oldest: a peer opens in one round trip, so a crowd of stalled
+openings cannot lock it out) and ``MAX_CONNECTIONS`` may be open in all (more are
+closed at once); once open, a request that has begun must keep arriving (and an answer
+keep leaving) with no pause longer than the stall timeout, or the rail is dropped, its
+thread and socket freed. An open rail may stay idle between requests.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from itertools import chain
+
+import msgpack
+import numpy as np
+
+from transfer_engine.errors import (
+    TransferError,
+    error_code,
+    error_from_wire,
+)
+from transfer_engine.planner import Spans
+from transfer_engine.transport.base import Work
+
+WIRE_VERSION = 4
+KIND_HELLO, KIND_WRITE, KIND_READ, KIND_ANNOUNCE, KIND_ANSWER = 1, 2, 3, 4, 0x81
+FLAG_IMM, FLAG_UNIFORM = 1, 2
+HEADER = struct.Struct("<BBHHHIQQI")
+UNIFORM = struct.Struct("<QQ")  # segment, length of every entry
+ANSWER = struct.Struct("<BBHIQ")
+REMOTE_WORDS = 3  # segment, offset, length: u64 each
+LOCAL_DT = np.dtype([("address", "<u8"), ("length", "<u8")])
+MAX_ENTRIES = 1024  # IOV_MAX: one request is one gathered system call
+MAX_BODY = 1 << 20
+MAX_REQUEST_BYTES = 1 << 30
+MAX_ANNOUNCED = 1 << 16  # ranges an initiator may announce
+
+
+def pack_remote(remote: Sequence[tuple[int, int, int]]) -> bytes:
+    """The ``remote`` entries of a request: (segment, offset, length) u64 words."""
+    if isinstance(remote, Spans):
+        entries = np.empty((len(remote), REMOTE_WORDS), dtype="<u8")
+        entries[:, 0] = remote.segment
+        entries[:, 1] = remote.offset
+        entries[:, 2] = remote.length
+        return entries.tobytes()
+    return struct.pack("<" + "QQQ" * len(remote), *chain.from_iterable(remote))
+
+
+def pack_uniform(segment: int, length: int, offsets: np.ndarray) -> bytes:
+    """The ``remote`` entries of a uniform request (``FLAG_UNIFORM``)."""
+    return UNIFORM.pack(segment, length) + np.asarray(offsets, dtype="<u8").tobytes()
+
+
+def pack_local(local: Sequence[tuple[int, int]]) -> bytes:
+    """The ``local`` entries of a request (LOCAL_DT records): (address, length)."""
+    return struct.pack("<" + "QQ" * len(local), *chain.from_iterable(local))
+
+
+def encode_request(kind: int, work: Work | None, body: bytes = b"", local: bytes = b""
+                   ) -> bytes:
+    """Header, entries and body of one request, in one buffer (the payload follows).
+
+    ``local`` is :func:`pack_local` output (shm only).
+    """
+    if work is None:
+        return HEADER.pack(kind, 0, 0, 0, 0, len(body), 0, 0, 0) + body
+    imm = work.imm
+    flags = FLAG_IMM if imm is not None else 0
+    if imm is not None and imm.notify:
+        body = imm.notify
+    remote = work.remote
+    n_remote = len(remote)
+    if n_remote > MAX_ENTRIES:
+        raise ValueError(f"{n_remote} remote entries in one request (at most {MAX_ENTRIES})")
+    if isinstance(remote, Spans) and remote.uniform is not None:
+        flags |= FLAG_UNIFORM
+        entries = pack_uniform(*remote.uniform, remote.offset)
+    else:
+        entries = pack_remote(remote)
+    header = HEADER.pack(kind, flags, n_remote, len(local) // LOCAL_DT.itemsize, 0,
+                         len(body), work.wr_id, imm.transfer_id if imm else 0,
+                         imm.expected if imm else 0)
+    return b"".join((header, entries, local, body))
+
+
+def encode_announce(ranges: np.ndarray) -> bytes:
+    """An ANNOUNCE request: ``ranges`` rows of (address, length, writable)."""
+    rows = np.ascontiguousarray(ranges, dtype="<u8").reshape(-1, 3)
+    if len(rows) > MAX_ANNOUNCED:
+        raise ValueError(f"{len(rows)} ranges to announce (at most {MAX_ANNOUNCED})")
+    body = rows.tobytes()
+    return HEADER.pack(KIND_ANNOUNCE, 0, 0, 0, 0, len(body), 0, 0, 0) + body
+
+
+def pack_error(exc: TransferError) -> bytes:
+    data: bytes = msgpack.packb({"code": error_code(exc), "message": exc.message,
+                                 "segment": exc.segment, "offset": exc.offset,
+                                 "length": exc.length}, default=str)
+    return data
+
+
+def unpack_error(body: bytes, status: int, peer: str, op: str, transport: str) -> TransferError:
+    try:
+        info = msgpack.unpackb(body)
+        return error_from_wire(int(info.get("code", status)), str(info.get("message")),
+                               peer=peer, op=op, transport=transport,
+                               segment=info.get("segment"), offset=info.get("offset"),
+                               length=info.get("length"))
+    except Exception:  # a garbled error report is still an error report
+        return error_from_wire(status, "peer reported an error", peer=peer, op=op,
+                               transport=transport)
