@@ -105,10 +105,11 @@ class CircuitBreaker:
 
     def cooldown(self) -> float:
         """Seconds the next opening would last."""
-        strikes = self.strikes
-        if self._clock() - self._closed_at >= self.max_cooldown:
-            strikes = 0
-        return min(self.max_cooldown, self.base_cooldown * 2.0 ** strikes)
+        return min(self.max_cooldown, self.base_cooldown * 2.0 ** self._strikes_now())
+
+    def _strikes_now(self) -> int:
+        healthy = self._clock() - self._closed_at >= self.max_cooldown
+        return 0 if self._state is BreakerState.CLOSED and healthy else self.strikes
 
     def allow(self) -> bool:
         """Whether a request may go to this node now. In ``HALF_OPEN`` one probe is let
@@ -151,10 +152,8 @@ class CircuitBreaker:
 
     def open(self) -> None:
         """Ejects the node for the next cooldown."""
-        now = self._clock()
-        if now - self._closed_at >= self.max_cooldown:
-            self.strikes = 0
-        self.open_until = now + self.cooldown()
+        self.strikes = self._strikes_now()
+        self.open_until = self._clock() + self.cooldown()
         self.strikes += 1
         self._state = BreakerState.OPEN
 
