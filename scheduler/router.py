@@ -281,7 +281,8 @@ class Router:
                                      bytes_ / cost.tcp_bytes_per_s))
         late = cost.decode_step_s + cost.decode_step_per_kv_token_s * after > self.slo.tpot_s
         full = after > dec.kv_cap[:n]
-        return move + 100.0 * late + 1000.0 * full + 1e-3 * after / dec.kv_cap[:n]
+        score: F64 = move + 100.0 * late + 1000.0 * full + 1e-3 * after / dec.kv_cap[:n]
+        return score
 
     def _transport(self, decode_name: str, path: PathClass) -> str:
         if path is PathClass.HOST:

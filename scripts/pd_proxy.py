@@ -150,7 +150,7 @@ class Proxy(BaseHTTPRequestHandler):
                 conn, resp = self._attempt(request, decision, failed, errors)
             except UpstreamError:
                 continue
-            if conn is None:
+            if conn is None or resp is None:
                 return  # answered (an upstream refusal the client must see)
             self._relay(decision, conn, resp)
             return
