@@ -98,15 +98,6 @@ class PrefixIndex:
             self._forget(node, key)
             self.evictions += 1
 
-    def touch(self, node: int, keys: Sequence[Hashable]) -> None:
-        """Marks the leading ``keys`` that ``node`` holds as recently used."""
-        lru = self._lru.get(node)
-        if lru is None:
-            return
-        for key in reversed(keys):
-            if key in lru:
-                lru.move_to_end(key)
-
     def drop(self, node: int) -> None:
         """``node`` lost its cache (it left or restarted)."""
         for key in self._lru.pop(node, {}):

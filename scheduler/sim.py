@@ -33,7 +33,7 @@ import math
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -285,10 +285,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2) + "\n")
     return result
-
-
-def with_scale(config: SimConfig, time_scale: float) -> SimConfig:
-    return replace(config, time_scale=time_scale)
 
 
 if __name__ == "__main__":
