@@ -1,13 +1,18 @@
-"""The disaggregation proxy against two stand-in servers speaking vLLM's completions
-API: prefill gets max_tokens=1 and do_remote_decode, decode gets the prefill's
-kv_transfer_params, and decode's streamed answer comes back chunk by chunk."""
+"""The disaggregation proxy against stand-in servers speaking vLLM's completions API:
+prefill gets max_tokens=1 and do_remote_decode, decode gets the prefill's
+kv_transfer_params, and decode's streamed answer comes back chunk by chunk. With several
+servers, found on the command line or in the registry, it routes through the scheduler
+and fails over: a dead server is ejected and its requests retried elsewhere."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
+import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -15,7 +20,10 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from transfer_engine.control.registry import Registry
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
 import pd_proxy  # noqa: E402
 
 SEEN: list[tuple[str, dict[str, Any]]] = []
@@ -59,8 +67,9 @@ def proxy() -> Iterator[int]:
     pre = type("Pre", (Upstream,), {"role": "prefill"})
     dec = type("Dec", (Upstream,), {"role": "decode"})
     servers = [_serve(pre), _serve(dec)]
-    pd_proxy.Proxy.prefill = f"http://127.0.0.1:{servers[0][0].server_port}"
-    pd_proxy.Proxy.decode = f"http://127.0.0.1:{servers[1][0].server_port}"
+    pd_proxy.Proxy.router = pd_proxy.make_router(
+        [f"http://127.0.0.1:{servers[0][0].server_port}"],
+        [f"http://127.0.0.1:{servers[1][0].server_port}"])
     pd_proxy.Proxy.log_message = lambda *a: None  # type: ignore[method-assign]
     servers.append(_serve(pd_proxy.Proxy))
     yield servers[2][0].server_port
@@ -93,3 +102,138 @@ def test_proxy_rejects_bad_requests(proxy: int) -> None:
     resp = conn.getresponse()
     assert resp.status == 400 and b"bad JSON" in resp.read()
     conn.close()
+
+
+def _post(port: int, body: dict[str, Any], timeout: float = 10.0) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body).encode(),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    finally:
+        conn.close()
+
+
+def _free_port() -> int:
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_proxy_routes_around_a_dead_decode_url() -> None:
+    dec = type("Dec", (Upstream,), {"role": "decode"})
+    pre = type("Pre", (Upstream,), {"role": "prefill"})
+    servers = [_serve(pre), _serve(dec)]
+    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    router = pd_proxy.make_router([f"http://127.0.0.1:{servers[0][0].server_port}"],
+                                  [dead, f"http://127.0.0.1:{servers[1][0].server_port}"],
+                                  policy="round_robin", threshold=1, cooldown=60.0)
+    pd_proxy.Proxy.router = router
+    pd_proxy.Proxy.log_message = lambda *a: None  # type: ignore[method-assign]
+    servers.append(_serve(pd_proxy.Proxy))
+    try:
+        for i in range(6):
+            status, body = _post(servers[2][0].server_port,
+                                 {"model": "m", "prompt": f"p{i}", "max_tokens": 4})
+            assert status == 200 and body.endswith("[DONE]\n\n")
+        assert router.fleet.traffic.breakers.ejected("decode") == [dead]
+        assert int(router.fleet.decode.queue.sum()) == 0
+    finally:
+        for server, thread in servers:
+            server.shutdown()
+            server.server_close()
+            thread.join(5)
+
+
+def _start(args: list[str]) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+
+
+def _line(proc: subprocess.Popen[str], prefix: str, timeout: float = 20.0) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith(prefix):
+            return line[len(prefix):].strip()
+        if not line and proc.poll() is not None:
+            break
+    raise AssertionError(f"no {prefix!r} line from {proc.args}")
+
+
+def _stop(procs: list[subprocess.Popen[str]]) -> None:
+    for proc in procs:
+        if proc.poll() is None and "pd_proxy.py" in " ".join(map(str, proc.args)):
+            proc.terminate()  # serves until told to stop
+        elif proc.poll() is None:
+            try:
+                assert proc.stdin is not None
+                proc.stdin.close()
+            except OSError:
+                pass
+    for proc in procs:
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def test_router_over_registry_survives_a_prefill_dying_mid_run() -> None:
+    """Two prefill and two decode servers announce themselves in a registry; the proxy,
+    in its own process, finds them there. One prefill is killed while requests are in
+    flight: every request still completes."""
+    with Registry(interval=0.1) as registry:
+        procs: list[subprocess.Popen[str]] = []
+        try:
+            for role, name in (("prefill", "p0"), ("prefill", "p1"), ("decode", "d0"),
+                               ("decode", "d1")):
+                procs.append(_start(["-m", "tests.pd_backend", role, name,
+                                     str(registry.endpoint), "0.03"]))
+            for proc in procs:
+                _line(proc, "READY ")
+            proxy = _start([str(ROOT / "scripts" / "pd_proxy.py"), "--port", "0",
+                            "--registry", str(registry.endpoint), "--timeout", "10"])
+            procs.append(proxy)
+            port = int(_line(proxy, "pd_proxy on ").split(":")[2].split()[0])
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:  # until the proxy has learnt the fleet
+                status, _ = _post(port, {"model": "m", "prompt": "warm", "max_tokens": 2})
+                if status == 200:
+                    break
+                time.sleep(0.05)
+            results: list[tuple[int, str]] = []
+            lock = threading.Lock()
+
+            def client(k: int) -> None:
+                for i in range(12):
+                    got = _post(port, {"model": "m", "prompt": f"c{k} r{i} " * 50,
+                                       "max_tokens": 3, "stream": True})
+                    with lock:
+                        results.append(got)
+
+            threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+            for t in threads:
+                t.start()
+            _line(procs[0], "SERVED 5")  # p0 is busy serving: kill it mid-run
+            procs[0].kill()
+            for t in threads:
+                t.join(60)
+            assert len(results) == 48
+            assert all(status == 200 and body.count("data:") == 4
+                       and body.endswith("[DONE]\n\n") for status, body in results)
+            served_by_p0 = sum('"from": "p0"' in body for _, body in results)
+            assert 0 < served_by_p0 < 48
+            assert sum('"from": "p1"' in body for _, body in results) == 48 - served_by_p0
+            assert {'"by": "d0"' in body for _, body in results} == {True, False}
+        finally:
+            _stop(procs)

@@ -1,0 +1,168 @@
+"""Compares routing policies on a trace: a table (fleet size x policy) and a chart of
+TTFT percentiles per policy.
+
+    python -m scheduler.report --trace ../shared/traces/conversation_trace.jsonl \\
+        --nodes 100 1000 --time-scale 200 --out results/scheduler
+
+``--time-scale`` per fleet size is scaled with it (``200`` at 1000 nodes is ``20`` at
+100), so every row sees the same load per instance. ``--find-load G`` instead picks, per
+fleet size, the time scale at which round robin's goodput falls to ``G`` (bisection).
+The chart is a PNG when matplotlib is installed, else an SVG drawn here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from scheduler.router import POLICIES
+from scheduler.sim import SimConfig, simulate
+from scheduler.trace import Trace, load_trace
+
+__all__ = ["run", "find_load", "table", "plot", "main"]
+
+_COLUMNS = ("nodes", "policy", "time_scale", "goodput", "prefix_hit_rate", "hit_bound",
+            "p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "sim_seconds")
+
+
+def find_load(trace: Trace, nodes: int, goodput: float, *, lo: float = 1.0,
+              hi: float = 4096.0, steps: int = 10) -> float:
+    """The time scale at which round robin's goodput is about ``goodput`` on ``nodes``
+    instances (bisection on a log scale, ``steps`` runs)."""
+    for _ in range(steps):
+        mid = (lo * hi) ** 0.5
+        got = simulate(trace, "round_robin", SimConfig(nodes=nodes, time_scale=mid))
+        if got["goodput"] > goodput:
+            lo = mid
+        else:
+            hi = mid
+    return round(float((lo * hi) ** 0.5), 2)
+
+
+def run(trace: Trace, nodes: list[int], policies: list[str], scale_at_1000: float | None,
+        target_goodput: float | None) -> list[dict[str, Any]]:
+    rows = []
+    for n in nodes:
+        if target_goodput is not None:
+            scale = find_load(trace, n, target_goodput)
+        else:
+            scale = (scale_at_1000 or 1.0) * n / 1000
+        for policy in policies:
+            result = simulate(trace, policy, SimConfig(nodes=n, time_scale=scale))
+            rows.append(result)
+            print(" ".join(f"{k}={result[k]}" for k in _COLUMNS), flush=True)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table of the runs, with each policy's goodput relative to round robin
+    and to least loaded at the same fleet size."""
+    base = {(r["nodes"], r["policy"]): r["goodput"] for r in rows}
+    head = list(_COLUMNS) + ["vs_round_robin", "vs_least_loaded"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        rel = []
+        for other in ("round_robin", "least_loaded"):
+            g = base.get((r["nodes"], other))
+            rel.append(f"{r['goodput'] / g:.2f}x" if g else "-")
+        lines.append("| " + " | ".join(str(r[k]) for k in _COLUMNS) + " | "
+                     + " | ".join(rel) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path:
+    """TTFT p50/p90/p99 per policy (one group per fleet size). Returns the file written:
+    ``path`` as PNG with matplotlib, else beside it as SVG."""
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        print("matplotlib is not installed (pip install matplotlib); drawing an SVG")
+        return _svg(rows, path.with_suffix(".svg"))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = [f"{r['policy']}\n{r['nodes']} nodes" for r in rows]
+    for i, q in enumerate(("p50", "p90", "p99")):
+        ax.bar([x + 0.27 * i for x in range(len(rows))], [r[f"{q}_ttft_s"] for r in rows],
+               width=0.27, label=q)
+    ax.set_xticks([x + 0.27 for x in range(len(rows))], labels, fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT (s)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _svg(rows: list[dict[str, Any]], path: Path) -> Path:
+    import math  # noqa: PLC0415
+
+    width, height, left, bottom, top = 120 + 90 * len(rows), 360, 60, 80, 20
+    values = [r[f"{q}_ttft_s"] for r in rows for q in ("p50", "p90", "p99")]
+    lo = math.floor(math.log10(max(min(values), 1e-3)))
+    hi = math.ceil(math.log10(max(values)))
+    hi = hi if hi > lo else lo + 1
+
+    def y(v: float) -> float:
+        frac = (math.log10(max(v, 10 ** lo)) - lo) / (hi - lo)
+        return height - bottom - frac * (height - bottom - top)
+
+    colors = {"p50": "#4c72b0", "p90": "#dd8452", "p99": "#c44e52"}
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           'font-family="sans-serif" font-size="10">']
+    for e in range(lo, hi + 1):
+        out.append(f'<line x1="{left}" x2="{width - 10}" y1="{y(10 ** e):.1f}" '
+                   f'y2="{y(10 ** e):.1f}" stroke="#ddd"/>'
+                   f'<text x="{left - 5}" y="{y(10 ** e) + 3:.1f}" text-anchor="end">'
+                   f'{10 ** e:g}</text>')
+    for i, r in enumerate(rows):
+        x0 = left + 10 + 90 * i
+        for j, q in enumerate(("p50", "p90", "p99")):
+            v = r[f"{q}_ttft_s"]
+            out.append(f'<rect x="{x0 + 22 * j}" y="{y(v):.1f}" width="20" '
+                       f'height="{height - bottom - y(v):.1f}" fill="{colors[q]}">'
+                       f'<title>{q} {v}s</title></rect>')
+        out.append(f'<text x="{x0 + 33}" y="{height - bottom + 14}" text-anchor="middle">'
+                   f'{r["policy"]}</text><text x="{x0 + 33}" y="{height - bottom + 28}" '
+                   f'text-anchor="middle">{r["nodes"]} nodes</text>')
+    for j, q in enumerate(colors):
+        out.append(f'<rect x="{left + 70 * j}" y="{height - 30}" width="10" height="10" '
+                   f'fill="{colors[q]}"/><text x="{left + 70 * j + 14}" '
+                   f'y="{height - 21}">{q} TTFT</text>')
+    out.append(f'<text x="14" y="{(height - bottom) / 2}" transform="rotate(-90 14 '
+               f'{(height - bottom) / 2})" text-anchor="middle">TTFT (s, log)</text></svg>')
+    path.write_text("\n".join(out) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m scheduler.report", description=__doc__
+                                 .split("\n\n")[0])
+    ap.add_argument("--trace", required=True)
+    ap.add_argument("--nodes", type=int, nargs="+", default=[100, 1000])
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    load = ap.add_mutually_exclusive_group()
+    load.add_argument("--time-scale", type=float, default=200.0,
+                      help="time scale at 1000 nodes (scaled with the fleet size)")
+    load.add_argument("--find-load", type=float, metavar="GOODPUT",
+                      help="per fleet size, the load at which round robin reaches GOODPUT")
+    ap.add_argument("--out", default="results/scheduler", help="folder for the outputs")
+    args = ap.parse_args(argv)
+    trace = load_trace(args.trace)
+    rows = run(trace, args.nodes, args.policies,
+               None if args.find_load is not None else args.time_scale, args.find_load)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "runs.json").write_text(json.dumps(rows, indent=2) + "\n")
+    md = table(rows)
+    (out / "table.md").write_text(md)
+    print(md)
+    print(f"chart: {plot(rows, out / 'ttft.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+"""Picks the prefill and decode instances of each request.
+
+Policies (by name, :data:`POLICIES`):
+
+- ``round_robin``: the next live instance of each role, in turn.
+- ``least_loaded``: the prefill instance with the fewest outstanding requests, the
+  decode instance with the least KV in use.
+- ``prefix_only``: the prefill instance caching the longest prefix of the request
+  (ties in turn); decode in turn.
+- ``cache_aware`` (``default``): the prefill instance with the earliest estimated first
+  token: its queued work, plus the prefill of what it does not cache (from its own
+  cache, or fetched from the store when that holds more), plus the KV transfer; then
+  the decode instance nearest to it (same pod, then zone, then across zones) among those
+  whose KV has room and whose step time after admission meets the TPOT target, the
+  least filled first. A prompt whose uncached part is at most ``local_prefill_tokens``
+  is prefilled on the decode instance itself (no transfer, no prefill queue).
+
+Hot spots: a hot prefix cannot pull every request to one instance, because its queued
+work is part of the estimate; ``sample`` > 0 restricts each choice to the instances
+caching the request's prefix plus ``sample`` random others (power of ``sample``
+choices), which bounds the work per request for very large fleets. Ties go round robin.
+
+The router is pure bookkeeping over a :class:`~scheduler.fleet.Fleet` (no I/O, no
+clock of its own): :meth:`Router.route` takes ``now`` and records the dispatch in the
+fleet; the caller reports completion with the fleet's ``*_done`` methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from scheduler.cost import SLO, CostModel
+from scheduler.errors import NoInstanceError, UnknownPolicyError
+from scheduler.fleet import Fleet, Pool
+from scheduler.policy import PathClass, path_class
+
+__all__ = ["POLICIES", "DEFAULT_POLICY", "Request", "Decision", "Router"]
+
+POLICIES = ("round_robin", "least_loaded", "prefix_only", "cache_aware")
+DEFAULT_POLICY = "cache_aware"
+_ALIASES = {"default": DEFAULT_POLICY}
+F64 = npt.NDArray[np.float64]
+Mask = npt.NDArray[np.bool_]
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the router knows of a request: its chained block keys (see
+    :mod:`scheduler.prefix`), prompt length, and expected output length (tokens)."""
+
+    keys: Sequence[Hashable]
+    input_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where a request goes and what the router expects of it.
+
+    ``prefill`` is ``None`` when the decode instance prefills the prompt itself.
+    ``cached_blocks`` are leading blocks the prefill instance holds, ``store_blocks``
+    further ones it fetches from the store; ``path`` and ``transport`` are the KV's way
+    from prefill to decode.
+    """
+
+    prefill: int | None
+    decode: int
+    prefill_name: str | None
+    decode_name: str
+    cached_blocks: int
+    store_blocks: int
+    uncached_tokens: int
+    kv_tokens: int
+    path: PathClass
+    transport: str
+    prefill_s: float
+    est_ttft_s: float
+    est_tpot_s: float
+
+    @property
+    def local(self) -> bool:
+        return self.prefill is None
+
+
+class Router:
+    """Routes requests over ``fleet`` with the policy called ``policy``.
+
+    :param cost: the cost model estimates use.
+    :param slo: the TTFT/TPOT targets decode choices respect.
+    :param local_prefill_tokens: prompts with at most this many uncached tokens are
+        prefilled on their decode instance (``cache_aware`` only; ``0`` never).
+    :param sample: ``0`` scores every instance; ``k > 0`` scores the cache holders plus
+        ``k`` random instances per choice.
+    :param seed: seeds the sampling (decisions are otherwise deterministic).
+    """
+
+    def __init__(self, fleet: Fleet, policy: str = DEFAULT_POLICY, *,
+                 cost: CostModel | None = None, slo: SLO | None = None,
+                 local_prefill_tokens: int = 512, sample: int = 0, seed: int = 0,
+                 affinity: float = 1.0, slo_margin: float = 0.5) -> None:
+        name = _ALIASES.get(policy, policy)
+        if name not in POLICIES:
+            raise UnknownPolicyError(f"unknown policy {policy!r}; choose one of "
+                                     f"{', '.join(POLICIES + tuple(_ALIASES))}")
+        self.fleet = fleet
+        self.policy = name
+        self.cost = cost or CostModel()
+        self.slo = slo or SLO()
+        self.local_prefill_tokens = local_prefill_tokens
+        self.sample = sample
+        self.affinity = affinity
+        self.slo_margin = slo_margin
+        self._rng = np.random.default_rng(seed)
+        self._turn = {"prefill": 0, "decode": 0}
+        self.routed = 0
+
+    # --- helpers --------------------------------------------------------------------
+
+    def _mask(self, pool: Pool, exclude: Collection[str]) -> Mask:
+        mask = pool.usable().copy()
+        for name in exclude:
+            slot = pool.slot.get(name)
+            if slot is not None:
+                mask[slot] = False
+        if not mask.any():
+            raise NoInstanceError("no live instance to route to", role=pool.role)
+        return mask
+
+    def _pick(self, role: str, score: F64, mask: Mask) -> int:
+        """The usable slot of least score; ties go to the first at or after the turn."""
+        n = len(score)
+        start = self._turn[role] % n
+        self._turn[role] = start + 1
+        order = np.concatenate((np.arange(start, n), np.arange(0, start)))
+        masked = np.where(mask[order], score[order], np.inf)
+        return int(order[int(np.argmin(masked))])
+
+    def _admit(self, pool: Pool, slot: int, mask: Mask, role: str, score: F64) -> int:
+        """``slot``, unless its breaker refuses (a half-open node takes one probe at a
+        time); then the next best, a bounded number of times."""
+        breakers = self.fleet.traffic.breakers
+        for _ in range(4):
+            if breakers.allow(pool.names[slot]):
+                return slot
+            mask[slot] = False
+            if not mask.any():
+                break
+            slot = self._pick(role, score, mask)
+        raise NoInstanceError("every candidate is being probed after failures", role=role)
+
+    def _sampled(self, mask: Mask, holders: Collection[int]) -> Mask:
+        if self.sample <= 0:
+            return mask
+        live = np.flatnonzero(mask)
+        keep = np.zeros_like(mask)
+        keep[self._rng.choice(live, size=min(self.sample, len(live)), replace=False)] = True
+        for slot in holders:
+            keep[slot] = mask[slot]
+        return keep
+
+    # --- routing --------------------------------------------------------------------
+
+    def route(self, req: Request, now: float, *, exclude: Collection[str] = ()) -> Decision:
+        """Chooses instances for ``req`` at clock time ``now`` (seconds) and records the
+        dispatch in the fleet. ``exclude`` names instances this request already failed
+        on. Raises :class:`NoInstanceError` when a role has no usable instance."""
+        fleet = self.fleet
+        with fleet.lock:
+            fleet.traffic.breakers.poll()
+            pre, dec = fleet.prefill, fleet.decode
+            dmask = self._mask(dec, exclude)
+            n_pre = len(pre)
+            pmask = self._mask(pre, exclude) if n_pre else None
+            depth = fleet.prefix.overlaps(req.keys) if n_pre else {}
+            store = fleet.store_prefix(req.keys) if fleet.store_prefix else 0
+            cost = self.cost
+            local_tokens = req.input_tokens - store * cost.block_tokens
+            if (self.policy == "cache_aware" and local_tokens <= self.local_prefill_tokens) \
+                    or pmask is None:
+                return self._local(req, now, dmask, store)
+            if self.policy == "round_robin":
+                p = self._pick("prefill", np.zeros(n_pre), pmask)
+            elif self.policy == "least_loaded":
+                p = self._pick("prefill", pre.queue[:n_pre].astype(float), pmask)
+            elif self.policy == "prefix_only":
+                ov = np.zeros(n_pre)
+                for slot, blocks in depth.items():
+                    ov[slot] = blocks
+                p = self._pick("prefill", -ov, pmask)
+            else:
+                pmask = self._sampled(pmask, depth.keys())
+                est, work = self._prefill_estimates(req, now, depth, store, pre)
+                if self.slo_margin > 0:
+                    # Where the TTFT target holds anyway, least work wins: compute
+                    # saved now is capacity for the requests that come next.
+                    limit = self.slo_margin * self.slo.ttft_limit(req.input_tokens, cost)
+                    within = pmask & (est <= limit)
+                    if within.any():
+                        pmask, est = within, work + 1e-3 * est
+                p = self._pick("prefill", est, pmask)
+                p = self._admit(pre, p, pmask, "prefill", est)
+            cached = min(depth.get(p, 0), len(req.keys))
+            fetched = max(0, store - cached)
+            uncached = max(1, req.input_tokens - max(cached, store) * cost.block_tokens)
+            prefill_s = (cost.prefill_s(uncached, req.input_tokens - uncached)
+                         + cost.fetch_s(fetched))
+            d, path, transport, tpot = self._decode_for(req, p, dmask)
+            wait = max(0.0, float(pre.free_at[p]) - now)
+            ttft = wait + prefill_s + cost.transfer_s(req.input_tokens, path, transport)
+            fleet.dispatched(p, d, req.keys, prefill_s, req.input_tokens + req.output_tokens,
+                             now)
+            self.routed += 1
+            return Decision(p, d, pre.names[p], dec.names[d], cached, fetched, uncached,
+                            req.input_tokens + req.output_tokens, path, transport,
+                            prefill_s, ttft, tpot)
+
+    def _prefill_estimates(self, req: Request, now: float, depth: dict[int, int],
+                           store: int, pre: Pool) -> tuple[F64, F64]:
+        """Estimated seconds to the end of prefill on each instance, and the prefill's
+        own part of it."""
+        cost = self.cost
+        n = len(pre)
+        blocks = np.full(n, float(store))
+        fetched = np.full(n, float(store))
+        for slot, held in depth.items():
+            blocks[slot] = max(held, store)
+            fetched[slot] = max(0, store - held)
+        uncached = np.maximum(1.0, req.input_tokens - blocks * cost.block_tokens)
+        wait = np.maximum(0.0, pre.free_at[:n] - now)
+        cached = req.input_tokens - uncached
+        work = cost.prefill_overhead_s + uncached * (
+            1.0 + (cached + uncached / 2) / cost.attention_tokens) / cost.prefill_tokens_per_s
+        if self.affinity and depth:
+            # Cached blocks left behind cost more than this prefill: they would be
+            # computed again here and then cached twice, crowding both caches.
+            best = max(depth.values())
+            lost = np.maximum(0.0, best - blocks)
+            work = work + self.affinity * lost * cost.block_tokens / cost.prefill_tokens_per_s
+        if store:
+            per_block = cost.block_tokens * cost.kv_bytes_per_token / cost.store_bytes_per_s
+            work = work + np.where(fetched > 0,
+                                   cost.transfer_latency_s + fetched * per_block, 0.0)
+        return wait + work, work
+
+    def _decode_for(self, req: Request, p: int, dmask: Mask
+                    ) -> tuple[int, PathClass, str, float]:
+        """The decode instance for a request prefilled on prefill slot ``p``."""
+        pre, dec = self.fleet.prefill, self.fleet.decode
+        n = len(dec)
+        if self.policy in ("round_robin", "prefix_only"):
+            d = self._pick("decode", np.zeros(n), dmask)
+        elif self.policy == "least_loaded":
+            d = self._pick("decode", dec.kv_used[:n] / dec.kv_cap[:n], dmask)
+        else:
+            d = self._pick("decode", self._decode_scores(req, p, dmask), dmask)
+            d = self._admit(dec, d, dmask, "decode", self._decode_scores(req, p, dmask))
+        path = path_class(pre.meta(p), dec.meta(d))
+        transport = self._transport(dec.names[d], path)
+        tpot = self.cost.decode_step(float(dec.kv_used[d]) + req.input_tokens
+                                     + req.output_tokens)
+        return d, path, transport, tpot
+
+    def _decode_scores(self, req: Request, p: int | None, dmask: Mask) -> F64:
+        cost, dec = self.cost, self.fleet.decode
+        n = len(dec)
+        need = req.input_tokens + req.output_tokens
+        after = dec.kv_used[:n] + need
+        if p is None:
+            move = np.zeros(n)
+        else:
+            pre = self.fleet.prefill
+            bytes_ = req.input_tokens * cost.kv_bytes_per_token
+            same_pod = dec.pod[:n] == pre.pod[p]
+            same_zone = dec.zone[:n] == pre.zone[p]
+            move = np.where(same_pod, bytes_ / cost.pod_bytes_per_s,
+                            np.where(same_zone, bytes_ / cost.rdma_bytes_per_s,
+                                     bytes_ / cost.tcp_bytes_per_s))
+        late = cost.decode_step_s + cost.decode_step_per_kv_token_s * after > self.slo.tpot_s
+        full = after > dec.kv_cap[:n]
+        score: F64 = move + 100.0 * late + 1000.0 * full + 1e-3 * after / dec.kv_cap[:n]
+        return score
+
+    def _transport(self, decode_name: str, path: PathClass) -> str:
+        if path is PathClass.HOST:
+            return "shm"
+        if path is PathClass.CROSS_ZONE:
+            return "tcp"
+        return self.fleet.traffic.pick(decode_name, ["rdma", "tcp"])
+
+    def _local(self, req: Request, now: float, dmask: Mask, store: int) -> Decision:
+        cost, dec = self.cost, self.fleet.decode
+        n = len(dec)
+        if self.policy == "cache_aware":
+            score = self._decode_scores(req, None, dmask)
+            score = score + np.maximum(0.0, dec.free_at[:n] - now)
+            d = self._admit(dec, self._pick("decode", score, dmask), dmask, "decode", score)
+        else:
+            d = self._pick("decode", np.zeros(n), dmask)
+        uncached = max(1, req.input_tokens - store * cost.block_tokens)
+        prefill_s = cost.prefill_s(uncached, req.input_tokens - uncached) + cost.fetch_s(store)
+        wait = max(0.0, float(dec.free_at[d]) - now)
+        kv = req.input_tokens + req.output_tokens
+        tpot = cost.decode_step(float(dec.kv_used[d]) + kv)
+        self.fleet.dispatched(None, d, req.keys, prefill_s, kv, now)
+        self.routed += 1
+        return Decision(None, d, None, dec.names[d], 0, store, uncached, kv,
+                        PathClass.HOST, "local", prefill_s, wait + prefill_s, tpot)
+
+    def __repr__(self) -> str:
+        return f"<Router {self.policy} routed={self.routed} {self.fleet!r}>"

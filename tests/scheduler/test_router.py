@@ -1,0 +1,123 @@
+"""Routing decisions on small fleets: prefix affinity, hot-spot avoidance, decode
+locality, prefill on decode for short prompts, the baseline policies, breakers."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.clock import FakeClock
+from scheduler.cost import CostModel
+from scheduler.errors import NoInstanceError, UnknownPolicyError
+from scheduler.fleet import Fleet
+from scheduler.policy import BreakerBoard, PathClass, TrafficPolicy
+from scheduler.router import Request, Router
+
+
+def _fleet(clock: FakeClock | None = None) -> Fleet:
+    """Two pods in one zone and one in another: p0,p1,d0 | p2,d1 | p3,d2 (zone z2)."""
+    clock = clock or FakeClock()
+    traffic = TrafficPolicy(clock=clock, breakers=BreakerBoard(threshold=1, clock=clock))
+    fleet = Fleet(traffic=traffic, kv_tokens=100_000)
+    for name, role, pod, zone in [("p0", "prefill", "a", "z1"), ("p1", "prefill", "a", "z1"),
+                                  ("d0", "decode", "a", "z1"), ("p2", "prefill", "b", "z1"),
+                                  ("d1", "decode", "b", "z1"), ("p3", "prefill", "c", "z2"),
+                                  ("d2", "decode", "c", "z2")]:
+        fleet.add(name, role, host=name, pod=pod, zone=zone)
+    return fleet
+
+
+def _req(keys: list[int], tokens: int | None = None, out: int = 10) -> Request:
+    return Request(keys, tokens if tokens is not None else 512 * len(keys), out)
+
+
+def test_cache_aware_goes_to_the_longest_prefix_and_the_nearest_decode() -> None:
+    fleet = _fleet()
+    fleet.prefix.insert(fleet.prefill.slot["p2"], list(range(8)))
+    router = Router(fleet, "default")
+    d = router.route(_req(list(range(10))), now=0.0)
+    assert d.prefill_name == "p2" and d.cached_blocks == 8
+    assert d.decode_name == "d1" and d.path is PathClass.POD  # same pod as p2
+    assert d.uncached_tokens == 1024 and d.est_ttft_s > d.prefill_s > 0
+
+
+def test_hot_prefix_spills_when_its_holder_is_busy() -> None:
+    fleet = _fleet()
+    keys = list(range(4))
+    p0 = fleet.prefill.slot["p0"]
+    fleet.prefix.insert(p0, keys)
+    fleet.prefill.free_at[p0] = 60.0  # a minute of queued work
+    d = Router(fleet, "default").route(_req(keys + [99]), now=0.0)
+    assert d.prefill_name != "p0" and d.cached_blocks == 0
+
+
+def test_decode_avoids_full_and_slow_instances() -> None:
+    fleet = _fleet()
+    fleet.prefix.insert(fleet.prefill.slot["p2"], list(range(8)))
+    fleet.decode.kv_used[fleet.decode.slot["d1"]] = 99_000  # d1 (same pod) is full
+    d = Router(fleet, "default").route(_req(list(range(10))), now=0.0)
+    assert d.prefill_name == "p2" and d.decode_name == "d0" and d.path is PathClass.ZONE
+
+
+def test_short_prompts_prefill_on_decode() -> None:
+    fleet = _fleet()
+    router = Router(fleet, "default", local_prefill_tokens=512)
+    d = router.route(_req([], tokens=300), now=0.0)
+    assert d.local and d.prefill is None and d.transport == "local"
+    assert fleet.decode.queue[d.decode] == 1
+    assert not router.route(_req([1, 2], tokens=1024), now=0.0).local
+    assert not Router(_fleet(), "least_loaded").route(_req([], 300), now=0.0).local
+
+
+def test_round_robin_and_least_loaded() -> None:
+    fleet = _fleet()
+    rr = Router(fleet, "round_robin")
+    names = [rr.route(_req([i]), now=0.0).prefill_name for i in range(8)]
+    assert names == ["p0", "p1", "p2", "p3"] * 2
+    fleet = _fleet()
+    fleet.prefill.queue[:4] = [3, 1, 0, 2]
+    fleet.decode.kv_used[:3] = [50, 10, 90]
+    d = Router(fleet, "least_loaded").route(_req([1]), now=0.0)
+    assert (d.prefill_name, d.decode_name) == ("p2", "d1")
+
+
+def test_prefix_only_ignores_load() -> None:
+    fleet = _fleet()
+    p3 = fleet.prefill.slot["p3"]
+    fleet.prefix.insert(p3, [1, 2])
+    fleet.prefill.free_at[p3] = 1e6
+    assert Router(fleet, "prefix_only").route(_req([1, 2, 3]), now=0.0).prefill_name == "p3"
+
+
+def test_excluded_and_ejected_instances_are_skipped() -> None:
+    clock = FakeClock()
+    fleet = _fleet(clock)
+    fleet.prefix.insert(fleet.prefill.slot["p0"], [1, 2, 3])
+    router = Router(fleet, "default")
+    assert router.route(_req([1, 2, 3]), now=0.0, exclude={"p0"}).prefill_name != "p0"
+    fleet.traffic.breakers.record("p0", False)  # threshold 1: ejected
+    assert fleet.prefill.ejected[fleet.prefill.slot["p0"]]
+    assert router.route(_req([1, 2, 3]), now=0.0).prefill_name != "p0"
+    clock.advance(1.0)  # half-open: one probe goes to it, the next request elsewhere
+    assert router.route(_req([1, 2, 3]), now=1.0).prefill_name == "p0"
+    assert router.route(_req([1, 2, 3]), now=1.0).prefill_name != "p0"
+    fleet.traffic.breakers.record("p0", True)
+    assert router.route(_req([1, 2, 3]), now=1.0).prefill_name == "p0"
+
+
+def test_no_instance_and_unknown_policy() -> None:
+    fleet = Fleet()
+    fleet.add("p0", "prefill")
+    with pytest.raises(NoInstanceError) as err:
+        Router(fleet).route(_req([1]), now=0.0)
+    assert err.value.role == "decode"
+    with pytest.raises(UnknownPolicyError):
+        Router(fleet, "fastest")
+
+
+def test_store_hits_count_and_cost_a_fetch() -> None:
+    cost = CostModel()
+    fleet = _fleet()
+    fleet.store_prefix = lambda keys: 6
+    d = Router(fleet, "default", cost=cost).route(_req(list(range(8))), now=0.0)
+    assert d.cached_blocks == 0 and d.store_blocks == 6
+    assert d.prefill_s > cost.fetch_s(6) > 0
