@@ -418,7 +418,7 @@ class KVStore(Closeable):
         holder = self._frozen.view()  # a fresh array object: the views' only owner
         ref = weakref.ref(holder, self._released.append)
         self._views[id(ref)] = (ref, self._arena.pin(locs))
-        return memoryview(holder)
+        return memoryview(holder)  # type: ignore[arg-type]
 
     def get(self, key: Key) -> memoryview | None:
         """Read-only pinned view of the value, or None when absent or expired."""
@@ -699,7 +699,7 @@ def _as_view(value: object) -> memoryview:
     try:
         return view.cast("B")
     except (TypeError, ValueError):  # formats cast() refuses (structs, ...): reinterpret
-        return memoryview(np.frombuffer(view, dtype=np.uint8))
+        return memoryview(np.frombuffer(view, dtype=np.uint8))  # type: ignore[arg-type]
 
 
 def _last_occurrences(rows: U64) -> I64 | None:

@@ -193,6 +193,23 @@ def test_blocks_held_until_sent(pair: Any) -> None:
     assert res.finished_recving == set()
 
 
+@pytest.mark.parametrize("local,remote", [([1, 2], [10, NUM_BLOCKS]),
+                                          ([1, 2], [10, 2**62]), ([NUM_BLOCKS, 1], [1, 2])],
+                         ids=["remote-past-end", "remote-wraps", "local-past-end"])
+def test_block_ids_outside_a_layer_are_load_errors(pair: Any, local: list[int],
+                                                   remote: list[int]) -> None:
+    """Even ids that would wrap in 64-bit arithmetic: refused before any byte moves."""
+    prefill, decode, _, dk = pair
+    before = {name: t.clone() for name, t in dk.items()}
+    prefill.hold({"far": 30.0})
+    decode.start_load([spec(prefill, "far", local, remote)])
+    res = wait_results(decode, "finished_recving", "far")
+    assert res.failed_recving == {"far"}
+    assert decode.take_failed_blocks() == set(local)
+    for name, tensor in dk.items():
+        assert torch.equal(tensor, before[name])
+
+
 def test_notification_before_hold_is_not_lost(pair: Any) -> None:
     prefill, decode, _, _ = pair
     # decode may read before prefill's next step hands the hold to its worker
@@ -403,18 +420,77 @@ def test_scheduler_hands_over_and_holds() -> None:
     assert decode.get_num_new_matched_tokens(req, 0) == (0, False)
 
 
+def _good_params(wall: FakeClock, prompt: int = 40) -> dict[str, Any]:
+    prefill = TEConnectorScheduler("p", BLOCK, lease_s=30, endpoint="tcp://p:1",
+                                   wall_clock=wall)
+    _, params = prefill.request_finished(
+        request("r", {"do_remote_decode": True}, prompt=prompt, computed=prompt),
+        list(range(7, 7 + prompt)))
+    assert params is not None
+    return params
+
+
 def test_scheduler_refuses_expired_leases_and_other_versions() -> None:
     wall = FakeClock()
     decode = TEConnectorScheduler("d", BLOCK, wall_clock=wall)
-    base = {"do_remote_prefill": True, "remote_block_ids": [1], "protocol_version":
-            PROTOCOL_VERSION, "remote_endpoint": "tcp://p:1", "lease_expiry": wall.now - 1}
-    assert decode.get_num_new_matched_tokens(request("old", dict(base)), 0) == (0, False)
+    base = _good_params(wall)
+    old = dict(base, lease_expiry=wall.now - 1)
+    assert decode.get_num_new_matched_tokens(request("old", old), 0) == (0, False)
     assert "lease" in decode.refused["old"]
-    newer = dict(base, lease_expiry=wall.now + 10, protocol_version=PROTOCOL_VERSION + 1)
+    newer = dict(base, protocol_version=PROTOCOL_VERSION + 1)
     assert decode.get_num_new_matched_tokens(request("new", newer), 0) == (0, False)
     assert "protocol version" in decode.refused["new"]
-    ok = dict(base, lease_expiry=wall.now + 10)
-    assert decode.get_num_new_matched_tokens(request("ok", ok), 0) == (40, True)
+    assert decode.get_num_new_matched_tokens(request("ok", dict(base)), 0) == (40, True)
+
+
+HOSTILE: list[tuple[str, Any]] = [
+    ("lease_expiry", "soon"), ("lease_expiry", None), ("lease_expiry", float("nan")),
+    ("lease_expiry", float("inf")), ("lease_expiry", True), ("lease_expiry", 1e300),
+    ("remote_block_ids", "abc"), ("remote_block_ids", [7]), ("remote_block_ids", []),
+    ("remote_block_ids", [7, 8, 9, 10]), ("remote_block_ids", [7, 8, 2**63]),
+    ("remote_block_ids", [7, 8, 2**62]), ("remote_block_ids", [7, 8, -1]),
+    ("remote_block_ids", [7, 8, "9"]), ("remote_block_ids", [7, 8, 9.0]),
+    ("remote_block_ids", [7, 8, True]), ("remote_block_ids", None),
+    ("remote_block_ids", {"0": 7}),
+    ("remote_num_tokens", 41), ("remote_num_tokens", 0), ("remote_num_tokens", -5),
+    ("remote_num_tokens", "40"), ("remote_num_tokens", 2**70), ("remote_num_tokens", None),
+    ("remote_num_tokens", 17),  # three blocks listed for two blocks' worth of tokens
+    ("remote_endpoint", 5), ("remote_endpoint", ""), ("remote_endpoint", "p:1"),
+    ("remote_endpoint", "tcp://" + "x" * 600), ("remote_endpoint", None),
+    ("remote_request_id", 12), ("remote_request_id", ""), ("remote_engine_id", ["e"]),
+    ("protocol_version", "2"), ("protocol_version", True), ("protocol_version", None),
+    ("prompt_hash", None), ("prompt_hash", "0" * 32), ("prompt_hash", 5),
+]
+
+
+@pytest.mark.parametrize("key,value", HOSTILE, ids=[f"{k}={v!r:.20}" for k, v in HOSTILE])
+def test_hostile_kv_transfer_params_are_recomputed_not_fatal(key: str, value: Any) -> None:
+    """Params a client sends straight to decode: a bad field never raises, never counts
+    a token that will not be loaded; the request is computed locally."""
+    wall = FakeClock()
+    decode = TEConnectorScheduler("d", BLOCK, wall_clock=wall)
+    params = dict(_good_params(wall), **{key: value})
+    req = request("bad", params)
+    assert decode.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert "bad" in decode.refused
+    decode.update_state_after_alloc(req, blocks([1, 2, 3]), 0)
+    assert decode.build_connector_meta().reqs_to_recv == {}
+
+
+def test_params_of_another_prompt_are_refused() -> None:
+    wall = FakeClock()
+    decode = TEConnectorScheduler("d", BLOCK, wall_clock=wall)
+    params = _good_params(wall)
+    other = request("other", dict(params))
+    other.prompt_token_ids = [t + 1 for t in other.prompt_token_ids]
+    assert decode.get_num_new_matched_tokens(other, 0) == (0, False)
+    assert "another prompt" in decode.refused["other"]
+
+
+@pytest.mark.parametrize("params", [None, "x", 5, [], {"do_remote_prefill": "yes"}])
+def test_params_that_are_not_a_map_load_nothing(params: Any) -> None:
+    decode = TEConnectorScheduler("d", BLOCK, wall_clock=FakeClock())
+    assert decode.get_num_new_matched_tokens(request("n", params), 0) == (0, False)
 
 
 def test_config_validation() -> None:

@@ -32,7 +32,10 @@ Who calls what, in which order (S = scheduler side, W = worker side)::
     prefill S  build_connector_meta  tells its worker: hold these for lease_s seconds
     proxy      request to decode with those kv_transfer_params
     decode S   get_num_new_matched_tokens -> (prompt tokens not cached locally, async)
-               (refuses an expired lease or another protocol version: 0 tokens)
+               (refuses, with one log line, params that fail parse_remote_params: a
+               wrong type or range, blocks that do not cover exactly remote_num_tokens,
+               another prompt's params (prompt_hash), an expired lease or another
+               protocol version: 0 tokens, vLLM computes the prompt itself)
     decode S   update_state_after_alloc   pairs remote blocks with the blocks vLLM
                                           allocated; build_connector_meta ships them
     decode W   start_load_kv         one READ of every layer's blocks, coalescing runs
@@ -69,6 +72,7 @@ vLLM recomputes). Across hosts, lease_s must cover the clock skew.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import logging
 import math
@@ -119,13 +123,15 @@ if TYPE_CHECKING:
 
 __all__ = ["TransferEngineConnector", "TEConnectorScheduler", "TEConnectorWorker",
            "TEConnectorConfig", "TEConnectorMetadata", "TEHandshakeMetadata", "RecvSpec",
-           "BlockLayout", "block_layout", "PROTOCOL_VERSION", "live_workers"]
+           "BlockLayout", "block_layout", "PROTOCOL_VERSION", "live_workers",
+           "RemoteParams", "parse_remote_params", "prompt_hash"]
 
 log = logging.getLogger(__name__)
 
 # Protocol versions (kv_transfer_params and the manifest):
 #   1: pull over Engine.read; manifest segment "te-vllm/manifest"; lease in params.
-PROTOCOL_VERSION = 1
+#   2: params carry prompt_hash, and decode checks every field (parse_remote_params).
+PROTOCOL_VERSION = 2
 MANIFEST_SEGMENT = "te-vllm/manifest"
 _SENT_PREFIX = b"te-vllm/sent:"  # notification: the reader has every byte of a request
 
@@ -331,6 +337,86 @@ class TEHandshakeMetadata(KVConnectorHandshakeMetadata):
     compat_hash: str
 
 
+# --- kv_transfer_params: what decode accepts ------------------------------------------
+
+MAX_ID_CHARS = 512  # endpoint, engine and request ids
+MAX_BLOCK_ID = (1 << 31) - 1
+MAX_LEASE_S = 24 * 3600.0  # a lease further out than this is not one prefill gave
+
+
+@dataclass(frozen=True)
+class RemoteParams:
+    """kv_transfer_params as decode checked them: every field typed and in range, the
+    blocks covering exactly ``num_tokens``, bound to this request's prompt."""
+
+    endpoint: str
+    engine_id: str
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    lease_expiry: float
+
+
+def prompt_hash(prompt: Sequence[int], num_tokens: int) -> str:
+    """What binds kv_transfer_params to the prompt whose KV they describe."""
+    tokens = np.asarray(list(prompt[:num_tokens]), dtype=np.int64)
+    return hashlib.sha256(tokens.tobytes()).hexdigest()[:32]
+
+
+def _text(params: dict[str, Any], key: str, required: bool = True) -> str:
+    value = params.get(key, None if required else "")
+    if not isinstance(value, str) or (required and not value) or len(value) > MAX_ID_CHARS:
+        raise ValueError(f"{key} must be a non-empty string of at most {MAX_ID_CHARS} "
+                         f"characters, got {type(value).__name__}")
+    return value
+
+
+def _integer(value: Any, key: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{key} must be an integer in [{low}, {high}], got {value!r:.40}")
+    return value
+
+
+def parse_remote_params(params: Any, prompt: Sequence[int], block_size: int, now: float
+                        ) -> RemoteParams:
+    """Checks kv_transfer_params from a client (they reach decode through the proxy,
+    or from anyone who can send a request); raises ValueError saying what is wrong."""
+    if not isinstance(params, dict):
+        raise ValueError("kv_transfer_params is not a map")
+    version = params.get("protocol_version")
+    if isinstance(version, bool) or version != PROTOCOL_VERSION:
+        raise ValueError(f"kv_transfer_params protocol version {version!r:.20}, this "
+                         f"connector speaks {PROTOCOL_VERSION}")
+    endpoint = _text(params, "remote_endpoint")
+    if not endpoint.startswith("tcp://") or ":" not in endpoint[len("tcp://"):]:
+        raise ValueError(f"remote_endpoint {endpoint!r:.80} is not tcp://host:port")
+    engine_id = _text(params, "remote_engine_id", required=False)
+    request_id = _text(params, "remote_request_id")
+    num_tokens = _integer(params.get("remote_num_tokens"), "remote_num_tokens", 1,
+                          max(1, len(prompt)))
+    if num_tokens > len(prompt):
+        raise ValueError(f"remote_num_tokens {num_tokens} exceeds the prompt's "
+                         f"{len(prompt)} tokens")
+    ids = params.get("remote_block_ids")
+    needed = -(-num_tokens // block_size)
+    if not isinstance(ids, list) or len(ids) != needed:
+        raise ValueError(f"remote_block_ids must list exactly {needed} blocks for "
+                         f"{num_tokens} tokens of {block_size}, got "
+                         f"{len(ids) if isinstance(ids, list) else type(ids).__name__}")
+    block_ids = [_integer(b, "a remote block id", 0, MAX_BLOCK_ID) for b in ids]
+    lease = params.get("lease_expiry")
+    if isinstance(lease, bool) or not isinstance(lease, int | float) or not math.isfinite(
+            lease):
+        raise ValueError(f"lease_expiry must be a finite number, got {lease!r:.40}")
+    if lease <= now:
+        raise ValueError("the prefill engine's lease on the blocks has expired")
+    if lease > now + MAX_LEASE_S:
+        raise ValueError(f"lease_expiry is {lease - now:.0f} s away, more than any lease")
+    if params.get("prompt_hash") != prompt_hash(prompt, num_tokens):
+        raise ValueError("kv_transfer_params belong to another prompt (prompt_hash differs)")
+    return RemoteParams(endpoint, engine_id, request_id, block_ids, num_tokens, float(lease))
+
+
 # --- scheduler side -----------------------------------------------------------------
 
 
@@ -355,6 +441,7 @@ class TEConnectorScheduler:
         self._wall = wall_clock
         self._recv: dict[str, RecvSpec] = {}
         self._send: dict[str, float] = {}
+        self._parsed: dict[str, RemoteParams] = {}  # matched, waiting for allocation
         self.refused: dict[str, str] = {}  # request id -> why a load was refused
 
     def set_handshake(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
@@ -362,32 +449,29 @@ class TEConnectorScheduler:
         if isinstance(meta, TEHandshakeMetadata):
             self.endpoint = meta.endpoint
 
-    def _usable(self, request: Request, params: dict[str, Any]) -> bool:
+    def _usable(self, request: Request, params: dict[str, Any]) -> RemoteParams | None:
         rid = request.request_id
-        version = params.get("protocol_version")
-        if version != PROTOCOL_VERSION:
-            self.refused[rid] = (f"kv_transfer_params protocol version {version!r}, "
-                                 f"this connector speaks {PROTOCOL_VERSION}")
-        elif not params.get("remote_block_ids") or not params.get("remote_endpoint"):
-            self.refused[rid] = "kv_transfer_params lack remote_block_ids/remote_endpoint"
-        elif float(params.get("lease_expiry", 0)) <= self._wall():
-            self.refused[rid] = "the prefill engine's lease on the blocks has expired"
-        else:
-            return True
-        log.warning("request %s: not loading remote KV: %s; computing locally", rid,
-                    self.refused[rid])
-        return False
+        try:
+            parsed = parse_remote_params(params, request.prompt_token_ids or (),
+                                         self.block_size, self._wall())
+        except ValueError as exc:
+            self.refused[rid] = str(exc)
+            log.warning("request %s: not loading remote KV: %s; computing locally", rid,
+                        exc)
+            return None
+        return parsed
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
             return 0, False
-        if not self._usable(request, params):
+        parsed = self._usable(request, params)
+        if parsed is None:
             params["do_remote_prefill"] = False
             return 0, False
-        prompt = len(request.prompt_token_ids or ())
-        count = min(int(params.get("remote_num_tokens", prompt)), prompt) - num_computed_tokens
+        self._parsed[request.request_id] = parsed
+        count = parsed.num_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -396,16 +480,16 @@ class TEConnectorScheduler:
         if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # a preempted request recomputes
-        if num_external_tokens <= 0:
+        parsed = self._parsed.pop(request.request_id, None)
+        if num_external_tokens <= 0 or parsed is None:
             return
         group = blocks.blocks[0]
         cached = sum(1 for b in group if b.block_hash is not None)
-        remote = [int(b) for b in params["remote_block_ids"]]
+        remote = parsed.block_ids
         end = min(len(remote), len(group))
         self._recv[request.request_id] = RecvSpec(
             request.request_id, [b.block_id for b in group[cached:end]], remote[cached:end],
-            str(params["remote_endpoint"]), str(params.get("remote_engine_id", "")),
-            str(params.get("remote_request_id", "")), float(params["lease_expiry"]))
+            parsed.endpoint, parsed.engine_id, parsed.request_id, parsed.lease_expiry)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None
                              ) -> TEConnectorMetadata:
@@ -425,15 +509,20 @@ class TEConnectorScheduler:
             return False, None  # aborted: nothing to hand over
         if not block_ids or self.endpoint is None:
             return False, None
-        num_tokens = int(request.num_computed_tokens)
+        prompt = request.prompt_token_ids or ()
+        num_tokens = min(int(request.num_computed_tokens), len(prompt))
         needed = -(-num_tokens // self.block_size)
+        if num_tokens <= 0 or len(block_ids) < needed:
+            return False, None
         self._send[request.request_id] = self.lease_s
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False,
             "protocol_version": PROTOCOL_VERSION,
             "remote_endpoint": self.endpoint, "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id,
-            "remote_block_ids": list(block_ids[:needed]), "remote_num_tokens": num_tokens,
+            "remote_block_ids": [int(b) for b in block_ids[:needed]],
+            "remote_num_tokens": num_tokens,
+            "prompt_hash": prompt_hash(prompt, num_tokens),
             "lease_expiry": self._wall() + self.lease_s,
         }
 
@@ -584,6 +673,14 @@ class TEConnectorWorker:
         whole runs of blocks adjacent on both sides merged where the layouts allow."""
         peer = info.peer
         out = []
+        for name, (_, layout) in self._layers.items():  # Python ints: nothing wraps
+            rname, rlayout = info.layouts[name]
+            for ids, lay, side in ((spec.local_block_ids, layout, "local"),
+                                   (spec.remote_block_ids, rlayout, "remote")):
+                top = max(lay.part_offsets) + lay.part_len
+                if min(ids) < 0 or max(ids) * lay.block_stride + top > lay.extent:
+                    raise ProtocolError(f"a {side} block id of {min(ids)}..{max(ids)} lies "
+                                        f"outside layer {name!r}", peer=peer.name)
         runs = np.array(coalesce(spec.local_block_ids, spec.remote_block_ids),
                         dtype=np.int64).reshape(-1, 3)
         single = (np.asarray(spec.local_block_ids, dtype=np.int64),
