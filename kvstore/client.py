@@ -311,10 +311,10 @@ class Client(Closeable):
                           key=lambda b: b[0])
             return seg
 
-    def _local(self, addrs: I64, lens: I64) -> list[tuple[Segment, I64]]:
+    def _local(self, addrs: I64, lens: I64) -> list[tuple[Segment, int]]:
         """For each address: the registered segment holding ``[addr, addr+len)``."""
         starts = [b[0] for b in self._buffers]
-        out: list[tuple[Segment, I64]] = []
+        out: list[tuple[Segment, int]] = []
         for a, n in zip(addrs.tolist(), lens.tolist(), strict=True):
             i = bisect.bisect_right(starts, a) - 1
             if i < 0 or a + n > self._buffers[i][1] or self._buffers[i][2].closed:
@@ -322,7 +322,7 @@ class Client(Closeable):
                                            "(register_buffer)")
             seg = self._buffers[i][2]
             out.append((seg, a - int(seg.address)))
-        return out  # type: ignore[return-value]
+        return out
 
     def _stage(self, nbytes: int) -> tuple[np.ndarray, int]:
         """The staging buffer (at least ``nbytes``) and its address."""
@@ -347,6 +347,12 @@ class Client(Closeable):
             if not items:
                 continue
             name = str(nodes[node][0])
+            if name == self.engine.name:  # a node on our own engine: copy in place
+                try:
+                    self._copy_local(write, str(nodes[node][3]), items)
+                except TransferEngineError as exc:
+                    failed[node] = exc
+                continue
             try:
                 peer, remote = self._peer(nodes[node])
                 arr = np.array([it[:3] for it in items], dtype=np.int64)
@@ -374,6 +380,22 @@ class Client(Closeable):
                 failed[node] = exc
                 self._node_failed(str(nodes[node][0]), exc)
         return failed
+
+    def _copy_local(self, write: bool, segment: str,
+                    items: list[tuple[int, int, int, int]]) -> None:
+        seg = self.engine.segments.get(segment)
+        if seg is None or seg.closed:
+            raise ObjectUnavailableError(f"local segment {segment!r} is gone")
+        base = int(seg.address)
+        self._local(np.array([it[0] for it in items], dtype=np.int64),
+                    np.array([it[2] for it in items], dtype=np.int64))
+        for addr, off, length, _ in items:
+            if off < 0 or off + length > int(seg.length):
+                raise ObjectUnavailableError(f"[{off}, +{length}) is outside {segment!r}")
+            if write:
+                ctypes.memmove(base + off, addr, length)
+            else:
+                ctypes.memmove(addr, base + off, length)
 
     # -- put ---------------------------------------------------------------------------
 
@@ -441,7 +463,8 @@ class Client(Closeable):
                 time.sleep(delay)
                 delay = min(delay * 2, 0.02)
         if failed_keys:
-            keys = [int(rows[j, 0]) | int(rows[j, 1]) << 64 for j in sorted(failed_keys)]
+            keys: list[object] = [int(rows[j, 0]) | int(rows[j, 1]) << 64
+                                  for j in sorted(failed_keys)]
             raise PutError(f"{len(keys)} of {n} values not stored ({'; '.join(reasons)})",
                            keys)
 
@@ -453,7 +476,7 @@ class Client(Closeable):
         :class:`PutError` (the keys it names keep their old values)."""
         rows = key_rows(keys)
         views = [memoryview(v).cast("B") if not isinstance(v, np.ndarray) else
-                 memoryview(np.ascontiguousarray(v).reshape(-1).view(np.uint8))
+                 memoryview(np.ascontiguousarray(v).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
                  for v in values]
         if len(views) != rows.shape[0]:
             raise InvalidArgumentError(f"{rows.shape[0]} keys but {len(views)} values")
@@ -515,10 +538,8 @@ class Client(Closeable):
         n = rows.shape[0]
         if reply.lease_id:
             self._release.append(reply.lease_id)
-        return (reply, _where(reply, n), column(reply.lengths, "<i8", n, "lengths")
-                if reply.lease_id else np.zeros(n, dtype=np.int64),
-                column(reply.checksums, "<u8", n, "checksums") if reply.lease_id
-                else np.zeros(n, dtype=np.uint64), started + reply.lease_s)
+        return (reply, _where(reply, n), column(reply.lengths, "<i8", n, "lengths"),
+                column(reply.checksums, "<u8", n, "checksums"), started + reply.lease_s)
 
     def _get(self, rows: U64, dest: I64 | None, caps: I64 | None, verify: bool
              ) -> tuple[I64, I64]:
@@ -526,7 +547,7 @@ class Client(Closeable):
         with ``dest`` None, into staging. Returns (lengths, -1 where missing; the
         staging offsets used)."""
         n = rows.shape[0]
-        for attempt in range(2):
+        for _attempt in range(2):
             _, where, lengths, checks, lease_end = self._locate(rows)
             found = where.status == Status.OK
             out = np.where(found, lengths, -1)

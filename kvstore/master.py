@@ -75,7 +75,6 @@ from kvstore.protocol import (
     Op,
     Status,
     column,
-    pack,
 )
 from kvstore.space import Space
 from transfer_engine.closeable import Closeable
@@ -323,13 +322,13 @@ class Master(Closeable):
         hit = rows[found]
         self.counters["gets"] += keys.shape[0]
         self.counters["hits"] += int(hit.size)
-        if hit.size == 0:
-            return KvLocated(status=status.tobytes(), replicas=self.max_replicas)
-        np.add.at(t.leases, hit, 1)
-        lease = next(self._lease_ids)
-        expiry = self._clock() + self.lease_s
-        self._leases[lease] = (expiry, hit)
-        heapq.heappush(self._lease_heap, (expiry, lease))
+        lease = 0
+        if hit.size:
+            np.add.at(t.leases, hit, 1)
+            lease = next(self._lease_ids)
+            expiry = self._clock() + self.lease_s
+            self._leases[lease] = (expiry, hit)
+            heapq.heappush(self._lease_heap, (expiry, lease))
         pools = np.full((keys.shape[0], self.max_replicas), -1, dtype=np.int32)
         offsets = np.zeros((keys.shape[0], self.max_replicas), dtype=np.int64)
         pools[found] = t.pool[hit]

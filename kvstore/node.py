@@ -234,6 +234,7 @@ class StorageNode(Closeable):
             entries["checksum"] = np.array(cols[5], dtype=np.uint64)
             entries["version"] = np.array(cols[6], dtype=np.uint64)
         parts = max(1, -(-entries.size // _PART))
+        welcome: KvNodeWelcome | None = None
         for part in range(parts):
             chunk = entries[part * _PART:(part + 1) * _PART]
             self._send(KvNode(name=self.name, incarnation=self.incarnation, epoch=self.epoch,
@@ -246,12 +247,14 @@ class StorageNode(Closeable):
                 if msg is None:
                     return False
                 if isinstance(msg, KvNodeWelcome):
+                    welcome = msg
                     break
-        self.epoch = msg.epoch
-        self.interval = msg.interval
+        assert welcome is not None
+        self.epoch = welcome.epoch
+        self.interval = welcome.interval
         self.applied = 0
         self._registered.set()
-        log.info("node %s: registered with master %s (%d objects)", self.name, msg.epoch,
+        log.info("node %s: registered with master %s (%d objects)", self.name, self.epoch,
                  entries.size)
         return True
 

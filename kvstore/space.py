@@ -77,7 +77,8 @@ class Space:
     def round(self, size: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """``size`` rounded up to the allocation unit (at least one unit)."""
         a = self.align
-        return np.maximum((size + a - 1) & ~np.int64(a - 1), a)
+        out: npt.NDArray[np.int64] = np.maximum((size + a - 1) & ~np.int64(a - 1), a)
+        return out
 
     def unit(self, size: int) -> int:
         a = self.align
