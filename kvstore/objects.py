@@ -156,6 +156,9 @@ class ObjectTable:
         except CapacityError:  # displacement failed: a bigger table always has room
             self._rebuild(2 * (len(self.index) + rows.size))
             old = self.index.insert(keys, rows)
+        # a new object gets its second chance like a used one: KV blocks just computed
+        # are the likeliest to be asked for next (the next turn of the conversation)
+        self.index.lookup(keys, touch=True)
         self.state[rows] = State.LIVE
         dl = self.deadline[rows]
         for r, d in zip(rows[np.isfinite(dl)].tolist(), dl[np.isfinite(dl)].tolist(),
