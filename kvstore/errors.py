@@ -59,3 +59,37 @@ class CapacityError(StoreError):
 
 class StoreClosedError(StoreError):
     """The store was closed; its memory is released. Nothing was done."""
+
+
+class MasterUnavailableError(StoreError):
+    """The store's master did not answer in time (down, restarting or unreachable).
+
+    Nothing is known about the request's effect: a put's space may have been allocated
+    (it is reclaimed when the put's deadline passes), a get holds no lease."""
+
+
+class PutError(StoreError):
+    """Some values of a put could not be stored: no replica could be written, or the
+    master refused the commit (it restarted, or the put's deadline passed).
+
+    ``keys`` lists them. Those keys keep whatever they held before the put (a reader
+    never sees a half-written value); the other keys of the batch are stored."""
+
+    def __init__(self, message: str, keys: list[object] | None = None) -> None:
+        super().__init__(message)
+        self.keys = keys or []
+
+
+class ObjectUnavailableError(StoreError):
+    """A key is stored but none of its replicas could be read (their nodes were lost,
+    or every copy failed its checksum). ``key`` names it, ``reasons`` says what each
+    replica did.
+
+    A ``get_into`` destination may hold any bytes of a failed read; ``get`` returns
+    nothing. No wrong bytes are ever returned as a value."""
+
+    def __init__(self, message: str, key: object = None, reasons: list[str] | None = None
+                 ) -> None:
+        super().__init__(message)
+        self.key = key
+        self.reasons = reasons or []

@@ -8,7 +8,12 @@ request's blocks into the blocks the decode worker allocated, and the decode wor
 notified once every byte landed, checks them against a digest carried in the
 notification. Runs once over the same-host path and once over TCP.
 
-    python3 scripts/demo.py [--layers 8] [--blocks 64]
+Then the KV store: an embedded master and a storage node (in-process), a first request
+whose KV blocks are put under their chained block hashes, and a second request sharing
+its prefix that finds how much of its prompt is stored (``longest_prefix``) and loads
+those blocks from the node, checked byte for byte against the first request's.
+
+    python3 scripts/demo.py [--layers 8] [--blocks 64] [--store-only]
 """
 
 from __future__ import annotations
@@ -148,6 +153,54 @@ def run_pair(layers: int, blocks: int, transports: str, registry: str) -> None:
         proc.stdout.close()
 
 
+def store_demo(layers: int, blocks: int) -> None:
+    """Request 1 puts its KV blocks into the store; request 2 loads its shared prefix."""
+    from kvstore import block_hashes
+    from kvstore.client import Client
+    from kvstore.master import Master
+    from kvstore.node import StorageNode
+
+    cache = make_cache(layers, seed=3)
+    block_bytes = sum(n for t in cache[:1] for _, n in block_spans(t, 0)) * layers
+
+    def kv_of(block: int) -> bytes:
+        """One block's K and V of every layer, as the store keeps it."""
+        parts = []
+        for t in cache:
+            raw = as_bytes(t)
+            parts += [raw[off:off + n].tobytes() for off, n in block_spans(t, block)]
+        return b"".join(parts)
+
+    rng = np.random.default_rng(4)
+    prompt1 = rng.integers(0, 32000, blocks * BLOCK_SIZE)
+    shared = blocks // 2
+    prompt2 = np.concatenate((prompt1[:shared * BLOCK_SIZE],
+                              rng.integers(0, 32000, (blocks - shared) * BLOCK_SIZE)))
+    keys1, keys2 = block_hashes(prompt1, BLOCK_SIZE), block_hashes(prompt2, BLOCK_SIZE)
+    capacity = max(64 << 20, 2 * blocks * block_bytes)
+    with Master("tcp://127.0.0.1:0") as master, \
+            StorageNode(master.endpoint, capacity, name="store-0") as node, \
+            Client(master.endpoint, checksum=True) as client:
+        master.wait_nodes(1)
+        kv1 = [kv_of(b) for b in range(blocks)]  # request 1's blocks 0..n-1
+        start = time.perf_counter()
+        client.batch_put(keys1, kv1)
+        put_s = time.perf_counter() - start
+        start = time.perf_counter()
+        hit = client.longest_prefix(keys2)
+        loaded = client.batch_get(keys2[:hit], verify=True)
+        get_s = time.perf_counter() - start
+        ok = hit == shared and loaded == kv1[:hit]
+        nbytes = hit * block_bytes
+        print(f"store at {master.endpoint} (in-process, node {node.name!r}): request 1 put "
+              f"{blocks} blocks ({blocks * block_bytes / 2**20:.1f} MiB) in "
+              f"{put_s * 1e3:.1f} ms; request 2 found {hit} of {len(keys2)} blocks stored "
+              f"and loaded {nbytes / 2**20:.1f} MiB in {get_s * 1e3:.1f} ms; bytes "
+              f"checked: {'yes' if ok else 'NO'}")
+        if not ok:
+            raise SystemExit("the store returned other bytes than were put")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--role", choices=["prefill", "decode"], default="prefill")
@@ -155,9 +208,13 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=64, help="blocks of the request")
     parser.add_argument("--transports", default="shm,tcp")
     parser.add_argument("--registry", help="registry endpoint (default: start one here)")
+    parser.add_argument("--store-only", action="store_true", help="only the KV store part")
     args = parser.parse_args()
     if args.role == "decode":
         decode_worker(args.layers, args.transports, args.registry)
+        return
+    if args.store_only:
+        store_demo(args.layers, args.blocks)
         return
     with Registry("tcp://127.0.0.1:0") as registry:
         print(f"registry at {registry.endpoint} (in-process); prefill -> decode, KV cache "
@@ -165,6 +222,7 @@ def main() -> None:
               f"{args.blocks} scattered blocks per layer:")
         run_pair(args.layers, args.blocks, "shm,tcp", registry.endpoint)
         run_pair(args.layers, args.blocks, "tcp", registry.endpoint)
+    store_demo(args.layers, args.blocks)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,241 @@
+"""Cluster store throughput and latency, with Redis (and Mooncake Store) in the same run.
+
+    python -m bench.store_bench --value-size 1048576 --batch 16 --json results/store_1m.json
+
+Starts a master and ``--nodes`` storage nodes as separate processes on loopback, and a
+client here that puts and gets batches of ``--batch`` values of ``--value-size`` bytes
+with the zero-copy calls (``put_from`` / ``get_into`` on registered buffers: one master
+round trip to place or locate a batch, one engine WRITE/READ per node, one round trip to
+commit a put). Then, in the same run, a real Redis or Valkey server from the distribution
+(pipelined SET / GET of the same batches; ``apt-get install redis-server`` and
+``pip install redis`` when missing), and Mooncake Store when its wheel is importable.
+Finally the master's memory per object: RSS growth while ``--rss-objects`` small objects
+are stored, scaled to a million.
+
+JSON: ``value_size``, ``batch``, ``put_gbps``, ``get_gbps``, ``get_p50_us``,
+``get_p99_us`` (per batch), ``redis_put_gbps``, ``redis_get_gbps``, ``mooncake_put_gbps``,
+``mooncake_get_gbps`` (null when absent), ``master_rss_mb_per_million_objects``, and the
+ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from bench.baselines import Child
+from bench.stats import fill_random, percentile
+
+__all__ = ["main"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _timed(run: Callable[[int], None], duration: float) -> tuple[int, list[float]]:
+    """Calls ``run(i)`` for ``duration`` seconds; returns calls and their latencies."""
+    lat: list[float] = []
+    end = time.perf_counter() + duration
+    i = 0
+    while True:
+        t0 = time.perf_counter()
+        run(i)
+        lat.append(time.perf_counter() - t0)
+        i += 1
+        if t0 + lat[-1] >= end:
+            return i, lat
+
+
+def bench_store(args: argparse.Namespace, src: np.ndarray, dst: np.ndarray
+                ) -> dict[str, Any]:
+    from kvstore.client import Client
+
+    port = _free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    out: dict[str, Any] = {}
+    size, batch = args.value_size, args.batch
+    sets = max(2, min(64, (args.node_capacity * args.nodes // 3) // (size * batch)))
+    with Child(["-m", "kvstore.master", "--bind", endpoint]) as master:
+        master.expect("kvstore-master serving", 30)
+        nodes = [Child(["-m", "kvstore.node", "--master", endpoint, "--name", f"bench-n{i}",
+                        "--capacity", str(args.node_capacity)]) for i in range(args.nodes)]
+        try:
+            for node in nodes:
+                node.expect("kvstore-node", 60)
+            with Client(endpoint, replicas=args.replicas, timeout=30.0) as client:
+                client.register_buffer(src)
+                client.register_buffer(dst)
+                views = [src[i * size:(i + 1) * size] for i in range(batch)]
+                outs = [dst[i * size:(i + 1) * size] for i in range(batch)]
+
+                def put(i: int) -> None:
+                    s = i % sets
+                    client.put_from(range(s * batch, (s + 1) * batch), views)
+
+                def get(i: int) -> None:
+                    s = i % sets
+                    client.get_into(range(s * batch, (s + 1) * batch), outs)
+
+                for i in range(sets):  # every key stored once before timing
+                    put(i)
+                get(0)
+                if not np.array_equal(dst[:size * batch], src[:size * batch]):
+                    raise SystemExit("store bench: a get returned other bytes than put")
+                calls, _ = _timed(put, args.duration)
+                out["put_gbps"] = calls * batch * size / args.duration / 1e9
+                calls, lat = _timed(get, args.duration)
+                out["get_gbps"] = calls * batch * size / sum(lat) / 1e9
+                out["get_p50_us"] = percentile(lat, 50) * 1e6
+                out["get_p99_us"] = percentile(lat, 99) * 1e6
+                get(1)
+                if not np.array_equal(dst[:size * batch], src[:size * batch]):
+                    raise SystemExit("store bench: a get returned other bytes than put")
+                client.batch_remove(range(sets * batch))
+                out["master_rss_mb_per_million_objects"] = _master_rss(
+                    client, master.proc.pid, args.rss_objects)
+        finally:
+            for node in nodes:
+                node.close()
+    return out
+
+
+def _master_rss(client: Any, pid: int, objects: int) -> float:
+    """Master RSS growth per million stored objects (64-byte values, batches of 8192)."""
+    time.sleep(0.5)
+    before = _rss_mb(pid)
+    value = os.urandom(64)
+    step = 8192
+    for start in range(0, objects, step):
+        n = min(step, objects - start)
+        client.batch_put(np.arange(1 << 40, (1 << 40) + n, dtype=np.uint64) + start,
+                         [value] * n)
+    after = _rss_mb(pid)
+    stored = client.stats()["objects"]
+    return (after - before) / max(1, stored) * 1e6
+
+
+def bench_redis(args: argparse.Namespace, src: np.ndarray) -> dict[str, Any]:
+    server = shutil.which("redis-server") or shutil.which("valkey-server")
+    try:
+        import redis  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        redis = None
+    if server is None or redis is None:
+        print("redis baseline skipped: install it with `apt-get install redis-server` and "
+              "`pip install redis`")
+        return {"redis_put_gbps": None, "redis_get_gbps": None}
+    port = _free_port()
+    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--protected-mode", "yes"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        r = redis.Redis(host="127.0.0.1", port=port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                r.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        size, batch = args.value_size, args.batch
+        values = [src[i * size:(i + 1) * size].tobytes() for i in range(batch)]
+
+        def put(i: int) -> None:
+            p = r.pipeline(transaction=False)
+            for j, v in enumerate(values):
+                p.set(f"k{j}", v)
+            p.execute()
+
+        def get(i: int) -> None:
+            p = r.pipeline(transaction=False)
+            for j in range(batch):
+                p.get(f"k{j}")
+            got = p.execute()
+            if i == 0 and got != values:
+                raise SystemExit("redis returned other bytes")
+
+        put(0)
+        calls, _ = _timed(put, args.duration)
+        put_gbps = calls * batch * size / args.duration / 1e9
+        calls, lat = _timed(get, args.duration)
+        r.close()
+        return {"redis_put_gbps": put_gbps,
+                "redis_get_gbps": calls * batch * size / sum(lat) / 1e9}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def bench_mooncake(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        import mooncake.store  # type: ignore[import-not-found]  # noqa: F401
+    except ImportError:
+        print("mooncake baseline skipped: `pip install mooncake-transfer-engine-non-cuda` "
+              "(and `apt-get install libibverbs1`) to measure Mooncake Store")
+        return {"mooncake_put_gbps": None, "mooncake_get_gbps": None}
+    print("mooncake baseline: the wheel imports, but its store needs mooncake_master and a "
+          "metadata server, which this bench does not start yet")
+    return {"mooncake_put_gbps": None, "mooncake_get_gbps": None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="store_bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--value-size", type=int, default=1 << 20)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--duration", type=float, default=3.0, help="seconds per phase")
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--node-capacity", type=int, default=512 << 20)
+    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--rss-objects", type=int, default=1_000_000)
+    ap.add_argument("--skip-redis", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    src = np.empty(args.value_size * args.batch, dtype=np.uint8)
+    fill_random(src, 7)
+    dst = np.zeros_like(src)
+    dst.fill(1)
+    result: dict[str, Any] = {"value_size": args.value_size, "batch": args.batch,
+                              "nodes": args.nodes, "replicas": args.replicas,
+                              "api": "put_from/get_into"}
+    result.update(bench_store(args, src, dst))
+    if args.skip_redis:
+        result.update({"redis_put_gbps": None, "redis_get_gbps": None})
+    else:
+        result.update(bench_redis(args, src))
+    result.update(bench_mooncake(args))
+    for other in ("redis", "mooncake"):
+        for op in ("put", "get"):
+            base = result.get(f"{other}_{op}_gbps")
+            result[f"{op}_vs_{other}"] = (result[f"{op}_gbps"] / base) if base else None
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""A storage node: an engine that lends its registered DRAM (and optionally a disk file)
+to the store.
+
+The node moves no bytes itself: clients WRITE values into its segments and READ them
+back with the engine's one-sided operations, at offsets the master hands out. What the
+node does is stay known to the master: it registers its pools, heartbeats, and applies
+the master's *journal* (commits and frees of its space) to a directory of the objects it
+holds, acknowledging each push. A restarted master learns the node's objects from that
+directory when the node registers again.
+
+In-process (tests, the demo)::
+
+    with Master() as master, StorageNode(master.endpoint, 256 << 20) as node:
+        ...
+
+As a process: ``python -m kvstore.node --master tcp://HOST:7400 --capacity 1G``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import mmap
+import os
+import signal
+import threading
+import time
+import uuid
+from contextlib import ExitStack
+from typing import Any
+
+import numpy as np
+import zmq
+
+from kvstore.errors import InvalidArgumentError
+from kvstore.protocol import (
+    ENTRY,
+    JOURNAL,
+    KvBeat,
+    KvBeatAck,
+    KvJournal,
+    KvNode,
+    KvNodeWelcome,
+    Op,
+    column,
+)
+from transfer_engine import Engine
+from transfer_engine.closeable import Closeable
+from transfer_engine.control.auth import AuthConfig, open_reply, seal
+from transfer_engine.control.messages import Message
+from transfer_engine.errors import TransferEngineError
+
+__all__ = ["StorageNode", "main"]
+
+log = logging.getLogger(__name__)
+
+_PART = 60_000  # directory entries per registration message (56 bytes each)
+
+Entry = tuple[int, int, int, int, int, int, int]  # key lo, key hi, pool, offset, len, ck, ver
+
+
+class StorageNode(Closeable):
+    """Contributes memory to the store; see the module docstring.
+
+    Parameters:
+        master: the master's endpoint.
+        capacity: bytes of DRAM to lend (one registered segment).
+        name: unique node name; default a random one.
+        engine: an engine to register the memory with (not closed by the node); default
+            one of its own, on ``host``.
+        disk_path: a file to lend as a second, slower pool (created or truncated to
+            ``disk_capacity`` bytes, memory-mapped and registered).
+        disk_capacity: bytes of the disk pool.
+        pod: placement label; the master puts replicas of one object in distinct pods
+            and zones when it can.
+        zone: placement label, as ``pod``.
+        auth: control-message signing, as for the engine and the master.
+        prefault: touch every DRAM page now, so the first writes run at memory speed.
+        timeout: seconds to wait for the master's answer to a registration.
+    """
+
+    def __init__(self, master: str, capacity: int, *, name: str | None = None,
+                 engine: Engine | None = None, host: str = "127.0.0.1",
+                 disk_path: str | None = None, disk_capacity: int = 0, pod: str = "",
+                 zone: str = "", auth: AuthConfig | str | bytes | None = None,
+                 prefault: bool = True, timeout: float = 5.0) -> None:
+        self._closed = True
+        if capacity <= 0:
+            raise InvalidArgumentError(f"capacity must be > 0 bytes, not {capacity}")
+        if not isinstance(auth, AuthConfig):
+            auth = AuthConfig(secret=auth) if auth is not None else AuthConfig.from_env()
+        self.name = name or f"kvnode-{uuid.uuid4().hex[:8]}"
+        self.master = master
+        self.incarnation = uuid.uuid4().hex[:16]
+        self.timeout = timeout
+        self._signer = auth.signer()
+        self._stack = ExitStack()
+        try:
+            if engine is None:
+                engine = self._stack.enter_context(
+                    Engine(self.name, host=host, role="store", pod=pod, zone=zone, auth=auth))
+            self.engine = engine
+            self.pod, self.zone = pod, zone
+            dram = np.empty(capacity, dtype=np.uint8)
+            if prefault:
+                dram.fill(0)
+            self.dram = dram
+            self._pools: list[list[Any]] = []
+            seg = self._stack.enter_context(engine.register(dram, name=f"{self.name}/dram"))
+            self._pools.append([seg.name, capacity, "dram"])
+            if disk_path is not None:
+                if disk_capacity <= 0:
+                    raise InvalidArgumentError("a disk pool needs disk_capacity > 0")
+                fd = os.open(disk_path, os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    os.ftruncate(fd, disk_capacity)
+                    disk = mmap.mmap(fd, disk_capacity)
+                finally:
+                    os.close(fd)
+                self._stack.callback(disk.close)
+                seg = self._stack.enter_context(engine.register(disk, name=f"{self.name}/disk"))
+                self._pools.append([seg.name, disk_capacity, "disk"])
+            self.directory: dict[tuple[int, int], Entry] = {}
+            self.epoch = ""  # of the master we serve
+            self.applied = 0  # last journal seq applied
+            self.interval = 0.5
+            self._lock = threading.Lock()
+            self._registered = threading.Event()
+            self._zctx: zmq.Context[Any] = zmq.Context()
+            self._stack.callback(self._zctx.term)
+            self._sock = self._open()
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name=f"te-kv-node-{self.name}")
+        except BaseException:
+            self._stack.close()
+            raise
+        self._closed = False
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        state = "CLOSED" if self._closed else ("REGISTERED" if self._registered.is_set()
+                                               else "JOINING")
+        return f"<StorageNode {self.name!r} objects={len(self.directory)} {state}>"
+
+    @property
+    def endpoint(self) -> str:
+        return self.engine.endpoint
+
+    def close(self) -> None:
+        """Stops heartbeating (the master drops the node after its silence) and releases
+        the memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._thread.join(10)
+        self._sock.close(linger=0)
+        self._stack.close()
+
+    def wait_registered(self, timeout: float = 10.0) -> bool:
+        return self._registered.wait(timeout)
+
+    # -- the master link ---------------------------------------------------------------
+
+    def _open(self) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = self._zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 8 << 20)
+        sock.connect(self.master)
+        return sock
+
+    def _reset(self) -> None:
+        """A fresh socket: nothing queued for a master that is gone reaches the next."""
+        self._sock.close(linger=0)
+        self._sock = self._open()
+
+    def _send(self, msg: Message) -> None:
+        self._sock.send(seal(msg, self._signer))
+
+    def _recv(self, timeout: float) -> Message | None:
+        if not self._sock.poll(max(0, int(timeout * 1000)), zmq.POLLIN):
+            return None
+        frame = self._sock.recv()
+        try:
+            return open_reply(frame, self._signer, peer="kvstore-master")
+        except TransferEngineError as exc:
+            log.warning("node %s: bad message from the master: %s", self.name, exc)
+            return None
+
+    def _run(self) -> None:
+        next_beat = 0.0
+        while not self._stop.is_set():
+            try:
+                if not self._registered.is_set():
+                    if not self._register():
+                        self._reset()
+                        self._stop.wait(min(self.interval, 0.2))
+                        continue
+                    next_beat = time.monotonic() + self.interval
+                msg = self._recv(max(0.0, next_beat - time.monotonic()))
+                if isinstance(msg, KvJournal):
+                    self._journal(msg)
+                elif isinstance(msg, KvBeatAck) and not msg.known:
+                    log.info("node %s: the master does not know us: registering", self.name)
+                    self._registered.clear()
+                if time.monotonic() >= next_beat:
+                    self._beat()
+                    next_beat = time.monotonic() + self.interval
+            except zmq.ZMQError as exc:
+                if self._stop.is_set():
+                    break
+                log.warning("node %s: %s", self.name, exc)
+                self._reset()
+            except Exception:
+                log.exception("node %s loop", self.name)
+                self._stop.wait(0.1)
+
+    def _beat(self) -> None:
+        self._send(KvBeat(name=self.name, incarnation=self.incarnation, epoch=self.epoch,
+                          acked=self.applied))
+
+    def _register(self) -> bool:
+        """Sends our pools and directory; True once the master welcomed the last part."""
+        with self._lock:
+            rows = list(self.directory.values())
+        entries = np.zeros(len(rows), dtype=ENTRY)
+        if rows:
+            cols = list(zip(*rows, strict=True))
+            entries["key"][:, 0] = np.array(cols[0], dtype=np.uint64)
+            entries["key"][:, 1] = np.array(cols[1], dtype=np.uint64)
+            for name, col in zip(("pool", "offset", "length"), cols[2:5], strict=True):
+                entries[name] = np.array(col, dtype=np.int64)
+            entries["checksum"] = np.array(cols[5], dtype=np.uint64)
+            entries["version"] = np.array(cols[6], dtype=np.uint64)
+        parts = max(1, -(-entries.size // _PART))
+        welcome: KvNodeWelcome | None = None
+        for part in range(parts):
+            chunk = entries[part * _PART:(part + 1) * _PART]
+            self._send(KvNode(name=self.name, incarnation=self.incarnation, epoch=self.epoch,
+                              control=self.engine.endpoint, pod=self.pod, zone=self.zone,
+                              pools=self._pools, part=part, last=part == parts - 1,
+                              entries=chunk.tobytes()))
+            deadline = time.monotonic() + self.timeout
+            while True:
+                msg = self._recv(deadline - time.monotonic())
+                if msg is None:
+                    return False
+                if isinstance(msg, KvNodeWelcome):
+                    welcome = msg
+                    break
+        assert welcome is not None
+        self.epoch = welcome.epoch
+        self.interval = welcome.interval
+        self.applied = 0
+        self._registered.set()
+        log.info("node %s: registered with master %s (%d objects)", self.name, self.epoch,
+                 entries.size)
+        return True
+
+    def _journal(self, msg: KvJournal) -> None:
+        if msg.epoch != self.epoch:
+            return
+        if msg.seq == self.applied + 1:
+            ops = column(msg.ops, JOURNAL, None, "ops")
+            with self._lock:
+                d = self.directory
+                for op, ((k0, k1), pool, off, length, ck, ver) in ops.tolist():
+                    if op == Op.COMMIT:
+                        d[(pool, off)] = (k0, k1, pool, off, length, ck, ver)
+                    elif op == Op.FREE:
+                        d.pop((pool, off), None)
+            self.applied = msg.seq
+        if msg.seq <= self.applied:
+            self._beat()  # acknowledge at once: the master reuses freed space only then
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    text = text.strip().lower().rstrip("b").rstrip("i")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kvstore.node``: serves until SIGINT or SIGTERM."""
+    ap = argparse.ArgumentParser(prog="kvstore-node", description=__doc__.split("\n")[0])
+    ap.add_argument("--master", required=True)
+    ap.add_argument("--capacity", default="256M", help="DRAM to lend, e.g. 1G")
+    ap.add_argument("--name", default=None)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--disk", default=None, help="a file to lend as a disk pool")
+    ap.add_argument("--disk-capacity", default="0")
+    ap.add_argument("--pod", default="")
+    ap.add_argument("--zone", default="")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    with StorageNode(args.master, _size(args.capacity), name=args.name, host=args.host,
+                     disk_path=args.disk, disk_capacity=_size(args.disk_capacity),
+                     pod=args.pod, zone=args.zone) as node:
+        node.wait_registered(30)
+        print(f"kvstore-node {node.name} serving {node.endpoint}", flush=True)
+        stop.wait()
+
+
+if __name__ == "__main__":
+    main()

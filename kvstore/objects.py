@@ -1,0 +1,221 @@
+"""The master's object table: one row per object version, columns in NumPy.
+
+A row (a *record*) holds a key (two ``uint64`` words), the value's length, checksum and
+version, its state, how many leases hold it, its TTL deadline, and up to ``max_replicas``
+placements ``(pool, offset)``. Rows live in arrays that double when full, so a million
+objects cost about 110 bytes each here (no Python object per object). Committed rows are
+found through the same partial-key cuckoo index as the local store
+(:class:`kvstore.index.CuckooIndex`, confirming candidates against the key column), and
+are evicted with the same CLOCK (:class:`kvstore.ttl.ClockReclaimer`) and expired with
+the same time layers (:class:`kvstore.ttl.ExpiryLayers`).
+
+States: FREE (row unused), PENDING (space allocated, bytes being written, not in the
+index), LIVE (committed, in the index), RETIRED (removed, overwritten, evicted or expired
+while a lease held it: out of the index, its space kept until the last lease ends).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import numpy as np
+import numpy.typing as npt
+
+from kvstore.errors import CapacityError
+from kvstore.index import CuckooIndex
+from kvstore.ttl import ClockReclaimer, ExpiryLayers
+
+__all__ = ["ObjectTable", "State"]
+
+I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
+
+
+class State(enum.IntEnum):
+    FREE = 0
+    PENDING = 1
+    LIVE = 2
+    RETIRED = 3
+
+
+class ObjectTable:
+    """Rows of object metadata; see the module docstring.
+
+    Parameters:
+        max_replicas: placements a row can hold.
+        initial: rows allocated up front (the table doubles as needed).
+        ttl_granularity: width in seconds of an expiry layer.
+    """
+
+    def __init__(self, *, max_replicas: int = 4, initial: int = 1024,
+                 ttl_granularity: float = 1.0) -> None:
+        self.max_replicas = max_replicas
+        self.capacity = 0
+        self.keys = np.zeros((0, 2), dtype=np.uint64)
+        self.length = np.zeros(0, dtype=np.int64)
+        self.checksum = np.zeros(0, dtype=np.uint64)
+        self.version = np.zeros(0, dtype=np.uint64)
+        self.state = np.zeros(0, dtype=np.uint8)
+        self.leases = np.zeros(0, dtype=np.int32)
+        self.deadline = np.zeros(0, dtype=np.float64)
+        self.nrep = np.zeros(0, dtype=np.uint8)
+        self.pool = np.zeros((0, max_replicas), dtype=np.int32)
+        self.offset = np.zeros((0, max_replicas), dtype=np.int64)
+        self._free = np.zeros(0, dtype=np.int64)  # stack of free row ids
+        self._nfree = 0
+        self.expiry = ExpiryLayers(ttl_granularity)
+        self._grow(initial)
+        self.index = CuckooIndex.for_capacity(initial, self._keys_at, key_words=2)
+        self.clock = ClockReclaimer(self.index)
+
+    def __len__(self) -> int:
+        """Live (committed, findable) objects."""
+        return len(self.index)
+
+    @property
+    def rows_in_use(self) -> int:
+        return self.capacity - self._nfree
+
+    def _keys_at(self, rows: I64) -> U64:
+        return self.keys[rows]
+
+    def _grow(self, want: int) -> None:
+        old = self.capacity
+        new = max(want, 2 * old, 1024)
+
+        def grown(arr: np.ndarray, fill: int | float = 0) -> np.ndarray:
+            out = np.full((new, *arr.shape[1:]), fill, dtype=arr.dtype) if fill else \
+                np.zeros((new, *arr.shape[1:]), dtype=arr.dtype)
+            out[:old] = arr
+            return out
+
+        self.keys = grown(self.keys)
+        self.length = grown(self.length)
+        self.checksum = grown(self.checksum)
+        self.version = grown(self.version)
+        self.state = grown(self.state)
+        self.leases = grown(self.leases)
+        self.deadline = grown(self.deadline)
+        self.nrep = grown(self.nrep)
+        self.pool = grown(self.pool, -1)
+        self.offset = grown(self.offset)
+        free = np.zeros(new, dtype=np.int64)
+        free[: self._nfree] = self._free[: self._nfree]
+        # new rows pushed so that the lowest ids are popped first
+        added = np.arange(new - 1, old - 1, -1, dtype=np.int64)
+        free[self._nfree : self._nfree + added.size] = added
+        self._free = free
+        self._nfree += added.size
+        self.capacity = new
+
+    # -- rows --------------------------------------------------------------------------
+
+    def new_rows(self, n: int) -> I64:
+        """``n`` unused rows, reset (state still FREE: the caller sets it)."""
+        if n > self._nfree:
+            self._grow(self.capacity + n)
+        rows = self._free[self._nfree - n : self._nfree][::-1].copy()
+        self._nfree -= n
+        self.leases[rows] = 0
+        self.nrep[rows] = 0
+        self.pool[rows] = -1
+        self.deadline[rows] = math.inf
+        self.checksum[rows] = 0
+        return rows
+
+    def drop_rows(self, rows: I64) -> None:
+        """Returns rows to the free stack (they must be out of the index)."""
+        if rows.size == 0:
+            return
+        self.state[rows] = State.FREE
+        self.pool[rows] = -1
+        self.nrep[rows] = 0
+        self._free[self._nfree : self._nfree + rows.size] = rows
+        self._nfree += rows.size
+
+    def replicas(self, row: int) -> list[tuple[int, int]]:
+        n = int(self.nrep[row])
+        return list(zip(self.pool[row, :n].tolist(), self.offset[row, :n].tolist(),
+                        strict=True))
+
+    # -- the index ---------------------------------------------------------------------
+
+    def lookup(self, keys: U64, *, touch: bool = True) -> I64:
+        """Row of each key's LIVE object, -1 where none."""
+        return self.index.lookup(keys, touch=touch)
+
+    def publish(self, rows: I64) -> I64:
+        """Makes ``rows`` (distinct keys) the LIVE objects of their keys; returns the rows
+        they replace (-1 where none). Schedules their TTLs."""
+        keys = self.keys[rows]
+        if len(self.index) + rows.size > 0.9 * self.index.slots:
+            self._rebuild(len(self.index) + rows.size)
+        try:
+            old = self.index.insert(keys, rows)
+        except CapacityError:  # displacement failed: a bigger table always has room
+            self._rebuild(2 * (len(self.index) + rows.size))
+            old = self.index.insert(keys, rows)
+        # a new object gets its second chance like a used one: KV blocks just computed
+        # are the likeliest to be asked for next (the next turn of the conversation)
+        self.index.lookup(keys, touch=True)
+        self.state[rows] = State.LIVE
+        dl = self.deadline[rows]
+        for r, d in zip(rows[np.isfinite(dl)].tolist(), dl[np.isfinite(dl)].tolist(),
+                        strict=True):
+            self.expiry.add(r, d)
+        return old
+
+    def unpublish(self, keys: U64) -> I64:
+        """Removes the keys' LIVE objects from the index; returns their rows (-1: none).
+        The caller retires them."""
+        return self.index.delete(keys)
+
+    def unpublish_rows(self, rows: I64) -> None:
+        """Removes LIVE ``rows`` from the index."""
+        if rows.size:
+            self.index.delete(self.keys[rows])
+
+    def _rebuild(self, entries: int) -> None:
+        pos, rows = self.index.entries()
+        index = CuckooIndex.for_capacity(max(2 * entries, 1024), self._keys_at, key_words=2)
+        if rows.size:
+            index.insert(self.keys[rows], rows)
+        self.index = index
+        self.clock = ClockReclaimer(index)
+
+    def victims(self, count: int) -> I64:
+        """Up to ``count`` LIVE rows chosen by CLOCK, removed from the index."""
+        if count <= 0 or len(self.index) == 0:
+            return np.zeros(0, dtype=np.int64)
+        pos = self.clock.select(count)
+        if pos.size == 0:
+            pos = self.clock.select(count)  # reference bits are clear after a full turn
+        if pos.size == 0:
+            pos, _ = self.index.entries()
+            pos = pos[:count]
+        return self.index.delete_at(pos)
+
+    def expired(self, now: float) -> I64:
+        """LIVE rows whose TTL passed, removed from the index."""
+        due = self.expiry.pop_due(now)
+        if not due:
+            return np.zeros(0, dtype=np.int64)
+        rows = np.array([r for r, _ in due], dtype=np.int64)
+        dls = np.array([d for _, d in due], dtype=np.float64)
+        ok = (self.state[rows] == State.LIVE) & (self.deadline[rows] == dls)
+        rows = np.unique(rows[ok])
+        if rows.size:
+            # a row reused since holds another key; only rows still in the index count
+            found = self.index.lookup(self.keys[rows], touch=False)
+            rows = rows[found == rows]
+            self.unpublish_rows(rows)
+        return rows
+
+    def nbytes(self) -> int:
+        """Bytes held by the columns and the index (what a million objects cost)."""
+        cols = (self.keys, self.length, self.checksum, self.version, self.state,
+                self.leases, self.deadline, self.nrep, self.pool, self.offset, self._free)
+        idx = self.index
+        return int(sum(c.nbytes for c in cols) + idx.locs.nbytes + idx.ref.nbytes
+                   + idx.num_buckets * 16)

@@ -1,0 +1,284 @@
+"""The cluster store end to end: a real master, real nodes (threads and processes), real
+engines moving random bytes, checked byte for byte."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import zmq
+
+from kvstore import block_hashes
+from kvstore.client import Client, key_rows
+from kvstore.errors import (
+    InvalidArgumentError,
+    MasterUnavailableError,
+    ObjectUnavailableError,
+    PutError,
+    StoreError,
+)
+from kvstore.master import Master
+from kvstore.node import StorageNode
+from kvstore.protocol import KvGet
+from tests.kvstore.cluster_helpers import NodeProcess
+from tests.registry_helpers import free_port
+from transfer_engine.errors import AuthenticationError
+
+SECRET = "kvstore-test-secret-0123456789"
+
+
+def _values(rng: np.random.Generator, n: int, top: int = 20000) -> list[bytes]:
+    return [rng.integers(0, 256, int(rng.integers(1, top)), dtype=np.uint8).tobytes()
+            for _ in range(n)]
+
+
+@pytest.fixture
+def cluster() -> Iterator[tuple[Master, list[StorageNode]]]:
+    with Master(lease_s=2.0, put_timeout_s=3.0, node_interval=0.1) as master:
+        nodes = [StorageNode(master.endpoint, 8 << 20, name=f"n{i}", zone=f"z{i}")
+                 for i in range(3)]
+        try:
+            master.wait_nodes(3)
+            yield master, nodes
+        finally:
+            for node in nodes:
+                node.close()
+
+
+def test_put_get_replicas_exists_prefix_remove(cluster: tuple[Master, list[StorageNode]]
+                                               ) -> None:
+    master, nodes = cluster
+    rng = np.random.default_rng(1)
+    keys = [int(k) for k in rng.integers(0, 2**63, 40)]
+    vals = _values(rng, 40)
+    with Client(master.endpoint, replicas=2, checksum=True) as client:
+        client.batch_put(keys, vals)
+        assert client.batch_get(keys, verify=True) == vals
+        assert client.get("absent") is None and not client.exists(12345)
+        client.put("a string key", b"mooncake style")
+        assert client.get("a string key") == b"mooncake style"
+        stats = client.stats()
+        assert stats["objects"] == 41
+        # every object sits on two distinct nodes: the directories hold 2 x 41 entries
+        time.sleep(0.3)
+        assert sum(len(n.directory) for n in nodes) == 82
+        # a chain of block hashes: the stored prefix is found in one request
+        chain = block_hashes(np.arange(16 * 10), 16)
+        client.batch_put(chain[:6], [b"x" * 10] * 6)
+        assert client.longest_prefix(chain) == 6
+        assert client.longest_prefix(chain[6:]) == 0
+        assert client.batch_remove(keys[:10]).all() and not client.remove(keys[0])
+        assert client.batch_get(keys[:12]) == [None] * 10 + vals[10:12]
+        with pytest.raises(InvalidArgumentError):
+            client.batch_put([1, 1], [b"a", b"b"])
+
+
+def test_zero_copy_and_overwrite(cluster: tuple[Master, list[StorageNode]]) -> None:
+    master, _ = cluster
+    rng = np.random.default_rng(2)
+    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.zeros(2 << 20, dtype=np.uint8)
+    with Client(master.endpoint) as client:
+        with client.register_buffer(src), client.register_buffer(dst):
+            client.put_from([10, 11, 12], [src[:4096], src[4096:70000], src[70000:]])
+            got = client.get_into([12, 10, 99], [dst[:1 << 20], dst[1 << 20:(1 << 20) + 4096],
+                                                 dst[-10:]])
+            assert got == [(1 << 20) - 70000, 4096, None]
+            assert np.array_equal(dst[:(1 << 20) - 70000], src[70000:])
+            assert np.array_equal(dst[1 << 20:(1 << 20) + 4096], src[:4096])
+            with pytest.raises(InvalidArgumentError):
+                client.get_into([11], [dst[:100]])  # too small for the value
+            with pytest.raises(InvalidArgumentError):
+                client.put_from([13], [np.zeros(10, dtype=np.uint8)])  # not registered
+        client.put(10, b"new")
+        assert client.get(10) == b"new"
+        client.put(10, b"newer", if_absent=True)
+        assert client.get(10) == b"new"
+
+
+def test_eviction_keeps_puts_going(cluster: tuple[Master, list[StorageNode]]) -> None:
+    master, nodes = cluster
+    rng = np.random.default_rng(3)
+    with Client(master.endpoint) as client:
+        written: dict[int, bytes] = {}
+        for batch in range(12):  # 12 x 16 x 256 KiB = 48 MiB through 24 MiB of pools
+            vals = [rng.integers(0, 256, 256 << 10, dtype=np.uint8).tobytes()
+                    for _ in range(16)]
+            keys = list(range(batch * 16, batch * 16 + 16))
+            client.batch_put(keys, vals)
+            written.update(zip(keys, vals, strict=True))
+        got = client.batch_get(list(written))
+        assert sum(v is not None for v in got) > 16
+        for k, v in zip(written, got, strict=True):
+            assert v is None or v == written[k]
+        assert client.batch_get(list(range(176, 192))) == [written[k] for k in range(176, 192)]
+        assert master.stats()["evictions"] > 0
+        # the nodes' directories agree with the master once the journal settled
+        time.sleep(0.3)
+        assert sum(len(n.directory) for n in nodes) == master.stats()["objects"]
+
+
+def test_lease_holds_space_until_released(cluster: tuple[Master, list[StorageNode]]) -> None:
+    master, _ = cluster
+    with Client(master.endpoint) as client:
+        client.put(1, os.urandom(1 << 20))
+        with client._lock:  # take a lease the way a get does, and keep it
+            reply = client._link.request(KvGet(keys=key_rows([1]).tobytes()), 5.0)
+        where = master.table
+        row = int(where.lookup(key_rows([1]))[0])
+        leased = (int(where.pool[row, 0]), int(where.offset[row, 0]))
+        client.remove(1)
+        rng = np.random.default_rng(4)
+        for i in range(30):  # churn far more than the pools hold
+            client.batch_put(range(100 + 8 * i, 108 + 8 * i),
+                             [rng.bytes(256 << 10) for _ in range(8)])
+        t = master.table
+        live = t.state[: t.capacity] != 0
+        used = set(zip(t.pool[: t.capacity][live, 0].tolist(),
+                       t.offset[: t.capacity][live, 0].tolist(), strict=True))
+        assert leased not in used or int(t.leases[row]) > 0
+        assert master.stats()["leases"] >= 1
+        client._release.append(reply.lease_id)  # type: ignore[attr-defined]
+        client.exists(0)
+        assert master.stats()["leases"] == 0
+
+
+def test_readers_race_overwrites_byte_exact(cluster: tuple[Master, list[StorageNode]]) -> None:
+    master, _ = cluster
+    rng = np.random.default_rng(5)
+    versions = [rng.bytes(int(rng.integers(1000, 200000))) for _ in range(30)]
+    allowed = set(versions)
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        with Client(master.endpoint) as c:
+            deadline = time.monotonic() + 20
+            while not stop.is_set() and time.monotonic() < deadline:
+                for v in c.batch_get(["k0", "k1"]):
+                    if v is not None and v not in allowed:
+                        errors.append(f"read {len(v)} bytes never written")
+
+    with Client(master.endpoint, replicas=2) as writer:
+        threads = [threading.Thread(target=reader) for _ in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            for i in range(120):
+                writer.batch_put(["k0", "k1"], [versions[i % 30], versions[(i * 7) % 30]])
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+    assert not errors, errors[:3]
+
+
+def test_node_killed_mid_get_reads_other_replica_or_fails_precisely() -> None:
+    rng = np.random.default_rng(6)
+    with Master(lease_s=5.0, node_interval=0.1, node_max_missed=5) as master:
+        with NodeProcess(master.endpoint, "p0", 96 << 20) as p0, \
+                NodeProcess(master.endpoint, "p1", 96 << 20) as p1:
+            master.wait_nodes(2)
+            with Client(master.endpoint, timeout=5.0) as client:
+                twice = [rng.bytes(1 << 20) for _ in range(40)]
+                client.batch_put(range(40), twice, replicas=2)
+                once = [rng.bytes(1 << 20) for _ in range(8)]
+                client.batch_put(range(100, 108), once, replicas=1)
+                placed = master.table
+                on_p0 = [k for k in range(100, 108) if placed.pool[int(placed.lookup(
+                    key_rows([k]))[0]), 0] == 0]
+                results: list[object] = []
+
+                def read() -> None:
+                    try:
+                        for _ in range(5):
+                            results.append(client.batch_get(range(40)))
+                    except StoreError as exc:
+                        results.append(exc)
+
+                t = threading.Thread(target=read)
+                t.start()
+                time.sleep(0.05)
+                p0.kill()
+                t.join(60)
+                for r in results:
+                    assert isinstance(r, list) and r == twice, "replicated values must survive"
+                assert client.batch_get(range(40)) == twice
+                if on_p0:
+                    with pytest.raises((ObjectUnavailableError,)):
+                        client.get(on_p0[0])
+                # once the master drops the node, the lost keys are plain misses
+                deadline = time.monotonic() + 10
+                while "p0" in master.stats()["nodes"] and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                got = client.batch_get(range(100, 108))
+                for k, v in zip(range(100, 108), got, strict=True):
+                    assert (v is None) if k in on_p0 else v == once[k - 100]
+                # a put with two replicas now lands on the one node left
+                client.put(500, b"after", replicas=2)
+                assert client.get(500) == b"after"
+            assert p1.proc.poll() is None
+
+
+def test_master_restart_rebuilds_from_nodes() -> None:
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    rng = np.random.default_rng(7)
+    vals = _values(rng, 50)
+    opts = dict(lease_s=0.5, put_timeout_s=1.0, grace_s=1.0, node_interval=0.1)
+    master = Master(endpoint, **opts)  # type: ignore[arg-type]
+    nodes = [StorageNode(endpoint, 8 << 20, name=f"r{i}") for i in range(2)]
+    try:
+        master.wait_nodes(2)
+        with Client(endpoint, replicas=2, checksum=True, timeout=3.0) as client:
+            client.batch_put(range(50), vals)
+            client.batch_put(range(10), vals[10:20])  # newer versions of keys 0..9
+            client.batch_remove(range(40, 50))
+            time.sleep(0.3)  # let the journal reach the nodes
+            master.close()
+            with pytest.raises(MasterUnavailableError):
+                client.get(1)
+            master = Master(endpoint, **opts)  # type: ignore[arg-type]
+            master.wait_nodes(2, ready=False)
+            assert master.stats()["objects"] == 40
+            want = vals[10:20] + vals[10:40] + [None] * 10
+            assert client.batch_get(range(50), verify=True) == want
+            with pytest.raises(PutError, match="RECOVERING"):
+                client.put(1000, b"too early")  # the grace period guards old writers
+            master.wait_nodes(2)
+            client.put(1000, b"later")
+            assert client.get(1000) == b"later"
+    finally:
+        for node in nodes:
+            node.close()
+        master.close()
+
+
+def test_authentication_and_bad_messages() -> None:
+    with Master(auth=SECRET) as master:
+        with StorageNode(master.endpoint, 4 << 20, auth=SECRET):
+            master.wait_nodes(1)
+            with Client(master.endpoint, auth=SECRET) as client:
+                client.put(1, b"signed")
+                assert client.get(1) == b"signed"
+            with Client(master.endpoint, timeout=2.0) as outsider, \
+                    pytest.raises(AuthenticationError):
+                outsider.get(1)
+            ctx = zmq.Context()
+            try:
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(master.endpoint)
+                for junk in (b"", b"\x00" * 100, os.urandom(3000)):
+                    sock.send(junk)
+                    assert sock.poll(2000)
+                    sock.recv()
+                sock.close()
+            finally:
+                ctx.term()
+            with Client(master.endpoint, auth=SECRET) as client:
+                assert client.get(1) == b"signed"  # the master kept serving
