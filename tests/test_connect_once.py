@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -70,3 +71,48 @@ def test_the_same_engine_by_another_address_is_one_peer(make_engine: Callable[..
     other = b.endpoint.replace("127.0.0.1", "localhost")
     assert a.connect(other) is first
     assert list(a.peers) == ["b"]
+
+
+class _TcpFirst:
+    """A traffic policy that sends everything over tcp and keeps what it hears."""
+
+    def __init__(self) -> None:
+        self.heard: list[tuple[str, str, bool, int]] = []
+
+    def order(self, transports: Any, local_meta: Any, peer_meta: Any) -> list[str]:
+        given = list(transports)
+        return sorted(given, key=lambda t: t != "tcp")
+
+    def record(self, peer: str, transport: str, latency: float, ok: bool,
+               nbytes: int = 0) -> None:
+        self.heard.append((peer, transport, ok, nbytes))
+
+
+def test_a_traffic_policy_steers_each_transfer(make_engine: Callable[..., Engine]) -> None:
+    policy = _TcpFirst()
+    a = make_engine("a", transports=["shm", "tcp"], traffic=policy)
+    b = make_engine("b", transports=["shm", "tcp"])
+    b.register(np.zeros(MiB, dtype=np.uint8), name="dst")
+    src = random_bytes(MiB, 5)
+    seg = a.register(src)
+    peer = a.connect(b.endpoint)
+    assert peer.order[0] == "shm"  # health order: same host
+    h = a.write(peer, [(Descriptor(seg, 0, MiB), Descriptor(peer.segment("dst"), 0, MiB))])
+    h.wait(10)
+    assert h.transport == "tcp"
+    assert policy.heard == [("b", "tcp", True, MiB)]
+
+
+def test_the_scheduler_policy_keeps_one_host_on_shm(make_engine: Callable[..., Engine]
+                                                    ) -> None:
+    from scheduler.policy import TrafficPolicy
+
+    a = make_engine("a", transports=["shm", "tcp"], traffic=TrafficPolicy(), zone="z1")
+    b = make_engine("b", transports=["shm", "tcp"], zone="z2")
+    b.register(np.zeros(MiB, dtype=np.uint8), name="dst")
+    seg = a.register(random_bytes(MiB, 6))
+    peer = a.connect(b.endpoint)
+    assert peer.meta["zone"] == "z2"
+    h = a.write(peer, [(Descriptor(seg, 0, MiB), Descriptor(peer.segment("dst"), 0, MiB))])
+    h.wait(10)
+    assert h.transport == "shm"

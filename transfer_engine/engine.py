@@ -55,6 +55,7 @@ from transfer_engine.notify import ImmediateCounter, Notification
 from transfer_engine.peer import Peer
 from transfer_engine.peers import Peers
 from transfer_engine.segment import Segment, describe_memory
+from transfer_engine.state import TrafficPolicy
 from transfer_engine.transfer import Transfers, _Transfer
 from transfer_engine.transport import load_transport
 from transfer_engine.transport.base import Immediate, Transport
@@ -105,6 +106,9 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
         probes unanswered before it is declared lost (:meth:`peer_lost`). Probing
         starts once a transfer is in flight for ``min(1, peer_timeout / 5)`` seconds;
         idle peers are not probed. ``None`` disables it.
+    :param traffic: a :class:`~transfer_engine.state.TrafficPolicy` that orders the
+        transports of each transfer (e.g. ``scheduler.policy.TrafficPolicy``) and hears
+        how each went; ``None``: the peer's health order alone.
     """
 
     _watchdog: Watchdog | None = None  # started with the first transfer
@@ -116,8 +120,10 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
                  auth: AuthConfig | str | bytes | None = None,
                  insecure: bool | None = None,
                  transfer_timeout: float | None = None,
-                 peer_timeout: float | None = 10.0) -> None:
+                 peer_timeout: float | None = 10.0,
+                 traffic: TrafficPolicy | None = None) -> None:
         self.name = name
+        self.traffic = traffic
         self.transfer_timeout = transfer_timeout
         self.peer_timeout = peer_timeout
         self.host = host
@@ -143,6 +149,7 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
         self.stats = collections.Counter[str]()
         self.incarnation = uuid.uuid4().hex[:16]
         self.role, self.pod, self.zone = role, pod, zone
+        self._placement = {"name": name, "host_id": self.host_id, "pod": pod, "zone": zone}
         if not isinstance(auth, AuthConfig):
             auth = AuthConfig(secret=auth) if auth is not None else AuthConfig.from_env()
         self._signer = auth.signer()
@@ -239,7 +246,7 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
             segments = [s.to_wire() for s in self._segments.values() if not s.closed]
         return {"name": self.name, "host_id": self.host_id, "hostname": socket.gethostname(),
                 "pid": os.getpid(), "control": self.endpoint,
-                "incarnation": self.incarnation,
+                "incarnation": self.incarnation, "pod": self.pod, "zone": self.zone,
                 "transports": dict(self._transport_info), "segments": segments}
 
     # --- segments ---------------------------------------------------------------------

@@ -10,7 +10,8 @@ that each part reads as what it is and type checks on its own.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import collections
@@ -31,7 +32,23 @@ if TYPE_CHECKING:
     from transfer_engine.transport.base import Completion, Transport
     from transfer_engine.watchdog import Watchdog
 
-__all__ = ["EngineState"]
+__all__ = ["EngineState", "TrafficPolicy"]
+
+
+class TrafficPolicy(Protocol):
+    """What steers the engine's transport choice per transfer (for example
+    ``scheduler.policy.TrafficPolicy``: same host, then pod, then zone over RDMA, the
+    RDMA/TCP share following measured latency and success)."""
+
+    def order(self, transports: Iterable[str], local_meta: Mapping[str, Any],
+              peer_meta: Mapping[str, Any]) -> list[str]:
+        """``transports`` best first for the next transfer to that peer."""
+        ...
+
+    def record(self, peer: str, transport: str, latency: float, ok: bool,
+               nbytes: int = 0) -> None:
+        """How a transfer over ``transport`` went."""
+        ...
 
 
 class EngineState:
@@ -47,6 +64,8 @@ class EngineState:
         pod: str
         zone: str
         transfer_timeout: float | None
+        traffic: TrafficPolicy | None
+        _placement: dict[str, Any]
         peer_timeout: float | None
         stats: collections.Counter[str]
         membership: MetadataStore | None

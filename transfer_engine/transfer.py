@@ -118,7 +118,7 @@ class Transfers(EngineState):
                 seg.unpin()
             raise exc.with_context(peer=peer.name, op=str(op)) from None
         xfer = _Transfer(handle, peer, op, extents, bytes(notify) if notify is not None else None,
-                         list(peer.order), pinned)
+                         self._route(peer), pinned)
         handle._canceller = self._cancel_handle
         with self._lock:
             self._live[handle.id] = xfer
@@ -263,6 +263,9 @@ class Transfers(EngineState):
         if error is not None:
             if fallback:
                 xfer.peer.demote(failed)
+                if self.traffic is not None:
+                    self.traffic.record(xfer.peer.name, failed,
+                                        time.monotonic() - xfer.started, False)
                 self.stats[f"fallback_{failed}"] += 1
                 log.info("transfer %d to %s: %s failed (%s); retrying over %s",
                          xfer.handle.id, xfer.peer.name, failed, error, xfer.transports[0])
@@ -307,8 +310,21 @@ class Transfers(EngineState):
         if error is None:
             self.stats[_BYTES_STAT[xfer.op]] += xfer.handle.nbytes
             if xfer.transports:
-                xfer.peer.succeeded(xfer.transports[0], time.monotonic() - xfer.started)
+                latency = time.monotonic() - xfer.started
+                xfer.peer.succeeded(xfer.transports[0], latency)
+                if self.traffic is not None:
+                    self.traffic.record(xfer.peer.name, xfer.transports[0], latency, True,
+                                        xfer.handle.nbytes)
         xfer.handle._finish(error)
+
+    def _route(self, peer: Peer) -> list[str]:
+        """The transports a new transfer to ``peer`` tries, best first: the peer's
+        health order, reordered by the traffic policy when the engine has one."""
+        order = list(peer.order)
+        if self.traffic is None or len(order) < 2:
+            return order
+        return [t for t in self.traffic.order(order, self._placement, peer.meta)
+                if t in order]
 
     def _cancel_handle(self, handle: TransferHandle, error: TransferError) -> bool:
         with self._lock:
