@@ -1,5 +1,4 @@
-"""Registry glue: join with our record, publish changes, follow peers' events.
-"""
+"""Registry glue: join with our record, publish changes, follow peers' events."""
 
 from __future__ import annotations
 

@@ -1,0 +1,89 @@
+"""vLLM KV connector (``KVConnectorBase_V1``) moving paged KV blocks over our engine.
+
+Mount it on both engines of a prefill/decode pair::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "TransferEngineConnector",
+        "kv_connector_module_path": "transfer_engine.connectors.vllm",
+        "kv_role": "kv_producer",            # "kv_consumer" on decode, or "kv_both"
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"host": "10.0.0.5", "port": 0, "lease_s": 30}}'
+
+This package is the only place in the project that imports vLLM.
+
+Protocol (a pull design: decode READs the prefill engine's blocks, one-sided)
+-----------------------------------------------------------------------------
+Who calls what, in which order (S = scheduler side, W = worker side)::
+
+    prefill W  register_kv_caches    registers each layer tensor once (one segment per
+                                     layer, block addresses from the tensor's strides)
+                                     and a small manifest segment: protocol version,
+                                     compatibility hash (model, dtype, block size,
+                                     layout) and every layer's block layout
+    prefill W  get_handshake_metadata -> endpoint, engine name, version, hash
+    prefill S  set_xfer_handshake_metadata   learns the worker's endpoint
+    proxy      request to prefill with kv_transfer_params={"do_remote_decode": True},
+               max_tokens=1
+    prefill S  request_finished      holds the request's blocks (returns True) and
+                                     answers kv_transfer_params: remote_endpoint,
+                                     remote_engine_id, remote_request_id,
+                                     remote_block_ids, remote_num_tokens, lease_expiry
+                                     (wall clock, seconds since the epoch),
+                                     protocol_version
+    prefill S  build_connector_meta  tells its worker: hold these for lease_s seconds
+    proxy      request to decode with those kv_transfer_params
+    decode S   get_num_new_matched_tokens -> (prompt tokens not cached locally, async)
+               (refuses, with one log line, params that fail parse_remote_params: a
+               wrong type or range, blocks that do not cover exactly remote_num_tokens,
+               another prompt's params (prompt_hash), an expired lease or another
+               protocol version: 0 tokens, vLLM computes the prompt itself)
+    decode S   update_state_after_alloc   pairs remote blocks with the blocks vLLM
+                                          allocated; build_connector_meta ships them
+    decode W   start_load_kv         one READ of every layer's blocks, coalescing runs
+                                     of consecutive blocks, with a notification; the
+                                     first load from a peer first connects and reads
+                                     and checks the peer's manifest (a mismatch is
+                                     refused with a message naming what differs) on a
+                                     background thread, so a slow or dead peer never
+                                     stalls the forward pass: the READ is issued by a
+                                     later step once the handshake is done
+    prefill W  (notification)        the blocks were read: report finished_sending,
+                                     vLLM frees them; or the lease ran out: the same
+    decode W   get_transfer_results  finished_recving; a failed READ is also in
+                                     failed_recving and its blocks in
+                                     get_block_ids_with_load_errors, so vLLM
+                                     recomputes (policy "recompute") instead of reading
+                                     garbage
+
+Layer-by-layer overlap: in the proxy flow the decode engine learns the block ids only
+after prefill finished, so there is no prefill compute left to overlap with; the
+transfer is one READ of all layers, issued in layer order (``save_kv_layer`` and
+``wait_for_layer_load`` are no-ops). A push variant (decode allocates first, prefill
+writes each layer after its attention) needs the proxy to contact decode first.
+
+Deadlines: the lease is enforced by the prefill worker with its own monotonic clock
+(``lease_s`` from the scheduler's metadata), counted from a moment no earlier than the
+one ``lease_expiry`` in kv_transfer_params (wall-clock time) is counted from. Decode
+trusts the blocks only while that time has not passed: it does not load an expired
+lease, does not start a READ after it, and reports a READ it saw finish only after it
+as failed (the prefill engine may have given the blocks to another request by then;
+vLLM recomputes). Across hosts, lease_s must cover the clock skew.
+"""
+
+from transfer_engine.connectors.vllm.blocks import BlockLayout, block_layout, coalesce
+from transfer_engine.connectors.vllm.config import PROTOCOL_VERSION, TEConnectorConfig
+from transfer_engine.connectors.vllm.connector import TransferEngineConnector
+from transfer_engine.connectors.vllm.metadata import (
+    RecvSpec,
+    RemoteParams,
+    TEConnectorMetadata,
+    TEHandshakeMetadata,
+    parse_remote_params,
+    prompt_hash,
+)
+from transfer_engine.connectors.vllm.scheduler_side import TEConnectorScheduler
+from transfer_engine.connectors.vllm.worker_side import TEConnectorWorker, live_workers
+
+__all__ = ["TransferEngineConnector", "TEConnectorScheduler", "TEConnectorWorker",
+           "TEConnectorConfig", "TEConnectorMetadata", "TEHandshakeMetadata", "RecvSpec",
+           "BlockLayout", "block_layout", "coalesce", "PROTOCOL_VERSION", "live_workers",
+           "RemoteParams", "parse_remote_params", "prompt_hash"]

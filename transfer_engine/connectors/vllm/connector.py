@@ -1,0 +1,156 @@
+"""vLLM's ``KVConnectorBase_V1`` on our engine: dispatches each call to its role's side."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from transfer_engine.connectors.vllm.config import (
+    TEConnectorConfig,
+)
+from transfer_engine.connectors.vllm.metadata import (
+    TEConnectorMetadata,
+)
+from transfer_engine.connectors.vllm.scheduler_side import (
+    TEConnectorScheduler,
+)
+from transfer_engine.connectors.vllm.worker_side import (
+    TEConnectorWorker,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class TransferEngineConnector(KVConnectorBase_V1):
+    """vLLM's entry point: forwards to :class:`TEConnectorScheduler` (SCHEDULER role)
+    or :class:`TEConnectorWorker` (WORKER role)."""
+
+    _ids = itertools.count()
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        self.config = TEConnectorConfig.from_extra_config(dict(ktc.kv_connector_extra_config))
+        self.engine_id = str(ktc.engine_id)
+        if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
+            log.warning("kv_load_failure_policy=%r: a failed KV load fails the request; "
+                        "set 'recompute' to recompute it instead",
+                        ktc.kv_load_failure_policy)
+        block_size = int(vllm_config.cache_config.block_size)
+        self._kv_cache_cfg = kv_cache_config
+        self.scheduler: TEConnectorScheduler | None = None
+        self.worker: TEConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = TEConnectorScheduler(self.engine_id, block_size,
+                                                  self.config.lease_s)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+            config = self.config
+            if config.port:
+                config = TEConnectorConfig(config.host, config.port + rank,
+                                           config.transports, config.lease_s,
+                                           config.timeout_s)
+            mc = vllm_config.model_config
+            compat = {"model": str(mc.model), "dtype": str(mc.dtype),
+                      "block_size": block_size,
+                      "tp_size": vllm_config.parallel_config.tensor_parallel_size}
+            self.worker = TEConnectorWorker(
+                f"vllm-{self.engine_id}-tp{rank}-{next(self._ids)}", config, compat)
+
+    # worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        num_blocks = (self._kv_cache_cfg.num_blocks if self._kv_cache_cfg is not None
+                      else next(iter(kv_caches.values())).shape[1])
+        self.worker.register_kv_caches(kv_caches, int(num_blocks))
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self.worker.handshake_metadata() if self.worker is not None else None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TEConnectorMetadata)
+        if meta.reqs_to_send:
+            self.worker.hold(meta.reqs_to_send)
+        if meta.reqs_to_recv:
+            self.worker.start_load(meta.reqs_to_recv.values())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]
+                             ) -> KVConnectorTransferResults:
+        assert self.worker is not None
+        return self.worker.results()
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending, res.finished_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_failed_blocks() if self.worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+    # scheduler side
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]
+                                    ) -> None:
+        if self.scheduler is not None:
+            self.scheduler.set_handshake(metadata)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return tuple(range(len(self._kv_cache_cfg.kv_cache_groups))) \
+            if self._kv_cache_cfg is not None else (0,)

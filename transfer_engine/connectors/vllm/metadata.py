@@ -1,0 +1,132 @@
+"""What passes between the roles: kv_transfer_params as decode checks them, and the
+scheduler-to-worker and worker-to-scheduler metadata.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
+
+from transfer_engine.connectors.vllm.config import (
+    PROTOCOL_VERSION,
+)
+
+
+@dataclass
+class RecvSpec:
+    """Decode side: load ``remote_block_ids`` of the peer into ``local_block_ids``."""
+
+    request_id: str
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    remote_endpoint: str
+    remote_engine_id: str
+    remote_request_id: str
+    lease_expiry: float = math.inf  # wall clock: the blocks are the peer's after this
+
+
+@dataclass
+class TEConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step."""
+
+    reqs_to_recv: dict[str, RecvSpec] = field(default_factory=dict)
+    reqs_to_send: dict[str, float] = field(default_factory=dict)  # req id -> lease (s)
+
+
+@dataclass
+class TEHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """Worker -> its scheduler: where peers reach this worker."""
+
+    endpoint: str
+    engine_name: str
+    protocol_version: int
+    compat_hash: str
+
+
+# --- kv_transfer_params: what decode accepts ------------------------------------------
+
+MAX_ID_CHARS = 512  # endpoint, engine and request ids
+MAX_BLOCK_ID = (1 << 31) - 1
+MAX_LEASE_S = 24 * 3600.0  # a lease further out than this is not one prefill gave
+
+
+@dataclass(frozen=True)
+class RemoteParams:
+    """kv_transfer_params as decode checked them: every field typed and in range, the
+    blocks covering exactly ``num_tokens``, bound to this request's prompt."""
+
+    endpoint: str
+    engine_id: str
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    lease_expiry: float
+
+
+def prompt_hash(prompt: Sequence[int], num_tokens: int) -> str:
+    """What binds kv_transfer_params to the prompt whose KV they describe."""
+    tokens = np.asarray(list(prompt[:num_tokens]), dtype=np.int64)
+    return hashlib.sha256(tokens.tobytes()).hexdigest()[:32]
+
+
+def _text(params: dict[str, Any], key: str, required: bool = True) -> str:
+    value = params.get(key, None if required else "")
+    if not isinstance(value, str) or (required and not value) or len(value) > MAX_ID_CHARS:
+        raise ValueError(f"{key} must be a non-empty string of at most {MAX_ID_CHARS} "
+                         f"characters, got {type(value).__name__}")
+    return value
+
+
+def _integer(value: Any, key: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{key} must be an integer in [{low}, {high}], got {value!r:.40}")
+    return value
+
+
+def parse_remote_params(params: Any, prompt: Sequence[int], block_size: int, now: float
+                        ) -> RemoteParams:
+    """Checks kv_transfer_params from a client (they reach decode through the proxy,
+    or from anyone who can send a request); raises ValueError saying what is wrong."""
+    if not isinstance(params, dict):
+        raise ValueError("kv_transfer_params is not a map")
+    version = params.get("protocol_version")
+    if isinstance(version, bool) or version != PROTOCOL_VERSION:
+        raise ValueError(f"kv_transfer_params protocol version {version!r:.20}, this "
+                         f"connector speaks {PROTOCOL_VERSION}")
+    endpoint = _text(params, "remote_endpoint")
+    if not endpoint.startswith("tcp://") or ":" not in endpoint[len("tcp://"):]:
+        raise ValueError(f"remote_endpoint {endpoint!r:.80} is not tcp://host:port")
+    engine_id = _text(params, "remote_engine_id", required=False)
+    request_id = _text(params, "remote_request_id")
+    num_tokens = _integer(params.get("remote_num_tokens"), "remote_num_tokens", 1,
+                          max(1, len(prompt)))
+    if num_tokens > len(prompt):
+        raise ValueError(f"remote_num_tokens {num_tokens} exceeds the prompt's "
+                         f"{len(prompt)} tokens")
+    ids = params.get("remote_block_ids")
+    needed = -(-num_tokens // block_size)
+    if not isinstance(ids, list) or len(ids) != needed:
+        raise ValueError(f"remote_block_ids must list exactly {needed} blocks for "
+                         f"{num_tokens} tokens of {block_size}, got "
+                         f"{len(ids) if isinstance(ids, list) else type(ids).__name__}")
+    block_ids = [_integer(b, "a remote block id", 0, MAX_BLOCK_ID) for b in ids]
+    lease = params.get("lease_expiry")
+    if isinstance(lease, bool) or not isinstance(lease, int | float) or not math.isfinite(
+            lease):
+        raise ValueError(f"lease_expiry must be a finite number, got {lease!r:.40}")
+    if lease <= now:
+        raise ValueError("the prefill engine's lease on the blocks has expired")
+    if lease > now + MAX_LEASE_S:
+        raise ValueError(f"lease_expiry is {lease - now:.0f} s away, more than any lease")
+    if params.get("prompt_hash") != prompt_hash(prompt, num_tokens):
+        raise ValueError("kv_transfer_params belong to another prompt (prompt_hash differs)")
+    return RemoteParams(endpoint, engine_id, request_id, block_ids, num_tokens, float(lease))
