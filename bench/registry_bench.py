@@ -31,11 +31,11 @@ import zmq
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tests.registry_helpers import free_port, member, registry_process  # noqa: E402
+from bench.fleet import free_port, member, registry_process  # noqa: E402
 from transfer_engine import Descriptor, Engine, PeerLostError  # noqa: E402
-from transfer_engine.control.client import RegistryClient  # noqa: E402
+from transfer_engine.control.client import RegistryClient, RegistryStore  # noqa: E402
 from transfer_engine.control.messages import Lookup, encode  # noqa: E402
-from transfer_engine.control.metastore import MemberEvent, MemberRecord, RegistryStore  # noqa: E402
+from transfer_engine.control.metastore import MemberEvent, MemberRecord  # noqa: E402
 
 MiB = 1 << 20
 

@@ -16,7 +16,8 @@ import threading
 import uuid
 from typing import Any
 
-from transfer_engine.control.metastore import MemberRecord, MetadataStore, RegistryStore
+from transfer_engine.control.client import RegistryStore
+from transfer_engine.control.metastore import MemberRecord, MetadataStore
 
 __all__ = ["http_record", "Announcement", "main"]
 

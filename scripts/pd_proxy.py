@@ -56,7 +56,7 @@ from scheduler.fleet import Fleet  # noqa: E402
 from scheduler.policy import BreakerBoard, TrafficPolicy  # noqa: E402
 from scheduler.prefix import text_keys  # noqa: E402
 from scheduler.router import DEFAULT_POLICY, Decision, Request, Router  # noqa: E402
-from transfer_engine.control.metastore import RegistryStore  # noqa: E402
+from transfer_engine.control.client import RegistryStore  # noqa: E402
 
 MAX_BODY = 16 << 20
 CHARS_PER_TOKEN = 4  # the proxy sees text, not tokens: a rough, model-free estimate

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from transfer_engine import Descriptor, Engine, PeerLostError, UnknownPeerError
+from transfer_engine.control.client import RegistryStore
 from transfer_engine.control.metastore import (
     EventKind,
     MemberEvent,
     MemberRecord,
     MemoryStore,
     MetadataStore,
-    RegistryStore,
 )
 from transfer_engine.control.registry import Registry
 from transfer_engine.errors import ProtocolError

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from tests.registry_helpers import Proc, free_port, member, registry_process
+from bench.fleet import Proc, free_port, member, registry_process
 from transfer_engine import Descriptor, Engine, PeerLostError, UnknownPeerError
 from transfer_engine.control.client import RegistryClient
 from transfer_engine.control.metastore import EventKind, MemberEvent, MemberRecord

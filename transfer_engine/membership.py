@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 
 from transfer_engine.control.auth import AuthConfig
+from transfer_engine.control.client import RegistryStore
 from transfer_engine.control.metastore import (
     EventKind,
     MemberEvent,
     MemberRecord,
     MetadataStore,
-    RegistryStore,
 )
 from transfer_engine.errors import (
     TransferEngineError,
@@ -54,14 +54,7 @@ class Membership(EngineState):
         store = self.membership
         if store is None or self._closed:
             return
-        client = getattr(store, "client", None)
-        if client is not None:
-            client.update(self._member_record())
-            return
-        try:
-            store.put(self._member_record(), self.timeout)
-        except TransferEngineError as exc:
-            log.info("publishing our record: %s", exc)
+        store.publish(self._member_record())
 
     def _on_member_event(self, event: MemberEvent) -> None:
         if event.name == self.name or self._closed:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
+from bench.fleet import free_port
 from kvstore import block_hashes
 from kvstore.client import Client, key_rows
 from kvstore.errors import (
@@ -25,7 +26,6 @@ from kvstore.master import Master
 from kvstore.node import StorageNode
 from kvstore.protocol import KvGet
 from tests.kvstore.cluster_helpers import NodeProcess
-from tests.registry_helpers import free_port
 from transfer_engine.errors import AuthenticationError
 
 SECRET = "kvstore-test-secret-0123456789"

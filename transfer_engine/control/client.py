@@ -58,6 +58,7 @@ from transfer_engine.control.metastore import (
     EventKind,
     MemberEvent,
     MemberRecord,
+    MetadataStore,
     Subscription,
 )
 from transfer_engine.errors import (
@@ -500,3 +501,43 @@ class RegistryClient:
         state = "CLOSED" if self._closed else ("MEMBER" if self._record else "CLIENT")
         return (f"<RegistryClient {self.name!r} -> {self.address} {state} "
                 f"view={len(self._view)}>")
+
+
+class RegistryStore(MetadataStore):
+    """The embedded :class:`MetadataStore`: a :class:`RegistryClient` to a ZeroMQ
+    :class:`~transfer_engine.control.registry.Registry`.
+
+    :param address: the registry's endpoint (``tcp://host:port``).
+    :param auth: how control messages are signed (see :mod:`.auth`); ``None``: unsigned.
+    :param timeout: seconds for each registry request.
+    :param name: used in thread names and logs.
+    """
+
+    def __init__(self, address: str, *, auth: Any = None, timeout: float = 5.0,
+                 name: str = "client") -> None:
+        self.client = RegistryClient(address, auth=auth, timeout=timeout, name=name)
+
+    def put(self, record: MemberRecord, timeout: float | None = None) -> None:
+        self.client.register(record, timeout)
+
+    def get(self, name: str, timeout: float | None = None) -> MemberRecord:
+        return self.client.lookup(name, timeout)
+
+    def delete(self, name: str, timeout: float | None = None) -> None:
+        self.client.leave(timeout)
+
+    def list(self, role: str | None = None, timeout: float | None = None
+             ) -> list[MemberRecord]:
+        return self.client.list(role, timeout)
+
+    def watch(self, callback: EventCallback) -> Subscription:
+        return self.client.watch(callback)
+
+    def publish(self, record: MemberRecord) -> None:
+        self.client.update(record)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __repr__(self) -> str:
+        return f"<RegistryStore {self.client!r}>"

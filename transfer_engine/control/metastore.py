@@ -27,6 +27,7 @@ from __future__ import annotations
 import abc
 import builtins
 import enum
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -34,10 +35,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from transfer_engine.control.messages import Register
-from transfer_engine.errors import ProtocolError, UnknownPeerError
+from transfer_engine.errors import ProtocolError, TransferEngineError, UnknownPeerError
 
 __all__ = ["ROLES", "MemberRecord", "EventKind", "MemberEvent", "Subscription",
-           "MetadataStore", "MemoryStore", "RegistryStore"]
+           "MetadataStore", "MemoryStore"]
+
+log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "store", "any")
 _MAX_TEXT = 512
@@ -161,6 +164,14 @@ class MetadataStore(abc.ABC):
         """Calls ``callback`` for every membership change from now on (current members
         first, as ``JOIN``)."""
 
+    def publish(self, record: MemberRecord) -> None:
+        """Sends an update of our own record without waiting for it to be stored
+        (segments came or went); a failure is logged, the next update repairs it."""
+        try:
+            self.put(record)
+        except TransferEngineError as exc:
+            log.info("publishing %s: %s", record.name, exc)
+
     @abc.abstractmethod
     def close(self) -> None:
         """Releases sockets and threads; our records' leases are no longer renewed."""
@@ -271,42 +282,3 @@ class MemoryStore(MetadataStore):
         with self._lock:
             self._closed = True
             self._watchers.clear()
-
-
-class RegistryStore(MetadataStore):
-    """The embedded implementation: a :class:`~transfer_engine.control.client.
-    RegistryClient` to a ZeroMQ :class:`~transfer_engine.control.registry.Registry`.
-
-    :param address: the registry's endpoint (``tcp://host:port``).
-    :param auth: how control messages are signed (see :mod:`.auth`); ``None``: unsigned.
-    :param timeout: seconds for each registry request.
-    :param name: used in thread names and logs.
-    """
-
-    def __init__(self, address: str, *, auth: Any = None, timeout: float = 5.0,
-                 name: str = "client") -> None:
-        from transfer_engine.control.client import RegistryClient  # noqa: PLC0415
-
-        self.client = RegistryClient(address, auth=auth, timeout=timeout, name=name)
-
-    def put(self, record: MemberRecord, timeout: float | None = None) -> None:
-        self.client.register(record, timeout)
-
-    def get(self, name: str, timeout: float | None = None) -> MemberRecord:
-        return self.client.lookup(name, timeout)
-
-    def delete(self, name: str, timeout: float | None = None) -> None:
-        self.client.leave(timeout)
-
-    def list(self, role: str | None = None, timeout: float | None = None
-             ) -> list[MemberRecord]:
-        return self.client.list(role, timeout)
-
-    def watch(self, callback: EventCallback) -> Subscription:
-        return self.client.watch(callback)
-
-    def close(self) -> None:
-        self.client.close()
-
-    def __repr__(self) -> str:
-        return f"<RegistryStore {self.client!r}>"

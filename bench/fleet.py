@@ -1,5 +1,5 @@
-"""Processes for the registry tests: member engines and standalone registries, with
-their stdout read line by line under a deadline."""
+"""Processes for the registry benches and tests: member engines and standalone
+registries, with their stdout read line by line under a deadline."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ class Proc:
 
 def member(name: str, registry: str, role: str = "decode", size: int = 1 << 20,
            secret: str | None = None) -> Proc:
-    args = ["-m", "tests.member_process", name, registry, role, str(size)]
+    args = ["-m", "bench.member_process", name, registry, role, str(size)]
     return Proc(args + ([secret] if secret else []))
 
 

@@ -1,6 +1,6 @@
-"""An engine that joins a registry, in its own process, for registry tests and benches.
+"""An engine that joins a registry, in its own process, for registry benches and tests.
 
-Usage: python -m tests.member_process NAME REGISTRY ROLE SIZE [SECRET]
+Usage: python -m bench.member_process NAME REGISTRY ROLE SIZE [SECRET]
 Registers a segment "dst" of SIZE bytes, prints 'READY <endpoint>' once it is a member,
 then one 'EVENT <kind> <name>' line per membership event, until stdin closes (it then
 leaves the registry and exits).
