@@ -10,8 +10,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from transfer_engine.planner import iovec_array
 from transfer_engine.transport import iovec
-from transfer_engine.transport.iovec import IOV_MAX, iov_views, iovec_array, recv_iov, send_iov
+from transfer_engine.transport.iovec import IOV_MAX, iov_views, recv_iov, send_iov
 
 pytestmark = pytest.mark.skipif(not iovec.IOVEC_IO, reason="iovec I/O needs 64-bit Linux")
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from transfer_engine.planner import Columns
+from transfer_engine.planner import Columns, iovec_array
 
 if TYPE_CHECKING:
     from transfer_engine.segment import RemoteSegment, Segment
@@ -133,8 +133,6 @@ class Blocks:
                 frozen=True)
             base = getattr(local, "address", None)
             if getattr(local, "device", None) == "cpu" and isinstance(base, int):
-                # imported here: the transport package imports this module
-                from transfer_engine.transport.iovec import iovec_array
                 iov = iovec_array(self.local_offsets + base, self.lengths)
                 iov.flags.writeable = False
                 self._columns.iov = iov

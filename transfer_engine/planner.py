@@ -26,8 +26,8 @@ from typing import Any, overload
 
 import numpy as np
 
-__all__ = ["Pair", "Columns", "Spans", "WorkRequest", "Plan", "coalesce", "slice_pairs",
-           "pack", "assign_rails", "plan_transfer", "plan_columns", "coalesce_columns",
+__all__ = ["Pair", "Columns", "Spans", "WorkRequest", "Plan", "coalesce", "slice_pairs", "pack",
+           "iovec_array", "assign_rails", "plan_transfer", "plan_columns", "coalesce_columns",
            "slice_columns", "pack_columns"]
 
 Span = tuple[int, int, int]  # (segment, offset, length): an Extent or a plain tuple
@@ -84,6 +84,17 @@ class Spans(Sequence[Span]):
 
     def __repr__(self) -> str:
         return repr(self.rows())
+
+
+
+def iovec_array(addresses: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """An ``(n, 2)`` uint64 iovec array of ``addresses`` and ``lengths``: the rows of
+    host memory a request's pieces occupy, as the stream transports hand them to
+    ``sendmsg``/``recvmsg``."""
+    iov = np.empty((len(lengths), 2), dtype=np.uint64)
+    iov[:, 0] = addresses
+    iov[:, 1] = lengths
+    return iov
 
 
 @dataclass(slots=True)

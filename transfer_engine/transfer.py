@@ -29,11 +29,10 @@ from transfer_engine.errors import (
 )
 from transfer_engine.handle import TransferHandle
 from transfer_engine.peer import Peer
-from transfer_engine.planner import Columns, WorkRequest, plan_columns
+from transfer_engine.planner import Columns, WorkRequest, iovec_array, plan_columns
 from transfer_engine.segment import Segment
 from transfer_engine.state import EngineState
 from transfer_engine.transport.base import Completion, Immediate, Rail, Work
-from transfer_engine.transport.iovec import iovec_array
 from transfer_engine.validate import Pairs, validate
 from transfer_engine.watchdog import Watchdog
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["IOVEC_IO", "IOV_MAX", "RECV_CHUNK", "iovec_array", "iov_views", "send_iov", "recv_iov"]
+__all__ = ["IOVEC_IO", "IOV_MAX", "RECV_CHUNK", "iov_views", "send_iov", "recv_iov"]
 
 IOV_MAX = 1024
 RECV_CHUNK = 1 << 20
@@ -54,14 +54,6 @@ _libc = _load()
 IOVEC_IO = _libc is not None and sys.byteorder == "little"
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
-
-
-def iovec_array(addresses: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """An ``(n, 2)`` uint64 iovec array of ``addresses`` and ``lengths``."""
-    iov = np.empty((len(lengths), 2), dtype=np.uint64)
-    iov[:, 0] = addresses
-    iov[:, 1] = lengths
-    return iov
 
 
 def iov_views(iov: np.ndarray) -> list[memoryview]:
