@@ -73,9 +73,6 @@ class EngineState:
         _closed: bool
         _stack: ExitStack
         _zctx: zmq.Context[Any]
-        _router: zmq.Socket[bytes]
-        _control_stop: threading.Event
-        _control_thread: threading.Thread
         _signer: Signer | None
         _secret: bytes | None
         _tickets: TicketBook

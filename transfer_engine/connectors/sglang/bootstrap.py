@@ -17,7 +17,6 @@ import zmq
 from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer
 
 from transfer_engine.closeable import Closeable
-from transfer_engine.connectors.sglang.channel import Service
 from transfer_engine.connectors.sglang.messages import (
     BACKEND_VERSION,
     Ping,
@@ -27,6 +26,7 @@ from transfer_engine.connectors.sglang.messages import (
 )
 from transfer_engine.control.auth import AuthConfig
 from transfer_engine.control.messages import Ack, Message
+from transfer_engine.control.service import Service
 from transfer_engine.errors import ProtocolError, UnknownPeerError
 
 __all__ = ["TransferEngineKVBootstrapServer"]
@@ -48,7 +48,7 @@ class TransferEngineKVBootstrapServer(BaseKVBootstrapServer, Closeable):  # type
         self._closed = False
         self._zctx: zmq.Context[Any] = zmq.Context()
         try:
-            self._service = Service(self._zctx, host, port, self._handle, "bootstrap",
+            self._service = Service(self._zctx, host, port, self._handle, "sglang-bootstrap",
                                     (auth or AuthConfig.from_env()).signer())
         except BaseException:
             self._zctx.term()

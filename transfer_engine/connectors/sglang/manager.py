@@ -33,9 +33,6 @@ from transfer_engine.closeable import Closeable
 from transfer_engine.connectors.compat import compat_hash, describe_mismatch
 from transfer_engine.connectors.sglang.channel import (
     Links,
-    Service,
-    split_host_port,
-    tcp_endpoint,
 )
 from transfer_engine.connectors.sglang.config import SGLangBackendConfig, device_memory
 from transfer_engine.connectors.sglang.messages import (
@@ -56,6 +53,7 @@ from transfer_engine.connectors.sglang.rooms import (
 )
 from transfer_engine.control.auth import AuthConfig, Signer
 from transfer_engine.control.messages import Ack, Message
+from transfer_engine.control.service import Service, split_host_port, tcp_endpoint
 from transfer_engine.descriptor import Blocks
 from transfer_engine.engine import Engine
 from transfer_engine.errors import (
@@ -153,7 +151,7 @@ class TransferEngineKVManager(BaseKVManager, Closeable):  # type: ignore[misc]
             self._stack.callback(self._term_context)
             self._stack.callback(self._close_clients)
             self._channel = Service(self._zctx, self.config.host, 0, self._on_request,
-                                    f"chan-{self.name}", self._signer)
+                                    f"sglang-chan-{self.name}", self._signer)
             # a request may be connecting to a peer and refreshing its segments
             self._stack.callback(self._channel.close, 2 * self.config.timeout_s + 1)
             self._bg_stop = threading.Event()
