@@ -138,7 +138,9 @@ def test_engines_find_each_other_by_name(server: MetadataServer) -> None:
         rpc = json.loads(_http(url, "GET", "mooncake/rpc_meta/prefill-0")[1])
         assert rpc == {"ip_or_host_name": "127.0.0.1", "rpc_port": a.get_rpc_port()}
         # a second engine may not take a live engine's name
-        assert TransferEngine().initialize("prefill-0", url, "tcp", "") == -1
+        late = TransferEngine()
+        assert late.initialize("prefill-0", url, "tcp", "") == -1
+        assert json.loads(_http(url, "GET", "mooncake/rpc_meta/prefill-0")[1]) == rpc
         target = np.zeros(64 * 1024, dtype=np.uint8)
         assert b.register_memory(target.ctypes.data, target.nbytes) == 0
         ram = json.loads(_http(url, "GET", "mooncake/ram/127.0.0.1:12346")[1])
@@ -257,3 +259,33 @@ def test_engines_work_with_mooncakes_own_metadata_server() -> None:
         b.close()
         proc.terminate()
         proc.wait(10)
+
+
+MOONCAKE_PYTHON = os.environ.get("MOONCAKE_PYTHON", "")
+
+MOONCAKE_CLIENTS = """
+import sys
+import numpy as np
+from mooncake.engine import TransferEngine
+url = sys.argv[1]
+a, b = TransferEngine(), TransferEngine()
+assert a.initialize("127.0.0.1:1", url, "tcp", "") == 0
+assert b.initialize("127.0.0.1:2", url, "tcp", "") == 0
+dst = np.zeros(4096, dtype=np.uint8)
+assert b.register_memory(dst.ctypes.data, dst.nbytes) == 0
+src = np.full(64, 3, dtype=np.uint8)
+assert a.transfer_sync_write("127.0.0.1:2", src.ctypes.data, dst.ctypes.data, 64) == 0
+assert (dst[:64] == 3).all()
+print("probe", a.send_probe("nobody:9"))
+"""
+
+
+@pytest.mark.skipif(not MOONCAKE_PYTHON, reason="set MOONCAKE_PYTHON to a python that "
+                    "imports Mooncake's wheel (mooncake-transfer-engine-non-cuda)")
+def test_mooncakes_engines_work_with_our_metadata_server(server: MetadataServer) -> None:
+    done = subprocess.run([MOONCAKE_PYTHON, "-c", MOONCAKE_CLIENTS, server.url],
+                          capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "probe -200" in done.stdout
+    assert [k for k in server.keys() if "rpc_meta" in k] == []  # withdrawn at exit

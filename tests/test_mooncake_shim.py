@@ -98,3 +98,10 @@ def test_store_names_come_from_the_kv_store() -> None:
     except ImportError:
         return  # a store module that does not import here fails the same way there
     assert "store: ok" in done.stdout
+
+
+def test_pyproject_declares_the_command() -> None:
+    tomllib = importlib.import_module("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    module, _, attr = project["scripts"]["te-mooncake"].partition(":")
+    assert callable(getattr(importlib.import_module(module), attr))

@@ -410,6 +410,7 @@ class MetadataServer:
 def _handler_for(server: MetadataServer) -> type[http.server.BaseHTTPRequestHandler]:
     class Handler(http.server.BaseHTTPRequestHandler):
         timeout = 10  # seconds a connection may stall
+        disable_nagle_algorithm = True  # headers and body go out as two writes
         protocol_version = "HTTP/1.1"
         server_version = "te-metadata"
 
