@@ -1,0 +1,291 @@
+"""The HTTP metadata mode: our server speaks Mooncake's protocol (and is authenticated
+like every other port), engines find each other by name through it (ours, or
+Mooncake's own ``mooncake_http_metadata_server`` where installed), and lookups fail
+with Mooncake's values at once."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from transfer_engine.connectors.mooncake import TransferEngine
+from transfer_engine.connectors.mooncake import engine as mc_engine
+from transfer_engine.connectors.mooncake import metadata as mc_metadata
+from transfer_engine.connectors.mooncake.metadata import (
+    SIGNATURE_HEADER,
+    HttpDirectory,
+    Location,
+    MetadataServer,
+    sign_request,
+)
+from transfer_engine.control.auth import AuthConfig
+
+SECRET = "a-test-secret-of-32-bytes-length"
+
+
+@pytest.fixture(autouse=True)
+def quiet_failures(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.CRITICAL, logger=mc_engine.__name__)
+    caplog.set_level(logging.CRITICAL, logger=mc_metadata.__name__)
+
+
+@pytest.fixture
+def server() -> Iterator[MetadataServer]:
+    with MetadataServer("127.0.0.1", 0) as srv:
+        yield srv
+
+
+def _http(url: str, method: str, key: str, body: bytes = b"",
+          headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=5)
+    try:
+        query = f"?key={urllib.parse.quote(key, safe='')}" if key else ""
+        conn.request(method, parts.path + query, body=body or None, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def test_server_speaks_mooncakes_protocol(server: MetadataServer) -> None:
+    url = server.url
+    assert url.endswith("/metadata")
+    assert _http(url, "GET", "mooncake/ram/a") == (404, b"metadata not found")
+    assert _http(url, "PUT", "mooncake/ram/a", b'{"x":1}')[0] == 200
+    assert _http(url, "PUT", "mooncake/ram/a", b'{"x":2}')[0] == 200  # ram: overwritten
+    assert _http(url, "GET", "mooncake/ram/a") == (200, b'{"x":2}')
+    assert _http(url, "PUT", "mooncake/rpc_meta/a", b"{}")[0] == 200
+    assert _http(url, "PUT", "mooncake/rpc_meta/a", b"{}")[0] == 400  # no duplicates
+    assert _http(url, "DELETE", "mooncake/rpc_meta/a")[0] == 200
+    assert _http(url, "DELETE", "mooncake/rpc_meta/a")[0] == 404
+    assert _http(url, "GET", "")[0] == 400  # a key is required
+    assert _http(url, "POST", "k")[0] == 405
+    assert _http(url.replace("/metadata", "/other"), "GET", "k")[0] == 404
+    assert server.keys() == ["mooncake/ram/a"] and "SERVING" in repr(server)
+
+
+def test_server_bounds() -> None:
+    with MetadataServer("127.0.0.1", 0, max_keys=2, max_value=8) as srv:
+        assert _http(srv.url, "PUT", "k", b"123456789")[0] == 413
+        assert _http(srv.url, "PUT", "k1", b"1")[0] == 200
+        assert _http(srv.url, "PUT", "k2", b"1")[0] == 200
+        assert _http(srv.url, "PUT", "k3", b"1")[0] == 507
+        assert _http(srv.url, "PUT", "k1", b"2")[0] == 200  # replacing still works
+
+
+def test_server_binds_loopback_without_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TE_CONTROL_SECRET", raising=False)
+    monkeypatch.delenv("TE_ALLOW_INSECURE", raising=False)
+    with MetadataServer("0.0.0.0", 0) as srv:  # Mooncake's default host
+        assert srv.host == "127.0.0.1"
+    addr = _non_loopback_address()
+    if addr is None:
+        pytest.skip("no non-loopback address on this host")
+    with pytest.raises(ValueError, match="without a control secret"):
+        MetadataServer(addr, 0)
+
+
+def _non_loopback_address() -> str | None:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # no packet is sent
+            addr = str(s.getsockname()[0])
+    except OSError:
+        return None
+    return None if addr.startswith("127.") else addr
+
+
+def test_server_with_a_secret_answers_signed_requests_only() -> None:
+    signer = AuthConfig(secret=SECRET).signer()
+    other = AuthConfig(secret="another-secret-of-enough-length!").signer()
+    assert signer is not None and other is not None
+    with MetadataServer("127.0.0.1", 0, auth=SECRET) as srv:
+        key = "mooncake/ram/a"
+        assert _http(srv.url, "PUT", key, b"v")[0] == 401  # unsigned
+        head = {SIGNATURE_HEADER: sign_request(other, "PUT", key, b"v")}
+        assert _http(srv.url, "PUT", key, b"v", head)[0] == 401  # another secret
+        head = {SIGNATURE_HEADER: sign_request(signer, "PUT", key, b"v")}
+        assert _http(srv.url, "PUT", key, b"changed", head)[0] == 401  # another body
+        assert _http(srv.url, "PUT", key, b"v", head)[0] == 200
+        assert _http(srv.url, "PUT", key, b"v", head)[0] == 401  # replayed
+        assert _http(srv.url, "GET", key, headers={SIGNATURE_HEADER: "bm90IGEgc2ln"}
+                     )[0] == 401
+        client = HttpDirectory(srv.url, signer)
+        assert client.get(key) == b"v"
+        client.publish("peer", Location("127.0.0.1", 5))
+        assert client.lookup("peer") == Location("127.0.0.1", 5)
+
+
+def test_engines_find_each_other_by_name(server: MetadataServer) -> None:
+    url = server.url
+    a, b = TransferEngine(), TransferEngine()
+    try:
+        assert a.initialize("prefill-0", url, "tcp", "") == 0
+        assert b.initialize("127.0.0.1:12346", url, "tcp", "") == 0
+        rpc = json.loads(_http(url, "GET", "mooncake/rpc_meta/prefill-0")[1])
+        assert rpc == {"ip_or_host_name": "127.0.0.1", "rpc_port": a.get_rpc_port()}
+        # a second engine may not take a live engine's name
+        late = TransferEngine()
+        assert late.initialize("prefill-0", url, "tcp", "") == -1
+        assert json.loads(_http(url, "GET", "mooncake/rpc_meta/prefill-0")[1]) == rpc
+        target = np.zeros(64 * 1024, dtype=np.uint8)
+        assert b.register_memory(target.ctypes.data, target.nbytes) == 0
+        ram = json.loads(_http(url, "GET", "mooncake/ram/127.0.0.1:12346")[1])
+        assert ram["buffers"] == [{"name": "127.0.0.1:12346", "addr": target.ctypes.data,
+                                   "length": target.nbytes}]
+        assert a.get_first_buffer_address("127.0.0.1:12346") == target.ctypes.data
+        src = np.full(1024, 5, dtype=np.uint8)
+        assert a.transfer_sync_write("127.0.0.1:12346", src.ctypes.data,
+                                     target.ctypes.data, src.nbytes) == 0
+        assert (target[:1024] == 5).all()
+        assert a.send_probe("127.0.0.1:12346") == 0
+        # names the server does not know fail at once, with Mooncake's values
+        for call, args, failure in (
+                (a.send_probe, (), -200),
+                (a.transfer_sync_write, (src.ctypes.data, 0, 16), -1),
+                (a.transfer_submit_write, (src.ctypes.data, 0, 16), 0),
+                (a.batch_transfer_async_write, ([0], [0], [16]), 0),
+                (a.get_first_buffer_address, (), 0)):
+            started = time.monotonic()
+            assert call("unreachable_peer:9", *args) == failure, call.__name__
+            assert time.monotonic() - started < 0.5
+    finally:
+        a.close()
+        b.close()
+    assert server.keys() == []  # closing withdraws every key
+
+
+def test_a_dead_engines_name_is_taken_over(server: MetadataServer) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]  # nobody listens there once closed
+    client = HttpDirectory(server.url)
+    client.publish("decode-0", Location("127.0.0.1", dead_port))
+    engine = TransferEngine()
+    try:
+        assert engine.initialize("decode-0", server.url, "tcp", "") == 0
+        assert client.lookup("decode-0").port == engine.get_rpc_port()
+    finally:
+        engine.close()
+
+
+def test_engines_authenticate_to_the_metadata_server(monkeypatch: pytest.MonkeyPatch
+                                                     ) -> None:
+    with MetadataServer("127.0.0.1", 0, auth=SECRET) as srv:
+        engine = TransferEngine()
+        assert engine.initialize("x", srv.url, "tcp", "") == -1  # no secret here
+        monkeypatch.setenv("TE_CONTROL_SECRET", SECRET)
+        a, b = TransferEngine(), TransferEngine()
+        try:
+            assert a.initialize("a", srv.url, "tcp", "") == 0
+            assert b.initialize("b", srv.url, "tcp", "") == 0
+            buf = b.allocate_managed_buffer(4096)
+            assert a.get_first_buffer_address("b") == buf
+        finally:
+            a.close()
+            b.close()
+        assert srv.keys() == []
+
+
+def test_metadata_server_command_starts_and_stops() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "transfer_engine.connectors.mooncake", "metadata-server",
+         "--port", str(port), "--host", "0.0.0.0"], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        url = f"http://127.0.0.1:{port}/metadata"
+        lines = [proc.stdout.readline() for _ in range(2)]  # a warning, then the url
+        assert any(f"metadata server at {url}" in line for line in lines), lines
+        assert any("serving 127.0.0.1 instead of '0.0.0.0'" in line for line in lines)
+        assert _http(url, "PUT", "k", b"v")[0] == 200 and _http(url, "GET", "k")[1] == b"v"
+    finally:
+        proc.terminate()
+        code = proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert code == 0
+
+
+def _mooncake_server_program() -> str | None:
+    return os.environ.get("MOONCAKE_HTTP_METADATA_SERVER") or shutil.which(
+        "mooncake_http_metadata_server")
+
+
+@pytest.mark.skipif(_mooncake_server_program() is None,
+                    reason="Mooncake's mooncake_http_metadata_server is not installed "
+                           "(set MOONCAKE_HTTP_METADATA_SERVER to its path)")
+def test_engines_work_with_mooncakes_own_metadata_server() -> None:
+    program = _mooncake_server_program()
+    assert program is not None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([program, "--port", str(port), "--host", "127.0.0.1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/metadata"
+    a, b = TransferEngine(), TransferEngine()
+    try:
+        deadline = time.monotonic() + 20
+        while a.initialize("a", url, "tcp", "") != 0:
+            assert time.monotonic() < deadline, "Mooncake's server did not start"
+            time.sleep(0.2)
+        assert b.initialize("b", url, "tcp", "") == 0
+        buf = b.allocate_managed_buffer(4096)
+        b.write_bytes_to_buffer(buf, b"mooncake", 8)
+        local = a.allocate_managed_buffer(4096)
+        assert a.transfer_sync_read("b", local, buf, 8) == 0
+        assert a.read_bytes_from_buffer(local, 8) == b"mooncake"
+        assert a.send_probe("nobody") == -200
+    finally:
+        a.close()
+        b.close()
+        proc.terminate()
+        proc.wait(10)
+
+
+MOONCAKE_PYTHON = os.environ.get("MOONCAKE_PYTHON", "")
+
+MOONCAKE_CLIENTS = """
+import sys
+import numpy as np
+from mooncake.engine import TransferEngine
+url = sys.argv[1]
+a, b = TransferEngine(), TransferEngine()
+assert a.initialize("127.0.0.1:1", url, "tcp", "") == 0
+assert b.initialize("127.0.0.1:2", url, "tcp", "") == 0
+dst = np.zeros(4096, dtype=np.uint8)
+assert b.register_memory(dst.ctypes.data, dst.nbytes) == 0
+src = np.full(64, 3, dtype=np.uint8)
+assert a.transfer_sync_write("127.0.0.1:2", src.ctypes.data, dst.ctypes.data, 64) == 0
+assert (dst[:64] == 3).all()
+print("probe", a.send_probe("nobody:9"))
+"""
+
+
+@pytest.mark.skipif(not MOONCAKE_PYTHON, reason="set MOONCAKE_PYTHON to a python that "
+                    "imports Mooncake's wheel (mooncake-transfer-engine-non-cuda)")
+def test_mooncakes_engines_work_with_our_metadata_server(server: MetadataServer) -> None:
+    done = subprocess.run([MOONCAKE_PYTHON, "-c", MOONCAKE_CLIENTS, server.url],
+                          capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "probe -200" in done.stdout
+    assert [k for k in server.keys() if "rpc_meta" in k] == []  # withdrawn at exit
