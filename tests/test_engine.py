@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -151,12 +153,27 @@ def test_unclosed_engine_warns() -> None:
     assert engine.closed
 
 
-def test_connect_to_nothing_times_out(make_engine: Callable[..., Engine]) -> None:
+def test_connect_to_a_refused_port_fails_at_once(make_engine: Callable[..., Engine]) -> None:
+    from transfer_engine import ConnectError
+
+    a = make_engine("a", transports=["tcp"])
+    started = time.monotonic()
+    with pytest.raises(ConnectError) as info:
+        a.connect("tcp://127.0.0.1:1", timeout=5)
+    assert time.monotonic() - started < 0.5
+    assert info.value.op == "connect"
+
+
+def test_connect_to_a_silent_listener_times_out(make_engine: Callable[..., Engine]) -> None:
     from transfer_engine import TransferTimeout
 
     a = make_engine("a", transports=["tcp"])
-    with pytest.raises(TransferTimeout) as info:
-        a.connect("tcp://127.0.0.1:1", timeout=0.3)
+    with socket.socket() as silent:  # accepts connections (the kernel does) but no hello
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        with pytest.raises(TransferTimeout) as info:
+            a.connect(f"tcp://127.0.0.1:{port}", timeout=0.3)
     assert info.value.op == "hello"
 
 

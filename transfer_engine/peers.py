@@ -8,6 +8,7 @@ first; concurrent connects to one address share one handshake.
 from __future__ import annotations
 
 import logging
+import socket
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -36,6 +37,29 @@ def _usable(peer: Peer) -> bool:
     return peer.lost is None and any(
         rails and not all(rail.closed for rail in rails)
         for name, rails in peer.rails.items() if name in peer.order)
+
+def _reachable(address: str, timeout: float) -> None:
+    """Fails at once where nothing listens at a ``tcp://`` control endpoint (ZeroMQ
+    would retry quietly until the handshake's deadline): a refused port raises
+    :class:`ConnectError` now, a silent one :class:`TransferTimeout` after ``timeout``.
+    """
+    if not address.startswith("tcp://"):
+        return
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    try:
+        target = (host.strip("[]"), int(port))
+    except ValueError:
+        raise ConnectError(f"not a tcp://host:port endpoint: {address!r}", peer=address,
+                           op="connect") from None
+    try:
+        socket.create_connection(target, timeout=timeout).close()
+    except TimeoutError:
+        raise TransferTimeout(f"no answer from {address} in {timeout}s", peer=address,
+                              op="connect") from None
+    except OSError as exc:
+        raise ConnectError(f"cannot reach {address}: {exc.strerror or exc}", peer=address,
+                           op="connect") from None
+
 
 class Peers(EngineState):
     """The peer table and the handshake (a part of :class:`Engine`)."""
@@ -83,6 +107,7 @@ class Peers(EngineState):
         return peer
 
     def _handshake(self, address: str, timeout: float) -> Peer:
+        _reachable(address, timeout)
         client = ControlClient(self._zctx, address, peer=address, auth=self._signer)
         try:
             reply = client.request(Hello(self.metadata()), timeout)
