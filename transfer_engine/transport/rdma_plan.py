@@ -42,7 +42,7 @@ from transfer_engine.errors import (
 __all__ = [
     "IMM_ID_BITS", "IMM_COUNT_BITS", "MAX_EXPECTED", "encode_imm", "decode_imm",
     "unwrap_transfer_id", "ImmUnwrapper", "Opcode", "MrKey", "Sge", "WrSpec",
-    "build_work_requests", "WcStatus", "wc_error", "wc_retryable", "QpInfo", "mtu_enum",
+    "build_work_requests", "WcStatus", "WcOpcode", "wc_error", "wc_retryable", "QpInfo", "mtu_enum",
     "mtu_bytes", "negotiate_mtu", "random_psn", "NOTIFY_HEADER", "pack_notify",
     "unpack_notify", "stripe_pairs",
 ]
@@ -287,6 +287,16 @@ class WcStatus(enum.IntEnum):
     FATAL_ERR = 19
     RESP_TIMEOUT_ERR = 20
     GENERAL_ERR = 21
+
+
+class WcOpcode(enum.IntEnum):
+    """``enum ibv_wc_opcode`` values (stable ABI): what a completion completed."""
+
+    SEND = 0
+    RDMA_WRITE = 1
+    RDMA_READ = 2
+    RECV = 128
+    RECV_RDMA_WITH_IMM = 129
 
 
 _WC_ERRORS: dict[int, tuple[type[TransferError], str]] = {

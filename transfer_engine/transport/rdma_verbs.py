@@ -390,6 +390,22 @@ class Device:
                                max_dest_rd_atomic=self.max_rd_atomic))
             qp.to_rts(rts_attr(psn, self.max_init_rd_atomic))
 
+    def post_send(self, qp: Any, wr_id: int, specs: Sequence[WrSpec],
+                  peer: str | None = None) -> None:
+        """Posts ``specs`` as one chain (one doorbell). ``ProtocolError`` when a request
+        is not representable in verbs (the work's fault), ``PeerLostError`` when the
+        queue pair refuses the chain."""
+        post_send(qp, send_chain(wr_id, specs), peer)
+
+    def post_recv(self, qp: Any, wr_id: int, addr: int, length: int, lkey: int,
+                  peer: str | None = None) -> None:
+        wr = recv_wr(wr_id, addr, length, lkey)
+        try:
+            with translate(ConnectError, f"posting a receive on {self.name}", peer=peer):
+                qp.post_recv(wr)
+        finally:
+            release([wr])
+
     def alloc_mr(self, length: int) -> Any:
         """A buffer pyverbs allocates and registers (receive and notify slots)."""
         v = verbs()
@@ -494,7 +510,10 @@ class Device:
         while True:
             count, wcs = self.cq.poll(32)
             for wc in wcs:
-                self._on_wc(self, wc)
+                try:
+                    self._on_wc(self, wc)
+                except Exception:  # one handler's failure must not drop the batch's rest
+                    log.exception("rdma completion of wr_id %#x failed", wc.wr_id)
             if count < 32:
                 return
 
