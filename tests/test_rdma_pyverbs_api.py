@@ -403,6 +403,9 @@ class _Nic:
 
     post_send = Device.post_send  # the real pyverbs posting path: one chain per work
 
+    def destroy_qp(self, qp: Any) -> None:
+        qp.close()
+
     def alloc_mr(self, length: int) -> _Mr:
         return _Mr()
 

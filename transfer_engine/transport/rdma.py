@@ -198,7 +198,7 @@ class _Inbound:
         try:
             self.mr = device.alloc_mr(depth * slot)
         except BaseException:
-            self.qp.close()
+            device.destroy_qp(self.qp)
             raise
         self.key = device.qp_key(self.qp)
         try:
@@ -225,7 +225,7 @@ class _Inbound:
             if self._closed:
                 return
             self._closed = True
-        self.qp.close()
+        self.device.destroy_qp(self.qp)
         self.mr.close()
 
 
@@ -472,7 +472,7 @@ class RdmaRail(Rail):
                 "rail closed", peer=self.peer, op=str(work.op), transport="rdma")))
         self._transport.forget_rail(self)
         self._sock.close()
-        self._qp.close()
+        self.device.destroy_qp(self._qp)
         self._notify_mr.close()
 
     def __repr__(self) -> str:
@@ -494,6 +494,9 @@ class RdmaTransport(Transport):
     :param slice_size: bytes per work request the planner aims for.
     :param max_notify: largest notification payload in bytes.
     :param sq_depth / recv_depth: send / receive queue entries per QP.
+    :param cq_depth: completion queue entries per NIC (capped by the device). Every QP
+        reserves its queues' worth (``sq_depth + 1`` for a rail, ``recv_depth + 1``
+        for a peer's rail to us), so a rail that would let it overrun is refused.
     :param relaxed_ordering: register memory with relaxed PCIe ordering when supported.
     :param provider: ``"pyverbs"`` (a real NIC) or ``"emulated"`` (the user-space
         provider of ``rdma_emulated``, for machines without one); None reads
@@ -511,14 +514,14 @@ class RdmaTransport(Transport):
                  max_notify: int = 4096, sq_depth: int = 1024, recv_depth: int = 256,
                  notify_slots: int = 64, relaxed_ordering: bool = True,
                  poll_interval: float = 0.2, provider: str | None = None,
-                 emulated_copy: bool = True) -> None:
+                 emulated_copy: bool = True, cq_depth: int = 1 << 16) -> None:
         provider = provider or os.environ.get("TE_RDMA_PROVIDER") or "pyverbs"
         if provider not in PROVIDERS:
             raise NotSupportedError(f"unknown RDMA provider {provider!r}; known: "
                                     f"{list(PROVIDERS)}", transport="rdma")
         self.provider = provider
         names = devices.split(",") if isinstance(devices, str) else devices
-        kwargs: dict[str, Any] = {"gid_index": gid_index, "cq_depth": 4 * sq_depth,
+        kwargs: dict[str, Any] = {"gid_index": gid_index, "cq_depth": cq_depth,
                                   "relaxed_ordering": relaxed_ordering,
                                   "on_wc": self._on_wc, "poll_interval": poll_interval}
         if provider == "emulated":
@@ -657,11 +660,11 @@ class RdmaTransport(Transport):
             sock = socket.create_connection((hostport[0].strip("[]"), int(hostport[1])),
                                             timeout=timeout)
         except TimeoutError as exc:
-            qp.close()
+            dev.destroy_qp(qp)
             raise TransferTimeout(f"side channel {endpoint} timed out", peer=peer,
                                   transport="rdma", op="connect") from exc
         except OSError as exc:
-            qp.close()
+            dev.destroy_qp(qp)
             raise ConnectError(f"cannot reach side channel {endpoint}: {exc}", peer=peer,
                                transport="rdma", op="connect") from exc
         try:
@@ -684,12 +687,12 @@ class RdmaTransport(Transport):
             keys = _keys_from_wire(reply.get("segments", {}))
         except TransferError as exc:
             sock.close()
-            qp.close()
+            dev.destroy_qp(qp)
             exc.with_context(peer=peer, op="connect", transport="rdma")
             raise
         except OSError as exc:
             sock.close()
-            qp.close()
+            dev.destroy_qp(qp)
             raise ConnectError(f"rdma handshake failed: {exc}", peer=peer,
                                transport="rdma", op="connect") from exc
         rail = RdmaRail(self, peer, index, dev, remote_dev, qp, sock, keys, on_complete)

@@ -40,7 +40,7 @@ from transfer_engine.transport.rdma_emulated import (
     VerbsError,
     WorkCompletion,
 )
-from transfer_engine.transport.rdma_plan import QpInfo, WrSpec
+from transfer_engine.transport.rdma_plan import CqRoom, QpInfo, WrSpec
 
 if TYPE_CHECKING:
     from transfer_engine.transport.rdma import _Inbound
@@ -85,6 +85,7 @@ class EmulatedDevice:
         self.link_rate_gbps = 0.0
         self.pd = ProtectionDomain(self.nic)
         self.cq = CompletionQueue(self.nic, self.cq_depth)
+        self.cq_room = CqRoom(self.cq_depth)
         self._on_wc, self._interval, self._on_event = on_wc, poll_interval, on_event
         self._inbound: dict[int, _Inbound] = {}
         self._calls: collections.deque[tuple[Any, tuple[Any, ...]]] = collections.deque()
@@ -99,12 +100,29 @@ class EmulatedDevice:
     # QPs and memory
 
     def create_qp(self, *, send_wr: int, recv_wr: int, send_sge: int) -> QueuePair:
-        with translate(ConnectError, f"creating a queue pair on {self.name}"):
-            qp = QueuePair(self.pd, self.cq, max_send_wr=send_wr, max_recv_wr=recv_wr,
-                           max_send_sge=send_sge)
-            qp.to_init(self.port, ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE
-                       | ACCESS_REMOTE_READ)
+        """A QP in INIT with its room reserved on the CQ (see ``rdma_plan.CqRoom``)."""
+        self.cq_room.reserve(send_wr + recv_wr, self.name)
+        try:
+            with translate(ConnectError, f"creating a queue pair on {self.name}"):
+                qp = QueuePair(self.pd, self.cq, max_send_wr=send_wr,
+                               max_recv_wr=recv_wr, max_send_sge=send_sge)
+                try:
+                    qp.to_init(self.port, ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE
+                               | ACCESS_REMOTE_READ)
+                except VerbsError:
+                    qp.close()
+                    raise
+        except BaseException:
+            self.cq_room.cancel(send_wr + recv_wr)
+            raise
+        self.cq_room.hold(id(qp), send_wr + recv_wr)
         return qp
+
+    def destroy_qp(self, qp: QueuePair) -> None:
+        try:
+            qp.close()
+        finally:
+            self.cq_room.free(id(qp))
 
     @staticmethod
     def qp_key(qp: QueuePair) -> int:

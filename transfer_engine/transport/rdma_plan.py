@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import random
 import struct
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 from transfer_engine.descriptor import Op
 from transfer_engine.errors import (
     ClosedError,
+    ConnectError,
     InvalidDescriptorError,
     PeerLostError,
     ProtocolError,
@@ -44,7 +46,7 @@ __all__ = [
     "unwrap_transfer_id", "ImmUnwrapper", "Opcode", "MrKey", "Sge", "WrSpec",
     "build_work_requests", "WcStatus", "WcOpcode", "wc_error", "wc_retryable", "QpInfo", "mtu_enum",
     "mtu_bytes", "negotiate_mtu", "random_psn", "NOTIFY_HEADER", "pack_notify",
-    "unpack_notify", "stripe_pairs",
+    "unpack_notify", "stripe_pairs", "CqRoom",
 ]
 
 IMM_ID_BITS = 24
@@ -446,3 +448,39 @@ def unpack_notify(data: bytes | memoryview, peer: str | None = None
         raise ProtocolError("notification expects no immediates", peer=peer,
                             transport="rdma")
     return tid, expected, origin, bytes(data[NOTIFY_HEADER.size:])
+
+
+class CqRoom:
+    """Keeps a completion queue from overrunning: every queue pair on it reserves one
+    entry per work request it can have outstanding (``max_send_wr + max_recv_wr``:
+    after a failure every one of them, signaled or not, completes with a flush), and a
+    queue pair that does not fit is refused instead of overrunning the queue later."""
+
+    __slots__ = ("depth", "used", "_held", "_lock")
+
+    def __init__(self, depth: int) -> None:
+        self.depth, self.used = depth, 0
+        self._held: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def reserve(self, n: int, device: str) -> None:
+        with self._lock:
+            if self.used + n > self.depth:
+                raise ConnectError(f"completion queue of {device} is full: {self.used} of "
+                                   f"{self.depth} entries held by queue pairs, {n} more "
+                                   "needed (raise cq_depth or lower sq_depth)",
+                                   transport="rdma", op="connect")
+            self.used += n
+
+    def hold(self, key: int, n: int) -> None:
+        """Ties a reservation to a queue pair (``id(qp)``) for :meth:`free`."""
+        with self._lock:
+            self._held[key] = n
+
+    def free(self, key: int) -> None:
+        with self._lock:
+            self.used -= self._held.pop(key, 0)
+
+    def cancel(self, n: int) -> None:
+        with self._lock:
+            self.used -= n

@@ -46,7 +46,7 @@ from transfer_engine.errors import (
     RegistrationError,
     TransferError,
 )
-from transfer_engine.transport.rdma_plan import Opcode, QpInfo, WrSpec, mtu_enum
+from transfer_engine.transport.rdma_plan import CqRoom, Opcode, QpInfo, WrSpec, mtu_enum
 
 if TYPE_CHECKING:
     from transfer_engine.transport.rdma import _Inbound
@@ -301,6 +301,7 @@ class Device:
                 self.channel, self._chan_fd = _new_channel_fd(lambda: v.CompChannel(self.ctx))
                 opened.append(self.channel)
                 self.cq = v.CQ(self.ctx, min(cq_depth, attr.max_cqe), None, self.channel, 0)
+                self.cq_room = CqRoom(min(cq_depth, attr.max_cqe))
                 opened.append(self.cq)
         except BaseException:
             for obj in reversed(opened):
@@ -360,16 +361,32 @@ class Device:
     # QPs and memory
 
     def create_qp(self, *, send_wr: int, recv_wr: int, send_sge: int) -> Any:
+        """A QP in INIT, its completions' room reserved on the CQ (``ConnectError``
+        when the CQ cannot take them); :meth:`destroy_qp` gives it back."""
         v = verbs()
-        init = qp_init_attr(self.cq, send_wr=send_wr, recv_wr=recv_wr, send_sge=send_sge)
-        with translate(ConnectError, f"creating a queue pair on {self.name}"):
-            qp = v.QP(self.pd, init)
-            try:
-                qp.to_init(init_attr(self.port))
-            except v.Error:
-                qp.close()
-                raise
+        self.cq_room.reserve(send_wr + recv_wr, self.name)
+        try:
+            init = qp_init_attr(self.cq, send_wr=send_wr, recv_wr=recv_wr,
+                                send_sge=send_sge)
+            with translate(ConnectError, f"creating a queue pair on {self.name}"):
+                qp = v.QP(self.pd, init)
+                try:
+                    qp.to_init(init_attr(self.port))
+                except v.Error:
+                    qp.close()
+                    raise
+        except BaseException:
+            self.cq_room.cancel(send_wr + recv_wr)
+            raise
+        self.cq_room.hold(id(qp), send_wr + recv_wr)
         return qp
+
+    def destroy_qp(self, qp: Any) -> None:
+        """Destroys a QP and frees its room on the CQ (idempotent)."""
+        try:
+            qp.close()
+        finally:
+            self.cq_room.free(id(qp))
 
     @staticmethod
     def qp_key(qp: Any) -> int:
