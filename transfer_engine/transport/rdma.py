@@ -282,7 +282,10 @@ class RdmaRail(Rail):
         missing = [e[0] for e in work.remote if e[0] not in self._remote_keys]
         if missing:  # one round trip per segment, then cached; bounded by the timeout
             self._fetch_keys(sorted(set(missing)))
-        with self._lock:
+        with self._lock:  # the state again: the rail may have failed since the check
+            if self._state != "OPEN":
+                cls = ClosedError if self._state == "CLOSED" else PeerLostError
+                raise cls(f"rail {self._state.lower()}", peer=self.peer, transport="rdma")
             self._backlog.append((work, self.index))
             self._pump()
 
@@ -336,7 +339,7 @@ class RdmaRail(Rail):
             raise BlockingIOError  # no free notify slot yet: stay in the backlog
         slot = self._notify_free.pop()
         size = NOTIFY_HEADER.size + self._transport.max_notify
-        data = pack_notify(imm.transfer_id, imm.expected, origin, notify)
+        data = pack_notify(imm.transfer_id, imm.expected, origin, imm.notify)
         self._notify_mr.write(data, len(data), slot * size)
         if specs:
             last = specs[-1]
@@ -572,7 +575,8 @@ class RdmaTransport(Transport):
         # hold many pieces: all of them are checked against the target's keys before
         # any is posted, and they share one doorbell.
         return Capabilities(
-            max_sge=WORK_PIECES, max_wr_bytes=min(d.max_msg_size for d in self._devices),
+            max_sge=min(WORK_PIECES, self.sq_depth - 1),
+            max_wr_bytes=min(d.max_msg_size for d in self._devices),
             remote_scatter=True, device_memory=self.provider == "pyverbs",
             default_rails=self.rails_per_nic * len(self._devices),
             slice_size=self.slice_size)
