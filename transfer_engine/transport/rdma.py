@@ -740,6 +740,11 @@ class RdmaTransport(Transport):
         for dev in self._devices:
             dev.close()
 
+    def emulated_nics(self) -> list[Any]:
+        """The emulated provider's NICs (``rdma_emulated.Nic``: counters, ``copy``,
+        ``fail``); empty on pyverbs."""
+        return [d.nic for d in self._devices if hasattr(d, "nic")]
+
     def info(self, key: str) -> Any:
         if key == "devices":
             return [d.name for d in self._devices]

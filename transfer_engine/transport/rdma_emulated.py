@@ -39,7 +39,8 @@ kernel's ptrace rules already do; it is a test and development device, not a
 security boundary beyond the key checks.
 
 ``copy=False`` makes the NIC a counting device: every check and completion happens,
-no byte moves. The bench uses it to measure the CPU time of the transport alone.
+no byte moves (its requests carry a flag the responder honours, so the requester's
+setting decides). The bench uses it to measure the CPU time of the transport alone.
 
 Not emulated: timing (a NIC's bandwidth and latency), PSN sequencing and
 retransmission (the socket is reliable), atomics, memory windows, SRQs, UD.
@@ -404,7 +405,8 @@ def _wc_opcode(op: Opcode) -> int:
 
 _HELLO = struct.Struct("<4sII16s")  # magic, source QP, destination QP, source GID
 _HELLO_MAGIC = b"TEQP"
-_REQ = struct.Struct("<BBHIQIIIxxxx")  # kind, opcode, nsge, seq, raddr, rkey, len, imm
+_REQ = struct.Struct("<BBHIQIIII")  # kind, opcode, nsge, seq, raddr, rkey, len, imm, flags
+_FLAG_COUNT = 1  # the requester's NIC counts: check everything, copy nothing
 _SGE = struct.Struct("<QQ")
 _ACK = struct.Struct("<BBHII")  # kind, status, pad, seq, byte_len
 _KIND_REQ, _KIND_ACK = 1, 2
@@ -467,7 +469,8 @@ class Nic:
         self.events: collections.deque[tuple[int, int | None]] = collections.deque()
         self.on_event: Callable[[], None] | None = None
         self.failed = False
-        self.bytes_moved = 0
+        self.bytes_moved = 0  # as responder (counted in counting mode too)
+        self.wrs_issued = 0  # send requests this NIC sent as requester
         self._keys = itertools.count(secrets.randbelow(1 << 20) + 1)
         self._qpns = itertools.count(secrets.randbelow(1 << 16) + 16)
         self._wires: dict[int, _Wire] = {}  # fd -> wire
@@ -534,6 +537,17 @@ class Nic:
                 cq.signal()
             self.raise_event(AsyncEvent.DEVICE_FATAL, None)
         self.doorbell()
+
+    def cpu_seconds(self) -> float:
+        """CPU time of this NIC's thread: the emulated hardware's, which a bench of the
+        transport's own cost leaves out."""
+        ident = self._thread.ident
+        if ident is None or not self._thread.is_alive():
+            return 0.0
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(ident))
+        except OSError:
+            return 0.0
 
     def close(self) -> None:
         self._stopping = True
@@ -740,7 +754,9 @@ class Nic:
                     return
             wire.seq = (wire.seq + 1) & 0xFFFFFFFF
             wire.out += _REQ.pack(_KIND_REQ, int(spec.opcode), len(spec.sges), wire.seq,
-                                  spec.remote_addr, spec.rkey, spec.nbytes, spec.imm or 0)
+                                  spec.remote_addr, spec.rkey, spec.nbytes, spec.imm or 0,
+                                  0 if self.copy else _FLAG_COUNT)
+            self.wrs_issued += 1
             for sge in spec.sges:
                 wire.out += _SGE.pack(sge.addr, sge.length)
             qp.inflight.append(entry)
@@ -791,14 +807,14 @@ class Nic:
         qp = wire.qp
         assert qp is not None
         while len(buf) - pos >= _REQ.size:
-            _, opcode, nsge, seq, raddr, rkey, length, imm = _REQ.unpack_from(buf, pos)
+            _, opcode, nsge, seq, raddr, rkey, length, imm, flags = _REQ.unpack_from(buf, pos)
             end = pos + _REQ.size + nsge * _SGE.size
             if len(buf) < end:
                 break
             sges = [_SGE.unpack_from(buf, pos + _REQ.size + i * _SGE.size)
                     for i in range(nsge)]
             status = self._execute(qp, wire, Opcode(opcode), raddr, rkey, length, imm,
-                                   sges, touched)
+                                   sges, touched, copy=not flags & _FLAG_COUNT)
             if status is None:  # receiver not ready
                 since = wire.stalled[2] if wire.stalled and wire.stalled[1] == seq else (
                     time.monotonic())
@@ -817,7 +833,7 @@ class Nic:
 
     def _execute(self, qp: QueuePair, wire: _Wire, op: Opcode, raddr: int, rkey: int,
                  length: int, imm: int, sges: list[tuple[int, int]],
-                 touched: set[CompletionQueue]) -> int | None:
+                 touched: set[CompletionQueue], copy: bool = True) -> int | None:
         """One request against our memory; its status (None: no receive posted yet)."""
         if qp.state not in (QpState.RTR, QpState.RTS) or self.failed:
             return WcStatus.RETRY_EXC_ERR  # an ERR responder answers nothing
@@ -833,7 +849,7 @@ class Nic:
                 touched.add(qp.cq)
                 return WcStatus.REM_ACCESS_ERR
             if length and not self._move(wire.pid, [(raddr, length)], sges,
-                                         to_requester=op is Opcode.READ):
+                                         to_requester=op is Opcode.READ, copy=copy):
                 return WcStatus.REM_OP_ERR
         if op in (Opcode.SEND, Opcode.SEND_WITH_IMM, Opcode.WRITE_WITH_IMM):
             recv = qp.rq.popleft()
@@ -855,7 +871,7 @@ class Nic:
                     return WcStatus.REM_INV_REQ_ERR if length > room else (
                         WcStatus.REM_OP_ERR)
                 if length and not self._move(wire.pid, _take(recv.sges, length), sges,
-                                             to_requester=False):
+                                             to_requester=False, copy=copy):
                     return WcStatus.REM_OP_ERR
             if op is not Opcode.SEND:
                 wc.imm_data = socket.htonl(imm)
@@ -865,9 +881,9 @@ class Nic:
         return WcStatus.SUCCESS
 
     def _move(self, pid: int, ours: list[tuple[int, int]], theirs: list[tuple[int, int]],
-              *, to_requester: bool) -> bool:
+              *, to_requester: bool, copy: bool) -> bool:
         self.bytes_moved += sum(n for _, n in ours)
-        if not self.copy:
+        if not (self.copy and copy):
             return True
         try:
             self._copy_fn(pid, ours, theirs, write=to_requester)
