@@ -8,6 +8,7 @@ queue) run without a NIC.
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Callable
 from typing import Any
@@ -177,3 +178,19 @@ def test_an_emulated_peer_never_pairs_with_a_real_nic() -> None:
         assert not t.reachable(meta)
     finally:
         t.close()
+
+
+def test_bench_emulated_reports_host_cost(tmp_path: Any,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.transfer_engine_bench import main
+
+    out = tmp_path / "bench.json"
+    rc = main(["--local", "--protocol", "rdma", "--emulated", "--duration", "0.5",
+               "--block_size", "65536", "--batch_size", "64", "--operation", "write",
+               "--buffer_size", str(64 * MiB), "--json", str(out)])
+    assert rc == 0, capsys.readouterr()
+    res = json.loads(out.read_text())
+    assert res["verified"] is True and res["transport"] == "rdma" and res["emulated"]
+    assert res["host_us_per_wr"] > 0 and res["host_cpu_s_per_gb"] > 0
+    assert res["runs"][0]["work_requests"] > 0
+    assert res["runs"][0]["host_cpu_sides"] == "initiator+target"

@@ -69,7 +69,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -107,6 +107,7 @@ from transfer_engine.transport.base import (
     Transport,
     Work,
 )
+from transfer_engine.transport.rdma_batch import WrBatch, build_wr_batch, empty_batch
 from transfer_engine.transport.rdma_plan import (
     NOTIFY_HEADER,
     ImmUnwrapper,
@@ -116,7 +117,6 @@ from transfer_engine.transport.rdma_plan import (
     Sge,
     WcOpcode,
     WrSpec,
-    build_work_requests,
     decode_imm,
     encode_imm,
     negotiate_mtu,
@@ -183,6 +183,20 @@ def _recv_frame(sock: socket.socket, peer: str | None, limit: int = 0) -> dict[s
 
 def _keys_from_wire(data: Any) -> dict[int, MrKey]:
     return {int(k): MrKey(int(v[0]), int(v[1]), int(v[2])) for k, v in data.items()}
+
+
+def _segment_ids(spans: Any) -> set[int]:
+    """The segment ids of a work's pieces, without a Python object per piece when the
+    planner handed them over as columns (``planner.Spans``)."""
+    uniform = getattr(spans, "uniform", None)
+    if uniform is not None:
+        return {int(uniform[0])}
+    seg = getattr(spans, "segment", None)
+    if seg is not None and hasattr(seg, "tolist"):
+        if len(seg) and bool((seg == seg[0]).all()):
+            return {int(seg[0])}
+        return set(seg.tolist())
+    return {int(e[0]) for e in spans}
 
 
 class _Inbound:
@@ -279,9 +293,9 @@ class RdmaRail(Rail):
             raise ClosedError("rail is closed", peer=self.peer, transport="rdma")
         if self._state == "FAILED":
             raise PeerLostError("rail failed", peer=self.peer, transport="rdma")
-        missing = [e[0] for e in work.remote if e[0] not in self._remote_keys]
+        missing = [sid for sid in _segment_ids(work.remote) if sid not in self._remote_keys]
         if missing:  # one round trip per segment, then cached; bounded by the timeout
-            self._fetch_keys(sorted(set(missing)))
+            self._fetch_keys(sorted(missing))
         with self._lock:  # the state again: the rail may have failed since the check
             if self._state != "OPEN":
                 cls = ClosedError if self._state == "CLOSED" else PeerLostError
@@ -313,17 +327,17 @@ class RdmaRail(Rail):
                 return
         self._hand_over(items, err)
 
-    def _specs(self, work: Work, origin: int) -> tuple[list[WrSpec], int | None]:
+    def _specs(self, work: Work, origin: int) -> tuple[WrBatch, int | None]:
         imm = work.imm
         via_send = imm is not None and (imm.notify is not None or origin != self.index
                                         or work.op is Op.READ)
         direct = encode_imm(imm.transfer_id, imm.expected) if imm and not via_send else None
         max_sge = self._max_sge if work.op is Op.WRITE else self.device.max_sge_rd
         if work.nbytes == 0 and imm is not None and not work.local and not work.remote:
-            specs: list[WrSpec] = []  # a notification alone (after a READ): the SEND only
+            specs = empty_batch()  # a notification alone (after a READ): the SEND only
             via_send = True
         else:
-            specs = build_work_requests(
+            specs = build_wr_batch(
                 work.op, work.local, work.remote, local_keys=self._transport.local_keys(
                     self.device.name), remote_keys=self._remote_keys, max_sge=max_sge,
                 max_msg_size=self._max_msg, imm=direct, peer=self.peer)
@@ -341,14 +355,11 @@ class RdmaRail(Rail):
         size = NOTIFY_HEADER.size + self._transport.max_notify
         data = pack_notify(imm.transfer_id, imm.expected, origin, imm.notify)
         self._notify_mr.write(data, len(data), slot * size)
-        if specs:
-            last = specs[-1]
-            specs[-1] = WrSpec(last.opcode, last.sges, last.remote_addr, last.rkey, False)
+        specs.unsignal_last()
         sge = Sge(self._notify_mr.buf + slot * size, len(data), self._notify_mr.lkey)
         send = WrSpec(Opcode.SEND_WITH_IMM, (sge,), 0, 0, True,
                       encode_imm(imm.transfer_id, imm.expected))
-        specs.append(send)
-        return specs, slot
+        return specs.append(send), slot
 
     def _pump(self) -> None:
         """Posts backlog work while the send queue has room (caller holds the lock)."""
@@ -513,7 +524,7 @@ class RdmaTransport(Transport):
 
     def __init__(self, devices: str | list[str] | None = None, rails_per_nic: int = 2,
                  host: str = "127.0.0.1", port: int = 0, advertise: str | None = None,
-                 gid_index: int | None = None, slice_size: int = 1 << 20,
+                 gid_index: int | None = None, slice_size: int = 4 << 20,
                  max_notify: int = 4096, sq_depth: int = 1024, recv_depth: int = 256,
                  notify_slots: int = 64, relaxed_ordering: bool = True,
                  poll_interval: float = 0.2, provider: str | None = None,
@@ -739,6 +750,14 @@ class RdmaTransport(Transport):
         self._mrs.clear()
         for dev in self._devices:
             dev.close()
+
+    def spread(self, rails: Sequence[Rail]) -> int:
+        """One rail per NIC pair carries a transfer: a second queue pair on the same
+        NICs adds no bandwidth to it, only more requests to post and complete; the
+        other rails carry concurrent transfers."""
+        pairs = {(getattr(r, "device", None), getattr(r, "remote_device", None))
+                 for r in rails}
+        return max(1, min(len(rails), len(pairs)))
 
     def emulated_nics(self) -> list[Any]:
         """The emulated provider's NICs (``rdma_emulated.Nic``: counters, ``copy``,

@@ -65,7 +65,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from transfer_engine.errors import TransferEngineError
+from transfer_engine.transport.rdma_batch import WrBatch
 from transfer_engine.transport.rdma_plan import Opcode, WcOpcode, WcStatus, WrSpec
 from transfer_engine.transport.shm import cross_copy, grant_attach, peer_credentials
 
@@ -274,6 +277,8 @@ class QueuePair:
         self.qp_num = nic.new_qp_num()
         self.remote: tuple[str, int] | None = None  # (gid, qp number) after RTR
         self.access = 0
+        # posted chains, expanded into per-request entries by the NIC (not the poster)
+        self.posted: collections.deque[tuple[int, WrBatch]] = collections.deque()
         self.sq: collections.deque[_SendEntry] = collections.deque()  # not yet issued
         self.outstanding = 0  # posted send entries not yet completed (issued or not)
         self.inflight: collections.deque[_SendEntry] = collections.deque()  # issued
@@ -315,7 +320,14 @@ class QueuePair:
         if flush:
             self._flush()
 
+    def expand(self) -> None:
+        """Posted chains into the send queue's per-request entries (NIC lock held)."""
+        while self.posted:
+            wr_id, batch = self.posted.popleft()
+            self.sq.extend(_SendEntry(wr_id, spec) for spec in batch.specs())
+
     def _flush(self) -> None:
+        self.expand()
         for entry in (*self.inflight, *self.sq):
             self.cq.push(WorkCompletion(entry.wr_id, WcStatus.WR_FLUSH_ERR,
                                         _wc_opcode(entry.spec.opcode), qp_num=self.qp_num))
@@ -329,34 +341,38 @@ class QueuePair:
 
     # posting
 
-    def post_send(self, wr_id: int, specs: Sequence[WrSpec]) -> None:
+    def post_send(self, wr_id: int, specs: Sequence[WrSpec] | WrBatch) -> None:
         """Posts a chain of requests under one ``wr_id`` with one doorbell. All or
         nothing: a request the queue pair cannot take fails the call (``EINVAL`` for a
         bad state, opcode or SGE count, ``ENOMEM`` when the send queue is full)."""
+        batch = specs if isinstance(specs, WrBatch) else WrBatch.from_specs(specs)
+        n = len(batch)
+        single = n and int(batch.sge_end[-1]) == n  # one SGE each: nothing to count
         with self.nic.lock:
             if self._closed:
                 raise VerbsError("ibv_post_send (destroyed QP)", errno.EINVAL)
-            for spec in specs:
-                if len(spec.sges) > self.max_send_sge or (
-                        spec.opcode is Opcode.READ and len(spec.sges) > self.nic.max_sge_rd):
+            if n and not single:
+                counts = np.diff(batch.sge_end, prepend=0)
+                reads = batch.opcode == int(Opcode.READ)
+                if (int(counts.max()) > self.max_send_sge
+                        or bool((counts[reads] > self.nic.max_sge_rd).any())):
                     raise VerbsError("ibv_post_send (num_sge)", errno.EINVAL)
-                if sum(s.length for s in spec.sges) > _MAX_MSG:
-                    raise VerbsError("ibv_post_send (message size)", errno.EINVAL)
+            sizes = batch.length if single else batch.nbytes
+            if n and int(sizes.max()) > _MAX_MSG:
+                raise VerbsError("ibv_post_send (message size)", errno.EINVAL)
             if self.state not in (QpState.RTS, QpState.ERR):
                 raise VerbsError(f"ibv_post_send in {QpState.NAMES[self.state]}",
                                  errno.EINVAL)
-            if self.outstanding + len(specs) > self.max_send_wr:
+            if self.outstanding + n > self.max_send_wr:
                 raise VerbsError("ibv_post_send (send queue full)", errno.ENOMEM)
-            entries = [_SendEntry(wr_id, spec) for spec in specs]
             if self.state == QpState.ERR:
-                for entry in entries:
+                for op in batch.opcode.tolist():
                     self.cq.push(WorkCompletion(wr_id, WcStatus.WR_FLUSH_ERR,
-                                                _wc_opcode(entry.spec.opcode),
-                                                qp_num=self.qp_num))
+                                                _wc_opcode(Opcode(op)), qp_num=self.qp_num))
                 self.cq.signal()
                 return
-            self.sq.extend(entries)
-            self.outstanding += len(entries)
+            self.posted.append((wr_id, batch))
+            self.outstanding += n
             self.nic.pending.add(self)
         self.nic.doorbell()
 
@@ -386,6 +402,7 @@ class QueuePair:
                 return
             self._closed = True
             self.state = QpState.ERR
+            self.posted.clear()
             self.sq.clear()
             self.inflight.clear()
             self.rq.clear()
@@ -688,6 +705,7 @@ class Nic:
         if wire.responder or qp is None or qp.wire is not wire:
             return
         qp.wire = None
+        qp.expand()
         if qp.state != QpState.ERR and (qp.inflight or qp.sq):
             first = (qp.inflight or qp.sq).popleft()
             qp.outstanding -= 1
@@ -722,6 +740,7 @@ class Nic:
         if qp.state != QpState.RTS or self.failed:
             self.pending.discard(qp)
             return
+        qp.expand()
         if qp.wire is None:
             qp.wire = self._connect(qp)
             if qp.wire is None:  # nobody at that address: retries exceeded

@@ -46,6 +46,7 @@ from transfer_engine.errors import (
     RegistrationError,
     TransferError,
 )
+from transfer_engine.transport.rdma_batch import WrBatch
 from transfer_engine.transport.rdma_plan import CqRoom, Opcode, QpInfo, WrSpec, mtu_enum
 
 if TYPE_CHECKING:
@@ -407,11 +408,14 @@ class Device:
                                max_dest_rd_atomic=self.max_rd_atomic))
             qp.to_rts(rts_attr(psn, self.max_init_rd_atomic))
 
-    def post_send(self, qp: Any, wr_id: int, specs: Sequence[WrSpec],
+    def post_send(self, qp: Any, wr_id: int, specs: Sequence[WrSpec] | WrBatch,
                   peer: str | None = None) -> None:
         """Posts ``specs`` as one chain (one doorbell). ``ProtocolError`` when a request
         is not representable in verbs (the work's fault), ``PeerLostError`` when the
-        queue pair refuses the chain."""
+        queue pair refuses the chain. pyverbs needs an object per request: a batch is
+        turned into them here."""
+        if isinstance(specs, WrBatch):
+            specs = specs.specs()
         post_send(qp, send_chain(wr_id, specs), peer)
 
     def post_recv(self, qp: Any, wr_id: int, addr: int, length: int, lkey: int,
