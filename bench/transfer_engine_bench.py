@@ -227,7 +227,7 @@ def _emulated_nics(transports: list[Any] | None) -> list[Any]:
 
 def _host_cpu(transports: list[Any] | None) -> float:
     """This process's CPU seconds less the emulated NICs' threads (the "hardware")."""
-    return cpu_seconds() - sum(nic.cpu_seconds() for nic in _emulated_nics(transports))
+    return cpu_seconds() - float(sum(nic.cpu_seconds() for nic in _emulated_nics(transports)))
 
 
 def _close_unused(transports: list[Any] | None) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -76,11 +76,11 @@ def test_many_blocks_many_work_requests_one_notification(
 
 def test_lost_nic_moves_work_to_the_other_nic(make_engine: Callable[..., Engine]) -> None:
     a, b, peer, seg, remote, src, dst = _pair(make_engine, 32 * MiB)
-    transport = a._transports["rdma"]
+    transport = cast(RdmaTransport, a._transports["rdma"])
     handles = [a.write(peer, [(Descriptor(seg, k * 4 * MiB, 4 * MiB),
                                Descriptor(remote, k * 4 * MiB, 4 * MiB))], notify=b"%d" % k)
                for k in range(8)]
-    transport._devices[0].fail()  # emu0 gone mid-transfer
+    transport.emulated_nics()[0].fail()  # emu0 gone mid-transfer
     for h in handles:
         h.wait(30)
         assert h.state is TransferState.DONE and h.transport == "rdma"
@@ -96,8 +96,8 @@ def test_qp_error_mid_transfer_falls_back_to_tcp(make_engine: Callable[..., Engi
     a, b, peer, seg, remote, src, dst = _pair(
         make_engine, a_transports=[_rdma(), "tcp"], b_transports=[_rdma(), "tcp"])
     assert peer.transport == "rdma"
-    for dev in b._transports["rdma"]._devices:  # every NIC of the target lost
-        dev.fail()
+    for nic in cast(RdmaTransport, b._transports["rdma"]).emulated_nics():
+        nic.fail()  # every NIC of the target lost
     h = a.write(peer, [(Descriptor(seg, 0, 16 * MiB), Descriptor(remote, 0, 16 * MiB))],
                 notify=b"fell back")
     h.wait(30)
