@@ -1,5 +1,11 @@
 """RDMA transport over pyverbs: RC queue pairs, one rail per NIC pair, write-with-imm.
 
+Two providers sit under the same rail code: pyverbs on a real NIC (``rdma_verbs``) and,
+on machines without one, the emulated verbs provider (``provider="emulated"`` or
+``TE_RDMA_PROVIDER=emulated``: ``rdma_emulated`` and ``rdma_emulated_device``), which
+enforces verbs semantics and moves bytes between processes. A work's verbs requests
+are built as columns (``rdma_batch``) and posted as one chain.
+
 pyverbs (rdma-core's Python bindings, a distribution package) is imported when the
 transport is built, never by ``import transfer_engine``. Without pyverbs, without a
 device or without an active port the constructor raises ``NotSupportedError`` saying
