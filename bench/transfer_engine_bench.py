@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api", choices=("blocks", "pairs"), default="blocks",
                    help="how batches are described: Blocks arrays, or a Descriptor pair "
                         "per block")
+    p.add_argument("--emulated", action="store_true",
+                   help="with --protocol rdma: the emulated verbs provider (no NIC needed). "
+                        "Measured runs count bytes instead of moving them and report "
+                        "host_us_per_wr and host_cpu_s_per_gb, the CPU time of the "
+                        "engine's own threads (the emulated NICs' threads left out); "
+                        "the verified batches are moved for real")
     p.add_argument("--warmup", type=float, default=0.5, help="seconds before each run")
     p.add_argument("--seed", type=int, default=1234,
                    help="the target fills its buffer from this seed (checks READs)")
@@ -176,6 +182,8 @@ def _check_flags(a: argparse.Namespace) -> None:
     if a.mode == "initiator" and not a.local and not a.segment_id:
         raise UsageError("--mode initiator needs --segment_id (the target's endpoint) "
                          "or --local")
+    if a.emulated and a.protocol != "rdma":
+        raise UsageError("--emulated is for --protocol rdma")
     if a.protocol == "rdma" and (a.rails is not None or a.slice_size is not None
                                  or a.spread is not None):
         raise UsageError("--rails, --slice_size and --spread are for tcp and shm; rdma "
@@ -192,6 +200,8 @@ def make_transports(a: argparse.Namespace) -> list[Any] | None:
         try:
             from transfer_engine.transport.rdma import RdmaTransport
             devices = a.device_name or None
+            if a.emulated:
+                return [RdmaTransport(devices=devices, host=a.host, provider="emulated")]
             return [RdmaTransport(devices=devices, host=a.host)]
         except (TransferEngineError, ImportError, OSError) as exc:
             what = f"device {a.device_name}" if a.device_name else "an RDMA device"
@@ -208,6 +218,16 @@ def make_transports(a: argparse.Namespace) -> list[Any] | None:
     if a.protocol == "shm" or a.protocol == "auto":
         return [ShmTransport(**rails, **sliced), tcp]
     return [tcp]
+
+
+def _emulated_nics(transports: list[Any] | None) -> list[Any]:
+    return [nic for t in transports or [] if hasattr(t, "emulated_nics")
+            for nic in t.emulated_nics()]
+
+
+def _host_cpu(transports: list[Any] | None) -> float:
+    """This process's CPU seconds less the emulated NICs' threads (the "hardware")."""
+    return cpu_seconds() - float(sum(nic.cpu_seconds() for nic in _emulated_nics(transports)))
 
 
 def _close_unused(transports: list[Any] | None) -> None:
@@ -227,7 +247,7 @@ def run_target(a: argparse.Namespace, *, watch_parent: bool = False) -> int:
     stop = threading.Event()
 
     def on_usr1(signum: int, frame: Any) -> None:
-        os.write(1, f"CPU {cpu_seconds():.6f}\n".encode())
+        os.write(1, f"CPU {_host_cpu(transports):.6f}\n".encode())
 
     def on_stop(signum: int, frame: Any) -> None:
         stop.set()
@@ -277,6 +297,8 @@ class LocalTarget:
             args += ["--slice_size", str(a.slice_size)]
         if a.device_name:
             args += ["--device_name", a.device_name]
+        if a.emulated:
+            args += ["--emulated"]
         self.child = Child(args)
         try:
             self.endpoint = self.child.expect("ENDPOINT ", TARGET_START_TIMEOUT)
@@ -371,7 +393,8 @@ class _Worker:
 
 
 def _measure(eng: Any, peer: Any, layout: Layout, a: argparse.Namespace,
-             target: LocalTarget | None) -> dict[str, Any]:
+             target: LocalTarget | None, transports: list[Any] | None = None
+             ) -> dict[str, Any]:
     """One warm-up then one measured window; returns the run's figures."""
     submit = eng.write if a.operation == "write" else eng.read
     threads = a.threads
@@ -429,14 +452,17 @@ def _measure(eng: Any, peer: Any, layout: Layout, a: argparse.Namespace,
             pass
         if not abort.is_set():
             tcpu0 = target.cpu() if target is not None else None
-            cpu0 = cpu_seconds()
+            nics = _emulated_nics(transports)
+            wrs0 = sum(nic.wrs_issued for nic in nics)
+            cpu0 = _host_cpu(transports)
             t0 = time.perf_counter()
             window["end"] = t0 + a.duration
             go.set()
             for th in pool:
                 th.join(a.duration + WAIT_TIMEOUT + 30)
             t1 = time.perf_counter()
-            cpu1 = cpu_seconds()
+            cpu1 = _host_cpu(transports)
+            wrs1 = sum(nic.wrs_issued for nic in nics)
             tcpu1 = target.cpu() if target is not None else None
     finally:
         if any(w.error for w in workers):
@@ -457,7 +483,15 @@ def _measure(eng: Any, peer: Any, layout: Layout, a: argparse.Namespace,
     lat_us = [x * 1e6 for w in workers for x in w.latencies]
     cpu_i = cpu1 - cpu0
     cpu_t = (tcpu1 - tcpu0) if tcpu0 is not None and tcpu1 is not None else None
-    return {
+    host: dict[str, Any] = {}
+    if nics:  # emulated rdma: the CPU time of our threads, both sides with --local
+        wrs = wrs1 - wrs0
+        cpu_host = cpu_i + (cpu_t or 0.0)
+        host = {"work_requests": wrs,
+                "host_us_per_wr": cpu_host / wrs * 1e6 if wrs else None,
+                "host_cpu_s_per_gb": cpu_host / gb if gb else None,
+                "host_cpu_sides": "initiator+target" if cpu_t is not None else "initiator"}
+    return {**host,
         "gbps": gb / wall,
         "ops_per_s": batches * a.batch_size / wall,
         "batches_per_s": batches / wall,
@@ -545,8 +579,11 @@ def run_initiator(a: argparse.Namespace, endpoint: str,
                   f"({merged} coalescable pairs), {a.duration:g} s x {a.repeat}", flush=True)
             print(_header(a.baseline), flush=True)
             runs = []
+            nics = _emulated_nics(transports)
+            for nic in nics:
+                nic.copy = False  # counting: the measured runs move no byte
             for i in range(a.repeat):
-                run = _measure(eng, peer, layout, a, target)
+                run = _measure(eng, peer, layout, a, target, transports)
                 run["transport"] = peer.transport
                 if a.baseline:
                     sock = socket_baseline(bs, duration=a.duration, batch_size=a.batch_size,
@@ -561,6 +598,13 @@ def run_initiator(a: argparse.Namespace, endpoint: str,
                         contiguous=a.contiguous)
                 runs.append(run)
                 print(_row(f"run {i + 1}", run, a.baseline), flush=True)
+            if nics:  # the batches _verify checks, moved for real this time
+                for nic in nics:
+                    nic.copy = True
+                submit = eng.write if a.operation == "write" else eng.read
+                for t in range(a.threads):
+                    for k in sorted({0, layout.reached[t] - 1}):
+                        submit(peer, layout.pairs[t][k]).wait(WAIT_TIMEOUT)
             verified = _verify(eng, peer, seg, local, rseg, layout, a)
             stats = dict(eng.stats)
             used = peer.transport
@@ -604,11 +648,13 @@ def summarize(a: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
     runs = res["runs"]
     keys = ["gbps", "ops_per_s", "batches_per_s", "p50_us", "p99_us",
             "cpu_s_per_gb_initiator", "cpu_s_per_gb_target"]
+    if runs and "host_us_per_wr" in runs[0]:
+        keys += ["host_us_per_wr", "host_cpu_s_per_gb"]
     out: dict[str, Any] = {
         "protocol": a.protocol, "transport": res["transport"], "operation": a.operation,
         "block_size": a.block_size, "batch_size": a.batch_size, "threads": a.threads,
         "rails": res["rails"], "congestion": res.get("congestion"), "spread": a.spread,
-        "api": a.api, "slice_size": a.slice_size,
+        "api": a.api, "slice_size": a.slice_size, "emulated": a.emulated,
         "contiguous": a.contiguous,
         "duration": a.duration, "repeat": a.repeat, "buffer_size": a.buffer_size,
         "coalescable_pairs": res["coalescable_pairs"],
@@ -654,6 +700,9 @@ def _print_summary(a: argparse.Namespace, out: dict[str, Any]) -> None:
         extra.append(f"vs socket {out['ratio_vs_socket']:.2f}x"
                      + (f" (socket under {sock_cc})" if sock_cc else ""))
         extra.append(f"vs memcpy {out['ratio_vs_memcpy']:.2f}x")
+    if out.get("host_us_per_wr") is not None:
+        extra.append(f"host {out['host_us_per_wr']:.2f} us/WR, "
+                     f"{out['host_cpu_s_per_gb']:.4f} cpu s/GB (emulated NIC, counting)")
     extra.append(f"verified {str(out['verified']).lower()}")
     extra.append("authenticated" if out.get("authenticated") else "no control secret")
     print("# " + ", ".join(extra), flush=True)

@@ -401,6 +401,11 @@ class _Nic:
     max_sge = max_sge_rd = 2
     max_msg_size = 1 << 20
 
+    post_send = Device.post_send  # the real pyverbs posting path: one chain per work
+
+    def destroy_qp(self, qp: Any) -> None:
+        qp.close()
+
     def alloc_mr(self, length: int) -> _Mr:
         return _Mr()
 

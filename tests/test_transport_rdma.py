@@ -42,6 +42,15 @@ class TestRdmaContract(TransportContract):
         return [load_transport("rdma", host="127.0.0.1")]
 
 
+class TestEmulatedRdmaContract(TransportContract):
+    """The same suite over the emulated verbs provider: runs on every machine."""
+
+    transports: ClassVar[list[Any]] = ["rdma"]
+
+    def transports_for(self, role: str) -> list[Any]:
+        return [load_transport("rdma", host="127.0.0.1", provider="emulated")]
+
+
 def test_missing_pyverbs_or_device_says_what_is_missing() -> None:
     reason = rdma_skip_reason()
     if reason is None:

@@ -1,5 +1,11 @@
 """RDMA transport over pyverbs: RC queue pairs, one rail per NIC pair, write-with-imm.
 
+Two providers sit under the same rail code: pyverbs on a real NIC (``rdma_verbs``) and,
+on machines without one, the emulated verbs provider (``provider="emulated"`` or
+``TE_RDMA_PROVIDER=emulated``: ``rdma_emulated`` and ``rdma_emulated_device``), which
+enforces verbs semantics and moves bytes between processes. A work's verbs requests
+are built as columns (``rdma_batch``) and posted as one chain.
+
 pyverbs (rdma-core's Python bindings, a distribution package) is imported when the
 transport is built, never by ``import transfer_engine``. Without pyverbs, without a
 device or without an active port the constructor raises ``NotSupportedError`` saying
@@ -64,11 +70,12 @@ import collections
 import errno
 import itertools
 import logging
+import os
 import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -86,6 +93,7 @@ from transfer_engine.errors import (
     AuthenticationError,
     ClosedError,
     ConnectError,
+    NotSupportedError,
     PeerLostError,
     ProtocolError,
     RegistrationError,
@@ -105,6 +113,7 @@ from transfer_engine.transport.base import (
     Transport,
     Work,
 )
+from transfer_engine.transport.rdma_batch import WrBatch, build_wr_batch, empty_batch
 from transfer_engine.transport.rdma_plan import (
     NOTIFY_HEADER,
     ImmUnwrapper,
@@ -112,8 +121,8 @@ from transfer_engine.transport.rdma_plan import (
     Opcode,
     QpInfo,
     Sge,
+    WcOpcode,
     WrSpec,
-    build_work_requests,
     decode_imm,
     encode_imm,
     negotiate_mtu,
@@ -124,17 +133,7 @@ from transfer_engine.transport.rdma_plan import (
     wc_error,
     wc_retryable,
 )
-from transfer_engine.transport.rdma_verbs import (
-    Device,
-    import_pyverbs,
-    open_devices,
-    post_send,
-    recv_wr,
-    release,
-    send_chain,
-    translate,
-    verbs,
-)
+from transfer_engine.transport.rdma_verbs import Device
 from transfer_engine.transport.stream import HELLO_TIMEOUT
 
 __all__ = ["RdmaTransport", "RdmaRail"]
@@ -148,6 +147,8 @@ _RECV_BIT = 1 << 63
 _SEEN_MAX = 1 << 16  # (transfer, origin rail) pairs remembered for de-duplication
 _MAX_SIDE = 4096  # side channels served at once
 _MAX_OPENING_FRAME = 16 << 10  # a connect message before its ticket is proven
+PROVIDERS = ("pyverbs", "emulated")
+WORK_PIECES = 256  # pieces per engine work: at most this many verbs requests (< sq_depth)
 
 
 def _send_frame(sock: socket.socket, msg: dict[str, Any]) -> None:
@@ -173,7 +174,7 @@ def _recv_frame(sock: socket.socket, peer: str | None, limit: int = 0) -> dict[s
         raise ProtocolError(f"side-channel frame of {size} bytes", peer=peer,
                             transport="rdma")
     try:
-        msg = msgpack.unpackb(exact(size))
+        msg = msgpack.unpackb(exact(size), strict_map_key=False)  # segment ids are ints
     except ValueError as exc:
         raise ProtocolError(f"malformed side-channel frame: {exc}", peer=peer,
                             transport="rdma") from exc
@@ -190,6 +191,20 @@ def _keys_from_wire(data: Any) -> dict[int, MrKey]:
     return {int(k): MrKey(int(v[0]), int(v[1]), int(v[2])) for k, v in data.items()}
 
 
+def _segment_ids(spans: Any) -> set[int]:
+    """The segment ids of a work's pieces, without a Python object per piece when the
+    planner handed them over as columns (``planner.Spans``)."""
+    uniform = getattr(spans, "uniform", None)
+    if uniform is not None:
+        return {int(uniform[0])}
+    seg = getattr(spans, "segment", None)
+    if seg is not None and hasattr(seg, "tolist"):
+        if len(seg) and bool((seg == seg[0]).all()):
+            return {int(seg[0])}
+        return set(seg.tolist())
+    return {int(e[0]) for e in spans}
+
+
 class _Inbound:
     """Target side of one rail: a QP that only receives, and its receive buffers."""
 
@@ -203,7 +218,7 @@ class _Inbound:
         try:
             self.mr = device.alloc_mr(depth * slot)
         except BaseException:
-            self.qp.close()
+            device.destroy_qp(self.qp)
             raise
         self.key = device.qp_key(self.qp)
         try:
@@ -216,15 +231,11 @@ class _Inbound:
     def post_recv(self, index: int) -> None:
         """(Re)posts receive slot ``index``; a no-op once closed (pyverbs would hand a
         destroyed QP's NULL pointer to ``ibv_post_recv``)."""
-        wr = recv_wr(_RECV_BIT | (self.key << 20) | index,
-                     self.mr.buf + index * self.slot, self.slot, self.mr.lkey)
-        try:
-            with self._lock, translate(ConnectError, f"posting a receive on "
-                                       f"{self.device.name}", peer=self.peer):
-                if not self._closed:
-                    self.qp.post_recv(wr)
-        finally:
-            release([wr])
+        with self._lock:
+            if not self._closed:
+                self.device.post_recv(self.qp, _RECV_BIT | (self.key << 20) | index,
+                                      self.mr.buf + index * self.slot, self.slot,
+                                      self.mr.lkey, peer=self.peer)
 
     def payload(self, index: int, nbytes: int) -> bytes:
         return bytes(self.mr.read(nbytes, index * self.slot))
@@ -234,7 +245,7 @@ class _Inbound:
             if self._closed:
                 return
             self._closed = True
-        self.qp.close()
+        self.device.destroy_qp(self.qp)
         self.mr.close()
 
 
@@ -257,7 +268,8 @@ class RdmaRail(Rail):
         self._lock = threading.Lock()
         self._state = "OPEN"
         self._backlog: collections.deque[tuple[Work, int]] = collections.deque()
-        self._inflight: dict[int, tuple[Work, int, int | None]] = {}  # wr_id -> (w, n, slot)
+        # wr_id -> (work, work requests, notify slot, origin rail of its immediate)
+        self._inflight: dict[int, tuple[Work, int, int | None, int]] = {}
         self._free_wr = transport.sq_depth
         self._remote_keys = remote_keys
         slot = NOTIFY_HEADER.size + transport.max_notify
@@ -287,10 +299,13 @@ class RdmaRail(Rail):
             raise ClosedError("rail is closed", peer=self.peer, transport="rdma")
         if self._state == "FAILED":
             raise PeerLostError("rail failed", peer=self.peer, transport="rdma")
-        missing = [e[0] for e in work.remote if e[0] not in self._remote_keys]
+        missing = [sid for sid in _segment_ids(work.remote) if sid not in self._remote_keys]
         if missing:  # one round trip per segment, then cached; bounded by the timeout
-            self._fetch_keys(sorted(set(missing)))
-        with self._lock:
+            self._fetch_keys(sorted(missing))
+        with self._lock:  # the state again: the rail may have failed since the check
+            if self._state != "OPEN":
+                cls = ClosedError if self._state == "CLOSED" else PeerLostError
+                raise cls(f"rail {self._state.lower()}", peer=self.peer, transport="rdma")
             self._backlog.append((work, self.index))
             self._pump()
 
@@ -308,22 +323,30 @@ class RdmaRail(Rail):
                                     transport="rdma") from exc
         self._remote_keys.update(_keys_from_wire(reply.get("segments", {})))
 
-    def adopt(self, items: list[tuple[Work, int]]) -> None:
-        """Takes over a failed sibling's unfinished work, in order (poller thread)."""
+    def adopt(self, items: list[tuple[Work, int]], err: TransferError) -> None:
+        """Takes over a failed sibling's unfinished work, in order (poller thread). A
+        rail that failed meanwhile passes it on (or fails it) rather than keep it."""
         with self._lock:
-            self._backlog.extend(items)
-            self._pump()
+            if self._state == "OPEN":
+                self._backlog.extend(items)
+                self._pump()
+                return
+        self._hand_over(items, err)
 
-    def _specs(self, work: Work, origin: int) -> tuple[list[WrSpec], int | None]:
+    def _specs(self, work: Work, origin: int) -> tuple[WrBatch, int | None]:
         imm = work.imm
         via_send = imm is not None and (imm.notify is not None or origin != self.index
                                         or work.op is Op.READ)
         direct = encode_imm(imm.transfer_id, imm.expected) if imm and not via_send else None
         max_sge = self._max_sge if work.op is Op.WRITE else self.device.max_sge_rd
-        specs = build_work_requests(
-            work.op, work.local, work.remote, local_keys=self._transport.local_keys(
-                self.device.name), remote_keys=self._remote_keys, max_sge=max_sge,
-            max_msg_size=self._max_msg, imm=direct, peer=self.peer)
+        if work.nbytes == 0 and imm is not None and not work.local and not work.remote:
+            specs = empty_batch()  # a notification alone (after a READ): the SEND only
+            via_send = True
+        else:
+            specs = build_wr_batch(
+                work.op, work.local, work.remote, local_keys=self._transport.local_keys(
+                    self.device.name), remote_keys=self._remote_keys, max_sge=max_sge,
+                max_msg_size=self._max_msg, imm=direct, peer=self.peer)
         if not via_send:
             return specs, None
         assert imm is not None
@@ -336,15 +359,13 @@ class RdmaRail(Rail):
             raise BlockingIOError  # no free notify slot yet: stay in the backlog
         slot = self._notify_free.pop()
         size = NOTIFY_HEADER.size + self._transport.max_notify
-        data = pack_notify(imm.transfer_id, imm.expected, origin, notify)
+        data = pack_notify(imm.transfer_id, imm.expected, origin, imm.notify)
         self._notify_mr.write(data, len(data), slot * size)
-        last = specs[-1]
-        specs[-1] = WrSpec(last.opcode, last.sges, last.remote_addr, last.rkey, False)
+        specs.unsignal_last()
         sge = Sge(self._notify_mr.buf + slot * size, len(data), self._notify_mr.lkey)
         send = WrSpec(Opcode.SEND_WITH_IMM, (sge,), 0, 0, True,
                       encode_imm(imm.transfer_id, imm.expected))
-        specs.append(send)
-        return specs, slot
+        return specs.append(send), slot
 
     def _pump(self) -> None:
         """Posts backlog work while the send queue has room (caller holds the lock)."""
@@ -372,23 +393,25 @@ class RdmaRail(Rail):
                 return
             self._backlog.popleft()
             wr_id = self._transport.new_wr_id(self)
+            self._inflight[wr_id] = (work, len(specs), slot, origin)
+            self._free_wr -= len(specs)
             try:  # the SEND's entry points at its notify slot (see _specs)
-                wrs = send_chain(wr_id, specs)
-            except TransferError as exc:  # this work's values, not the rail: fail it
+                self.device.post_send(self._qp, wr_id, specs, self.peer)
+            except ProtocolError as exc:  # this work's values, not the rail: fail it
+                self._inflight.pop(wr_id, None)
+                self._free_wr += len(specs)
                 self._transport.forget_wr_ids([wr_id])
                 if slot is not None:
                     self._notify_free.append(slot)
                 self._transport.defer(self.device, self._on_complete, Completion(
                     work, exc.with_context(peer=self.peer, op=str(work.op))))
                 continue
-            self._inflight[wr_id] = (work, len(specs), slot)
-            self._free_wr -= len(specs)
-            try:
-                post_send(self._qp, wrs, self.peer)  # releases the chain
             except TransferError as exc:
                 self._inflight.pop(wr_id, None)
                 self._free_wr += len(specs)
-                self._transport.defer(self.device, self._fail_from, wr_id, exc, work)
+                self._transport.forget_wr_ids([wr_id])
+                self._transport.defer(self.device, self._fail_from, wr_id, exc, work, True,
+                                      origin)
                 return
 
     def on_wc(self, wr_id: int, status: int, vendor_err: int) -> None:
@@ -397,7 +420,7 @@ class RdmaRail(Rail):
             entry = self._inflight.pop(wr_id, None)
             if entry is None:
                 return  # flushed after a failure already handled
-            work, count, slot = entry
+            work, count, slot, origin = entry
             self._free_wr += count
             if slot is not None:
                 self._notify_free.append(slot)
@@ -408,32 +431,48 @@ class RdmaRail(Rail):
             return
         err = wc_error(status, vendor_err, closing=self._state == "CLOSED", peer=self.peer,
                        op=str(work.op), transport="rdma")
-        self._fail_from(wr_id, err, work, retry=wc_retryable(status))
+        self._fail_from(wr_id, err, work, retry=wc_retryable(status), origin=origin)
 
-    def _fail_from(self, wr_id: int, err: TransferError, culprit: Work,
-                   retry: bool = True) -> None:
-        """The QP is unusable: hand unfinished work to a sibling or fail it."""
+    def _fail_from(self, wr_id: int, err: TransferError, culprit: Work | None,
+                   retry: bool = True, origin: int | None = None) -> None:
+        """The QP is unusable: hand unfinished work to a sibling or fail it.
+        ``origin``: the rail the culprit's immediate stands for (this one's if None)."""
+        origin = self.index if origin is None else origin
         with self._lock:
             if self._state == "OPEN":
                 self._state = "FAILED"
-            rest = [(w, self.index) for _, (w, _, _) in sorted(self._inflight.items())]
+            # in posting order, each with the rail its immediate stands for (adopted
+            # work keeps its first rail's, so the target counts it once)
+            rest = [(w, origin) for _, (w, _, _, origin) in sorted(self._inflight.items())]
             rest += list(self._backlog)
+            self._transport.forget_wr_ids(list(self._inflight))
             self._inflight.clear()
             self._backlog.clear()
         self._transport.note_failure(self.peer)
-        sibling = self._transport.sibling(self)
-        items = ([(culprit, self.index)] if retry else []) + rest
-        if not retry:
+        items = ([(culprit, origin)] if retry and culprit is not None else []) + rest
+        if not retry and culprit is not None:
             self._on_complete(Completion(culprit, err))
+        self._hand_over(items, err, culprit)
+
+    def _hand_over(self, items: list[tuple[Work, int]], err: TransferError,
+                   culprit: Work | None = None) -> None:
+        """Moves a failed rail's work to a sibling, or fails it when none is left."""
+        if not items:
+            return
+        sibling = self._transport.sibling(self)
         if sibling is not None and self._state != "CLOSED":
             log.warning("rdma rail %s#%d failed (%s); %d works move to rail #%d",
                         self.peer, self.index, err, len(items), sibling.index)
-            sibling.adopt(items)
+            sibling.adopt(items, err)
             return
         for work, _ in items:
             self._on_complete(Completion(work, err if work is culprit else PeerLostError(
                 "rail failed and no other rdma rail reaches the peer", peer=self.peer,
                 op=str(work.op), transport="rdma")))
+
+    def fail(self, err: TransferError) -> None:
+        """The path is gone (a lost NIC): unfinished work moves to a sibling rail."""
+        self._fail_from(0, err, None)
 
     def close(self) -> None:
         self.abort(None)
@@ -443,7 +482,7 @@ class RdmaRail(Rail):
             if self._state == "CLOSED":
                 return
             self._state = "CLOSED"
-            pending = [w for w, _, _ in self._inflight.values()]
+            pending = [w for w, _, _, _ in self._inflight.values()]
             pending += [w for w, _ in self._backlog]
             self._transport.forget_wr_ids(list(self._inflight))
             self._inflight.clear()
@@ -453,7 +492,7 @@ class RdmaRail(Rail):
                 "rail closed", peer=self.peer, op=str(work.op), transport="rdma")))
         self._transport.forget_rail(self)
         self._sock.close()
-        self._qp.close()
+        self.device.destroy_qp(self._qp)
         self._notify_mr.close()
 
     def __repr__(self) -> str:
@@ -475,22 +514,46 @@ class RdmaTransport(Transport):
     :param slice_size: bytes per work request the planner aims for.
     :param max_notify: largest notification payload in bytes.
     :param sq_depth / recv_depth: send / receive queue entries per QP.
+    :param cq_depth: completion queue entries per NIC (capped by the device). Every QP
+        reserves its queues' worth (``sq_depth + 1`` for a rail, ``recv_depth + 1``
+        for a peer's rail to us), so a rail that would let it overrun is refused.
     :param relaxed_ordering: register memory with relaxed PCIe ordering when supported.
+    :param provider: ``"pyverbs"`` (a real NIC) or ``"emulated"`` (the user-space
+        provider of ``rdma_emulated``, for machines without one); None reads
+        ``$TE_RDMA_PROVIDER``, default ``"pyverbs"``. Peers only pair with the same
+        provider, and emulated ones only on the same host.
+    :param emulated_copy: with the emulated provider, whether bytes really move (False:
+        a counting device that checks and completes everything and copies nothing).
     """
 
     name = "rdma"
 
     def __init__(self, devices: str | list[str] | None = None, rails_per_nic: int = 2,
                  host: str = "127.0.0.1", port: int = 0, advertise: str | None = None,
-                 gid_index: int | None = None, slice_size: int = 1 << 20,
+                 gid_index: int | None = None, slice_size: int = 4 << 20,
                  max_notify: int = 4096, sq_depth: int = 1024, recv_depth: int = 256,
                  notify_slots: int = 64, relaxed_ordering: bool = True,
-                 poll_interval: float = 0.2) -> None:
-        import_pyverbs()  # NotSupportedError with the reason and the remedy
+                 poll_interval: float = 0.2, provider: str | None = None,
+                 emulated_copy: bool = True, cq_depth: int = 1 << 16) -> None:
+        provider = provider or os.environ.get("TE_RDMA_PROVIDER") or "pyverbs"
+        if provider not in PROVIDERS:
+            raise NotSupportedError(f"unknown RDMA provider {provider!r}; known: "
+                                    f"{list(PROVIDERS)}", transport="rdma")
+        self.provider = provider
         names = devices.split(",") if isinstance(devices, str) else devices
-        self._devices = open_devices(names, gid_index=gid_index, cq_depth=4 * sq_depth,
-                                     relaxed_ordering=relaxed_ordering,
-                                     on_wc=self._on_wc, poll_interval=poll_interval)
+        kwargs: dict[str, Any] = {"gid_index": gid_index, "cq_depth": cq_depth,
+                                  "relaxed_ordering": relaxed_ordering,
+                                  "on_wc": self._on_wc, "poll_interval": poll_interval}
+        if provider == "emulated":
+            from transfer_engine.transport import rdma_emulated_device as emu  # noqa: PLC0415
+
+            kwargs.update(copy=emulated_copy, on_event=self._on_device_event)
+            self._devices: list[Any] = list(emu.open_devices(names, **kwargs))
+        else:
+            from transfer_engine.transport import rdma_verbs  # noqa: PLC0415
+
+            rdma_verbs.import_pyverbs()  # NotSupportedError with the reason and remedy
+            self._devices = list(rdma_verbs.open_devices(names, **kwargs))
         self._by_name = {d.name: d for d in self._devices}
         nics = topology.discover().nics  # link rates for the striping weights
         for dev in self._devices:
@@ -503,6 +566,7 @@ class RdmaTransport(Transport):
         self._bind, self._advertise = (host, port), advertise
         self._host: Host | None = None
         self._listener: socket.socket | None = None
+        self._acceptor: threading.Thread | None = None
         self._lock = threading.Lock()
         self._wr_ids = itertools.count(1)
         self._wr_owner: dict[int, RdmaRail] = {}
@@ -512,31 +576,43 @@ class RdmaTransport(Transport):
         self._mrs: dict[int, dict[str, tuple[Any, MrKey, MrKey]]] = {}
         self._local_keys: dict[str, dict[int, MrKey]] = {d.name: {} for d in self._devices}
         self._unwrap = ImmUnwrapper()
-        self._seen: collections.OrderedDict[tuple[str, int, int], None] = (
+        self._seen: collections.OrderedDict[tuple[str, bytes, int, int], None] = (
             collections.OrderedDict())
         self._peer_failures: collections.Counter[str] = collections.Counter()
+        self._dead: set[str] = set()  # devices lost to an asynchronous event
+        self._rail_numbers: collections.Counter[str] = collections.Counter()
         self._closed = False
 
     # --- Transport interface ----------------------------------------------------------
 
     @property
     def capabilities(self) -> Capabilities:
+        # One engine work becomes as many verbs requests as it has remote ranges (SGE
+        # lists packed by ``build_work_requests``), so a work may scatter remotely and
+        # hold many pieces: all of them are checked against the target's keys before
+        # any is posted, and they share one doorbell.
         return Capabilities(
-            max_sge=min(min(d.max_sge, d.max_sge_rd) for d in self._devices),
-            max_wr_bytes=min(d.max_msg_size for d in self._devices), remote_scatter=False,
-            device_memory=True, default_rails=self.rails_per_nic * len(self._devices),
+            max_sge=min(WORK_PIECES, self.sq_depth - 1),
+            max_wr_bytes=min(d.max_msg_size for d in self._devices),
+            remote_scatter=True, device_memory=self.provider == "pyverbs",
+            default_rails=self.rails_per_nic * len(self._devices),
             slice_size=self.slice_size)
 
     def start(self, host: Host) -> dict[str, Any]:
         self._host = host
         listener = socket.create_server(self._bind, reuse_port=False)
         self._listener = listener
-        threading.Thread(target=self._accept_loop, name="te-rdma-side-accept",
-                         daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept_loop,
+                                          name="te-rdma-side-accept", daemon=True)
+        self._acceptor.start()
         addr = self._advertise or (self._bind[0] if self._bind[0] not in ("0.0.0.0", "::")
                                    else socket.getfqdn())
-        return {"devices": [d.name for d in self._devices],
-                "endpoint": f"tcp://{addr}:{listener.getsockname()[1]}"}
+        info: dict[str, Any] = {"devices": [d.name for d in self._devices],
+                                "endpoint": f"tcp://{addr}:{listener.getsockname()[1]}"}
+        if self.provider != "pyverbs":  # absent for pyverbs: older peers pair unchanged
+            info["provider"] = self.provider
+            info["host_id"] = host.host_id
+        return info
 
     def register(self, segment: Segment) -> dict[str, Any]:
         out: dict[str, list[int]] = {}
@@ -568,7 +644,12 @@ class RdmaTransport(Transport):
 
     def reachable(self, peer_meta: dict[str, Any]) -> bool:
         info = peer_meta.get("transports", {}).get("rdma")
-        return bool(info and info.get("devices") and info.get("endpoint"))
+        if not (info and info.get("devices") and info.get("endpoint")):
+            return False
+        if info.get("provider", "pyverbs") != self.provider:
+            return False  # a real NIC and an emulated one share no fabric
+        return self.provider == "pyverbs" or (
+            self._host is not None and info.get("host_id") == self._host.host_id)
 
     def connect(self, peer: str, info: dict[str, Any], on_complete: OnComplete,
                 timeout: float | None = 10.0, credential: Credential | None = None
@@ -586,7 +667,11 @@ class RdmaTransport(Transport):
             raise ConnectError(f"peer published no rdma devices/endpoint: {info!r:.120}",
                                peer=peer, transport="rdma", op="connect")
         with self._lock:
-            index = len(self._peer_rails.setdefault(peer, []))
+            # never reused, even after a rail closed: the target counts immediates
+            # per (transfer, rail index), so two live rails must not share one
+            index = self._rail_numbers[peer]
+            self._rail_numbers[peer] += 1
+            self._peer_rails.setdefault(peer, [])
         li, ri = stripe_pairs(len(self._devices), len(remote_devs), index)
         dev, remote_dev = self._devices[li], str(remote_devs[ri])
         hostport = endpoint[len("tcp://"):].rsplit(":", 1)
@@ -596,11 +681,11 @@ class RdmaTransport(Transport):
             sock = socket.create_connection((hostport[0].strip("[]"), int(hostport[1])),
                                             timeout=timeout)
         except TimeoutError as exc:
-            qp.close()
+            dev.destroy_qp(qp)
             raise TransferTimeout(f"side channel {endpoint} timed out", peer=peer,
                                   transport="rdma", op="connect") from exc
         except OSError as exc:
-            qp.close()
+            dev.destroy_qp(qp)
             raise ConnectError(f"cannot reach side channel {endpoint}: {exc}", peer=peer,
                                transport="rdma", op="connect") from exc
         try:
@@ -623,12 +708,12 @@ class RdmaTransport(Transport):
             keys = _keys_from_wire(reply.get("segments", {}))
         except TransferError as exc:
             sock.close()
-            qp.close()
+            dev.destroy_qp(qp)
             exc.with_context(peer=peer, op="connect", transport="rdma")
             raise
         except OSError as exc:
             sock.close()
-            qp.close()
+            dev.destroy_qp(qp)
             raise ConnectError(f"rdma handshake failed: {exc}", peer=peer,
                                transport="rdma", op="connect") from exc
         rail = RdmaRail(self, peer, index, dev, remote_dev, qp, sock, keys, on_complete)
@@ -647,7 +732,13 @@ class RdmaTransport(Transport):
         for rail in rails:
             rail.close()
         if self._listener is not None:
+            try:  # close() alone does not wake a thread blocked in accept()
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._listener.close()
+        if self._acceptor is not None:
+            self._acceptor.join(timeout=5)
         with self._lock:
             socks = list(self._side_socks)
         for sock in socks:
@@ -665,6 +756,19 @@ class RdmaTransport(Transport):
         self._mrs.clear()
         for dev in self._devices:
             dev.close()
+
+    def spread(self, rails: Sequence[Rail]) -> int:
+        """One rail per NIC pair carries a transfer: a second queue pair on the same
+        NICs adds no bandwidth to it, only more requests to post and complete; the
+        other rails carry concurrent transfers."""
+        pairs = {(getattr(r, "device", None), getattr(r, "remote_device", None))
+                 for r in rails}
+        return max(1, min(len(rails), len(pairs)))
+
+    def emulated_nics(self) -> list[Any]:
+        """The emulated provider's NICs (``rdma_emulated.Nic``: counters, ``copy``,
+        ``fail``); empty on pyverbs."""
+        return [d.nic for d in self._devices if hasattr(d, "nic")]
 
     def info(self, key: str) -> Any:
         if key == "devices":
@@ -699,9 +803,28 @@ class RdmaTransport(Transport):
         device.call_soon(fn, *args)
 
     def sibling(self, rail: RdmaRail) -> RdmaRail | None:
+        """An open rail to the same peer for a failed one's work: one on a live NIC
+        other than the failed rail's first (its NIC may be what failed)."""
         with self._lock:
-            return next((r for r in self._peer_rails.get(rail.peer, [])
-                         if r is not rail and not r.closed), None)
+            rails = [r for r in self._peer_rails.get(rail.peer, [])
+                     if r is not rail and not r.closed and r.device.name not in self._dead]
+        rails.sort(key=lambda r: (r.device is rail.device, r.remote_device
+                                  == rail.remote_device, r.inflight))
+        return rails[0] if rails else None
+
+    def _on_device_event(self, device: Any, kind: int) -> None:
+        """An asynchronous event of a NIC (its completion thread): a lost device or an
+        overrun completion queue fails every rail on it, whose work moves to rails on
+        other NICs; later rails avoid it."""
+        log.error("rdma device %s: asynchronous event %d; its rails fail over",
+                  device.name, kind)
+        with self._lock:
+            self._dead.add(device.name)
+            rails = [r for rs in self._peer_rails.values() for r in rs
+                     if r.device is device and not r.closed]
+        for rail in rails:
+            rail.fail(PeerLostError(f"rdma device {device.name} failed", peer=rail.peer,
+                                    transport="rdma"))
 
     def forget_wr_ids(self, wr_ids: list[int]) -> None:
         for wr_id in wr_ids:
@@ -731,9 +854,9 @@ class RdmaTransport(Transport):
         key, index = (wc.wr_id & ~_RECV_BIT) >> 20, wc.wr_id & 0xFFFFF
         conn = device.inbound(key)
         if conn is None or wc.status != 0:
-            return  # a flushed receive of a closing QP
+            return  # a flushed receive of a failed or closing QP: never re-posted
         try:
-            if wc.opcode == verbs().e.IBV_WC_RECV_RDMA_WITH_IMM:
+            if wc.opcode == WcOpcode.RECV_RDMA_WITH_IMM:
                 wrapped, expected = decode_imm(socket.ntohl(wc.imm_data))
                 with self._lock:
                     tid = self._unwrap.full_id(conn.peer, wrapped)
@@ -751,7 +874,7 @@ class RdmaTransport(Transport):
 
     def _deliver(self, peer: str, tid: int, expected: int, origin: int,
                  payload: bytes | None, ticket: bytes = b"") -> None:
-        seen = (peer, tid, origin)
+        seen = (peer, ticket, tid, origin)  # per connection, as the engine counts
         with self._lock:  # one poller thread per NIC: they share this table
             if seen in self._seen:
                 return  # the same rail's immediate again, after a retry elsewhere

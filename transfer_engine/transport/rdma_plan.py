@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import random
 import struct
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 from transfer_engine.descriptor import Op
 from transfer_engine.errors import (
     ClosedError,
+    ConnectError,
     InvalidDescriptorError,
     PeerLostError,
     ProtocolError,
@@ -42,9 +44,9 @@ from transfer_engine.errors import (
 __all__ = [
     "IMM_ID_BITS", "IMM_COUNT_BITS", "MAX_EXPECTED", "encode_imm", "decode_imm",
     "unwrap_transfer_id", "ImmUnwrapper", "Opcode", "MrKey", "Sge", "WrSpec",
-    "build_work_requests", "WcStatus", "wc_error", "wc_retryable", "QpInfo", "mtu_enum",
+    "build_work_requests", "WcStatus", "WcOpcode", "wc_error", "wc_retryable", "QpInfo", "mtu_enum",
     "mtu_bytes", "negotiate_mtu", "random_psn", "NOTIFY_HEADER", "pack_notify",
-    "unpack_notify", "stripe_pairs",
+    "unpack_notify", "stripe_pairs", "CqRoom",
 ]
 
 IMM_ID_BITS = 24
@@ -289,6 +291,16 @@ class WcStatus(enum.IntEnum):
     GENERAL_ERR = 21
 
 
+class WcOpcode(enum.IntEnum):
+    """``enum ibv_wc_opcode`` values (stable ABI): what a completion completed."""
+
+    SEND = 0
+    RDMA_WRITE = 1
+    RDMA_READ = 2
+    RECV = 128
+    RECV_RDMA_WITH_IMM = 129
+
+
 _WC_ERRORS: dict[int, tuple[type[TransferError], str]] = {
     WcStatus.LOC_PROT_ERR: (InvalidDescriptorError,
                             "local memory is not registered for this access (lkey)"),
@@ -419,20 +431,64 @@ class QpInfo:
 # immediate's facts with the full 64-bit id, and names the rail the immediate stands for
 # so a retry on another rail is counted once.
 NOTIFY_HEADER = struct.Struct("<QIHH")  # transfer_id, expected, origin rail, flags
+_HAS_NOTIFY = 1  # flags: the payload is the transfer's notification
 
 
-def pack_notify(transfer_id: int, expected: int, origin_rail: int, payload: bytes) -> bytes:
-    return NOTIFY_HEADER.pack(transfer_id, expected, origin_rail, 0) + payload
+def pack_notify(transfer_id: int, expected: int, origin_rail: int,
+                payload: bytes | None) -> bytes:
+    """The SEND payload; ``payload`` None: an immediate that carries no notification
+    (one moved to a SEND by a rail failover), told apart from an empty notification."""
+    flags = _HAS_NOTIFY if payload is not None else 0
+    return NOTIFY_HEADER.pack(transfer_id, expected, origin_rail, flags) + (payload or b"")
 
 
 def unpack_notify(data: bytes | memoryview, peer: str | None = None
-                  ) -> tuple[int, int, int, bytes]:
-    """``(transfer_id, expected, origin_rail, payload)``; ``ProtocolError`` if short."""
+                  ) -> tuple[int, int, int, bytes | None]:
+    """``(transfer_id, expected, origin_rail, payload or None)``; ``ProtocolError`` if
+    short."""
     if len(data) < NOTIFY_HEADER.size:
         raise ProtocolError(f"notification of {len(data)} bytes is shorter than its "
                             "header", peer=peer, transport="rdma")
-    tid, expected, origin, _flags = NOTIFY_HEADER.unpack_from(data)
+    tid, expected, origin, flags = NOTIFY_HEADER.unpack_from(data)
     if expected < 1:
         raise ProtocolError("notification expects no immediates", peer=peer,
                             transport="rdma")
+    if not flags & _HAS_NOTIFY:
+        return tid, expected, origin, None
     return tid, expected, origin, bytes(data[NOTIFY_HEADER.size:])
+
+
+class CqRoom:
+    """Keeps a completion queue from overrunning: every queue pair on it reserves one
+    entry per work request it can have outstanding (``max_send_wr + max_recv_wr``:
+    after a failure every one of them, signaled or not, completes with a flush), and a
+    queue pair that does not fit is refused instead of overrunning the queue later."""
+
+    __slots__ = ("depth", "used", "_held", "_lock")
+
+    def __init__(self, depth: int) -> None:
+        self.depth, self.used = depth, 0
+        self._held: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def reserve(self, n: int, device: str) -> None:
+        with self._lock:
+            if self.used + n > self.depth:
+                raise ConnectError(f"completion queue of {device} is full: {self.used} of "
+                                   f"{self.depth} entries held by queue pairs, {n} more "
+                                   "needed (raise cq_depth or lower sq_depth)",
+                                   transport="rdma", op="connect")
+            self.used += n
+
+    def hold(self, key: int, n: int) -> None:
+        """Ties a reservation to a queue pair (``id(qp)``) for :meth:`free`."""
+        with self._lock:
+            self._held[key] = n
+
+    def free(self, key: int) -> None:
+        with self._lock:
+            self.used -= self._held.pop(key, 0)
+
+    def cancel(self, n: int) -> None:
+        with self._lock:
+            self.used -= n

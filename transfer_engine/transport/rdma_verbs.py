@@ -46,7 +46,8 @@ from transfer_engine.errors import (
     RegistrationError,
     TransferError,
 )
-from transfer_engine.transport.rdma_plan import Opcode, QpInfo, WrSpec, mtu_enum
+from transfer_engine.transport.rdma_batch import WrBatch
+from transfer_engine.transport.rdma_plan import CqRoom, Opcode, QpInfo, WrSpec, mtu_enum
 
 if TYPE_CHECKING:
     from transfer_engine.transport.rdma import _Inbound
@@ -301,6 +302,7 @@ class Device:
                 self.channel, self._chan_fd = _new_channel_fd(lambda: v.CompChannel(self.ctx))
                 opened.append(self.channel)
                 self.cq = v.CQ(self.ctx, min(cq_depth, attr.max_cqe), None, self.channel, 0)
+                self.cq_room = CqRoom(min(cq_depth, attr.max_cqe))
                 opened.append(self.cq)
         except BaseException:
             for obj in reversed(opened):
@@ -360,16 +362,32 @@ class Device:
     # QPs and memory
 
     def create_qp(self, *, send_wr: int, recv_wr: int, send_sge: int) -> Any:
+        """A QP in INIT, its completions' room reserved on the CQ (``ConnectError``
+        when the CQ cannot take them); :meth:`destroy_qp` gives it back."""
         v = verbs()
-        init = qp_init_attr(self.cq, send_wr=send_wr, recv_wr=recv_wr, send_sge=send_sge)
-        with translate(ConnectError, f"creating a queue pair on {self.name}"):
-            qp = v.QP(self.pd, init)
-            try:
-                qp.to_init(init_attr(self.port))
-            except v.Error:
-                qp.close()
-                raise
+        self.cq_room.reserve(send_wr + recv_wr, self.name)
+        try:
+            init = qp_init_attr(self.cq, send_wr=send_wr, recv_wr=recv_wr,
+                                send_sge=send_sge)
+            with translate(ConnectError, f"creating a queue pair on {self.name}"):
+                qp = v.QP(self.pd, init)
+                try:
+                    qp.to_init(init_attr(self.port))
+                except v.Error:
+                    qp.close()
+                    raise
+        except BaseException:
+            self.cq_room.cancel(send_wr + recv_wr)
+            raise
+        self.cq_room.hold(id(qp), send_wr + recv_wr)
         return qp
+
+    def destroy_qp(self, qp: Any) -> None:
+        """Destroys a QP and frees its room on the CQ (idempotent)."""
+        try:
+            qp.close()
+        finally:
+            self.cq_room.free(id(qp))
 
     @staticmethod
     def qp_key(qp: Any) -> int:
@@ -389,6 +407,25 @@ class Device:
             qp.to_rtr(rtr_attr(theirs, mtu, port=self.port, gid_index=self.gid_index,
                                max_dest_rd_atomic=self.max_rd_atomic))
             qp.to_rts(rts_attr(psn, self.max_init_rd_atomic))
+
+    def post_send(self, qp: Any, wr_id: int, specs: Sequence[WrSpec] | WrBatch,
+                  peer: str | None = None) -> None:
+        """Posts ``specs`` as one chain (one doorbell). ``ProtocolError`` when a request
+        is not representable in verbs (the work's fault), ``PeerLostError`` when the
+        queue pair refuses the chain. pyverbs needs an object per request: a batch is
+        turned into them here."""
+        if isinstance(specs, WrBatch):
+            specs = specs.specs()
+        post_send(qp, send_chain(wr_id, specs), peer)
+
+    def post_recv(self, qp: Any, wr_id: int, addr: int, length: int, lkey: int,
+                  peer: str | None = None) -> None:
+        wr = recv_wr(wr_id, addr, length, lkey)
+        try:
+            with translate(ConnectError, f"posting a receive on {self.name}", peer=peer):
+                qp.post_recv(wr)
+        finally:
+            release([wr])
 
     def alloc_mr(self, length: int) -> Any:
         """A buffer pyverbs allocates and registers (receive and notify slots)."""
@@ -494,7 +531,10 @@ class Device:
         while True:
             count, wcs = self.cq.poll(32)
             for wc in wcs:
-                self._on_wc(self, wc)
+                try:
+                    self._on_wc(self, wc)
+                except Exception:  # one handler's failure must not drop the batch's rest
+                    log.exception("rdma completion of wr_id %#x failed", wc.wr_id)
             if count < 32:
                 return
 
