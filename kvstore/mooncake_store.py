@@ -62,6 +62,9 @@ class ReplicateConfig:
 
     replica_num: int = 1
     with_soft_pin: bool = False  # accepted; no pinning here
+    # placement groups Mooncake may prefer for the replicas; accepted, while placement
+    # here follows the nodes' pods and zones
+    group_ids: list[str] | None = None
 
 
 def _code(exc: BaseException) -> int:
