@@ -8,8 +8,8 @@ import pytest
 from transfer_engine.descriptor import Op
 from transfer_engine.errors import InvalidDescriptorError
 from transfer_engine.planner import Spans
-from transfer_engine.transport.rdma_batch import WrBatch, build_wr_batch, empty_batch
-from transfer_engine.transport.rdma_plan import MrKey, Opcode, Sge, WrSpec, build_work_requests
+from transfer_engine.transport.rdma.batch import WrBatch, build_wr_batch, empty_batch
+from transfer_engine.transport.rdma.plan import MrKey, Opcode, Sge, WrSpec, build_work_requests
 
 LOCAL = {1: MrKey(1 << 40, 1 << 24, 0x11), 3: MrKey(1 << 41, 1 << 20, 0x33)}
 REMOTE = {2: MrKey(1 << 42, 1 << 24, 0x22), 4: MrKey(1 << 43, 1 << 20, 0x44)}

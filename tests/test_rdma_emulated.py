@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from transfer_engine.transport.rdma_emulated import (
+from transfer_engine.transport.rdma.emulated import (
     ACCESS_LOCAL_WRITE,
     ACCESS_REMOTE_READ,
     ACCESS_REMOTE_WRITE,
@@ -31,7 +31,7 @@ from transfer_engine.transport.rdma_emulated import (
     VerbsError,
     WorkCompletion,
 )
-from transfer_engine.transport.rdma_plan import Opcode, Sge, WcOpcode, WcStatus, WrSpec
+from transfer_engine.transport.rdma.plan import Opcode, Sge, WcOpcode, WcStatus, WrSpec
 
 ALL = ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE | ACCESS_REMOTE_READ
 

@@ -17,7 +17,7 @@ from transfer_engine.errors import (
     RemoteError,
 )
 from transfer_engine.planner import plan_transfer
-from transfer_engine.transport.rdma_plan import (
+from transfer_engine.transport.rdma.plan import (
     IMM_ID_BITS,
     MAX_EXPECTED,
     ImmUnwrapper,
@@ -46,7 +46,7 @@ MOD = 1 << IMM_ID_BITS
 def test_module_does_not_import_pyverbs() -> None:
     """In a fresh interpreter: in this one, any test that looked for a device (or the
     hardware skip check) may already have imported pyverbs."""
-    code = ("import sys, transfer_engine.transport.rdma_plan, transfer_engine.transport.rdma; "
+    code = ("import sys, transfer_engine.transport.rdma.plan, transfer_engine.transport.rdma; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'pyverbs'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60)

@@ -66,7 +66,7 @@ from transfer_engine.descriptor import Extent, Op
 from transfer_engine.errors import NotSupportedError, PeerLostError, ProtocolError
 from transfer_engine.transport.base import Completion, Immediate, Work
 from transfer_engine.transport.rdma import RdmaRail
-from transfer_engine.transport.rdma_plan import (
+from transfer_engine.transport.rdma.plan import (
     MrKey,
     Opcode,
     QpInfo,
@@ -78,7 +78,7 @@ from transfer_engine.transport.rdma_plan import (
     encode_imm,
     mtu_enum,
 )
-from transfer_engine.transport.rdma_verbs import (
+from transfer_engine.transport.rdma.verbs import (
     Device,
     import_pyverbs,
     init_attr,
@@ -252,7 +252,7 @@ def test_a_device_that_fails_to_open_closes_what_it_opened(
     stand_ins = {name: type(name, (_Obj,), {"kind": name})
                  for name in ("PD", "CompChannel", "CQ")}
     fake = types.SimpleNamespace(**{**vars(v), "Context": _Ctx, **stand_ins})
-    monkeypatch.setattr("transfer_engine.transport.rdma_verbs._VERBS", fake)
+    monkeypatch.setattr("transfer_engine.transport.rdma.verbs._VERBS", fake)
     with pytest.raises(NotSupportedError) as info:
         Device("fake0", gid_index=None, cq_depth=64, relaxed_ordering=False,
                on_wc=lambda wc: None, poll_interval=0.01)

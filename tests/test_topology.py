@@ -236,7 +236,7 @@ def test_gpu_dataclass_defaults() -> None:
 
 def test_importing_the_package_pulls_in_no_hardware_library() -> None:
     code = ("import sys, transfer_engine, transfer_engine.topology, transfer_engine.gpu, "
-            "transfer_engine.transport.rdma_plan, transfer_engine.transport.rdma\n"
+            "transfer_engine.transport.rdma.plan, transfer_engine.transport.rdma\n"
             "bad = [m for m in ('pyverbs', 'cupy', 'torch', 'pynvml') if m in sys.modules]\n"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])

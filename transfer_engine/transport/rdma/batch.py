@@ -1,14 +1,14 @@
 """Verbs send requests as arrays: the RDMA transport's hot path, no object per request.
 
 A rail's work of many scattered blocks becomes hundreds of verbs requests. Described
-one Python object at a time (``rdma_plan.WrSpec``) that costs a few microseconds per
+one Python object at a time (``plan.WrSpec``) that costs a few microseconds per
 request, more than a NIC needs to move 64 KiB. :class:`WrBatch` holds them as columns
 (opcode, remote address, rkey, immediate, signaled flag, and the SGE list as three
 columns with per-request ends), and :func:`build_wr_batch` fills it with a fixed number
 of NumPy operations whatever the request count, in the common case of a work whose
 pieces pair one local range with one remote range. Anything else (a remote range
 gathered from several local pieces, a piece longer than ``max_msg_size``, an error to
-report precisely) takes ``rdma_plan.build_work_requests``, whose rules this follows.
+report precisely) takes ``plan.build_work_requests``, whose rules this follows.
 
 Signaling: only the last request is signaled (an RC queue pair completes in order, so
 its completion covers the rest), plus every ``signal_every``-th one.
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from transfer_engine.descriptor import Op
-from transfer_engine.transport.rdma_plan import MrKey, Opcode, Sge, WrSpec, build_work_requests
+from transfer_engine.transport.rdma.plan import MrKey, Opcode, Sge, WrSpec, build_work_requests
 
 __all__ = ["WrBatch", "build_wr_batch"]
 

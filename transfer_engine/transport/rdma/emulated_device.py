@@ -1,9 +1,9 @@
 """The RDMA transport's device on the emulated verbs provider (``provider="emulated"``).
 
-It has the interface of ``rdma_verbs.Device`` — queue pairs, memory registration,
-posting, the completion thread — over the objects of ``rdma_emulated``, so the
+It has the interface of ``verbs.Device`` — queue pairs, memory registration,
+posting, the completion thread — over the objects of ``emulated``, so the
 transport's rail, protocol and failover code runs unchanged on a machine without a NIC.
-Errors of the emulated verbs calls are translated here, once, as ``rdma_verbs.translate``
+Errors of the emulated verbs calls are translated here, once, as ``verbs.translate``
 does for pyverbs.
 """
 
@@ -27,7 +27,7 @@ from transfer_engine.errors import (
     RegistrationError,
     TransferError,
 )
-from transfer_engine.transport.rdma_emulated import (
+from transfer_engine.transport.rdma.emulated import (
     ACCESS_LOCAL_WRITE,
     ACCESS_REMOTE_READ,
     ACCESS_REMOTE_WRITE,
@@ -40,10 +40,10 @@ from transfer_engine.transport.rdma_emulated import (
     VerbsError,
     WorkCompletion,
 )
-from transfer_engine.transport.rdma_plan import CqRoom, QpInfo, WrSpec
+from transfer_engine.transport.rdma.plan import CqRoom, QpInfo, WrSpec
 
 if TYPE_CHECKING:
-    from transfer_engine.transport.rdma import _Inbound
+    from transfer_engine.transport.rdma.inbound import _Inbound
 
 __all__ = ["EmulatedDevice", "open_devices", "DEFAULT_NAMES"]
 
@@ -100,7 +100,7 @@ class EmulatedDevice:
     # QPs and memory
 
     def create_qp(self, *, send_wr: int, recv_wr: int, send_sge: int) -> QueuePair:
-        """A QP in INIT with its room reserved on the CQ (see ``rdma_plan.CqRoom``)."""
+        """A QP in INIT with its room reserved on the CQ (see ``plan.CqRoom``)."""
         self.cq_room.reserve(send_wr + recv_wr, self.name)
         try:
             with translate(ConnectError, f"creating a queue pair on {self.name}"):

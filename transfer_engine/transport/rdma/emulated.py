@@ -68,8 +68,8 @@ from typing import Any
 import numpy as np
 
 from transfer_engine.errors import TransferEngineError
-from transfer_engine.transport.rdma_batch import WrBatch
-from transfer_engine.transport.rdma_plan import Opcode, WcOpcode, WcStatus, WrSpec
+from transfer_engine.transport.rdma.batch import WrBatch
+from transfer_engine.transport.rdma.plan import Opcode, WcOpcode, WcStatus, WrSpec
 from transfer_engine.transport.shm import cross_copy, grant_attach, peer_credentials
 
 __all__ = ["ACCESS_LOCAL_WRITE", "ACCESS_REMOTE_WRITE", "ACCESS_REMOTE_READ", "QpState",

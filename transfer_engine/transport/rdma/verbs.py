@@ -46,11 +46,11 @@ from transfer_engine.errors import (
     RegistrationError,
     TransferError,
 )
-from transfer_engine.transport.rdma_batch import WrBatch
-from transfer_engine.transport.rdma_plan import CqRoom, Opcode, QpInfo, WrSpec, mtu_enum
+from transfer_engine.transport.rdma.batch import WrBatch
+from transfer_engine.transport.rdma.plan import CqRoom, Opcode, QpInfo, WrSpec, mtu_enum
 
 if TYPE_CHECKING:
-    from transfer_engine.transport.rdma import _Inbound
+    from transfer_engine.transport.rdma.inbound import _Inbound
 
 __all__ = ["PYVERBS_HINT", "Device", "import_pyverbs", "init_attr", "open_devices",
            "post_send", "qp_init_attr", "recv_wr", "release", "roce_v2_gid_type",
