@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -11,6 +13,8 @@ from typing import Any
 import pytest
 
 from transfer_engine import Engine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _hardware_reasons() -> dict[str, Callable[[], str | None]]:
@@ -85,3 +89,38 @@ def make_engine() -> Iterator[Callable[..., Engine]]:
     yield make
     for engine in reversed(engines):
         engine.close()
+
+
+@pytest.fixture
+def spawn_peer() -> Iterator[Callable[..., tuple[subprocess.Popen[str], str]]]:
+    """Starts engines in processes of their own (``tests.peer_process``): ``spawn(name,
+    size, seed, transports)`` -> (process, control endpoint); all are stopped after."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def spawn(name: str, size: int, seed: int, transports: str = "tcp"
+              ) -> tuple[subprocess.Popen[str], str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.peer_process", name, str(size), str(seed),
+             transports], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True)
+        procs.append(proc)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # bounded by the test timeout
+        assert line.startswith("ENDPOINT "), line
+        return proc, line.split()[1]
+
+    yield spawn
+    for proc in procs:
+        if proc.poll() is None:
+            assert proc.stdin is not None
+            proc.stdin.close()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        else:
+            proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None and not stream.closed:
+                stream.close()

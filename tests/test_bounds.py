@@ -17,7 +17,6 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from tests.test_faults import spawn_peer  # noqa: F401  (the shared peer-process fixture)
 from tests.transport_contract import random_bytes
 from transfer_engine import (
     ClosedError,

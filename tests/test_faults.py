@@ -6,9 +6,8 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -27,39 +26,6 @@ from transfer_engine.transport.tcp import TcpTransport
 
 MiB = 1 << 20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture
-def spawn_peer() -> Iterator[Callable[..., tuple[subprocess.Popen[str], str]]]:
-    procs: list[subprocess.Popen[str]] = []
-
-    def spawn(name: str, size: int, seed: int, transports: str = "tcp"
-              ) -> tuple[subprocess.Popen[str], str]:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.peer_process", name, str(size), str(seed),
-             transports], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True)
-        procs.append(proc)
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # bounded by the test timeout
-        assert line.startswith("ENDPOINT "), line
-        return proc, line.split()[1]
-
-    yield spawn
-    for proc in procs:
-        if proc.poll() is None:
-            assert proc.stdin is not None
-            proc.stdin.close()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        else:
-            proc.wait()
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None and not stream.closed:
-                stream.close()
 
 
 @pytest.mark.parametrize("transports", ["tcp", "shm"])

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from tests.test_planner import check_plan, random_pairs
+from tests.planning import check_plan, random_pairs
 from transfer_engine.planner import (
     Columns,
     Pair,

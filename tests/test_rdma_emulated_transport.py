@@ -16,7 +16,6 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from tests.test_faults import spawn_peer  # noqa: F401  (fixture)
 from tests.transport_contract import MiB, random_bytes
 from transfer_engine import Blocks, Descriptor, Engine, TransferState
 from transfer_engine.control.tickets import Credential
