@@ -21,6 +21,7 @@ config); block lists are vLLM's own ``KVCacheBlocks``.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 import warnings
@@ -273,22 +274,35 @@ def test_failed_receive_is_a_load_error(pair: Any) -> None:
 
 def test_dead_peer_stalls_neither_the_step_nor_other_loads(pair: Any) -> None:
     prefill, decode, pk, dk = pair
-    # a peer that never answers: its handshake runs out after timeout_s (2 s) on a
-    # background thread while start_load returns at once and a load from a live peer
-    # goes through
-    started = time.monotonic()
-    decode.start_load([RecvSpec("dead", [3], [1], "tcp://127.0.0.1:9", "x", "dead")])
-    prefill.hold({"live": 30.0})
-    decode.start_load([spec(prefill, "live", [4], [7])])
-    assert time.monotonic() - started < 1.0
-    res = wait_results(decode, "finished_recving", "live")
-    assert "dead" not in res.finished_recving and not res.failed_recving
-    name = next(iter(pk))
-    assert torch.equal(dk[name][:, 4], pk[name][:, 7])
-    res = wait_results(decode, "finished_recving", "dead")
+    # a peer that never answers (a port that accepts and then says nothing): its
+    # handshake runs out after timeout_s (2 s) on a background thread while start_load
+    # returns at once and a load from a live peer goes through
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        dead = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        decode.start_load([RecvSpec("dead", [3], [1], dead, "x", "dead")])
+        prefill.hold({"live": 30.0})
+        decode.start_load([spec(prefill, "live", [4], [7])])
+        assert time.monotonic() - started < 1.0
+        res = wait_results(decode, "finished_recving", "live")
+        assert "dead" not in res.finished_recving and not res.failed_recving
+        name = next(iter(pk))
+        assert torch.equal(dk[name][:, 4], pk[name][:, 7])
+        res = wait_results(decode, "finished_recving", "dead")
     assert res.failed_recving == {"dead"} and decode.take_failed_blocks() == {3}
     assert decode.stats["recv_failed"] == 1
     assert "handshakes=0" in repr(decode)
+
+
+def test_a_refused_endpoint_is_a_load_error_at_once(pair: Any) -> None:
+    _, decode, _, _ = pair
+    started = time.monotonic()
+    decode.start_load([RecvSpec("gone", [3], [1], "tcp://127.0.0.1:9", "x", "gone")])
+    res = wait_results(decode, "finished_recving", "gone")
+    assert time.monotonic() - started < 1.0
+    assert res.failed_recving == {"gone"} and decode.take_failed_blocks() == {3}
 
 
 def test_close_while_a_handshake_is_under_way(clock: FakeClock) -> None:
