@@ -5,7 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-pip_q() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
+# pip's notes about index folders a machine's pip config names but lacks, and about
+# running as root, are dropped; pip's own status still decides, through pipefail
+pip_q() {
+    PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install -q --disable-pip-version-check "$@" \
+        2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
 if ! "$PY" -c "import torch" >/dev/null 2>&1 && [ "${TE_TORCH:-}" != "skip" ]; then
     pip_q "${TE_TORCH:-torch==2.13.0}"
 fi

@@ -12,7 +12,8 @@ VERSION=$(sed -n 's/^SGLANG_VERSION = "\([^"]*\)"$/\1/p' tests/sglang_worker.py)
 TARGET=${TE_SGLANG_SITE:-.venv-sglang/site}
 if [ ! -d "$TARGET/sglang-$VERSION.dist-info" ]; then
     rm -rf "$TARGET"
-    "$PY" -m pip install -q --disable-pip-version-check --no-deps --target "$TARGET" \
+    PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install -q --disable-pip-version-check --no-deps \
+        --target "$TARGET" \
         "sglang==$VERSION"
 fi
 "$PY" - "$TARGET" "$VERSION" <<'PYEOF'
