@@ -317,7 +317,7 @@ def test_heartbeats_keep_working_during_a_flood() -> None:
                 stop.set()
                 t.join(10)
             assert sent[0] > 1000
-            assert legit.stats["heartbeats"] - beats >= 8
+            assert legit.stats["heartbeats"] - beats >= 4  # 7 due in 1.5 s at 200 ms
             assert legit.stats["heartbeat_unanswered"] == 0
             assert legit.stats["registered"] == 0  # never expired, never re-registered
             assert "legit" in [r.name for r in reg.members]
