@@ -298,7 +298,7 @@ def test_a_rail_stalled_mid_write_is_dropped_and_its_segment_freed(
         rail.close()
     started = time.monotonic()
     b.segments["kv"].close(timeout=5)  # no pin is left behind
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 3  # a pin left would wait out the 5 s
 
 
 def test_an_idle_rail_stays_open(make_engine: Callable[..., Engine]) -> None:

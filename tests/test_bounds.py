@@ -104,7 +104,7 @@ def test_cancel_withdraws_queued_work_and_tears_down_a_rail_only_for_work_on_the
             assert a.stats["rails_torn_down"] == 0 and not first.done()
             started = time.monotonic()
             assert first.cancel()
-            assert time.monotonic() - started < 2
+            assert time.monotonic() - started < 4
             assert first.state is TransferState.FAILED
             with pytest.raises(TransferCancelled):
                 first.wait(0)
@@ -140,7 +140,7 @@ def test_a_deadline_fails_a_stalled_transfer_with_transfer_timeout(
             h = a.read(peer, pairs, timeout=0.3)
             with pytest.raises(TransferTimeout, match="deadline of 0.3s") as info:
                 h.wait(5)
-            assert 0.25 < time.monotonic() - started < 2
+            assert 0.25 < time.monotonic() - started < 4
             assert info.value.peer == "slow" and info.value.op == "read"
             assert h.state is TransferState.FAILED and not h.cancel()
             assert a.stats["transfers_timed_out"] == 1
@@ -166,7 +166,7 @@ def test_a_silent_peer_is_declared_lost_and_its_threads_and_sockets_go(
             h = a.write(peer, pairs)
             with pytest.raises(PeerLostError, match="no answer to control probes"):
                 h.wait(10)
-            assert time.monotonic() - started < 3.5  # grace 0.2 s + 1 s + a tick
+            assert time.monotonic() - started < 6  # grace 0.2 s + 1 s + a tick, on a loaded host
             assert peer.lost is not None and a.stats["peers_lost"] == 1
             deadline = time.monotonic() + 5
             while peer_threads("frozen") and time.monotonic() < deadline:
@@ -196,7 +196,7 @@ def test_closing_a_segment_a_stalled_read_lands_in_returns_within_the_bound(
             time.sleep(0.1)
             started = time.monotonic()
             dst.close(timeout=0.3)
-            assert time.monotonic() - started < 2
+            assert time.monotonic() - started < 4
             assert dst.closed
             with pytest.raises(ClosedError, match="segment deregistered") as info:
                 h.wait(1)

@@ -285,7 +285,7 @@ def test_dead_peer_stalls_neither_the_step_nor_other_loads(pair: Any) -> None:
         decode.start_load([RecvSpec("dead", [3], [1], dead, "x", "dead")])
         prefill.hold({"live": 30.0})
         decode.start_load([spec(prefill, "live", [4], [7])])
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < 1.5
         res = wait_results(decode, "finished_recving", "live")
         assert "dead" not in res.finished_recving and not res.failed_recving
         name = next(iter(pk))
@@ -301,7 +301,7 @@ def test_a_refused_endpoint_is_a_load_error_at_once(pair: Any) -> None:
     started = time.monotonic()
     decode.start_load([RecvSpec("gone", [3], [1], "tcp://127.0.0.1:9", "x", "gone")])
     res = wait_results(decode, "finished_recving", "gone")
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 1.5  # the handshake would run out at 2 s
     assert res.failed_recving == {"gone"} and decode.take_failed_blocks() == {3}
 
 

@@ -160,7 +160,7 @@ def test_connect_to_a_refused_port_fails_at_once(make_engine: Callable[..., Engi
     started = time.monotonic()
     with pytest.raises(ConnectError) as info:
         a.connect("tcp://127.0.0.1:1", timeout=5)
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < 2  # a timeout would take 5 s
     assert info.value.op == "connect"
 
 

@@ -161,7 +161,7 @@ def test_engines_find_each_other_by_name(server: MetadataServer) -> None:
                 (a.get_first_buffer_address, (), 0)):
             started = time.monotonic()
             assert call("unreachable_peer:9", *args) == failure, call.__name__
-            assert time.monotonic() - started < 0.5
+            assert time.monotonic() - started < 2  # not the 10 s timeout
     finally:
         a.close()
         b.close()
