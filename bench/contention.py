@@ -149,14 +149,17 @@ def _window(submit: Callable[[], Any], duration: float) -> tuple[int, float, lis
 
 
 def measure_protocol(protocol: str, shapes: Sequence[tuple[int, int]], duration: float,
-                     repeat: int, warmup: float, seed: int) -> dict[str, Any]:
+                     repeat: int, warmup: float, seed: int,
+                     switch_interval: float | None = None) -> dict[str, Any]:
     """Every case for every (block size, batch size) of one protocol, one target."""
     from transfer_engine import Blocks, Descriptor, Engine
 
     need = max(bs * n for bs, n in shapes) * 8
     buffer_size = max(64 << 20, need)
     child = Child(["-m", "bench.contention", "--_target", "--protocol", protocol,
-                   "--buffer_size", str(buffer_size), "--seed", str(seed)])
+                   "--buffer_size", str(buffer_size), "--seed", str(seed),
+                   *(["--switch-interval", str(switch_interval)]
+                     if switch_interval is not None else [])])
     spinner = Spinner()
     elsewhere = Elsewhere()
     out: dict[str, Any] = {}
@@ -260,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=3, help="runs per case (medians)")
     p.add_argument("--warmup", type=float, default=0.5, help="seconds before the cases")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--switch-interval", "--switch_interval", dest="switch_interval",
+                   type=float, default=None, metavar="SECONDS",
+                   help="sys.setswitchinterval in both processes (default: Python's 0.005)")
     p.add_argument("--json", metavar="PATH", default=None)
     p.add_argument("--_target", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--protocol", default="tcp", help=argparse.SUPPRESS)
@@ -269,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    if a.switch_interval is not None:
+        sys.setswitchinterval(a.switch_interval)
     if a._target:
         return run_target(a.protocol, a.buffer_size, a.seed)
     shapes = [_shape(s) for s in a.shapes.split(",") if s]
@@ -278,10 +286,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"unknown protocol {proto!r}", file=sys.stderr)
             return 2
         results[proto] = measure_protocol(proto, shapes, a.duration, a.repeat, a.warmup,
-                                          a.seed)
+                                          a.seed, a.switch_interval)
         print(f"# {proto} done", file=sys.stderr, flush=True)
     print(_table(results))
     doc = {"duration": a.duration, "repeat": a.repeat, "cpus": os.cpu_count(),
+           "switch_interval": sys.getswitchinterval(),
            "results": results}
     if a.json:
         with open(a.json, "w") as f:
