@@ -17,6 +17,7 @@ import pytest
 
 from tests.transport_contract import random_bytes
 from transfer_engine import Blocks, Descriptor, Engine
+from transfer_engine.notify import Notification
 from transfer_engine.transport.iovec import (
     IOVEC_IO,
     recv_iov_ready,
@@ -116,7 +117,7 @@ def test_concurrent_writers_with_a_busy_thread_each_notify_once(
     assert not errors
     assert np.array_equal(dst, src)
     want = sorted(f"{w}.{r}".encode() for w in range(writers) for r in range(rounds))
-    notes = []
+    notes: list[Notification] = []
     while len(notes) < len(want):
         more = b.notifications(timeout=5)
         if not more:
