@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["IOVEC_IO", "IOV_MAX", "RECV_CHUNK", "iov_views", "send_iov", "recv_iov"]
+__all__ = ["IOVEC_IO", "IOV_MAX", "RECV_CHUNK", "iov_views", "send_iov", "recv_iov",
+           "recv_iov_ready", "recv_ready", "send_ready"]
 
 IOV_MAX = 1024
 RECV_CHUNK = 1 << 20
@@ -99,20 +100,22 @@ def send_iov(sock: socket.socket, iov: np.ndarray, nbytes: int) -> None:
         sent += n
 
 
-def recv_iov(sock: socket.socket, iov: np.ndarray, nbytes: int) -> None:
+def recv_iov(sock: socket.socket, iov: np.ndarray, nbytes: int,
+             chunk: bool = False) -> None:
     """Fills the ``nbytes`` bytes described by ``iov`` in order (blocking socket).
 
-    More than ``2 * RECV_CHUNK`` bytes are received in calls of about ``RECV_CHUNK``:
-    under BBR congestion control, one ``MSG_WAITALL`` call for 8 MiB streamed 20-35%
-    slower on loopback than calls of a few hundred KiB in a raw two-process test, and
-    1 MiB calls gained 5-10% in the engine bench at 64 KiB and 1 MiB blocks (256 KiB
-    calls gained less and cost more CPU). Under cubic (what loopback rails use) the
-    size of the calls made no measurable difference. Raises ``ConnectionResetError``
-    when the stream ends first.
+    One ``MSG_WAITALL`` call for the whole request by default: each call that returns
+    must win the GIL back, which a busy Python thread in the process holds for up to the
+    switch interval (5 ms), so a 16 MiB request in 1 MiB calls paid that wait 16 times
+    (0.2 GB/s under a busy thread against 1.5 in one call, raw sockets). Under cubic
+    (what loopback rails use) the size of the calls made no idle difference. With
+    ``chunk``, more than ``2 * RECV_CHUNK`` bytes are received in calls of about
+    ``RECV_CHUNK``, which streamed 20-35% faster under BBR on loopback. Raises
+    ``ConnectionResetError`` when the stream ends first.
     """
     assert _libc is not None
     iov = np.ascontiguousarray(iov, dtype=np.uint64)
-    if nbytes > 2 * RECV_CHUNK:
+    if chunk and nbytes > 2 * RECV_CHUNK:
         for part, size in _chunks(iov, nbytes):
             _recv_all(sock, part, size)
         return
@@ -155,3 +158,75 @@ def _recv_all(sock: socket.socket, iov: np.ndarray, nbytes: int) -> None:
         if n == 0:
             raise ConnectionResetError("connection closed by peer")
         got += n
+
+
+# Calls that cannot block, made while holding the GIL: a call that releases it must win
+# it back afterwards, which costs up to the switch interval (5 ms) when a Python thread
+# of the application is busy. Bytes the kernel already holds are taken without that
+# hand-off; only a call that has to wait for the peer releases the GIL.
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
+READY_BYTES = 1 << 20  # most bytes copied in one GIL-holding call (about 0.1-0.2 ms)
+
+
+def _load_held() -> Any:
+    if _libc is None or not _DONTWAIT:
+        return None
+    try:
+        held = ctypes.PyDLL(None, use_errno=True)  # PyDLL: the GIL stays held
+        for name in ("send", "recv"):
+            fn = getattr(held, name)
+            fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            fn.restype = ctypes.c_ssize_t
+        held.recvmsg.argtypes = [ctypes.c_int, ctypes.POINTER(_MsgHdr), ctypes.c_int]
+        held.recvmsg.restype = ctypes.c_ssize_t
+    except (OSError, AttributeError):
+        return None
+    return held
+
+
+_held = _load_held()
+
+
+def _held_result(n: int) -> int:
+    """``n`` from a held call, -1 for "nothing there yet"; raises OSError on errors."""
+    if n >= 0:
+        return n
+    err = ctypes.get_errno()
+    if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
+        return -1
+    raise OSError(err, os.strerror(err))
+
+
+def recv_ready(sock: socket.socket, buf: Any, nbytes: int) -> int:
+    """Copies up to ``nbytes`` bytes the kernel already holds into writable ``buf``
+    without giving up the GIL; returns how many, 0 at the end of the stream, -1 when
+    none are there (or this host cannot tell). Raises OSError."""
+    if _held is None or nbytes <= 0:
+        return -1
+    addr = ctypes.addressof((ctypes.c_char * nbytes).from_buffer(buf))
+    return _held_result(int(_held.recv(sock.fileno(), addr, nbytes, _DONTWAIT)))
+
+
+def send_ready(sock: socket.socket, data: bytes) -> int:
+    """Sends as much of ``data`` as the socket buffer takes now, without giving up the
+    GIL; returns how many bytes (-1: none, or this host cannot tell). Raises OSError."""
+    if _held is None or not data:
+        return -1
+    return _held_result(int(_held.send(sock.fileno(), data, len(data),
+                                       _DONTWAIT | _NOSIGNAL)))
+
+
+def recv_iov_ready(sock: socket.socket, iov: np.ndarray, limit: int = READY_BYTES) -> int:
+    """Scatters into ``iov`` up to ``limit`` bytes the kernel already holds, without
+    giving up the GIL; returns how many (0: end of stream, -1: none there)."""
+    if _held is None:
+        return -1
+    iov = np.ascontiguousarray(iov, dtype=np.uint64)
+    ends = np.cumsum(iov[:, 1], dtype=np.uint64)
+    i = int(np.searchsorted(ends, limit, side="left"))
+    if i < len(iov):  # cut the row where the limit falls
+        iov = iov[:i + 1].copy()
+        iov[i, 1] -= np.uint64(int(ends[i]) - limit)
+    rows = iov[:IOV_MAX]
+    hdr = _MsgHdr(None, 0, rows.ctypes.data, len(rows), None, 0, 0)
+    return _held_result(int(_held.recvmsg(sock.fileno(), ctypes.byref(hdr), _DONTWAIT)))

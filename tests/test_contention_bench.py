@@ -1,0 +1,30 @@
+"""bench.contention runs every case in one run and reports the fields docs/data-plane.md
+names (the figures themselves are not checked: timing belongs to the bench)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.baselines import child_env
+from bench.contention import CASES
+
+
+def test_one_short_run_reports_every_case_and_verifies(tmp_path: Path) -> None:
+    out = tmp_path / "contention.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.contention", "--protocols", "tcp", "--shapes",
+         "64kx8", "--duration", "0.1", "--repeat", "1", "--warmup", "0.1", "--json",
+         str(out)], capture_output=True, text=True, timeout=100, env=child_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    case = doc["results"]["tcp"]["65536x8"]
+    assert case["verified"] is True and case["transport"] == "tcp"
+    for name in CASES:
+        assert case[f"{name}_gbps"] > 0
+        assert case[f"{name}_p99_ms"] > 0
+        if name != "idle":
+            assert case[f"{name}_vs_idle"] > 0
+    assert case["p99_ms"] == case["idle_p99_ms"]
