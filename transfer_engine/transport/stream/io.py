@@ -21,13 +21,9 @@ import numpy as np
 
 from transfer_engine.transport.iovec import (
     IOVEC_IO,
-    _advance,
     iov_views,
     recv_iov,
-    recv_iov_ready,
-    recv_ready,
     send_iov,
-    send_ready,
 )
 
 _IOV_CHUNK = 1000  # sendmsg/recvmsg_into take at most IOV_MAX buffers
@@ -82,18 +78,6 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     """
     if n <= 0:
         return b""
-    buf = bytearray(n)
-    try:
-        got = recv_ready(sock, buf, n)
-    except OSError as exc:
-        raise PeerClosed(str(exc)) from exc
-    if got == n:
-        return bytes(buf)
-    if got == 0:
-        raise PeerClosed("connection closed by peer")
-    if got > 0:
-        recv_into_views(sock, [memoryview(buf)[got:]], n - got)
-        return bytes(buf)
     try:
         data = sock.recv(n, _WAITALL)
     except OSError as exc:
@@ -102,6 +86,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
         return data
     if not data:
         raise PeerClosed("connection closed by peer")
+    buf = bytearray(n)
     buf[:len(data)] = data
     recv_into_views(sock, [memoryview(buf)[len(data):]], n - len(data))
     return bytes(buf)
@@ -126,13 +111,8 @@ def send_views(sock: socket.socket, bufs: Sequence[Any], nbytes: int | None = No
 
 
 def send_bytes(sock: socket.socket, data: bytes) -> None:
-    """Sends ``data``; what the socket buffer takes at once goes without giving up the
-    GIL (an answer, a small request)."""
     try:
-        sent = send_ready(sock, data)
-        if sent == len(data):
-            return
-        sock.sendall(data[sent:] if sent > 0 else data)
+        sock.sendall(data)
     except OSError as exc:
         raise PeerClosed(str(exc)) from exc
 
@@ -180,14 +160,6 @@ def recv_scatter(sock: socket.socket, iov: np.ndarray, nbytes: int) -> None:
         recv_into_views(sock, iov_views(iov), nbytes)
         return
     try:
-        got = recv_iov_ready(sock, iov)  # what already arrived, keeping the GIL
-        if got == nbytes:
-            return
-        if got == 0:
-            raise PeerClosed("connection closed by peer")
-        if got > 0:
-            iov = _advance(iov, got)
-            nbytes -= got
         recv_iov(sock, iov, nbytes)
     except OSError as exc:
         raise PeerClosed(str(exc)) from exc

@@ -37,7 +37,6 @@ from transfer_engine.errors import (
 )
 from transfer_engine.segment import Segment
 from transfer_engine.transport.base import Host, Immediate
-from transfer_engine.transport.iovec import recv_ready
 from transfer_engine.transport.stream.io import (
     _WAITALL,
     PeerClosed,
@@ -338,18 +337,6 @@ class StreamServer:
         """The next request's header; None when the rail stayed idle for a stall
         timeout (an idle rail is fine; a request cut off midway is not)."""
         sock = conn.sock
-        buf = bytearray(HEADER.size)
-        try:  # a header already there is taken without giving up the GIL
-            got = recv_ready(sock, buf, HEADER.size)
-        except OSError as exc:
-            raise PeerClosed(str(exc)) from exc
-        if got == 0:
-            raise PeerClosed("connection closed by peer")
-        if got > 0:
-            head = bytes(buf[:got])
-            if got < HEADER.size:
-                head += recv_exact(sock, HEADER.size - got)
-            return head
         try:
             head = sock.recv(HEADER.size, _WAITALL)
         except (BlockingIOError, TimeoutError):
