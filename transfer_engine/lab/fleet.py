@@ -18,9 +18,10 @@ this kernel offers no ``prio``).
 
 Every host gets a topology file (:mod:`transfer_engine.topology`'s format) that an
 engine started in it reads through ``$TE_TOPOLOGY_FILE``: NIC j sits on NUMA node
-``j % numa_nodes`` behind PCIe switch j, next to GPU j. A kernel without ``netem`` builds labs without delay and refuses
-one that asks for it (:class:`LabError`). Deleting a namespace deletes its veths and
-qdiscs, so taking a lab down is deleting its namespaces and state folder.
+``j % numa_nodes`` behind PCIe switch j, next to GPU j. A kernel without ``netem``
+builds labs without delay and refuses one that asks for it (:class:`LabError`).
+Deleting a namespace deletes its veths and qdiscs, so taking a lab down is deleting its
+namespaces and state folder.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
