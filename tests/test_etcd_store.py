@@ -135,3 +135,11 @@ def test_engines_meet_through_etcd(etcd: str, make_engine: Callable[..., Engine]
     prefill.write(peer, [(Descriptor(src, 0, 1 << 20),
                           Descriptor(peer.segment("kv"), 0, 1 << 20))]).wait(10)
     assert np.array_equal(dst, data)
+
+
+def test_membership_bench_runs_on_etcd(etcd: str, request: pytest.FixtureRequest) -> None:
+    from bench.membership_bench import join_to_visible  # noqa: PLC0415
+
+    prefix = f"{etcd}/t-{request.node.name}"
+    out = join_to_visible(lambda name: EtcdStore(prefix, name=name), 3)
+    assert out["samples"] == 3 and 0 < out["p50_ms"] <= out["p99_ms"] < 5000
