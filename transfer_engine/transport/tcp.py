@@ -35,6 +35,13 @@ two-process test such a stream ran at 3.1-4.2 GB/s under BBR against 5.3-7.1 und
 cubic or reno, and the engine at 64 KiB x 128 went from 4.50 to 5.27 GB/s with 8% less
 CPU per GB. Rails to other hosts keep the host's choice, which
 is the operator's for the real network, unless ``congestion`` names one.
+
+NICs: with ``nics`` (or ``$TE_TCP_NICS``) the transport also listens on each chosen
+NIC's address and opens each rail from one local NIC (its address bound as the source)
+to the peer NIC the kernel routes it to, one rail per NIC pair; a transfer is cut over
+all of them, each rail's share following its measured goodput
+(:mod:`~transfer_engine.transport.tcp_nics`): here the wire, not the cores, is the
+bound.
 """
 
 from __future__ import annotations
@@ -49,8 +56,15 @@ import numpy as np
 
 from transfer_engine.control.tickets import Credential
 from transfer_engine.descriptor import Op
-from transfer_engine.errors import AuthenticationError, ClosedError, ConnectError, TransferTimeout
+from transfer_engine.errors import (
+    AuthenticationError,
+    ClosedError,
+    ConnectError,
+    TransferError,
+    TransferTimeout,
+)
 from transfer_engine.segment import Segment
+from transfer_engine.topology import Topology
 from transfer_engine.transport.base import Capabilities, Host, OnComplete, Rail, Transport, Work
 from transfer_engine.transport.stream import (
     KIND_READ,
@@ -68,6 +82,7 @@ from transfer_engine.transport.stream import (
     send_gather,
     tune_socket,
 )
+from transfer_engine.transport.tcp_nics import NicEndpoint, RateMeter, local_nics, pair_nics
 
 __all__ = ["TcpTransport"]
 
@@ -156,12 +171,26 @@ class TcpRail(StreamRail):
     transport_name = "tcp"
 
     def __init__(self, sock: socket.socket, peer: str, index: int, on_complete: OnComplete,
-                 host: Host) -> None:
+                 host: Host, nic: str | None = None, gbps: float = 0.0) -> None:
         self.loopback = _loopback(sock)
         self.congestion = congestion_of(sock)
+        self.nic = nic  # the local NIC this rail leaves from (None: as routed)
+        self.meter = RateMeter(gbps) if nic is not None else None
         super().__init__(sock, peer, index, on_complete, host)
 
+    @property
+    def weight(self) -> float:
+        """Share of a transfer the planner gives this rail: its measured goodput."""
+        return self.meter.gbps if self.meter is not None else 1.0
+
+    def _complete(self, work: Work, error: TransferError | None) -> None:
+        if self.meter is not None:
+            self.meter.done(id(work), work.nbytes, error is None)
+        super()._complete(work, error)
+
     def _send_request(self, work: Work) -> None:
+        if self.meter is not None:
+            self.meter.started(id(work))
         if work.op is Op.WRITE:
             send_gather(self._sock, encode_request(KIND_WRITE, work), _host_iov(work),
                         work.nbytes)
@@ -214,6 +243,11 @@ class TcpTransport(Transport):
         host refuses it).
     :param stall_timeout: longest pause the target allows inside a request or an
         answer before it drops the rail (an idle rail stays).
+    :param nics: NICs to open rails from and listen on: ``"auto"`` (every active NIC
+        of the topology with an address), NIC names, or None (``$TE_TCP_NICS``; unset:
+        none, rails leave as routed). With NICs, ``rails`` counts rails per NIC.
+    :param topology: where the NICs are (default: :func:`transfer_engine.topology.load`,
+        i.e. ``$TE_TOPOLOGY_FILE`` or sysfs).
     """
 
     name = "tcp"
@@ -221,7 +255,9 @@ class TcpTransport(Transport):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, rails: int = 2,
                  slice_size: int = 16 << 20, buffer_bytes: int = SOCKET_BUFFER,
                  spread: int | None = None, congestion: str | None = AUTO,
-                 stall_timeout: float = STALL_TIMEOUT) -> None:
+                 stall_timeout: float = STALL_TIMEOUT,
+                 nics: str | Sequence[str] | None = None,
+                 topology: Topology | None = None) -> None:
         if spread is not None and spread < 1:
             raise ValueError("spread must be at least 1")
         if not stall_timeout > 0:
@@ -233,10 +269,14 @@ class TcpTransport(Transport):
         self._spread = spread
         self._cores = _cores()  # read once: spread() runs on every transfer
         self._buffer_bytes = buffer_bytes
+        self._nics: list[NicEndpoint] = local_nics(nics, topology)
+        self._nic_pairs: dict[str, list[tuple[NicEndpoint, tuple[str, int], float]]] = {}
+        self._nic_next: dict[str, int] = {}
         self._caps = Capabilities(max_sge=1000, max_wr_bytes=64 << 20, remote_scatter=True,
-                                  default_rails=rails, slice_size=slice_size,
-                                  min_split=MIN_SPLIT)
+                                  default_rails=rails * max(1, len(self._nics)),
+                                  slice_size=slice_size, min_split=MIN_SPLIT)
         self._server: TcpServer | None = None
+        self._nic_servers: list[TcpServer] = []
         self._host: Host | None = None
         self._rails: list[TcpRail] = []
         self._closed = False
@@ -255,7 +295,32 @@ class TcpTransport(Transport):
         self._server = TcpServer(listener, host, self._buffer_bytes, self._congestion,
                                  self._stall)
         bound = listener.getsockname()
-        return {"host": bound[0], "port": bound[1]}
+        info: dict[str, Any] = {"host": bound[0], "port": bound[1]}
+        if self._nics:
+            info["nics"] = [nic.to_wire(self._nic_listener(nic, bound)) for nic in self._nics]
+        return info
+
+    def _nic_listener(self, nic: NicEndpoint, main: tuple[Any, ...]) -> int:
+        """Accepts rails on ``nic``'s address too; returns the port (the main one where
+        the main listener covers the address or the port is free there)."""
+        if nic.address == main[0] or main[0] in ("0.0.0.0", "::"):
+            return int(main[1])
+        assert self._host is not None
+        listener = socket.socket(socket.AF_INET6 if ":" in nic.address else socket.AF_INET,
+                                 socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                listener.bind((nic.address, main[1]))
+            except OSError:
+                listener.bind((nic.address, 0))
+            listener.listen(128)
+        except OSError:
+            listener.close()
+            raise
+        self._nic_servers.append(TcpServer(listener, self._host, self._buffer_bytes,
+                                           self._congestion, self._stall))
+        return int(listener.getsockname()[1])
 
     def register(self, segment: Segment) -> dict[str, Any]:
         return {}
@@ -271,13 +336,16 @@ class TcpTransport(Transport):
                 ) -> Rail:
         if self._closed or self._host is None:
             raise ClosedError("transport is closed", peer=peer, transport=self.name)
+        nic: tuple[NicEndpoint, tuple[str, int], float] | None = self._next_pair(peer, info)
         try:
-            target = (str(info["host"]), int(info["port"]))
+            target = nic[1] if nic else (str(info["host"]), int(info["port"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise ConnectError(f"peer published no usable tcp endpoint: {info!r:.120}",
                                peer=peer, op="connect", transport=self.name) from exc
         try:
-            sock = socket.create_connection(target, timeout=timeout)
+            sock = socket.create_connection(target, timeout=timeout,
+                                            source_address=(nic[0].address, 0) if nic
+                                            else None)
         except TimeoutError as exc:
             raise TransferTimeout(f"connecting to {target} timed out", peer=peer,
                                   op="connect", transport=self.name) from exc
@@ -295,9 +363,27 @@ class TcpTransport(Transport):
             sock.close()
             raise ConnectError(f"rail handshake with {target} failed: {exc}", peer=peer,
                                op="connect", transport=self.name) from exc
-        rail = TcpRail(sock, peer, len(self._rails), on_complete, self._host)
+        rail = TcpRail(sock, peer, len(self._rails), on_complete, self._host,
+                       nic[0].name if nic else None, nic[2] if nic else 0.0)
         self._rails.append(rail)
         return rail
+
+    def _next_pair(self, peer: str, info: dict[str, Any]
+                   ) -> tuple[NicEndpoint, tuple[str, int], float] | None:
+        """The NIC pair of the next rail to ``peer``, round robin; None without NICs
+        on either side (or no pair the kernel routes)."""
+        remote = info.get("nics")
+        if not self._nics or not isinstance(remote, list):
+            return None
+        key = f"{peer}|{remote!r}"  # a peer that restarted elsewhere pairs afresh
+        pairs = self._nic_pairs.get(key)
+        if pairs is None:
+            pairs = self._nic_pairs[key] = pair_nics(self._nics, remote)
+        if not pairs:
+            return None
+        k = self._nic_next.get(key, 0)
+        self._nic_next[key] = k + 1
+        return pairs[k % len(pairs)]
 
     def close(self) -> None:
         if self._closed:
@@ -308,12 +394,17 @@ class TcpTransport(Transport):
         self._rails.clear()
         if self._server is not None:
             self._server.close()
+        for server in self._nic_servers:
+            server.close()
+        self._nic_servers.clear()
 
     def spread(self, rails: Sequence[Rail]) -> int:
         """As many rails as this host has cores to copy at once: a loopback rail keeps
         two of them busy (sender and receiver), a rail to another host one."""
         if self._spread is not None:
             return max(1, min(len(rails), self._spread))
+        if rails and getattr(rails[0], "nic", None) is not None:
+            return len(rails)  # one rail per NIC pair: the wires bound it, not the cores
         # a peer's rails all join the same two endpoints: the first tells for all
         per_rail = 2 if rails and getattr(rails[0], "loopback", False) else 1
         return max(1, min(len(rails), self._cores // per_rail))
@@ -326,12 +417,17 @@ class TcpTransport(Transport):
         return self.spread(rails)
 
     def revoke(self, segment: Segment) -> None:
-        if self._server is not None:
-            self._server.revoke(segment)
+        for server in self._servers():
+            server.revoke(segment)
+
+    def _servers(self) -> list[TcpServer]:
+        return ([self._server] if self._server is not None else []) + self._nic_servers
 
     def info(self, key: str) -> Any:
         if key == "bytes_received" and self._server is not None:
-            return self._server.bytes_received
+            return sum(s.bytes_received for s in self._servers())
+        if key == "nics":
+            return [nic.name for nic in self._nics]
         if key == "server_stats" and self._server is not None:
             return dict(self._server.stats)
         return None
