@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.lab_bench import run_lab
-from tests.lab_helpers import lab_tag
+from tests.lab_helpers import lab_tag, make_lab  # noqa: F401  (fixture)
 from transfer_engine.lab import lab_skip_reason
 from transfer_engine.topology import Nic, Topology
 from transfer_engine.transport.tcp import TcpTransport
@@ -89,3 +89,46 @@ def test_striping_over_lab_nics(tmp_path: Path) -> None:
     assert all(r["exact"] for r in rows)
     assert one["ratio"] > 0.8 and two["ratio"] > 0.8, rows
     assert two["gbps"] > 1.7 * one["gbps"], rows
+
+
+def test_nic_failover_in_the_lab(make_lab) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    """A NIC pulled mid-transfer: its slices move to the other NIC, byte-exact. Every
+    NIC pulled: the transfer fails with PeerLostError, in bounded time."""
+    import secrets  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    lab = make_lab(hosts=2, nics=2, rate_mbit=50)
+    h0, h1 = lab.hosts
+    env = {"TE_CONTROL_SECRET": secrets.token_hex(24), "PATH": "/usr/bin:/bin"}
+    target = lab.spawn(h1, [sys.executable, "-m", "bench.lab_bench", "serve", "--host",
+                            h1.address], env=env, stdin=subprocess.PIPE,
+                       stdout=subprocess.PIPE, text=True)
+    assert target.stdout is not None and target.stdin is not None
+    endpoint = target.stdout.readline().split()[1]
+    init = lab.spawn(h0, [sys.executable, str(Path(__file__).with_name(
+        "lab_failover_peer.py")), h0.address, endpoint, "1.0"], env=env,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert init.stdout is not None and init.stdin is not None
+    out, inp = init.stdout, init.stdin
+    assert out.readline().split() == ["RAILS", "eth0,eth1"]
+    inp.write("go\n")
+    inp.flush()
+    assert out.readline().strip() == "STARTED"
+    time.sleep(0.5)  # 16 MiB over 2 x 50 Mbit/s takes ~2.8 s: pull eth1 midway
+    lab.set_link(0, 1, up=False)
+    wrote = out.readline().split()
+    assert wrote[:2] == ["WROTE", "ok"], wrote
+    assert out.readline().split() == ["EXACT", "True"]
+    failovers = int(out.readline().split()[1])
+    assert failovers >= 1
+    lab.set_link(0, 0, up=False)  # now every NIC of host 0 is gone
+    inp.write("go\n")
+    inp.flush()
+    assert out.readline().strip() == "STARTED"
+    wrote = out.readline().split(maxsplit=3)
+    assert wrote[1] == "PeerLostError" and float(wrote[2]) < 15, wrote
+    assert "no NIC rail to the peer is left (eth0, eth1 failed)" in wrote[3], wrote
+    inp.close()
+    init.wait(20)
+    target.stdin.close()

@@ -46,10 +46,12 @@ bound.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
+import logging
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -60,6 +62,7 @@ from transfer_engine.errors import (
     AuthenticationError,
     ClosedError,
     ConnectError,
+    PeerLostError,
     TransferError,
     TransferTimeout,
 )
@@ -86,11 +89,14 @@ from transfer_engine.transport.tcp_nics import NicEndpoint, RateMeter, local_nic
 
 __all__ = ["TcpTransport"]
 
+log = logging.getLogger(__name__)
+
 SOCKET_BUFFER = 4 << 20
 MIN_SPLIT = 1 << 20  # smallest share of a transfer sent over a rail of its own
 AUTO = "auto"
 LOOPBACK_CONGESTION = ("cubic", "reno")  # loss-based, in order of preference
 _TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", None)  # Linux only
+_TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", None)  # Linux only
 
 
 def _host_iov(work: Work) -> np.ndarray:
@@ -176,6 +182,10 @@ class TcpRail(StreamRail):
         self.congestion = congestion_of(sock)
         self.nic = nic  # the local NIC this rail leaves from (None: as routed)
         self.meter = RateMeter(gbps) if nic is not None else None
+        # set by the transport on NIC rails: moves work off this rail when it breaks
+        self.failover: Callable[[TcpRail, Work, TransferError], TransferError | None
+                                ] | None = None
+        self._aborted = False
         super().__init__(sock, peer, index, on_complete, host)
 
     @property
@@ -186,7 +196,18 @@ class TcpRail(StreamRail):
     def _complete(self, work: Work, error: TransferError | None) -> None:
         if self.meter is not None:
             self.meter.done(id(work), work.nbytes, error is None)
+        # Only a connection that broke by itself fails over: a rail the engine tore
+        # down (a cancel, a lost peer) or closed must fail its work, not move it.
+        if (isinstance(error, PeerLostError) and self.failover is not None
+                and not self._aborted and not self._closed):
+            error = self.failover(self, work, error)
+            if error is None:
+                return  # another NIC's rail carries it now
         super()._complete(work, error)
+
+    def abort(self, error: TransferError) -> None:
+        self._aborted = True
+        super().abort(error)
 
     def _send_request(self, work: Work) -> None:
         if self.meter is not None:
@@ -248,6 +269,11 @@ class TcpTransport(Transport):
         none, rails leave as routed). With NICs, ``rails`` counts rails per NIC.
     :param topology: where the NICs are (default: :func:`transfer_engine.topology.load`,
         i.e. ``$TE_TOPOLOGY_FILE`` or sysfs).
+    :param nic_timeout: seconds a NIC rail's sent bytes may stay unacknowledged before
+        the kernel drops its connection (``TCP_USER_TIMEOUT``): a NIC whose link went
+        down is noticed then, and the rail's unfinished work moves to the peer's other
+        NIC rails (a WRITE lands the same bytes at the same place again; a READ reads
+        them again). With no NIC rail left the work fails with ``PeerLostError``.
     """
 
     name = "tcp"
@@ -257,7 +283,7 @@ class TcpTransport(Transport):
                  spread: int | None = None, congestion: str | None = AUTO,
                  stall_timeout: float = STALL_TIMEOUT,
                  nics: str | Sequence[str] | None = None,
-                 topology: Topology | None = None) -> None:
+                 topology: Topology | None = None, nic_timeout: float = 5.0) -> None:
         if spread is not None and spread < 1:
             raise ValueError("spread must be at least 1")
         if not stall_timeout > 0:
@@ -272,6 +298,11 @@ class TcpTransport(Transport):
         self._nics: list[NicEndpoint] = local_nics(nics, topology)
         self._nic_pairs: dict[str, list[tuple[NicEndpoint, tuple[str, int], float]]] = {}
         self._nic_next: dict[str, int] = {}
+        self._nic_groups: dict[str, list[TcpRail]] = {}  # peer key -> its NIC rails
+        if not nic_timeout > 0:
+            raise ValueError("nic_timeout must be positive")
+        self._nic_timeout = nic_timeout
+        self.failovers = 0
         self._caps = Capabilities(max_sge=1000, max_wr_bytes=64 << 20, remote_scatter=True,
                                   default_rails=rails * max(1, len(self._nics)),
                                   slice_size=slice_size, min_split=MIN_SPLIT)
@@ -336,7 +367,7 @@ class TcpTransport(Transport):
                 ) -> Rail:
         if self._closed or self._host is None:
             raise ClosedError("transport is closed", peer=peer, transport=self.name)
-        nic: tuple[NicEndpoint, tuple[str, int], float] | None = self._next_pair(peer, info)
+        key, nic = self._next_pair(peer, info)
         try:
             target = nic[1] if nic else (str(info["host"]), int(info["port"]))
         except (KeyError, TypeError, ValueError) as exc:
@@ -355,6 +386,9 @@ class TcpTransport(Transport):
         try:
             tune_socket(sock, self._buffer_bytes)
             set_congestion(sock, self._congestion)
+            if nic is not None and _TCP_USER_TIMEOUT is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, _TCP_USER_TIMEOUT,
+                                int(self._nic_timeout * 1000))
             open_rail(sock, credential, self.name, timeout)
         except AuthenticationError as exc:
             sock.close()
@@ -366,24 +400,47 @@ class TcpTransport(Transport):
         rail = TcpRail(sock, peer, len(self._rails), on_complete, self._host,
                        nic[0].name if nic else None, nic[2] if nic else 0.0)
         self._rails.append(rail)
+        if nic is not None:
+            group = self._nic_groups.setdefault(key, [])
+            group[:] = [r for r in group if not r.closed] + [rail]
+            rail.failover = functools.partial(self._failover, group)
         return rail
 
-    def _next_pair(self, peer: str, info: dict[str, Any]
-                   ) -> tuple[NicEndpoint, tuple[str, int], float] | None:
-        """The NIC pair of the next rail to ``peer``, round robin; None without NICs
-        on either side (or no pair the kernel routes)."""
-        remote = info.get("nics")
-        if not self._nics or not isinstance(remote, list):
+    def _failover(self, group: list[TcpRail], broken: TcpRail, work: Work,
+                  error: TransferError) -> TransferError | None:
+        """Posts ``work`` from a broken NIC rail on the least busy open sibling; the
+        error to fail it with when none takes it."""
+        for other in sorted((r for r in list(group) if r is not broken and not r.closed),
+                            key=lambda r: r.inflight):
+            try:
+                other.post(work)
+            except TransferError:
+                continue
+            self.failovers += 1
+            log.info("NIC rail %s->%s#%d broke (%s): its work moved to %s#%d", broken.nic,
+                     broken.peer, broken.index, error.message, other.nic, other.index)
             return None
+        failed = sorted({str(r.nic) for r in group})
+        return PeerLostError(f"no NIC rail to the peer is left ({', '.join(failed)} "
+                             f"failed): {error.message}", peer=broken.peer,
+                             op=str(work.op), transport=self.name)
+
+    def _next_pair(self, peer: str, info: dict[str, Any]
+                   ) -> tuple[str, tuple[NicEndpoint, tuple[str, int], float] | None]:
+        """(peer key, the NIC pair of the next rail to ``peer``, round robin); no pair
+        without NICs on either side (or when the kernel routes none)."""
+        remote = info.get("nics")
         key = f"{peer}|{remote!r}"  # a peer that restarted elsewhere pairs afresh
+        if not self._nics or not isinstance(remote, list):
+            return key, None
         pairs = self._nic_pairs.get(key)
         if pairs is None:
             pairs = self._nic_pairs[key] = pair_nics(self._nics, remote)
         if not pairs:
-            return None
+            return key, None
         k = self._nic_next.get(key, 0)
         self._nic_next[key] = k + 1
-        return pairs[k % len(pairs)]
+        return key, pairs[k % len(pairs)]
 
     def close(self) -> None:
         if self._closed:
@@ -392,6 +449,7 @@ class TcpTransport(Transport):
         for rail in self._rails:
             rail.close()
         self._rails.clear()
+        self._nic_groups.clear()
         if self._server is not None:
             self._server.close()
         for server in self._nic_servers:
