@@ -5,11 +5,12 @@
 Needs root (it builds a fleet lab, :mod:`transfer_engine.lab`): two hosts with as many
 NICs as the largest count asked, each shaped to ``--rate-mbit``. A target engine in
 host 1 listens on all its NICs; for each NIC count k, an initiator engine in host 0
-opens one TCP rail per NIC from its first k NICs and WRITEs 1 MiB x 16 (one 16 MiB
-transfer of 16 descriptors, two in flight) for ``--seconds``, then checks a WRITE and a
-READ back byte for byte. Rows: ``{nics, gbps, limit_gbps, ratio, rails, exact}`` where
-``limit_gbps`` is k times the shaped rate (the payload's share of it is about 95%:
-TCP/IP headers). Both engines sign their control messages with a secret made here.
+opens ``--rails-per-nic`` TCP rails (default 1) per NIC from its first k NICs and
+WRITEs 1 MiB x 16 (one 16 MiB transfer of 16 descriptors, two in flight) for
+``--seconds``, then checks a WRITE and a READ back byte for byte. Rows:
+``{nics, gbps, limit_gbps, ratio, rails, rail_gbps, exact}``; ``limit_gbps`` is k
+times the shaped rate (the payload's share of it is about 95%: TCP/IP headers). Both
+engines sign their control messages with a secret made here.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ MiB = 1 << 20
 BLOCKS = 16
 
 
-def _engine(name: str, host: str, nics: list[str] | str) -> Any:
+def _engine(name: str, host: str, nics: list[str] | str, rails: int = 1) -> Any:
     from transfer_engine import Engine  # noqa: PLC0415  (children only)
     from transfer_engine.transport.tcp import TcpTransport  # noqa: PLC0415
 
-    return Engine(name, host=host, transports=[TcpTransport(host=host, nics=nics)],
+    return Engine(name, host=host, transports=[TcpTransport(host=host, nics=nics,
+                                                             rails=rails)],
                   timeout=10)
 
 
@@ -46,11 +48,12 @@ def serve(host: str) -> None:
         sys.stdin.read()
 
 
-def initiate(host: str, endpoint: str, nics: int, seconds: float) -> dict[str, Any]:
+def initiate(host: str, endpoint: str, nics: int, seconds: float, rails: int = 1
+             ) -> dict[str, Any]:
     from transfer_engine import Descriptor  # noqa: PLC0415
 
     names = [f"eth{j}" for j in range(nics)]
-    with _engine(f"init-{nics}", host, names) as engine:
+    with _engine(f"init-{nics}", host, names, rails) as engine:
         src_buf = np.random.default_rng(nics).integers(0, 256, BLOCKS * MiB, np.uint8)
         back = np.zeros_like(src_buf)
         src, dst_local = engine.register(src_buf), engine.register(back)
@@ -83,7 +86,8 @@ def initiate(host: str, endpoint: str, nics: int, seconds: float) -> dict[str, A
 
 
 def run_lab(nic_counts: list[int], rate_mbit: float, seconds: float,
-            tag: str = "bench", state_root: Path | None = None) -> list[dict[str, Any]]:
+            tag: str = "bench", state_root: Path | None = None, rails_per_nic: int = 1
+            ) -> list[dict[str, Any]]:
     """Builds the lab, runs one initiator per NIC count, removes the lab; the rows."""
     from transfer_engine.lab import Lab, LabConfig  # noqa: PLC0415
 
@@ -102,7 +106,8 @@ def run_lab(nic_counts: list[int], rate_mbit: float, seconds: float,
         for k in nic_counts:
             init = lab.spawn(h0, [sys.executable, "-m", "bench.lab_bench", "initiate",
                                   "--host", h0.address, "--endpoint", line[1],
-                                  "--nics", str(k), "--seconds", str(seconds)],
+                                  "--nics", str(k), "--seconds", str(seconds),
+                                  "--rails-per-nic", str(rails_per_nic)],
                              env=env, stdout=subprocess.PIPE, text=True)
             out, _ = init.communicate(timeout=seconds + 120)
             if init.returncode != 0:
@@ -126,17 +131,19 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--endpoint", required=True)
     i.add_argument("--nics", type=int, required=True)
     i.add_argument("--seconds", type=float, default=3.0)
+    i.add_argument("--rails-per-nic", type=int, default=1)
     ap.add_argument("--nics", default="1,2,4")
     ap.add_argument("--rate-mbit", type=float, default=1000.0)
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--rails-per-nic", type=int, default=1)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.cmd == "serve":
         serve(args.host)
         return 0
     if args.cmd == "initiate":
-        print(json.dumps(initiate(args.host, args.endpoint, args.nics, args.seconds)),
-              flush=True)
+        print(json.dumps(initiate(args.host, args.endpoint, args.nics, args.seconds,
+                                  args.rails_per_nic)), flush=True)
         return 0
     from transfer_engine.lab import lab_skip_reason  # noqa: PLC0415
 
@@ -145,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lab_bench: {reason}", file=sys.stderr)
         return 2
     counts = [int(x) for x in args.nics.split(",") if x.strip()]
-    rows = run_lab(counts, args.rate_mbit, args.seconds)
+    rows = run_lab(counts, args.rate_mbit, args.seconds,
+                   rails_per_nic=args.rails_per_nic)
     for row in rows:
         print(f"{row['nics']} NICs: {row['gbps']:.3f} Gb/s of {row['limit_gbps']:.3f} "
               f"({row['ratio']:.2f}), exact={row['exact']}, rails {row['rail_gbps']}")

@@ -252,7 +252,9 @@ class TcpTransport(Transport):
 
     :param host: address to accept rails on (IPv4 or IPv6 literal or name).
     :param port: port to accept on; 0 picks a free one.
-    :param rails: connections opened per peer.
+    :param rails: connections opened per peer (default 2), or per NIC pair with
+        ``nics`` (default 1: two flows through one shaped link measured up to 10%
+        slower than one, see ``bench/lab_bench.py``).
     :param slice_size: bytes per work request (the planner's slice bound).
     :param buffer_bytes: SO_SNDBUF/SO_RCVBUF per connection (0 keeps the kernel's).
     :param spread: most rails one transfer is cut over (default: what the cores allow,
@@ -266,7 +268,7 @@ class TcpTransport(Transport):
         answer before it drops the rail (an idle rail stays).
     :param nics: NICs to open rails from and listen on: ``"auto"`` (every active NIC
         of the topology with an address), NIC names, or None (``$TE_TCP_NICS``; unset:
-        none, rails leave as routed). With NICs, ``rails`` counts rails per NIC.
+        none, rails leave as routed).
     :param topology: where the NICs are (default: :func:`transfer_engine.topology.load`,
         i.e. ``$TE_TOPOLOGY_FILE`` or sysfs).
     :param nic_timeout: seconds a NIC rail's sent bytes may stay unacknowledged before
@@ -278,7 +280,7 @@ class TcpTransport(Transport):
 
     name = "tcp"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, rails: int = 2,
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, rails: int | None = None,
                  slice_size: int = 16 << 20, buffer_bytes: int = SOCKET_BUFFER,
                  spread: int | None = None, congestion: str | None = AUTO,
                  stall_timeout: float = STALL_TIMEOUT,
@@ -304,7 +306,8 @@ class TcpTransport(Transport):
         self._nic_timeout = nic_timeout
         self.failovers = 0
         self._caps = Capabilities(max_sge=1000, max_wr_bytes=64 << 20, remote_scatter=True,
-                                  default_rails=rails * max(1, len(self._nics)),
+                                  default_rails=(rails or 1) * len(self._nics)
+                                  if self._nics else (rails or 2),
                                   slice_size=slice_size, min_split=MIN_SPLIT)
         self._server: TcpServer | None = None
         self._nic_servers: list[TcpServer] = []
