@@ -143,3 +143,18 @@ def test_membership_bench_runs_on_etcd(etcd: str, request: pytest.FixtureRequest
     prefix = f"{etcd}/t-{request.node.name}"
     out = join_to_visible(lambda name: EtcdStore(prefix, name=name), 3)
     assert out["samples"] == 3 and 0 < out["p50_ms"] <= out["p99_ms"] < 5000
+
+
+def test_a_lost_lease_is_taken_again(make_store: Callable[..., EtcdStore]) -> None:
+    """etcd forgot our lease (revoked here, as a restore from backup would): the
+    keep-alive notices within ttl/3 and puts the record under a new lease."""
+    holder, watcher = make_store(name="h", ttl=2), make_store(name="w")
+    events = Events()
+    watcher.watch(events)
+    holder.put(MemberRecord("m", "1"))
+    lease = holder._own["m"][1]
+    holder._call("/v3/lease/revoke", {"ID": str(lease)}, 2, "test")
+    wait_for(lambda: events.kinds()[-2:] == [(EventKind.EXPIRE, "m"), (EventKind.JOIN, "m")],
+             timeout=5)
+    assert holder._own["m"][1] != lease
+    assert [r.name for r in watcher.list()] == ["m"]
