@@ -6,10 +6,12 @@ Needs root (it builds a fleet lab, :mod:`transfer_engine.lab`): two hosts with a
 NICs as the largest count asked, each shaped to ``--rate-mbit``. A target engine in
 host 1 listens on all its NICs; for each NIC count k, an initiator engine in host 0
 opens ``--rails-per-nic`` TCP rails (default 1) per NIC from its first k NICs and
-WRITEs 1 MiB x 16 (one 16 MiB transfer of 16 descriptors, two in flight) for
+WRITEs 1 MiB x 16 (one 16 MiB transfer of 16 descriptors, ``IN_FLIGHT`` at once) for
 ``--seconds``, then checks a WRITE and a READ back byte for byte. Rows:
-``{nics, gbps, limit_gbps, ratio, rails, rail_gbps, exact}``; ``limit_gbps`` is k
-times the shaped rate (the payload's share of it is about 95%: TCP/IP headers). Both
+``{nics, gbps, limit_gbps, ratio, rails, rail_gbps, exact}``; ``limit_gbps`` is the
+sum of the k NICs' shaped rates (the payload's share of it is about 95%: TCP/IP
+headers). ``--nic-rates`` shapes NICs below the rate their topology claims, so only
+measured goodput can split the bytes right. Both
 engines sign their control messages with a secret made here.
 """
 
@@ -29,6 +31,7 @@ import numpy as np
 
 MiB = 1 << 20
 BLOCKS = 16
+IN_FLIGHT = 2  # transfers kept in flight
 
 
 def _engine(name: str, host: str, nics: list[str] | str, rails: int = 1) -> Any:
@@ -64,7 +67,7 @@ def initiate(host: str, endpoint: str, nics: int, seconds: float, rails: int = 1
         rails = [getattr(r, "nic", None) for r in peer.rails["tcp"]]
         engine.write(peer, pairs).wait(30)  # warm: connections, slow start
         done, t0 = 0, time.monotonic()
-        window = [engine.write(peer, pairs), engine.write(peer, pairs)]
+        window = [engine.write(peer, pairs) for _ in range(IN_FLIGHT)]
         deadline = t0 + seconds
         for _ in range(100_000):  # bounded: ends by time long before
             window.pop(0).wait(60)
@@ -86,15 +89,16 @@ def initiate(host: str, endpoint: str, nics: int, seconds: float, rails: int = 1
 
 
 def run_lab(nic_counts: list[int], rate_mbit: float, seconds: float,
-            tag: str = "bench", state_root: Path | None = None, rails_per_nic: int = 1
-            ) -> list[dict[str, Any]]:
+            tag: str = "bench", state_root: Path | None = None, rails_per_nic: int = 1,
+            nic_rates_mbit: tuple[float, ...] = ()) -> list[dict[str, Any]]:
     """Builds the lab, runs one initiator per NIC count, removes the lab; the rows."""
     from transfer_engine.lab import Lab, LabConfig  # noqa: PLC0415
 
     env = {**os.environ, "TE_CONTROL_SECRET": secrets.token_hex(24)}
     rows = []
-    with Lab(LabConfig(hosts=2, nics=max(nic_counts), rate_mbit=rate_mbit, tag=tag),
-             state_root=state_root) as lab:
+    config = LabConfig(hosts=2, nics=max(nic_counts), rate_mbit=rate_mbit, tag=tag,
+                       nic_rates_mbit=nic_rates_mbit)
+    with Lab(config, state_root=state_root) as lab:
         h0, h1 = lab.hosts
         target = lab.spawn(h1, [sys.executable, "-m", "bench.lab_bench", "serve",
                                 "--host", h1.address], env=env, stdin=subprocess.PIPE,
@@ -113,7 +117,7 @@ def run_lab(nic_counts: list[int], rate_mbit: float, seconds: float,
             if init.returncode != 0:
                 raise RuntimeError(f"initiator with {k} NICs failed ({init.returncode})")
             row = json.loads(out.strip().splitlines()[-1])
-            row["limit_gbps"] = k * rate_mbit / 1000
+            row["limit_gbps"] = sum(lab.rate_of(j) for j in range(k)) / 1000
             row["ratio"] = row["gbps"] / row["limit_gbps"]
             rows.append(row)
         target.stdin.close()
@@ -136,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate-mbit", type=float, default=1000.0)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rails-per-nic", type=int, default=1)
+    ap.add_argument("--nic-rates", default="",
+                    help="what NIC j is really shaped to, Mbit/s (comma list); the "
+                         "topology still says --rate-mbit: a degraded link")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.cmd == "serve":
@@ -153,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     counts = [int(x) for x in args.nics.split(",") if x.strip()]
     rows = run_lab(counts, args.rate_mbit, args.seconds,
-                   rails_per_nic=args.rails_per_nic)
+                   rails_per_nic=args.rails_per_nic,
+                   nic_rates_mbit=tuple(float(x) for x in args.nic_rates.split(",") if x))
     for row in rows:
         print(f"{row['nics']} NICs: {row['gbps']:.3f} Gb/s of {row['limit_gbps']:.3f} "
               f"({row['ratio']:.2f}), exact={row['exact']}, rails {row['rail_gbps']}")

@@ -132,3 +132,17 @@ def test_nic_failover_in_the_lab(make_lab) -> None:  # type: ignore[no-untyped-d
     inp.close()
     init.wait(20)
     target.stdin.close()
+
+
+def test_shares_follow_measured_goodput(tmp_path: Path) -> None:
+    """NIC 1 is shaped to a fifth of the rate its topology claims: an even split would
+    reach 2 x 40 Mbit/s; shares by measured goodput fill both links."""
+    reason = lab_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    (row,) = run_lab([2], rate_mbit=200, seconds=2.0, tag=lab_tag("w"),
+                     state_root=tmp_path, nic_rates_mbit=(200, 40))
+    assert row["limit_gbps"] == pytest.approx(0.24)
+    assert row["exact"] and row["ratio"] > 0.75, row
+    fast, slow = row["rail_gbps"]
+    assert slow < fast / 2, row

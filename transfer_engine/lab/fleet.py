@@ -56,7 +56,9 @@ class LabConfig:
 
     hosts: int = 2
     nics: int = 1
-    rate_mbit: float = 1000.0
+    rate_mbit: float = 1000.0  # every NIC's nominal rate (the topology's link rate)
+    # what NIC j is actually shaped to, where it differs (a degraded or busy link)
+    nic_rates_mbit: tuple[float, ...] = ()
     delay_ms: float = 0.0
     zones: int = 1
     cross_zone_delay_ms: float = 0.0
@@ -69,8 +71,10 @@ class LabConfig:
             raise ValueError(f"hosts must be 1..{MAX_HOSTS}, got {self.hosts}")
         if not 1 <= self.nics <= MAX_NICS:
             raise ValueError(f"nics must be 1..{MAX_NICS}, got {self.nics}")
-        if not self.rate_mbit > 0:
-            raise ValueError("rate_mbit must be positive")
+        if not self.rate_mbit > 0 or not all(r > 0 for r in self.nic_rates_mbit):
+            raise ValueError("rates must be positive")
+        if len(self.nic_rates_mbit) > self.nics:
+            raise ValueError(f"{len(self.nic_rates_mbit)} NIC rates for {self.nics} NICs")
         if self.delay_ms < 0 or self.cross_zone_delay_ms < 0:
             raise ValueError("delays cannot be negative")
         if not 1 <= self.zones <= self.hosts:
@@ -179,6 +183,11 @@ class Lab:
     def address_of(host: int, nic: int) -> str:
         return str(check_address(f"198.18.{nic}.{host + 1}"))
 
+    def rate_of(self, nic: int) -> float:
+        """What NIC ``nic`` is shaped to, in Mbit/s."""
+        rates = self.config.nic_rates_mbit
+        return rates[nic] if nic < len(rates) else self.config.rate_mbit
+
     # --- building -----------------------------------------------------------------
 
     def _build(self) -> None:
@@ -213,7 +222,7 @@ class Lab:
             run(["ip", "addr", "add", f"{addr}/24", "dev", f"eth{j}"], ns)
             run(["ip", "link", "set", f"eth{j}", "up"], ns)
             run(["ip", "link", "set", port, "master", f"br{j}"], self.switch)
-            _shape(self.switch, port, cfg.rate_mbit)
+            _shape(self.switch, port, self.rate_of(j))
             run(["ip", "link", "set", port, "up"], self.switch)
             nics.append(LabNic(f"eth{j}", addr))
         topo = self.state_dir / f"{ns}.topology.json"
@@ -227,7 +236,7 @@ class Lab:
         if cfg.zones > 1 and others and cfg.cross_zone_delay_ms > 0:
             # htb: one class at the NIC's rate shared by a same-zone leaf (the default)
             # and a cross-zone leaf chosen by destination; each leaf has its delay line
-            rate, burst = f"{cfg.rate_mbit}mbit", str(_burst_bytes(cfg.rate_mbit))
+            rate, burst = f"{self.rate_of(j)}mbit", str(_burst_bytes(self.rate_of(j)))
             run(["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb",
                  "default", "10"], host.netns)
             run(["tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
@@ -235,7 +244,7 @@ class Lab:
             for leaf, delay in (("10", cfg.delay_ms),
                                 ("20", cfg.delay_ms + cfg.cross_zone_delay_ms)):
                 run(["tc", "class", "add", "dev", dev, "parent", "1:1", "classid",
-                     f"1:{leaf}", "htb", "rate", f"{cfg.rate_mbit / 2}mbit", "ceil", rate,
+                     f"1:{leaf}", "htb", "rate", f"{self.rate_of(j) / 2}mbit", "ceil", rate,
                      "burst", burst, "quantum", "65536"], host.netns)
                 if delay > 0:
                     _netem(host.netns, dev, f"1:{leaf}", f"{leaf}:", delay)
@@ -244,7 +253,7 @@ class Lab:
                      "prio", "1", "u32", "match", "ip", "dst",
                      f"{other.nics[j].address}/32", "flowid", "1:20"], host.netns)
             return
-        _shape(host.netns, dev, cfg.rate_mbit)
+        _shape(host.netns, dev, self.rate_of(j))
         if cfg.delay_ms > 0:
             _netem(host.netns, dev, "1:1", "10:", cfg.delay_ms)
 
@@ -269,7 +278,9 @@ class Lab:
         return {"nics": nics, "gpus": gpus}
 
     def _save(self) -> None:
-        state = {"config": self.config.__dict__, "switch": self.switch,
+        state = {"config": {**self.config.__dict__,
+                            "nic_rates_mbit": list(self.config.nic_rates_mbit)},
+                 "switch": self.switch,
                  "hosts": [h.to_json() for h in self.hosts]}
         (self.state_dir / "lab.json").write_text(json.dumps(state, indent=1))
 
