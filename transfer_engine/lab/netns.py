@@ -6,6 +6,7 @@ and what it printed, so a half-built lab says exactly which step failed.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import shutil
@@ -46,8 +47,11 @@ def _caps() -> int:
     return 0
 
 
+@functools.cache
 def lab_skip_reason() -> str | None:
-    """Why a lab cannot be built here, or None when it can."""
+    """Why a lab cannot be built here, or None when it can: the tools and capabilities
+    are checked, then a throwaway namespace with a shaped veth pair is made and removed
+    (a container may grant the capabilities and still refuse namespaces)."""
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"the lab needs iproute2's {tool!r} command, not found on PATH"
@@ -58,6 +62,17 @@ def lab_skip_reason() -> str | None:
     if missing:
         return (f"the lab needs {' and '.join(missing)} (run as root) to create network "
                 "namespaces, veth pairs and qdiscs")
+    probe = f"te-probe-{os.getpid()}"
+    try:
+        run(["ip", "netns", "add", probe])
+        run(["ip", "link", "add", "tprobe0", "type", "veth", "peer", "name", "tprobe1"],
+            probe)
+        run(["tc", "qdisc", "add", "dev", "tprobe0", "root", "tbf", "rate", "1gbit",
+             "burst", "128k", "latency", "100ms"], probe)
+    except LabError as exc:
+        return f"this machine refuses a lab's namespaces, veths or tbf: {exc}"
+    finally:
+        run(["ip", "netns", "delete", probe], check=False)
     return None
 
 
