@@ -26,6 +26,8 @@ namespaces and state folder.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import os
 import re
@@ -302,11 +304,16 @@ class Lab:
 
     def spawn(self, host: LabHost, argv: Sequence[str], env: Mapping[str, str] | None = None,
               **popen: Any) -> subprocess.Popen[Any]:
-        """Starts ``argv`` inside ``host``; the lab stops it on ``close()``."""
+        """Starts ``argv`` inside ``host``, with the host's name as its hostname (its own
+        UTS namespace: engines on different lab hosts must not take each other for the
+        same host, or they would pick the same-host transport and path); the lab stops
+        it on ``close()``."""
         if self._closed:
             raise LabError("the lab is closed")
         proc = subprocess.Popen(["ip", "netns", "exec", host.netns, *argv],
-                                env=self.env(host, env), **popen)
+                                env=self.env(host, env),
+                                preexec_fn=functools.partial(_own_hostname, host.netns),
+                                **popen)
         self._procs.append(proc)
         return proc
 
@@ -342,6 +349,17 @@ class Lab:
         return (f"<Lab {c.tag!r} hosts={len(self.hosts)} nics={c.nics} "
                 f"rate={c.rate_mbit}mbit delay={c.delay_ms}ms zones={c.zones}"
                 f"{' CLOSED' if self._closed else ''}>")
+
+
+_CLONE_NEWUTS = 0x04000000
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _own_hostname(name: str) -> None:
+    """In a child before exec: a UTS namespace of its own, named ``name``."""
+    raw = name.encode()
+    if _LIBC.unshare(_CLONE_NEWUTS) != 0 or _LIBC.sethostname(raw, len(raw)) != 0:
+        raise OSError(ctypes.get_errno(), f"cannot give the process hostname {name!r}")
 
 
 def down(tag: str, state_root: Path | None = None) -> list[str]:
