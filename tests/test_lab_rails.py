@@ -146,3 +146,13 @@ def test_shares_follow_measured_goodput(tmp_path: Path) -> None:
     assert row["exact"] and row["ratio"] > 0.75, row
     fast, slow = row["rail_gbps"]
     assert slow < fast / 2, row
+
+
+def test_nic_listeners_keep_to_the_engines_exposure() -> None:
+    topo = Topology((Nic("eth0", port_state="ACTIVE", address="198.18.0.1"),))
+    tcp = TcpTransport(nics="auto", topology=topo)  # serves 127.0.0.1
+    try:
+        with pytest.raises(ValueError, match="beyond loopback"):
+            tcp.start(None)  # type: ignore[arg-type]  (refused before it is used)
+    finally:
+        tcp.close()

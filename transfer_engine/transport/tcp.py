@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from transfer_engine.control.auth import is_loopback
 from transfer_engine.control.tickets import Credential
 from transfer_engine.descriptor import Op
 from transfer_engine.errors import (
@@ -325,6 +326,14 @@ class TcpTransport(Transport):
         return self._caps
 
     def start(self, host: Host) -> dict[str, Any]:
+        if is_loopback(self._bind[0]):
+            # the loopback-unless-secret rule was applied to our own address: NIC
+            # listeners on other addresses would serve where the engine may not
+            exposed = [n.name for n in self._nics if not is_loopback(n.address)]
+            if exposed:
+                raise ValueError(f"tcp NICs {exposed} would serve beyond loopback while "
+                                 f"the transport serves {self._bind[0]!r}: serve the "
+                                 "engine on a NIC address (with a control secret)")
         self._host = host
         addr = socket.getaddrinfo(self._bind[0], self._bind[1], type=socket.SOCK_STREAM)[0]
         listener = socket.socket(addr[0], socket.SOCK_STREAM)
