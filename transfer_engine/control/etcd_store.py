@@ -100,6 +100,9 @@ class EtcdStore(MetadataStore):
         self.timeout = timeout
         self.name = name
         self._lock = threading.Lock()
+        # one put, delete or lease renewal at a time: a renewal racing a delete must
+        # not bring a record back
+        self._put_lock = threading.Lock()
         self._own: dict[str, tuple[MemberRecord, int]] = {}  # name -> (record, lease)
         self._watches: dict[int, _Watch] = {}
         self._ids = iter(range(1, 1 << 62))
@@ -159,20 +162,24 @@ class EtcdStore(MetadataStore):
     # --- MetadataStore --------------------------------------------------------------
 
     def put(self, record: MemberRecord, timeout: float | None = None) -> None:
-        with self._lock:
-            held = self._own.get(record.name)
+        with self._put_lock:
+            self._put_locked(record, timeout)
+        self._ensure_keeper()
+
+    def _put_locked(self, record: MemberRecord, timeout: float | None) -> None:
+        held = self._own.get(record.name)
         lease = held[1] if held is not None else self._grant(timeout)
+        value = msgpack.packb(record.to_wire())
         try:
-            self._put_value(record.name, msgpack.packb(record.to_wire()), lease, timeout)
+            self._put_value(record.name, value, lease, timeout)
         except ProtocolError:
             if held is None:
                 raise
             # the lease ran out under us (etcd restarted, a long pause): take a new one
             lease = self._grant(timeout)
-            self._put_value(record.name, msgpack.packb(record.to_wire()), lease, timeout)
+            self._put_value(record.name, value, lease, timeout)
         with self._lock:
             self._own[record.name] = (record, lease)
-        self._ensure_keeper()
 
     def get(self, name: str, timeout: float | None = None) -> MemberRecord:
         reply = self._call("/v3/kv/range", {"key": _b64(self._key(name))}, timeout,
@@ -184,16 +191,17 @@ class EtcdStore(MetadataStore):
         raise UnknownPeerError("no member of that name", peer=name, op="lookup")
 
     def delete(self, name: str, timeout: float | None = None) -> None:
-        with self._lock:
-            held = self._own.pop(name, None)
-        if held is None:
-            return
-        lease = held[1]
-        try:
-            self._put_value(name, _LEAVING, lease, timeout)
-        except ProtocolError:
-            pass  # the lease is gone already, and with it the key
-        self._call("/v3/lease/revoke", {"ID": str(lease)}, timeout, "leave")
+        with self._put_lock:
+            with self._lock:
+                held = self._own.pop(name, None)
+            if held is None:
+                return
+            lease = held[1]
+            try:
+                self._put_value(name, _LEAVING, lease, timeout)
+            except ProtocolError:
+                pass  # the lease is gone already, and with it the key
+            self._call("/v3/lease/revoke", {"ID": str(lease)}, timeout, "leave")
 
     def list(self, role: str | None = None, timeout: float | None = None
              ) -> builtins.list[MemberRecord]:
@@ -257,15 +265,25 @@ class EtcdStore(MetadataStore):
                                        self.ttl / 3, "heartbeat")
                     alive = int(reply.get("result", {}).get("TTL", 0)) > 0
                     if not alive:
-                        log.info("etcd lease of %s ran out; registering again", name)
-                        with self._lock:
-                            if self._own.get(name) != (record, lease):
-                                continue  # left or updated meanwhile
-                            del self._own[name]
-                        self.put(record, self.ttl / 3)
+                        self._renew(name, record, lease)
                 except TransferEngineError as exc:
                     if not self._closed:
                         log.info("etcd keep-alive of %s: %s", name, exc)
+
+    def _renew(self, name: str, record: MemberRecord, lease: int) -> None:
+        """Puts ``record`` under a new lease, unless it left or changed meanwhile."""
+        with self._put_lock:
+            with self._lock:
+                if self._own.get(name) != (record, lease):
+                    return
+                del self._own[name]  # its lease is gone: put takes a new one
+            log.info("etcd lease of %s ran out; registering again", name)
+            try:
+                self._put_locked(record, self.ttl / 3)
+            except TransferEngineError:
+                with self._lock:  # the next round tries again
+                    self._own.setdefault(name, (record, lease))
+                raise
 
     def close(self) -> None:
         """Stops watches and keep-alives. Our keys are left to expire with their leases
