@@ -19,6 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_TESTS=(tests/test_connector_vllm.py tests/test_connector_vllm_e2e.py)
 bash scripts/setup.sh
+bash scripts/setup_etcd.sh  # never fails: without etcd its tests skip
 PY=${PYTHON:-python3}
 run_vllm=${TE_VLLM:-auto}
 if [ "$run_vllm" = auto ]; then

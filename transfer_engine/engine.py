@@ -83,7 +83,9 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
         given.
     :param timeout: seconds for handshakes and control requests.
     :param registry: membership to join: a registry endpoint (``tcp://host:port``, see
-        :mod:`transfer_engine.control.registry`) or any
+        :mod:`transfer_engine.control.registry`), an etcd address
+        (``etcd://host:port[/prefix]``, see :mod:`transfer_engine.control.etcd_store`)
+        or any
         :class:`~transfer_engine.control.metastore.MetadataStore` (not closed by the
         engine). ``None``: peer-to-peer only (``connect`` with endpoints).
     :param role: ``prefill``, ``decode``, ``store`` or ``any``, published to the registry.

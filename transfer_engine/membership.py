@@ -6,6 +6,7 @@ import logging
 
 from transfer_engine.control.auth import AuthConfig
 from transfer_engine.control.client import RegistryStore
+from transfer_engine.control.etcd_store import ETCD_SCHEME, EtcdStore
 from transfer_engine.control.metastore import (
     EventKind,
     MemberEvent,
@@ -32,9 +33,12 @@ class Membership(EngineState):
                             meta["segments"])
 
     def _join(self, registry: str | MetadataStore, auth: AuthConfig) -> None:
-        if isinstance(registry, str):
-            store: MetadataStore = RegistryStore(registry, auth=auth, timeout=self.timeout,
-                                                 name=self.name)
+        store: MetadataStore
+        if isinstance(registry, str) and registry.startswith(ETCD_SCHEME):
+            store = EtcdStore(registry, timeout=self.timeout, name=self.name)
+            self._stack.callback(store.close)
+        elif isinstance(registry, str):
+            store = RegistryStore(registry, auth=auth, timeout=self.timeout, name=self.name)
             self._stack.callback(store.close)
         else:
             store = registry

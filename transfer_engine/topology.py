@@ -52,6 +52,7 @@ class Nic:
     link_rate_gbps: float = 0.0  # 0: unknown
     port: int = 1
     link_layer: str = ""  # "InfiniBand" or "Ethernet"
+    address: str = ""  # IP address of a netdev NIC (TCP rails bind to it), "" if none
 
     @property
     def active(self) -> bool:

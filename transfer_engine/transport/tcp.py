@@ -35,22 +35,40 @@ two-process test such a stream ran at 3.1-4.2 GB/s under BBR against 5.3-7.1 und
 cubic or reno, and the engine at 64 KiB x 128 went from 4.50 to 5.27 GB/s with 8% less
 CPU per GB. Rails to other hosts keep the host's choice, which
 is the operator's for the real network, unless ``congestion`` names one.
+
+NICs: with ``nics`` (or ``$TE_TCP_NICS``) the transport also listens on each chosen
+NIC's address and opens each rail from one local NIC (its address bound as the source)
+to the peer NIC the kernel routes it to, one rail per NIC pair; a transfer is cut over
+all of them, each rail's share following its measured goodput
+(:mod:`~transfer_engine.transport.tcp_nics`): here the wire, not the cores, is the
+bound.
 """
 
 from __future__ import annotations
 
+import functools
 import ipaddress
+import logging
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from transfer_engine.control.auth import is_loopback
 from transfer_engine.control.tickets import Credential
 from transfer_engine.descriptor import Op
-from transfer_engine.errors import AuthenticationError, ClosedError, ConnectError, TransferTimeout
+from transfer_engine.errors import (
+    AuthenticationError,
+    ClosedError,
+    ConnectError,
+    PeerLostError,
+    TransferError,
+    TransferTimeout,
+)
 from transfer_engine.segment import Segment
+from transfer_engine.topology import Topology
 from transfer_engine.transport.base import Capabilities, Host, OnComplete, Rail, Transport, Work
 from transfer_engine.transport.stream import (
     KIND_READ,
@@ -68,14 +86,19 @@ from transfer_engine.transport.stream import (
     send_gather,
     tune_socket,
 )
+from transfer_engine.transport.tcp_nics import NicEndpoint, RateMeter, local_nics, pair_nics
 
 __all__ = ["TcpTransport"]
 
+log = logging.getLogger(__name__)
+
 SOCKET_BUFFER = 4 << 20
 MIN_SPLIT = 1 << 20  # smallest share of a transfer sent over a rail of its own
+NIC_SLICE = 1 << 20  # request size on NIC rails (see TcpTransport's slice_size)
 AUTO = "auto"
 LOOPBACK_CONGESTION = ("cubic", "reno")  # loss-based, in order of preference
 _TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", None)  # Linux only
+_TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", None)  # Linux only
 
 
 def _host_iov(work: Work) -> np.ndarray:
@@ -156,12 +179,41 @@ class TcpRail(StreamRail):
     transport_name = "tcp"
 
     def __init__(self, sock: socket.socket, peer: str, index: int, on_complete: OnComplete,
-                 host: Host) -> None:
+                 host: Host, nic: str | None = None, gbps: float = 0.0) -> None:
         self.loopback = _loopback(sock)
         self.congestion = congestion_of(sock)
+        self.nic = nic  # the local NIC this rail leaves from (None: as routed)
+        self.meter = RateMeter(gbps) if nic is not None else None
+        # set by the transport on NIC rails: moves work off this rail when it breaks
+        self.failover: Callable[[TcpRail, Work, TransferError], TransferError | None
+                                ] | None = None
+        self._aborted = False
         super().__init__(sock, peer, index, on_complete, host)
 
+    @property
+    def weight(self) -> float:
+        """Share of a transfer the planner gives this rail: its measured goodput."""
+        return self.meter.gbps if self.meter is not None else 1.0
+
+    def _complete(self, work: Work, error: TransferError | None) -> None:
+        if self.meter is not None:
+            self.meter.done(id(work), work.nbytes, error is None)
+        # Only a connection that broke by itself fails over: a rail the engine tore
+        # down (a cancel, a lost peer) or closed must fail its work, not move it.
+        if (isinstance(error, PeerLostError) and self.failover is not None
+                and not self._aborted and not self._closed):
+            error = self.failover(self, work, error)
+            if error is None:
+                return  # another NIC's rail carries it now
+        super()._complete(work, error)
+
+    def abort(self, error: TransferError) -> None:
+        self._aborted = True
+        super().abort(error)
+
     def _send_request(self, work: Work) -> None:
+        if self.meter is not None:
+            self.meter.started(id(work))
         if work.op is Op.WRITE:
             send_gather(self._sock, encode_request(KIND_WRITE, work), _host_iov(work),
                         work.nbytes)
@@ -202,8 +254,12 @@ class TcpTransport(Transport):
 
     :param host: address to accept rails on (IPv4 or IPv6 literal or name).
     :param port: port to accept on; 0 picks a free one.
-    :param rails: connections opened per peer.
-    :param slice_size: bytes per work request (the planner's slice bound).
+    :param rails: connections opened per peer (default 2), or per NIC pair with
+        ``nics`` (default 1: two flows through one shaped link measured up to 10%
+        slower than one, see ``bench/lab_bench.py``).
+    :param slice_size: bytes per work request (the planner's slice bound); default
+        16 MiB, or 1 MiB with ``nics``: shares by measured goodput need requests small
+        enough to split a transfer unevenly.
     :param buffer_bytes: SO_SNDBUF/SO_RCVBUF per connection (0 keeps the kernel's).
     :param spread: most rails one transfer is cut over (default: what the cores allow,
         see :meth:`spread`).
@@ -214,14 +270,26 @@ class TcpTransport(Transport):
         host refuses it).
     :param stall_timeout: longest pause the target allows inside a request or an
         answer before it drops the rail (an idle rail stays).
+    :param nics: NICs to open rails from and listen on: ``"auto"`` (every active NIC
+        of the topology with an address), NIC names, or None (``$TE_TCP_NICS``; unset:
+        none, rails leave as routed).
+    :param topology: where the NICs are (default: :func:`transfer_engine.topology.load`,
+        i.e. ``$TE_TOPOLOGY_FILE`` or sysfs).
+    :param nic_timeout: seconds a NIC rail's sent bytes may stay unacknowledged before
+        the kernel drops its connection (``TCP_USER_TIMEOUT``): a NIC whose link went
+        down is noticed then, and the rail's unfinished work moves to the peer's other
+        NIC rails (a WRITE lands the same bytes at the same place again; a READ reads
+        them again). With no NIC rail left the work fails with ``PeerLostError``.
     """
 
     name = "tcp"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, rails: int = 2,
-                 slice_size: int = 16 << 20, buffer_bytes: int = SOCKET_BUFFER,
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, rails: int | None = None,
+                 slice_size: int | None = None, buffer_bytes: int = SOCKET_BUFFER,
                  spread: int | None = None, congestion: str | None = AUTO,
-                 stall_timeout: float = STALL_TIMEOUT) -> None:
+                 stall_timeout: float = STALL_TIMEOUT,
+                 nics: str | Sequence[str] | None = None,
+                 topology: Topology | None = None, nic_timeout: float = 5.0) -> None:
         if spread is not None and spread < 1:
             raise ValueError("spread must be at least 1")
         if not stall_timeout > 0:
@@ -233,10 +301,22 @@ class TcpTransport(Transport):
         self._spread = spread
         self._cores = _cores()  # read once: spread() runs on every transfer
         self._buffer_bytes = buffer_bytes
+        self._nics: list[NicEndpoint] = local_nics(nics, topology)
+        self._nic_pairs: dict[str, list[tuple[NicEndpoint, tuple[str, int], float]]] = {}
+        self._nic_next: dict[str, int] = {}
+        self._nic_groups: dict[str, list[TcpRail]] = {}  # peer key -> its NIC rails
+        if not nic_timeout > 0:
+            raise ValueError("nic_timeout must be positive")
+        self._nic_timeout = nic_timeout
+        self.failovers = 0
         self._caps = Capabilities(max_sge=1000, max_wr_bytes=64 << 20, remote_scatter=True,
-                                  default_rails=rails, slice_size=slice_size,
+                                  default_rails=(rails or 1) * len(self._nics)
+                                  if self._nics else (rails or 2),
+                                  slice_size=slice_size or (
+                                      NIC_SLICE if self._nics else 16 << 20),
                                   min_split=MIN_SPLIT)
         self._server: TcpServer | None = None
+        self._nic_servers: list[TcpServer] = []
         self._host: Host | None = None
         self._rails: list[TcpRail] = []
         self._closed = False
@@ -246,6 +326,14 @@ class TcpTransport(Transport):
         return self._caps
 
     def start(self, host: Host) -> dict[str, Any]:
+        if is_loopback(self._bind[0]):
+            # the loopback-unless-secret rule was applied to our own address: NIC
+            # listeners on other addresses would serve where the engine may not
+            exposed = [n.name for n in self._nics if not is_loopback(n.address)]
+            if exposed:
+                raise ValueError(f"tcp NICs {exposed} would serve beyond loopback while "
+                                 f"the transport serves {self._bind[0]!r}: serve the "
+                                 "engine on a NIC address (with a control secret)")
         self._host = host
         addr = socket.getaddrinfo(self._bind[0], self._bind[1], type=socket.SOCK_STREAM)[0]
         listener = socket.socket(addr[0], socket.SOCK_STREAM)
@@ -255,7 +343,32 @@ class TcpTransport(Transport):
         self._server = TcpServer(listener, host, self._buffer_bytes, self._congestion,
                                  self._stall)
         bound = listener.getsockname()
-        return {"host": bound[0], "port": bound[1]}
+        info: dict[str, Any] = {"host": bound[0], "port": bound[1]}
+        if self._nics:
+            info["nics"] = [nic.to_wire(self._nic_listener(nic, bound)) for nic in self._nics]
+        return info
+
+    def _nic_listener(self, nic: NicEndpoint, main: tuple[Any, ...]) -> int:
+        """Accepts rails on ``nic``'s address too; returns the port (the main one where
+        the main listener covers the address or the port is free there)."""
+        if nic.address == main[0] or main[0] in ("0.0.0.0", "::"):
+            return int(main[1])
+        assert self._host is not None
+        listener = socket.socket(socket.AF_INET6 if ":" in nic.address else socket.AF_INET,
+                                 socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                listener.bind((nic.address, main[1]))
+            except OSError:
+                listener.bind((nic.address, 0))
+            listener.listen(128)
+        except OSError:
+            listener.close()
+            raise
+        self._nic_servers.append(TcpServer(listener, self._host, self._buffer_bytes,
+                                           self._congestion, self._stall))
+        return int(listener.getsockname()[1])
 
     def register(self, segment: Segment) -> dict[str, Any]:
         return {}
@@ -271,13 +384,16 @@ class TcpTransport(Transport):
                 ) -> Rail:
         if self._closed or self._host is None:
             raise ClosedError("transport is closed", peer=peer, transport=self.name)
+        key, nic = self._next_pair(peer, info)
         try:
-            target = (str(info["host"]), int(info["port"]))
+            target = nic[1] if nic else (str(info["host"]), int(info["port"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise ConnectError(f"peer published no usable tcp endpoint: {info!r:.120}",
                                peer=peer, op="connect", transport=self.name) from exc
         try:
-            sock = socket.create_connection(target, timeout=timeout)
+            sock = socket.create_connection(target, timeout=timeout,
+                                            source_address=(nic[0].address, 0) if nic
+                                            else None)
         except TimeoutError as exc:
             raise TransferTimeout(f"connecting to {target} timed out", peer=peer,
                                   op="connect", transport=self.name) from exc
@@ -287,6 +403,9 @@ class TcpTransport(Transport):
         try:
             tune_socket(sock, self._buffer_bytes)
             set_congestion(sock, self._congestion)
+            if nic is not None and _TCP_USER_TIMEOUT is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, _TCP_USER_TIMEOUT,
+                                int(self._nic_timeout * 1000))
             open_rail(sock, credential, self.name, timeout)
         except AuthenticationError as exc:
             sock.close()
@@ -295,9 +414,50 @@ class TcpTransport(Transport):
             sock.close()
             raise ConnectError(f"rail handshake with {target} failed: {exc}", peer=peer,
                                op="connect", transport=self.name) from exc
-        rail = TcpRail(sock, peer, len(self._rails), on_complete, self._host)
+        rail = TcpRail(sock, peer, len(self._rails), on_complete, self._host,
+                       nic[0].name if nic else None, nic[2] if nic else 0.0)
         self._rails.append(rail)
+        if nic is not None:
+            group = self._nic_groups.setdefault(key, [])
+            group[:] = [r for r in group if not r.closed] + [rail]
+            rail.failover = functools.partial(self._failover, group)
         return rail
+
+    def _failover(self, group: list[TcpRail], broken: TcpRail, work: Work,
+                  error: TransferError) -> TransferError | None:
+        """Posts ``work`` from a broken NIC rail on the least busy open sibling; the
+        error to fail it with when none takes it."""
+        for other in sorted((r for r in list(group) if r is not broken and not r.closed),
+                            key=lambda r: r.inflight):
+            try:
+                other.post(work)
+            except TransferError:
+                continue
+            self.failovers += 1
+            log.info("NIC rail %s->%s#%d broke (%s): its work moved to %s#%d", broken.nic,
+                     broken.peer, broken.index, error.message, other.nic, other.index)
+            return None
+        failed = sorted({str(r.nic) for r in group})
+        return PeerLostError(f"no NIC rail to the peer is left ({', '.join(failed)} "
+                             f"failed): {error.message}", peer=broken.peer,
+                             op=str(work.op), transport=self.name)
+
+    def _next_pair(self, peer: str, info: dict[str, Any]
+                   ) -> tuple[str, tuple[NicEndpoint, tuple[str, int], float] | None]:
+        """(peer key, the NIC pair of the next rail to ``peer``, round robin); no pair
+        without NICs on either side (or when the kernel routes none)."""
+        remote = info.get("nics")
+        key = f"{peer}|{remote!r}"  # a peer that restarted elsewhere pairs afresh
+        if not self._nics or not isinstance(remote, list):
+            return key, None
+        pairs = self._nic_pairs.get(key)
+        if pairs is None:
+            pairs = self._nic_pairs[key] = pair_nics(self._nics, remote)
+        if not pairs:
+            return key, None
+        k = self._nic_next.get(key, 0)
+        self._nic_next[key] = k + 1
+        return key, pairs[k % len(pairs)]
 
     def close(self) -> None:
         if self._closed:
@@ -306,14 +466,20 @@ class TcpTransport(Transport):
         for rail in self._rails:
             rail.close()
         self._rails.clear()
+        self._nic_groups.clear()
         if self._server is not None:
             self._server.close()
+        for server in self._nic_servers:
+            server.close()
+        self._nic_servers.clear()
 
     def spread(self, rails: Sequence[Rail]) -> int:
         """As many rails as this host has cores to copy at once: a loopback rail keeps
         two of them busy (sender and receiver), a rail to another host one."""
         if self._spread is not None:
             return max(1, min(len(rails), self._spread))
+        if rails and getattr(rails[0], "nic", None) is not None:
+            return len(rails)  # one rail per NIC pair: the wires bound it, not the cores
         # a peer's rails all join the same two endpoints: the first tells for all
         per_rail = 2 if rails and getattr(rails[0], "loopback", False) else 1
         return max(1, min(len(rails), self._cores // per_rail))
@@ -326,12 +492,17 @@ class TcpTransport(Transport):
         return self.spread(rails)
 
     def revoke(self, segment: Segment) -> None:
-        if self._server is not None:
-            self._server.revoke(segment)
+        for server in self._servers():
+            server.revoke(segment)
+
+    def _servers(self) -> list[TcpServer]:
+        return ([self._server] if self._server is not None else []) + self._nic_servers
 
     def info(self, key: str) -> Any:
         if key == "bytes_received" and self._server is not None:
-            return self._server.bytes_received
+            return sum(s.bytes_received for s in self._servers())
+        if key == "nics":
+            return [nic.name for nic in self._nics]
         if key == "server_stats" and self._server is not None:
             return dict(self._server.stats)
         return None

@@ -1,0 +1,178 @@
+"""TCP rails per NIC between two lab hosts: throughput against the links' limit.
+
+    python -m bench.lab_bench --nics 1,2,4 --rate-mbit 1000 --json results/lab.json
+
+Needs root (it builds a fleet lab, :mod:`transfer_engine.lab`): two hosts with as many
+NICs as the largest count asked, each shaped to ``--rate-mbit``. A target engine in
+host 1 listens on all its NICs; for each NIC count k, an initiator engine in host 0
+opens ``--rails-per-nic`` TCP rails (default 1) per NIC from its first k NICs and
+WRITEs 1 MiB x 16 (one 16 MiB transfer of 16 descriptors, ``IN_FLIGHT`` at once) for
+``--seconds``, then checks a WRITE and a READ back byte for byte. Rows:
+``{nics, gbps, limit_gbps, ratio, rails, rail_gbps, exact}``; ``limit_gbps`` is the
+sum of the k NICs' shaped rates (the payload's share of it is about 95%: TCP/IP
+headers). ``--nic-rates`` shapes NICs below the rate their topology claims, so only
+measured goodput can split the bytes right. Both
+engines sign their control messages with a secret made here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MiB = 1 << 20
+BLOCKS = 16
+IN_FLIGHT = 2  # transfers kept in flight
+
+
+def _engine(name: str, host: str, nics: list[str] | str, rails: int = 1) -> Any:
+    from transfer_engine import Engine  # noqa: PLC0415  (children only)
+    from transfer_engine.transport.tcp import TcpTransport  # noqa: PLC0415
+
+    return Engine(name, host=host, transports=[TcpTransport(host=host, nics=nics,
+                                                             rails=rails)],
+                  timeout=10)
+
+
+def serve(host: str) -> None:
+    """The target: prints its endpoint, serves until stdin closes."""
+    with _engine("target", host, "auto") as engine:
+        engine.register(np.zeros(BLOCKS * MiB, np.uint8), name="dst")
+        print(f"ENDPOINT {engine.endpoint}", flush=True)
+        sys.stdin.read()
+
+
+def initiate(host: str, endpoint: str, nics: int, seconds: float, rails: int = 1
+             ) -> dict[str, Any]:
+    from transfer_engine import Descriptor  # noqa: PLC0415
+
+    names = [f"eth{j}" for j in range(nics)]
+    with _engine(f"init-{nics}", host, names, rails) as engine:
+        src_buf = np.random.default_rng(nics).integers(0, 256, BLOCKS * MiB, np.uint8)
+        back = np.zeros_like(src_buf)
+        src, dst_local = engine.register(src_buf), engine.register(back)
+        peer = engine.connect(endpoint)
+        dst = peer.segment("dst")
+        pairs = [(Descriptor(src, i * MiB, MiB), Descriptor(dst, i * MiB, MiB))
+                 for i in range(BLOCKS)]
+        rails = [getattr(r, "nic", None) for r in peer.rails["tcp"]]
+        engine.write(peer, pairs).wait(30)  # warm: connections, slow start
+        done, t0 = 0, time.monotonic()
+        window = [engine.write(peer, pairs) for _ in range(IN_FLIGHT)]
+        deadline = t0 + seconds
+        for _ in range(100_000):  # bounded: ends by time long before
+            window.pop(0).wait(60)
+            done += BLOCKS * MiB
+            if time.monotonic() >= deadline:
+                break
+            window.append(engine.write(peer, pairs))
+        for h in window:
+            h.wait(60)
+            done += BLOCKS * MiB
+        elapsed = time.monotonic() - t0
+        engine.write(peer, pairs).wait(30)
+        engine.read(peer, [(Descriptor(dst_local, i * MiB, MiB), Descriptor(dst, i * MiB, MiB))
+                           for i in range(BLOCKS)]).wait(30)
+        weights = [round(float(getattr(r, "weight", 0.0)), 3) for r in peer.rails["tcp"]]
+        return {"nics": nics, "gbps": done * 8 / elapsed / 1e9, "rails": rails,
+                "rail_gbps": weights, "exact": bool(np.array_equal(src_buf, back)),
+                "seconds": elapsed}
+
+
+def run_lab(nic_counts: list[int], rate_mbit: float, seconds: float,
+            tag: str = "bench", state_root: Path | None = None, rails_per_nic: int = 1,
+            nic_rates_mbit: tuple[float, ...] = ()) -> list[dict[str, Any]]:
+    """Builds the lab, runs one initiator per NIC count, removes the lab; the rows."""
+    from transfer_engine.lab import Lab, LabConfig  # noqa: PLC0415
+
+    env = {**os.environ, "TE_CONTROL_SECRET": secrets.token_hex(24)}
+    rows = []
+    config = LabConfig(hosts=2, nics=max(nic_counts), rate_mbit=rate_mbit, tag=tag,
+                       nic_rates_mbit=nic_rates_mbit)
+    with Lab(config, state_root=state_root) as lab:
+        h0, h1 = lab.hosts
+        target = lab.spawn(h1, [sys.executable, "-m", "bench.lab_bench", "serve",
+                                "--host", h1.address], env=env, stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True)
+        assert target.stdout is not None and target.stdin is not None
+        line = target.stdout.readline().split()
+        if line[:1] != ["ENDPOINT"]:
+            raise RuntimeError(f"target did not start: {line}")
+        for k in nic_counts:
+            init = lab.spawn(h0, [sys.executable, "-m", "bench.lab_bench", "initiate",
+                                  "--host", h0.address, "--endpoint", line[1],
+                                  "--nics", str(k), "--seconds", str(seconds),
+                                  "--rails-per-nic", str(rails_per_nic)],
+                             env=env, stdout=subprocess.PIPE, text=True)
+            out, _ = init.communicate(timeout=seconds + 120)
+            if init.returncode != 0:
+                raise RuntimeError(f"initiator with {k} NICs failed ({init.returncode})")
+            row = json.loads(out.strip().splitlines()[-1])
+            row["limit_gbps"] = sum(lab.rate_of(j) for j in range(k)) / 1000
+            row["ratio"] = row["gbps"] / row["limit_gbps"]
+            rows.append(row)
+        target.stdin.close()
+        target.wait(20)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd")
+    s = sub.add_parser("serve")
+    s.add_argument("--host", required=True)
+    i = sub.add_parser("initiate")
+    i.add_argument("--host", required=True)
+    i.add_argument("--endpoint", required=True)
+    i.add_argument("--nics", type=int, required=True)
+    i.add_argument("--seconds", type=float, default=3.0)
+    i.add_argument("--rails-per-nic", type=int, default=1)
+    ap.add_argument("--nics", default="1,2,4")
+    ap.add_argument("--rate-mbit", type=float, default=1000.0)
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--rails-per-nic", type=int, default=1)
+    ap.add_argument("--nic-rates", default="",
+                    help="what NIC j is really shaped to, Mbit/s (comma list); the "
+                         "topology still says --rate-mbit: a degraded link")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    if args.cmd == "serve":
+        serve(args.host)
+        return 0
+    if args.cmd == "initiate":
+        print(json.dumps(initiate(args.host, args.endpoint, args.nics, args.seconds,
+                                  args.rails_per_nic)), flush=True)
+        return 0
+    from transfer_engine.lab import lab_skip_reason  # noqa: PLC0415
+
+    reason = lab_skip_reason()
+    if reason:
+        print(f"lab_bench: {reason}", file=sys.stderr)
+        return 2
+    counts = [int(x) for x in args.nics.split(",") if x.strip()]
+    rows = run_lab(counts, args.rate_mbit, args.seconds,
+                   rails_per_nic=args.rails_per_nic,
+                   nic_rates_mbit=tuple(float(x) for x in args.nic_rates.split(",") if x))
+    for row in rows:
+        print(f"{row['nics']} NICs: {row['gbps']:.3f} Gb/s of {row['limit_gbps']:.3f} "
+              f"({row['ratio']:.2f}), exact={row['exact']}, rails {row['rail_gbps']}")
+    text = json.dumps(rows, indent=1)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

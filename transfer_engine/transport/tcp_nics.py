@@ -1,0 +1,150 @@
+"""TCP rails per NIC: which local NIC talks to which remote NIC, and how fast each goes.
+
+A host with several NICs (each with its own address, often its own subnet) gets its
+bandwidth only if a peer's TCP rails leave through all of them. The transport binds each
+rail's socket to a local NIC's address before connecting to a remote NIC's address.
+
+Pairing: for every remote NIC address, the kernel's routing decides which local address
+would be the source (a connected UDP socket's ``getsockname``: nothing is sent). A
+remote NIC whose source is one of our NICs pairs with that NIC; our NICs come in the
+topology's preference order (:func:`transfer_engine.topology.preferred_nics`), and each
+takes the first remote NIC not yet paired that it reaches, so NICs on shared subnets
+spread over distinct peers' NICs.
+
+Weights: each rail starts at its link rate (the slower end's) and then follows its
+measured goodput, an EWMA of bytes over the time between one completion and the next
+while the rail stays busy (or since the work was handed to the socket when it was
+idle), so that the planner gives a congested or slower NIC a smaller share.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from transfer_engine.topology import Topology, load, preferred_nics
+
+__all__ = ["NicEndpoint", "local_nics", "pair_nics", "RateMeter", "NICS_ENV"]
+
+NICS_ENV = "TE_TCP_NICS"  # "auto" (every active NIC with an address) or "eth0,eth1"
+
+
+@dataclass(frozen=True)
+class NicEndpoint:
+    """A NIC a TCP rail can start or end at."""
+
+    name: str
+    address: str
+    gbps: float = 0.0  # link rate; 0: unknown
+
+    def to_wire(self, port: int) -> dict[str, Any]:
+        return {"name": self.name, "address": self.address, "port": port,
+                "gbps": self.gbps}
+
+
+def local_nics(spec: str | Sequence[str] | None,
+               topology: Topology | None = None) -> list[NicEndpoint]:
+    """The NICs to open rails from: ``spec`` is ``"auto"`` (every active NIC of the
+    topology that has an address), NIC names, or None (then ``$TE_TCP_NICS``; unset:
+    none, so rails leave as the kernel routes them). Raises ValueError for a named NIC
+    the topology lacks or that has no address."""
+    if spec is None:
+        spec = os.environ.get(NICS_ENV) or None
+        if spec is None:
+            return []
+    topo = topology if topology is not None else load()
+    order = preferred_nics(topo, "cpu")
+    if isinstance(spec, str) and spec == "auto":
+        names = [n for n in order if topo.nic(n) is not None and topo.nic(n).address]  # type: ignore[union-attr]
+    else:
+        names = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec)
+                 if s.strip()]
+    out = []
+    for name in names:
+        nic = topo.nic(name)
+        if nic is None or not nic.address:
+            raise ValueError(f"NIC {name!r} is not in the topology with an address "
+                             f"(have: {[n.name for n in topo.nics if n.address]})")
+        out.append(NicEndpoint(name, nic.address, nic.link_rate_gbps))
+    return out
+
+
+def _source_for(address: str) -> str | None:
+    """The local address the kernel would send to ``address`` from (None: no route)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((address, 9))  # UDP connect: a route lookup, no packet
+        except OSError:
+            return None
+        source: str = probe.getsockname()[0]
+        return source
+
+
+def pair_nics(local: Sequence[NicEndpoint], remote: Sequence[dict[str, Any]]
+              ) -> list[tuple[NicEndpoint, tuple[str, int], float]]:
+    """(local NIC, remote (address, port), link rate in Gb/s) per usable NIC pair, in
+    our NICs' order. Remote entries come from the peer's published ``nics``."""
+    by_source: dict[str, list[tuple[tuple[str, int], float]]] = {}
+    for entry in remote:
+        try:
+            target = (str(entry["address"]), int(entry["port"]))
+            gbps = float(entry.get("gbps", 0.0))
+        except (KeyError, TypeError, ValueError):
+            continue
+        source = _source_for(target[0])
+        if source is not None:
+            by_source.setdefault(source, []).append((target, gbps))
+    pairs = []
+    used: set[tuple[str, int]] = set()
+    for nic in local:
+        reach = by_source.get(nic.address, [])
+        free = [r for r in reach if r[0] not in used] or reach
+        if not free:
+            continue
+        target, gbps = free[0]
+        used.add(target)
+        rates = [r for r in (nic.gbps, gbps) if r > 0]
+        pairs.append((nic, target, min(rates) if rates else 0.0))
+    return pairs
+
+
+class RateMeter:
+    """Goodput of one rail, in Gb/s, as an EWMA over completed work.
+
+    ``started(key)`` when a work is handed to the socket, ``done(key, nbytes)`` when it
+    completed. A sample spans from the later of its start and the previous completion
+    (the rail was busy with earlier work until then) to now.
+    """
+
+    def __init__(self, initial_gbps: float, alpha: float = 0.3) -> None:
+        self.gbps = initial_gbps if initial_gbps > 0 else 1.0
+        self._alpha = alpha
+        self._lock = threading.Lock()
+        self._starts: dict[int, float] = {}
+        self._last_done = 0.0
+        self.samples = 0
+
+    def started(self, key: int) -> None:
+        with self._lock:
+            self._starts[key] = time.monotonic()
+
+    def done(self, key: int, nbytes: int, ok: bool) -> None:
+        now = time.monotonic()
+        with self._lock:
+            start = self._starts.pop(key, None)
+            previous, self._last_done = self._last_done, now
+            if not ok or start is None or nbytes < (256 << 10):
+                return  # small work measures the round trip, not the link
+            span = now - max(start, previous)
+            if span <= 0:
+                return
+            sample = nbytes * 8 / span / 1e9
+            self.gbps = sample if self.samples == 0 else (
+                self._alpha * sample + (1 - self._alpha) * self.gbps)
+            self.samples += 1
