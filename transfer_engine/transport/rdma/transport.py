@@ -66,7 +66,7 @@ from transfer_engine.transport.rdma.side import (
     _SideRefused,
 )
 from transfer_engine.transport.rdma.verbs import Device
-from transfer_engine.transport.stream import HELLO_TIMEOUT
+from transfer_engine.transport.stream import HELLO_TIMEOUT, RESOURCE_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -470,7 +470,7 @@ class RdmaTransport(Transport):
             except OSError as exc:
                 if self._closed or exc.errno in (errno.EBADF, errno.EINVAL, None):
                     return
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                if exc.errno in RESOURCE_ERRORS:
                     backoff = min(1.0, backoff * 2 or 0.01)
                     time.sleep(backoff)
                 continue

@@ -25,6 +25,7 @@ from transfer_engine.transport.stream.server import (
     HELLO_TIMEOUT,
     MAX_CONNECTIONS,
     MAX_OPENING,
+    RESOURCE_ERRORS,
     STALL_TIMEOUT,
     Connection,
     Refused,
@@ -54,7 +55,8 @@ from transfer_engine.transport.stream.wire import (
 
 __all__ = ["ANSWER", "FLAG_IMM", "FLAG_UNIFORM", "HEADER", "HELLO_TIMEOUT", "KIND_ANNOUNCE",
            "KIND_ANSWER", "KIND_HELLO", "KIND_READ", "KIND_WRITE", "LOCAL_DT", "MAX_BODY",
-           "MAX_CONNECTIONS", "MAX_ENTRIES", "MAX_OPENING", "STALL_TIMEOUT", "WIRE_VERSION",
+           "MAX_CONNECTIONS", "MAX_ENTRIES", "MAX_OPENING", "RESOURCE_ERRORS",
+           "STALL_TIMEOUT", "WIRE_VERSION",
            "Connection", "PeerClosed", "Refused", "StreamRail", "StreamServer", "Targets",
            "drain", "encode_announce", "encode_request", "open_rail", "pack_local",
            "pack_uniform", "recv_exact", "recv_scatter", "send_bytes", "send_gather",

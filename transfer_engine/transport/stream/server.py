@@ -68,7 +68,7 @@ from transfer_engine.transport.stream.wire import (
 
 log = logging.getLogger(__name__)
 
-_RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 HELLO_TIMEOUT = 5.0  # seconds a new connection has to open
 STALL_TIMEOUT = 20.0  # longest pause inside a request or an answer
 MAX_OPENING = 64  # connections opening at once
@@ -211,7 +211,7 @@ class StreamServer:
             except OSError as exc:
                 if self._closed or exc.errno in (errno.EBADF, errno.EINVAL, None):
                     return  # listener closed
-                if exc.errno in _RESOURCE_ERRORS:  # out of fds or memory: wait, go on
+                if exc.errno in RESOURCE_ERRORS:  # out of fds or memory: wait, go on
                     if not backoff:
                         log.warning("%s: cannot accept rails (%s); retrying with backoff",
                                     self.transport_name, exc.strerror)
