@@ -266,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--switch-interval", "--switch_interval", dest="switch_interval",
                    type=float, default=None, metavar="SECONDS",
                    help="sys.setswitchinterval in both processes (default: Python's 0.005)")
+    p.add_argument("--serve", choices=("thread", "process"),
+                   default=os.environ.get("TE_TCP_SERVE") or "thread",
+                   help="where the target serves tcp rails (TcpTransport(serve=...))")
     p.add_argument("--json", metavar="PATH", default=None)
     p.add_argument("--_target", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--protocol", default="tcp", help=argparse.SUPPRESS)
@@ -277,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.switch_interval is not None:
         sys.setswitchinterval(a.switch_interval)
+    os.environ["TE_TCP_SERVE"] = a.serve  # the target child inherits it
     if a._target:
         return run_target(a.protocol, a.buffer_size, a.seed)
     shapes = [_shape(s) for s in a.shapes.split(",") if s]
@@ -290,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"# {proto} done", file=sys.stderr, flush=True)
     print(_table(results))
     doc = {"duration": a.duration, "repeat": a.repeat, "cpus": os.cpu_count(),
-           "switch_interval": sys.getswitchinterval(),
+           "switch_interval": sys.getswitchinterval(), "serve": a.serve,
            "results": results}
     if a.json:
         with open(a.json, "w") as f:

@@ -86,6 +86,7 @@ from transfer_engine.transport.stream import (
     send_gather,
     tune_socket,
 )
+from transfer_engine.transport.stream.process import ServeProcess
 from transfer_engine.transport.tcp_nics import NicEndpoint, RateMeter, local_nics, pair_nics
 
 __all__ = ["TcpTransport"]
@@ -275,6 +276,11 @@ class TcpTransport(Transport):
         none, rails leave as routed).
     :param topology: where the NICs are (default: :func:`transfer_engine.topology.load`,
         i.e. ``$TE_TOPOLOGY_FILE`` or sysfs).
+    :param serve: where peers' requests are served: ``"thread"`` (threads of this
+        process) or ``"process"`` (a serving process of its own, which moves the bytes
+        while this process's threads are busy in Python; see
+        :mod:`.stream.process` and docs/data-plane.md). Default: ``$TE_TCP_SERVE`` or
+        ``"thread"``. ``"process"`` does not combine with ``nics`` yet.
     :param nic_timeout: seconds a NIC rail's sent bytes may stay unacknowledged before
         the kernel drops its connection (``TCP_USER_TIMEOUT``): a NIC whose link went
         down is noticed then, and the rail's unfinished work moves to the peer's other
@@ -289,7 +295,12 @@ class TcpTransport(Transport):
                  spread: int | None = None, congestion: str | None = AUTO,
                  stall_timeout: float = STALL_TIMEOUT,
                  nics: str | Sequence[str] | None = None,
-                 topology: Topology | None = None, nic_timeout: float = 5.0) -> None:
+                 topology: Topology | None = None, nic_timeout: float = 5.0,
+                 serve: str | None = None) -> None:
+        serve = serve or os.environ.get("TE_TCP_SERVE") or "thread"
+        if serve not in ("thread", "process"):
+            raise ValueError(f"serve must be 'thread' or 'process', not {serve!r}")
+        self._serve = serve
         if spread is not None and spread < 1:
             raise ValueError("spread must be at least 1")
         if not stall_timeout > 0:
@@ -315,7 +326,10 @@ class TcpTransport(Transport):
                                   slice_size=slice_size or (
                                       NIC_SLICE if self._nics else 16 << 20),
                                   min_split=MIN_SPLIT)
+        if serve == "process" and self._nics:
+            raise ValueError("serve='process' does not combine with nics")
         self._server: TcpServer | None = None
+        self._process: ServeProcess | None = None
         self._nic_servers: list[TcpServer] = []
         self._host: Host | None = None
         self._rails: list[TcpRail] = []
@@ -340,9 +354,13 @@ class TcpTransport(Transport):
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(addr[4])
         listener.listen(128)
+        bound = listener.getsockname()
+        if self._serve == "process":
+            self._process = ServeProcess(listener, host, self._buffer_bytes,
+                                         self._congestion, self._stall)
+            return {"host": bound[0], "port": bound[1]}
         self._server = TcpServer(listener, host, self._buffer_bytes, self._congestion,
                                  self._stall)
-        bound = listener.getsockname()
         info: dict[str, Any] = {"host": bound[0], "port": bound[1]}
         if self._nics:
             info["nics"] = [nic.to_wire(self._nic_listener(nic, bound)) for nic in self._nics]
@@ -371,10 +389,13 @@ class TcpTransport(Transport):
         return int(listener.getsockname()[1])
 
     def register(self, segment: Segment) -> dict[str, Any]:
+        if self._process is not None:
+            self._process.register(segment)
         return {}
 
     def deregister(self, segment: Segment) -> None:
-        pass
+        if self._process is not None:
+            self._process.deregister(segment)
 
     def reachable(self, peer_meta: dict[str, Any]) -> bool:
         return "tcp" in peer_meta.get("transports", {})
@@ -469,6 +490,8 @@ class TcpTransport(Transport):
         self._nic_groups.clear()
         if self._server is not None:
             self._server.close()
+        if self._process is not None:
+            self._process.close()
         for server in self._nic_servers:
             server.close()
         self._nic_servers.clear()
@@ -492,6 +515,8 @@ class TcpTransport(Transport):
         return self.spread(rails)
 
     def revoke(self, segment: Segment) -> None:
+        if self._process is not None:
+            self._process.revoke(segment)
         for server in self._servers():
             server.revoke(segment)
 
@@ -499,6 +524,13 @@ class TcpTransport(Transport):
         return ([self._server] if self._server is not None else []) + self._nic_servers
 
     def info(self, key: str) -> Any:
+        if key in ("bytes_received", "server_stats") and self._process is not None:
+            got = self._process.stats()
+            return got["bytes_received"] if key == "bytes_received" else got["stats"]
+        if key == "serve":
+            return self._serve
+        if key == "serve_pid":
+            return self._process.pid if self._process is not None else None
         if key == "bytes_received" and self._server is not None:
             return sum(s.bytes_received for s in self._servers())
         if key == "nics":

@@ -60,6 +60,10 @@ class TEConnectorConfig:
     :param transports: transport names, best first (``None``: the engine's default).
     :param lease_s: seconds prefill holds a finished request's blocks for decode.
     :param timeout_s: seconds for handshakes (connect, manifest read).
+    :param tcp_serve: where the worker's engine serves peers' tcp requests:
+        ``"thread"`` or ``"process"`` (a serving process that keeps moving KV while the
+        worker is busy in Python; see docs/data-plane.md). None: ``$TE_TCP_SERVE``, else
+        threads.
     """
 
     host: str = "127.0.0.1"
@@ -67,8 +71,12 @@ class TEConnectorConfig:
     transports: tuple[str, ...] | None = None
     lease_s: float = 30.0
     timeout_s: float = 10.0
+    tcp_serve: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tcp_serve not in (None, "thread", "process"):
+            raise ValueError(f"tcp_serve must be 'thread' or 'process', not "
+                             f"{self.tcp_serve!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.lease_s <= 0 or self.timeout_s <= 0:
@@ -76,7 +84,7 @@ class TEConnectorConfig:
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> TEConnectorConfig:
-        known = {"host", "port", "transports", "lease_s", "timeout_s"}
+        known = {"host", "port", "transports", "lease_s", "timeout_s", "tcp_serve"}
         unknown = set(extra) - known
         if unknown:
             raise ValueError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
@@ -87,4 +95,18 @@ class TEConnectorConfig:
         return cls(host=str(extra.get("host", cls.host)), port=int(extra.get("port", 0)),
                    transports=tuple(transports) if transports else None,
                    lease_s=float(extra.get("lease_s", cls.lease_s)),
-                   timeout_s=float(extra.get("timeout_s", cls.timeout_s)))
+                   timeout_s=float(extra.get("timeout_s", cls.timeout_s)),
+                   tcp_serve=extra.get("tcp_serve"))
+
+    def engine_transports(self) -> list[Any] | None:
+        """The engine's transports: the names given (or the default), with tcp built
+        for ``tcp_serve`` when it is set."""
+        if self.tcp_serve is None:
+            return list(self.transports) if self.transports else None
+        from transfer_engine.engine import DEFAULT_TRANSPORTS
+        from transfer_engine.transport.tcp import TcpTransport
+
+        env = [t.strip() for t in os.environ.get("TE_TRANSPORTS", "").split(",") if t.strip()]
+        names = list(self.transports or env or DEFAULT_TRANSPORTS)
+        return [TcpTransport(host=self.host, serve=self.tcp_serve) if n == "tcp" else n
+                for n in names]

@@ -120,7 +120,7 @@ class TEConnectorWorker:
             with unpinned():  # the engine's threads start here
                 self.engine = Engine(self.engine_name, host=self.config.host,
                                      port=self.config.port,
-                                     transports=self.config.transports,
+                                     transports=self.config.engine_transports(),
                                      timeout=self.config.timeout_s)
         seen: dict[int, Segment] = {}
         layouts = {}

@@ -144,6 +144,16 @@ class Targets:
     def __len__(self) -> int:
         return len(self.iov)
 
+    @property
+    def segments(self) -> dict[int, Segment]:
+        """The request's segments by id."""
+        return self._segs
+
+    @property
+    def ids(self) -> np.ndarray | None:
+        """Each row's segment id; None when every row is in the one segment."""
+        return self._ids
+
     def __iter__(self) -> Iterator[memoryview]:
         if not len(self.iov):
             return

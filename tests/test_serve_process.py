@@ -1,0 +1,271 @@
+"""The tcp serving process (``TcpTransport(serve="process")``): peers' requests served
+outside the application, over its memory shared in place.
+
+Real engines, real sockets, a real child process; random bytes checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from tests.rails import RawRail, handshake, hello_frame
+from tests.transport_contract import MiB, TransportContract, random_bytes
+from transfer_engine import Descriptor, Engine, InvalidDescriptorError, TransferError
+from transfer_engine.transport.stream import KIND_WRITE, shared
+from transfer_engine.transport.tcp import TcpTransport
+
+
+class TestServeProcessContract(TransportContract):
+    """The whole transport contract, served by the serving process."""
+
+    transports = ["tcp"]
+
+    def transports_for(self, role: str) -> list[TcpTransport]:
+        return [TcpTransport(rails=2, spread=2, serve="process")]
+
+
+@pytest.fixture
+def busy_python() -> Iterator[None]:
+    """A thread of this process that runs pure bytecode for the whole test."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        n = 0
+        while not stop.is_set():
+            for _ in range(10000):
+                n += 1
+
+    thread = threading.Thread(target=spin, daemon=True, name="busy-python")
+    thread.start()
+    yield
+    stop.set()
+    thread.join(5)
+
+
+def _target(make_engine: Callable[..., Engine], name: str = "t") -> Engine:
+    return make_engine(name, transports=[TcpTransport(serve="process")])
+
+
+def _serve_pid(engine: Engine) -> int:
+    pid = engine._transports["tcp"].info("serve_pid")
+    assert isinstance(pid, int)
+    return pid
+
+
+def test_bytes_exact_across_shared_pages_edges_and_unshared_memory(
+        make_engine: Callable[..., Engine], busy_python: None) -> None:
+    """One request spans a tensor's shared pages and its partial end pages, a small
+    bytearray (never shared) and a numpy view at an odd address; WRITE then READ back,
+    with a busy thread in the process; one notification per transfer."""
+    t = _target(make_engine)
+    a = make_engine("a", transports=["tcp"])
+    big = torch.zeros(6 * MiB + 123, dtype=torch.uint8)
+    small = bytearray(9000)
+    odd = np.zeros(3 * MiB + 8, dtype=np.uint8)[3:3 * MiB + 3]
+    segs = [t.register(big, name="big"), t.register(small, name="small"),
+            t.register(odd, name="odd")]
+    assert all(s.address for s in segs)
+    src = random_bytes(8 * MiB, 11)
+    src_seg = a.register(src)
+    peer = a.connect(t.endpoint)
+    remote = {n: peer.segment(n) for n in ("big", "small", "odd")}
+    layout = [("big", 0, 0, 5000), ("big", 4096 * 3 + 17, 5000, 2 * MiB),
+              ("big", 6 * MiB + 123 - 7000, 5000 + 2 * MiB, 7000),
+              ("small", 100, 3 * MiB, 8000), ("odd", 1, 4 * MiB, 3 * MiB - 2)]
+    pairs = [(Descriptor(src_seg, s_off, n), Descriptor(remote[name], r_off, n))
+             for name, r_off, s_off, n in layout]
+    for rnd in range(3):
+        src[:] = random_bytes(src.size, 100 + rnd)
+        a.write(peer, pairs, notify=f"w{rnd}".encode()).wait(30)
+        views = {"big": big.numpy(), "small": np.frombuffer(small, np.uint8), "odd": odd}
+        for name, r_off, s_off, n in layout:
+            assert np.array_equal(views[name][r_off:r_off + n], src[s_off:s_off + n]), name
+        back = np.zeros_like(src)
+        with a.register(back) as back_seg:
+            a.read(peer, [(Descriptor(back_seg, s_off, n), Descriptor(remote[name], r_off, n))
+                          for name, r_off, s_off, n in layout]).wait(30)
+        for name, _, s_off, n in layout:
+            assert np.array_equal(back[s_off:s_off + n], src[s_off:s_off + n]), name
+    got = t.notifications(timeout=5, max_count=3)
+    deadline = time.monotonic() + 5
+    while len(got) < 3 and time.monotonic() < deadline:
+        got += t.notifications(timeout=0.5)
+    assert sorted(n.payload for n in got) == [b"w0", b"w1", b"w2"]
+    assert t.notifications(timeout=0.2) == []
+
+
+def test_registration_keeps_the_memory_and_its_address(
+        make_engine: Callable[..., Engine]) -> None:
+    """The moved pages hold what they held, at the same address; what the application
+    writes afterwards is what a peer READs."""
+    t = _target(make_engine)
+    data = torch.from_numpy(random_bytes(4 * MiB + 999, 5))
+    before = data.clone()
+    ptr = data.data_ptr()
+    seg = t.register(data, name="kv")
+    assert data.data_ptr() == ptr and torch.equal(data, before)
+    data[:] = torch.from_numpy(random_bytes(data.numel(), 6))  # the app writes after
+    a = make_engine("a", transports=["tcp"])
+    back = np.zeros(data.numel(), dtype=np.uint8)
+    peer = a.connect(t.endpoint)
+    with a.register(back) as back_seg:
+        a.read(peer, [(Descriptor(back_seg, 0, back.size),
+                       Descriptor(peer.segment("kv"), 0, back.size))]).wait(30)
+    assert np.array_equal(back, data.numpy())
+    seg.close()
+    data[:7] = 1  # still ordinary memory of the application's
+    assert int(data[:7].sum()) == 7
+
+
+def test_deregistered_segment_is_refused_precisely(make_engine: Callable[..., Engine]
+                                                   ) -> None:
+    t = _target(make_engine)
+    a = make_engine("a", transports=["tcp"])
+    buf = torch.zeros(MiB, dtype=torch.uint8)
+    seg = t.register(buf, name="gone")
+    src = random_bytes(MiB, 3)
+    src_seg = a.register(src)
+    peer = a.connect(t.endpoint)
+    remote = peer.segment("gone")
+    seg.close()
+    with pytest.raises(InvalidDescriptorError, match="deregistered"):
+        a.write(peer, [(Descriptor(src_seg, 0, MiB), Descriptor(remote, 0, MiB))]).wait(10)
+    assert int(buf.sum()) == 0  # no byte landed
+
+
+def test_a_killed_serving_process_fails_transfers_and_closes_cleanly(
+        make_engine: Callable[..., Engine]) -> None:
+    t = _target(make_engine)
+    a = make_engine("a", transports=["tcp"])
+    t.register(torch.zeros(4 * MiB, dtype=torch.uint8), name="kv")
+    src = random_bytes(4 * MiB, 9)
+    src_seg = a.register(src)
+    peer = a.connect(t.endpoint)
+    remote = peer.segment("kv")
+    a.write(peer, [(Descriptor(src_seg, 0, MiB), Descriptor(remote, 0, MiB))]).wait(10)
+    pid = _serve_pid(t)
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(TransferError):
+        for _ in range(5):  # the first may still find a rail half-closed
+            a.write(peer, [(Descriptor(src_seg, 0, 4 * MiB),
+                            Descriptor(remote, 0, 4 * MiB))]).wait(10)
+    assert time.monotonic() - start < 30
+    t.close()  # no hang
+    assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_closing_the_engine_leaves_no_process_or_file(make_engine: Callable[..., Engine]
+                                                      ) -> None:
+    shm_before = set(os.listdir("/dev/shm"))
+    t = _target(make_engine)
+    seg = t.register(torch.zeros(2 * MiB, dtype=torch.uint8), name="kv")
+    pid = _serve_pid(t)
+    assert os.path.exists(f"/proc/{pid}")
+    seg.close()
+    t.close()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and not _zombie(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
+    assert set(os.listdir("/dev/shm")) == shm_before
+    assert not [fd for fd in os.listdir("/proc/self/fd") if "te-serve" in _link(fd)]
+
+
+def _link(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+def test_shared_pages_cannot_be_opened_by_another_user(
+        make_engine: Callable[..., Engine]) -> None:
+    """The memfd has no name in any file system; through /proc it takes the owner's
+    rights (another user's process is refused)."""
+    t = _target(make_engine)
+    t.register(torch.zeros(2 * MiB, dtype=torch.uint8), name="kv")
+    fds = [fd for fd in os.listdir("/proc/self/fd") if "te-serve" in _link(fd)]
+    assert fds, "the registered pages are shared through a memfd"
+    path = f"/proc/{os.getpid()}/fd/{fds[0]}"
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        code = 3
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                open(path, "rb").close()
+                code = 1
+            except PermissionError:
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_rails_still_need_a_ticket(make_engine: Callable[..., Engine]) -> None:
+    """A forged opening is refused before any memory is reachable; a real ticket opens
+    a rail whose WRITE lands (the rail's peer is the ticket's, as in-process)."""
+    t = _target(make_engine)
+    buf = torch.zeros(MiB, dtype=torch.uint8)
+    seg = t.register(buf, name="kv")
+    forged = RawRail(t, None)
+    try:
+        forged.sock.sendall(hello_frame(None, "tcp", forged.challenge))
+        status, _ = forged.answer()
+        assert status != 0
+    except ConnectionResetError:
+        pass  # refused by closing
+    finally:
+        forged.sock.close()
+    assert int(buf.sum()) == 0
+    _, credential = handshake(t, name="hand")
+    rail = RawRail(t, credential)
+    try:
+        assert rail.status == 0
+        payload = random_bytes(4096, 21).tobytes()
+        status, _ = rail.request(KIND_WRITE, [(seg.id, 100, len(payload))], payload)
+        assert status == 0
+        assert bytes(buf[100:100 + len(payload)].numpy()) == payload
+        status, _ = rail.request(KIND_WRITE, [(seg.id, MiB - 10, len(payload))], payload)
+        assert status != 0  # out of bounds: refused, nothing written past the end
+    finally:
+        rail.sock.close()
+
+
+def test_share_body_moves_only_whole_private_pages() -> None:
+    buf = np.frombuffer(bytearray(random_bytes(3 * MiB, 8).tobytes()), np.uint8)
+    want = buf.copy()
+    body = shared.share_body(buf.ctypes.data + 10, buf.size - 20)
+    assert body is not None
+    try:
+        assert body.start % shared.PAGE == 0 and body.end % shared.PAGE == 0
+        assert buf.ctypes.data + 10 <= body.start < body.end <= buf.ctypes.data + buf.size
+        assert np.array_equal(buf, want)
+        again = shared.share_body(body.start, body.end - body.start)
+        assert again is not None and again.inode == body.inode
+        os.close(again.fd)
+        shared.release(again)
+    finally:
+        os.close(body.fd)
+        shared.release(body)
+    assert shared.share_body(buf.ctypes.data, 1000) is None  # too small to move

@@ -1,0 +1,238 @@
+"""The application's side of a serving process (``TcpTransport(serve="process")``).
+
+Why a process: a thread of ours inside the application must win the GIL back after
+every wait for a peer, and a busy application thread holds it for up to the switch
+interval (5 ms) each time (docs/data-plane.md). The serving process has a GIL of its
+own: the bytes of peers' WRITEs and READs move between its sockets and the
+application's memory (shared in place, see :mod:`.shared`) while the application runs.
+What still needs the application: a rail's opening (its tickets), and the immediates,
+which arrive here in order on one thread, after their bytes.
+
+If the serving process dies, its rails drop (initiators see their transfers fail), new
+rails are refused (the listening socket died with it), and this side logs it once; the
+engine's own transfers to other peers are unaffected.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from transfer_engine.errors import ClosedError, TransferError
+from transfer_engine.segment import Segment
+from transfer_engine.transport.base import Host, Immediate
+from transfer_engine.transport.stream import shared
+from transfer_engine.transport.stream.channel import Channel, ChannelClosed
+
+log = logging.getLogger(__name__)
+START_TIMEOUT = 60.0  # seconds for the process to start (imports on a loaded host)
+CALL_TIMEOUT = 10.0
+_ROOT = str(Path(__file__).resolve().parents[3])  # the folder holding transfer_engine
+_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+         "from transfer_engine.transport.stream.worker import main; main()")
+
+
+class ServeProcess:
+    """Starts the serving process on ``listener`` (which it then owns) and relays what
+    it asks of ``host``. Closed by its transport."""
+
+    def __init__(self, listener: socket.socket, host: Host, buffer_bytes: int,
+                 congestion: str | None, stall_timeout: float) -> None:
+        self._host = host
+        self._admitted: dict[int, Any] = {}  # admission id -> the host's ticket
+        self._next_admission = 0
+        self._bodies: dict[int, shared.Body] = {}  # segment id -> its shared pages
+        self._lock = threading.Lock()
+        self._dead = False
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        mem = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            fds = (theirs.fileno(), listener.fileno(), mem)
+            env = {**os.environ, "TE_SERVE_FDS": ",".join(map(str, fds)),
+                   "TE_SERVE_PARENT": str(os.getpid())}
+            self._proc = subprocess.Popen([sys.executable, "-c", _BOOT, _ROOT], env=env,
+                                          pass_fds=fds, stdin=subprocess.DEVNULL,
+                                          start_new_session=False)
+        finally:
+            theirs.close()
+            os.close(mem)
+            listener.close()  # the serving process holds it now
+        self._chan = Channel(ours)
+        try:
+            self._chan.send({"name": host.name, "host_id": host.host_id,
+                             "buffer_bytes": buffer_bytes, "congestion": congestion,
+                             "stall": stall_timeout})
+            ours.settimeout(START_TIMEOUT)
+            ready, _ = self._chan.recv()
+            ours.settimeout(None)
+            if ready.get("op") != "ready":
+                raise ChannelClosed(f"unexpected {ready!r}")
+        except (ChannelClosed, OSError) as exc:
+            self._kill()
+            raise ClosedError(f"tcp serving process did not start: {exc}",
+                                 transport="tcp") from None
+        self.pid = int(ready["pid"])
+        self._reader = threading.Thread(target=self._read, daemon=True,
+                                        name="te-tcp-serve-link")
+        self._reader.start()
+
+    # --- what the serving process asks ------------------------------------------------
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg, fds = self._chan.recv()
+                for fd in fds:
+                    os.close(fd)
+                if self._chan.answer(msg):
+                    continue
+                op = msg.get("op")
+                if op == "imm":
+                    self._host.deliver_immediate(
+                        msg["peer"], Immediate(msg["transfer"], msg["expected"],
+                                               msg["notify"]), msg["origin"])
+                elif op == "admit":
+                    self._admit(msg)
+                elif op == "release":
+                    with self._lock:
+                        ticket = self._admitted.pop(msg["admission"], None)
+                    if ticket is not None:
+                        ticket.release()
+        except ChannelClosed:
+            pass
+        except Exception:
+            log.exception("serving process link failed")
+        finally:
+            self._gone()
+
+    def _admit(self, msg: dict[str, Any]) -> None:
+        try:
+            ticket, proof = self._host.admit_rail(msg["ticket"], msg["transport"],
+                                                  msg["challenge"], msg["nonce"],
+                                                  msg["proof"])
+        except TransferError:
+            self._chan.send({"re": msg["id"], "ok": False})
+            return
+        with self._lock:
+            self._next_admission += 1
+            admission = self._next_admission
+            self._admitted[admission] = ticket
+        self._chan.send({"re": msg["id"], "ok": True, "admission": admission,
+                         "ticket": ticket.id, "peer": ticket.peer, "pid": ticket.pid,
+                         "proof": proof})
+
+    def _gone(self) -> None:
+        with self._lock:
+            was_dead, self._dead = self._dead, True
+            admitted = list(self._admitted.values())
+            self._admitted.clear()
+        for ticket in admitted:
+            ticket.release()
+        if not was_dead:
+            code = self._proc.poll()
+            if code not in (None, 0):
+                log.error("tcp serving process exited (%s): peers' rails to this engine "
+                          "are down", _describe(code))
+        self._chan.close()
+
+    # --- what the transport tells it --------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return not self._dead and self._proc.poll() is None
+
+    def _call(self, msg: dict[str, Any], timeout: float = CALL_TIMEOUT,
+              fds: tuple[int, ...] = ()) -> dict[str, Any]:
+        try:
+            return self._chan.call(msg, timeout, fds)
+        except (ChannelClosed, TimeoutError) as exc:
+            raise ClosedError(f"tcp serving process unreachable: {exc}",
+                                 transport="tcp") from None
+
+    def register(self, seg: Segment) -> None:
+        """Tells the serving process of ``seg`` (sharing its pages when it can) before
+        the engine publishes it."""
+        body = shared.share_body(seg.address, seg.length) if seg.device == "cpu" else None
+        msg: dict[str, Any] = {"op": "seg", "seg": seg.id, "name": seg.name,
+                               "address": seg.address, "length": seg.length,
+                               "device": seg.device, "writable": seg.writable}
+        if body is not None:
+            msg["body"] = [body.start, body.end, body.fd_offset]
+        try:
+            self._call(msg, fds=(body.fd,) if body is not None else ())
+        except BaseException:
+            if body is not None:
+                shared.release(body)
+            raise
+        finally:
+            if body is not None:
+                os.close(body.fd)
+        if body is not None:
+            with self._lock:
+                self._bodies[seg.id] = body
+
+    def deregister(self, seg: Segment) -> None:
+        """Returns once the serving process no longer touches ``seg``."""
+        with self._lock:
+            body = self._bodies.pop(seg.id, None)
+        try:
+            if self.alive:
+                reply = self._call({"op": "drop", "seg": seg.id, "timeout": 5.0},
+                                   timeout=CALL_TIMEOUT + 5.0)
+                if not reply.get("ok"):
+                    log.warning("segment %s: %s", seg.name, reply.get("error"))
+        except ClosedError as exc:
+            log.warning("segment %s: %s", seg.name, exc)
+        finally:
+            if body is not None:
+                shared.release(body)
+
+    def revoke(self, seg: Segment) -> None:
+        try:
+            self._chan.send({"op": "revoke", "seg": seg.id})
+        except ChannelClosed:
+            pass
+
+    def stats(self) -> dict[str, Any]:
+        if not self.alive:
+            return {"bytes_received": 0, "stats": {}}
+        return self._call({"op": "stats"})
+
+    def _kill(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait(timeout=10)
+
+    def close(self) -> None:
+        try:
+            self._chan.send({"op": "close"})
+        except ChannelClosed:
+            pass
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            log.warning("tcp serving process did not stop; killing it")
+            self._kill()
+        self._chan.close()
+        self._reader.join(timeout=5)
+        with self._lock:
+            bodies = list(self._bodies.values())
+            self._bodies.clear()
+        for body in bodies:
+            shared.release(body)
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"status {code}"

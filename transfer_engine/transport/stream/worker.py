@@ -1,0 +1,334 @@
+"""The serving process: a TCP stream server that runs outside the application.
+
+Started by :class:`.process.ServeProcess` with three descriptors: its end of the
+private channel, the listening socket, and the application's ``/proc/<pid>/mem``
+(opened by the application itself, so no ptrace permission is involved). It runs the
+same :class:`~transfer_engine.transport.tcp.TcpServer` as the in-process mode, every
+check included, against a host that asks the application only what only it knows:
+
+- a rail's opening (``admit``): the tickets stay in the application;
+- segments arrive as the application registers them (``seg``), with the memfd of their
+  shared pages (:mod:`.shared`); bytes in those pages move straight between the socket
+  and memory; the rest of a segment (its partial end pages, or all of it when it could
+  not be shared) through the mem file;
+- immediates go back (``imm``) after their bytes landed, in order.
+
+It exits when the channel closes, and is killed with the application
+(``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+from transfer_engine.errors import AuthenticationError, InvalidDescriptorError
+from transfer_engine.segment import MemoryInfo, Segment, _view_at
+from transfer_engine.transport.base import Immediate
+from transfer_engine.transport.stream.channel import Channel, ChannelClosed
+from transfer_engine.transport.stream.io import (
+    recv_into_views,
+    recv_scatter,
+    send_gather,
+    send_views,
+)
+from transfer_engine.transport.stream.server import HELLO_TIMEOUT, Connection, Targets
+from transfer_engine.transport.tcp import TcpServer
+
+log = logging.getLogger(__name__)
+_U64 = 1 << 64
+BOUNCE = 1 << 20  # bytes moved through the mem file per call
+
+
+class ServedSegment(Segment):
+    """A segment of the application's, as the serving process reaches it: ``address``
+    is the application's; ``[lo, hi)`` of it is mapped here at ``address + delta``."""
+
+    __slots__ = ("lo", "hi", "delta", "_map")
+
+    def __init__(self, seg_id: int, name: str, address: int, length: int, device: str,
+                 writable: bool, server: TcpServer | None) -> None:
+        def stuck(seg: Segment) -> None:
+            if server is not None:
+                server.revoke(seg)
+
+        super().__init__(seg_id, name, MemoryInfo(address, 1, device, writable, None),
+                         on_stuck=stuck)
+        self.length = length
+        self.lo = self.hi = self.delta = 0
+        self._map: mmap.mmap | None = None
+
+    def attach(self, fd: int, start: int, end: int, fd_offset: int) -> None:
+        self._map = mmap.mmap(fd, end - start, mmap.MAP_SHARED,
+                              mmap.PROT_READ | mmap.PROT_WRITE, offset=fd_offset)
+        here = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self.lo, self.hi, self.delta = start, end, here - start
+
+    def view(self, offset: int = 0, length: int | None = None) -> memoryview:
+        raise InvalidDescriptorError("the application's memory has no view here",
+                                     segment=self.name)
+
+    def detach(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view is still out: the mapping goes with the process
+                pass
+            self._map = None
+            self.lo = self.hi = 0
+
+
+class ProxyHost:
+    """The application, as the server sees it (see the module's notes)."""
+
+    def __init__(self, chan: Channel, name: str, host_id: str) -> None:
+        self._chan = chan
+        self._name = name
+        self._host_id = host_id
+        self.segments: dict[int, ServedSegment] = {}
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def host_id(self) -> str:
+        return self._host_id
+
+    def local_segment(self, segment_id: int, *, peer: str | None = None,
+                      op: str | None = None) -> Segment:
+        seg = self.segments.get(segment_id)
+        if seg is None or seg.closed:
+            raise InvalidDescriptorError("unknown or deregistered segment", peer=peer, op=op,
+                                         segment=segment_id)
+        return seg
+
+    def deliver_immediate(self, peer: str, imm: Immediate, origin: bytes = b"") -> None:
+        self._chan.send({"op": "imm", "peer": peer, "origin": origin,
+                         "transfer": imm.transfer_id, "expected": imm.expected,
+                         "notify": imm.notify})
+
+    def admit_rail(self, ticket: object, transport: str, challenge: bytes, nonce: object,
+                   proof: object) -> tuple[Any, bytes]:
+        try:
+            reply = self._chan.call({"op": "admit", "ticket": ticket, "transport": transport,
+                                     "challenge": challenge, "nonce": nonce, "proof": proof},
+                                    HELLO_TIMEOUT)
+        except (ChannelClosed, TimeoutError):
+            raise AuthenticationError("rail refused") from None
+        if not reply.get("ok"):
+            raise AuthenticationError("rail refused")
+        return _Admission(self._chan, reply["admission"], reply["ticket"], reply["peer"],
+                          reply["pid"]), reply["proof"]
+
+    def local_ranges(self) -> np.ndarray:
+        return np.empty((0, 3), dtype=np.uint64)
+
+
+class _Admission:
+    """The application's ticket for one admitted rail, released there on close."""
+
+    __slots__ = ("_chan", "admission", "id", "peer", "pid", "_released")
+
+    def __init__(self, chan: Channel, admission: int, ticket_id: bytes, peer: str,
+                 pid: int) -> None:
+        self._chan, self.admission, self.id = chan, admission, ticket_id
+        self.peer, self.pid = peer, pid
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            try:
+                self._chan.send({"op": "release", "admission": self.admission})
+            except ChannelClosed:
+                pass
+
+
+def _pieces(views: Targets) -> list[tuple[int, int, int]]:
+    """(application address, length, local address or 0) runs of a request's rows: a
+    nonzero local address where the bytes are in shared pages, 0 where they go
+    through the mem file."""
+    segs, ids = views.segments, views.ids
+    rows = views.iov.tolist()
+    seg_of = ([next(iter(segs.values()))] * len(rows) if ids is None
+              else [segs[i] for i in ids.tolist()])
+    out: list[tuple[int, int, int]] = []
+    for (address, length), seg in zip(rows, seg_of, strict=True):
+        end = address + length
+        lo, hi = max(address, seg.lo), min(end, seg.hi)  # type: ignore[attr-defined]
+        if lo >= hi:
+            out.append((address, length, 0))
+            continue
+        if address < lo:
+            out.append((address, lo - address, 0))
+        out.append((lo, hi - lo, lo + seg.delta))  # type: ignore[attr-defined]
+        if hi < end:
+            out.append((hi, end - hi, 0))
+    return out
+
+
+class ServeTcpServer(TcpServer):
+    """:class:`TcpServer` over the application's memory from outside its process."""
+
+    def __init__(self, listener: socket.socket, host: ProxyHost, mem_fd: int,
+                 buffer_bytes: int, congestion: str | None, stall_timeout: float) -> None:
+        self._mem = mem_fd
+        super().__init__(listener, host, buffer_bytes, congestion, stall_timeout)
+
+    @staticmethod
+    def _direct(views: Targets) -> np.ndarray | None:
+        """The request's rows as local addresses when every byte is in shared pages."""
+        iov = views.iov
+        if not len(iov):
+            return iov
+        segs, ids = views.segments, views.ids
+        out = iov.copy()
+        for seg_id, seg in segs.items():
+            rows = slice(None) if ids is None else ids == seg_id
+            mine = iov[rows]
+            if not len(mine):
+                continue
+            if not (int(mine[:, 0].min()) >= seg.lo  # type: ignore[attr-defined]
+                    and int((mine[:, 0] + mine[:, 1]).max()) <= seg.hi):  # type: ignore[attr-defined]
+                return None
+            delta = np.uint64(seg.delta % _U64)  # type: ignore[attr-defined]
+            out[rows, 0] += delta
+        return out
+
+    def land(self, conn: Connection, views: Targets, local: np.ndarray | None) -> None:
+        iov = self._direct(views)
+        if iov is not None:
+            recv_scatter(conn.sock, iov, views.nbytes)
+            return
+        bounce = memoryview(bytearray(min(BOUNCE, views.nbytes)))
+        for address, length, here in _pieces(views):
+            if here:
+                recv_into_views(conn.sock, [_view_at(here, length, True)], length)
+                continue
+            done = 0
+            while done < length:
+                n = min(len(bounce), length - done)
+                recv_into_views(conn.sock, [bounce[:n]], n)
+                _full(os.pwrite, self._mem, bounce[:n], address + done)
+                done += n
+
+    def serve(self, conn: Connection, wr_id: int, views: Targets,
+              local: np.ndarray | None) -> None:
+        iov = self._direct(views)
+        answer = self._answer(wr_id, None)
+        if iov is not None:
+            headroom = np.empty((len(iov) + 1, 2), dtype=np.uint64)
+            headroom[1:] = iov
+            send_gather(conn.sock, answer, iov, views.nbytes, headroom)
+            return
+        bufs: list[Any] = [answer]
+        for address, length, here in _pieces(views):
+            if here:
+                bufs.append(_view_at(here, length, False))
+            else:
+                chunk = bytearray(length)
+                _full(os.preadv, self._mem, memoryview(chunk), address)
+                bufs.append(chunk)
+        send_views(conn.sock, bufs)
+
+
+def _full(call: Any, fd: int, buf: memoryview, offset: int) -> None:
+    """One whole pread/pwrite of ``buf`` at ``offset`` of the mem file."""
+    done = 0
+    while done < len(buf):
+        n = (call(fd, buf[done:], offset + done) if call is os.pwrite
+             else call(fd, [buf[done:]], offset + done))
+        if n <= 0:
+            raise InvalidDescriptorError("memory of the application is gone",
+                                         offset=offset + done)
+        done += n
+
+
+def main() -> None:
+    """The serving process's main thread: set up, then read the channel until it closes."""
+    logging.basicConfig(level=os.environ.get("TE_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s te-serve %(levelname)s %(message)s")
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    ctrl, listen, mem = (int(v) for v in os.environ["TE_SERVE_FDS"].split(","))
+    if os.getppid() != int(os.environ["TE_SERVE_PARENT"]):
+        sys.exit(0)  # the application died before we armed the signal
+    chan = Channel(socket.socket(fileno=ctrl))
+    cfg, _ = chan.recv()
+    host = ProxyHost(chan, cfg["name"], cfg["host_id"])
+    server = ServeTcpServer(socket.socket(fileno=listen), host, mem, cfg["buffer_bytes"],
+                            cfg["congestion"], cfg["stall"])
+    chan.send({"op": "ready", "pid": os.getpid()})
+    try:
+        while True:
+            msg, fds = chan.recv()
+            if chan.answer(msg):
+                continue
+            op = msg.get("op")
+            if op == "seg":
+                _add_segment(chan, host, server, msg, fds)
+            elif op == "drop":
+                threading.Thread(target=_drop, args=(chan, host, msg), daemon=True).start()
+            elif op == "revoke":
+                seg = host.segments.get(msg["seg"])
+                if seg is not None:
+                    server.revoke(seg)
+            elif op == "stats":
+                chan.send({"re": msg["id"], "bytes_received": server.bytes_received,
+                           "stats": dict(server.stats)})
+            elif op == "close":
+                break
+            for fd in fds:
+                os.close(fd)
+    except ChannelClosed:
+        pass
+    finally:
+        server.close()
+        for seg in list(host.segments.values()):
+            seg.detach()
+        chan.close()
+
+
+def _add_segment(chan: Channel, host: ProxyHost, server: TcpServer, msg: dict[str, Any],
+                 fds: list[int]) -> None:
+    seg = ServedSegment(msg["seg"], msg["name"], msg["address"], msg["length"],
+                        msg["device"], msg["writable"], server)
+    error = None
+    if fds and msg.get("body"):
+        start, end, fd_offset = msg["body"]
+        try:
+            seg.attach(fds[0], start, end, fd_offset)
+        except (OSError, ValueError) as exc:
+            error = str(exc)  # reached through the mem file instead
+    host.segments[seg.id] = seg
+    chan.send({"re": msg["id"], "ok": True, "shared": seg.hi - seg.lo, "error": error})
+
+
+def _drop(chan: Channel, host: ProxyHost, msg: dict[str, Any]) -> None:
+    seg = host.segments.get(msg["seg"])
+    reply: dict[str, Any] = {"re": msg["id"], "ok": True}
+    if seg is not None:
+        try:
+            seg.close(timeout=msg.get("timeout", 5.0))
+        except Exception as exc:  # noqa: BLE001 - reported to the application
+            reply = {"re": msg["id"], "ok": False, "error": str(exc)}
+        else:
+            host.segments.pop(seg.id, None)
+            seg.detach()
+    try:
+        chan.send(reply)
+    except ChannelClosed:
+        pass
+
+
+if __name__ == "__main__":
+    main()
