@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import statistics
 from collections.abc import Sequence
@@ -30,9 +31,36 @@ def median(values: Sequence[float | None]) -> float | None:
 
 
 def cpu_seconds() -> float:
-    """User + system CPU seconds of this process, all threads together."""
+    """User + system CPU seconds of this process, all threads together, and of its live
+    tcp serving processes (``TcpTransport(serve="process")``), whose work is its own."""
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
+    return ru.ru_utime + ru.ru_stime + _serving_cpu_seconds()
+
+
+def _serving_cpu_seconds() -> float:
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0.0
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids = f.read().split()
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"transport.stream.worker" not in f.read():
+                        continue
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            except (OSError, IndexError, ValueError):
+                continue
+    return total
 
 
 def _chunk(seed: int, index: int) -> np.ndarray:
