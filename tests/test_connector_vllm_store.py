@@ -285,3 +285,79 @@ def test_store_config_validation(tmp_path: Path) -> None:
     secret.write_text("a-control-secret-of-some-length\n")
     cfg = TEConnectorConfig.from_extra_config({"secret_file": str(secret)})
     assert cfg.auth().key == b"a-control-secret-of-some-length"
+
+
+# --- end to end: two independent vLLM engines and one store ---------------------------
+
+SHARED = " ".join(["one two three four five six seven eight nine ten"] * 10)  # 100 tokens
+PROMPT_A = SHARED + " red green blue"
+PROMPT_B = SHARED + " fast slow fast slow"
+PD_PROMPT = "prefill and decode transfer the memory of " * 6  # 42 tokens: one block
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_vllm_engines_share_a_prefix_through_the_store(tmp_path: Path) -> None:
+    from tests.test_connector_vllm_e2e import (
+        BLOCK_BYTES,
+        BLOCK_SIZE,
+        MAX_TOKENS,
+        EngineProcess,
+        build_model,
+        core_halves,
+    )
+
+    model = tmp_path / "model"
+    build_model(model)
+    first, second = core_halves()
+    with Master(lease_s=5.0, node_interval=0.2) as master, \
+            StorageNode(master.endpoint, 64 << 20, name="vllm-store-node"):
+        master.wait_nodes(1)
+        extra = {"store": master.endpoint, "timeout_s": 5.0}
+        # A and B on cores of their own, as on two hosts; the plain engine on A's
+        procs = {name: EngineProcess(role, model, tmp_path / f"{name}.log", cfg, cores)
+                 for name, role, cfg, cores in (("a", "both", extra, first),
+                                                ("b", "both", extra, second),
+                                                ("plain", "single", {}, first))}
+        try:
+            for proc in procs.values():
+                proc.recv()  # ready
+            a, b, plain = procs["a"], procs["b"], procs["plain"]
+            ref_a = plain.generate(PROMPT_A, MAX_TOKENS)
+            ref_b = plain.generate(PROMPT_B, MAX_TOKENS)
+
+            got_a = a.generate(PROMPT_A, MAX_TOKENS)
+            assert got_a["tokens"] == ref_a["tokens"]
+            drained = a.call(op="drain")  # the save runs once the request finished
+            assert drained["held"] == 0 and drained["free_blocks"] == drained["total_blocks"]
+            stats_a = a.call(op="stats")["connector"]
+            assert stats_a["store_save_bytes"] == 3 * BLOCK_BYTES  # 103 tokens: 3 blocks
+            assert stats_a["store_save_failed"] == 0
+
+            before = b.call(op="metrics")
+            got_b = b.generate(PROMPT_B, MAX_TOKENS)
+            after = b.call(op="metrics")
+            assert got_b["tokens"] == ref_b["tokens"]
+            # vLLM's own accounting: the shared prefix's three blocks came from outside
+            loaded = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer",
+                                                                        0)
+            assert loaded == 3 * BLOCK_SIZE, (before, after)
+            stats_b = b.call(op="stats")["connector"]
+            assert stats_b["store_load_bytes"] == 3 * BLOCK_BYTES
+            assert stats_b["store_load_failed"] == 0 and stats_b["recv_requests"] == 0
+
+            # P/D between the same two engines: the params win over the store
+            ref = plain.generate(PD_PROMPT, MAX_TOKENS)
+            pre = a.generate(PD_PROMPT, 1, {"do_remote_decode": True})
+            dec = b.generate(PD_PROMPT, MAX_TOKENS, pre["params"])
+            assert dec["tokens"] == ref["tokens"]
+            stats_b = b.call(op="stats")["connector"]
+            assert stats_b["recv_requests"] == 1 and stats_b["recv_failed"] == 0
+            assert stats_b["store_loads"] == 1
+            for proc in (a, b):
+                drained = proc.call(op="drain")
+                assert drained["held"] == 0
+                assert drained["free_blocks"] == drained["total_blocks"]
+        finally:
+            for proc in procs.values():
+                proc.close()
