@@ -209,6 +209,12 @@ def test_missing_piece_is_a_load_error_recomputed(sides: tuple[Side, Side], stor
     assert res.failed_recving == {"b1"}
     assert b.worker.take_failed_blocks() == {6, 7}
     assert b.worker.stats["store_load_failed"] == 1
+    # blocks vLLM allocated that do not line up with the lookup: never a silent "done"
+    req = request("b2", prompt)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (16, True)
+    b.sched.update_state_after_alloc(req, blocks([9, 10], cached=2), 16)
+    b.step()
+    assert wait_results(b.worker, "finished_recving", "b2").failed_recving == {"b2"}
 
 
 def test_other_models_never_match_and_pd_params_win(store: Master) -> None:
@@ -261,6 +267,10 @@ def test_a_dead_store_loads_nothing_and_fails_no_request(tmp_path: Path) -> None
         prompt = list(range(40))
         assert side.sched.get_num_new_matched_tokens(request("d1", prompt), 0) == (0, False)
         assert side.sched.store_errors == 1
+        # no lookup (and no wait on the master) for a while after one failed
+        started = time.monotonic()
+        assert side.sched.get_num_new_matched_tokens(request("d2", prompt), 0) == (0, False)
+        assert side.sched.store_errors == 1 and time.monotonic() - started < 0.1
         side.sched.request_finished(request("d1", prompt, computed=40), [1, 2, 3])
         side.step()
         wait_results(side.worker, "finished_sending", "d1")  # freed all the same

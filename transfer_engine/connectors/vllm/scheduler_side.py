@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+STORE_RETRY_S = 10.0  # seconds without store lookups after one failed
+
 
 class TEConnectorScheduler:
     """Scheduler-side logic; holds no memory and moves no bytes (store mode asks the
@@ -78,6 +80,7 @@ class TEConnectorScheduler:
         self._store_loads: dict[str, StoreLoad] = {}
         self._store_saves: dict[str, StoreSave] = {}
         self.store_errors = 0
+        self._store_down_until = 0.0  # monotonic: no lookups before (the master failed)
 
     def set_handshake(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         meta = metadata.get(0)
@@ -107,12 +110,18 @@ class TEConnectorScheduler:
         cached = self._store_hits.get(rid)
         if cached is not None and cached[0] == num_computed_tokens:
             return (cached[1] - local) * bs
+        if time.monotonic() < self._store_down_until:
+            return 0
         keys = request_block_keys(request, prompt, bs, wanted, self._vllm_hashes)
         try:
             stored = local + stored_prefix(self.store, keys[local:], self.store_labels)
         except TransferEngineError as exc:
+            # every new request would wait out the timeout in the scheduler's loop
+            # while the master is down: ask again only after a pause
             self.store_errors += 1
-            log.warning("request %s: store lookup failed: %s; computing locally", rid, exc)
+            self._store_down_until = time.monotonic() + STORE_RETRY_S
+            log.warning("request %s: store lookup failed: %s; computing locally, no "
+                        "lookups for %.0f s", rid, exc, STORE_RETRY_S)
             return 0
         self._store_hits[rid] = (num_computed_tokens, stored, keys[:stored])
         return (stored - local) * bs
@@ -128,13 +137,18 @@ class TEConnectorScheduler:
     def _store_alloc(self, request: Request, blocks: KVCacheBlocks,
                      num_external_tokens: int) -> None:
         hit = self._store_hits.pop(request.request_id, None)
-        if hit is None or num_external_tokens <= 0:
+        if num_external_tokens <= 0:
+            return
+        rid = request.request_id
+        if hit is None:  # nothing of ours to load: a load error, so vLLM recomputes
+            self._store_loads[rid] = StoreLoad(rid, [], [])
             return
         _, stored, keys = hit
         group = blocks.blocks[0]
         start = sum(1 for b in group if b.block_hash is not None)
         end = min(stored, len(group))
         if end <= start:
+            self._store_loads[rid] = StoreLoad(rid, [], [])
             return
         self._store_known[request.request_id] = end
         self._store_loads[request.request_id] = StoreLoad(

@@ -320,6 +320,9 @@ class TEConnectorWorker:
             if self.store is None or self._store_executor is None:
                 fut = Future()
                 fut.set_exception(ProtocolError("store mode is off on this worker"))
+            elif not spec.block_ids:
+                fut = Future()
+                fut.set_exception(ProtocolError("no blocks to load from the store"))
             else:
                 fut = self._store_executor.submit(self.store.load, spec)
             self._store_loads[spec.request_id] = (spec, fut, self._clock())
