@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +72,7 @@ from transfer_engine.handle import TransferHandle
 from transfer_engine.peer import Peer
 from transfer_engine.segment import RemoteSegment, Segment
 
-__all__ = ["Client", "key_rows", "crc"]
+__all__ = ["Client", "Lookup", "key_rows", "crc"]
 
 log = logging.getLogger(__name__)
 
@@ -302,9 +302,16 @@ class Client(Closeable):
     def register_buffer(self, obj: Any) -> Segment:
         """Registers memory for zero-copy ``put_from``/``get_into`` (a numpy array, a
         writable buffer or ``(address, length)``); closing the returned segment
-        deregisters it."""
+        deregisters it. A :class:`Segment` the client's engine already registered is
+        used as it is (memory registered once for other transfers, e.g. a KV cache)."""
         with self._lock:
-            seg = self.engine.register(obj)
+            if isinstance(obj, Segment):
+                if self.engine.segments.get(obj.name) is not obj or obj.closed:
+                    raise InvalidArgumentError(f"segment {obj.name!r} is not an open "
+                                               "segment of this client's engine")
+                seg = obj
+            else:
+                seg = self.engine.register(obj)
             start = int(seg.address)
             self._buffers = [b for b in self._buffers if not b[2].closed]
             bisect.insort(self._buffers, (start, start + int(seg.length), seg),
@@ -676,16 +683,8 @@ class Client(Closeable):
     # -- queries -----------------------------------------------------------------------
 
     def batch_exists(self, keys: object) -> npt.NDArray[np.bool_]:
-        rows = key_rows(keys)
-        out = np.zeros(rows.shape[0], dtype=bool)
         with self._lock:
-            for s in range(0, rows.shape[0], MAX_BATCH):
-                reply = self._request(KvQuery(keys=rows[s:s + MAX_BATCH].tobytes(),
-                                              release=self._take_release()))
-                assert isinstance(reply, KvFound)
-                st = column(reply.status, "<i1", min(MAX_BATCH, rows.shape[0] - s), "status")
-                out[s:s + MAX_BATCH] = st == Status.OK
-        return out
+            return _query(keys, self._request, self._take_release)
 
     def exists(self, key: object) -> bool:
         return bool(self.batch_exists([key])[0])
@@ -693,9 +692,7 @@ class Client(Closeable):
     def longest_prefix(self, block_hashes: object) -> int:
         """How many leading blocks of a chain of block hashes are stored (one round trip
         for the whole chain)."""
-        found = self.batch_exists(block_hashes)
-        miss = np.flatnonzero(~found)
-        return int(miss[0]) if miss.size else int(found.size)
+        return _leading(self.batch_exists(block_hashes))
 
     def batch_remove(self, keys: object) -> npt.NDArray[np.bool_]:
         """Removes keys; True where one was stored. Readers holding a lease finish
@@ -720,3 +717,66 @@ class Client(Closeable):
             reply = self._request(KvStats(release=self._take_release()))
         assert isinstance(reply, KvStatsReply)
         return reply.stats
+
+
+def _query(keys: object, request: Callable[[Message], Message],
+           release: Callable[[], bytes]) -> npt.NDArray[np.bool_]:
+    """Which ``keys`` are stored: one master request per ``MAX_BATCH`` keys."""
+    rows = key_rows(keys)
+    out = np.zeros(rows.shape[0], dtype=bool)
+    for s in range(0, rows.shape[0], MAX_BATCH):
+        reply = request(KvQuery(keys=rows[s:s + MAX_BATCH].tobytes(), release=release()))
+        assert isinstance(reply, KvFound)
+        st = column(reply.status, "<i1", min(MAX_BATCH, rows.shape[0] - s), "status")
+        out[s:s + MAX_BATCH] = st == Status.OK
+    return out
+
+
+def _leading(found: npt.NDArray[np.bool_]) -> int:
+    miss = np.flatnonzero(~found)
+    return int(miss[0]) if miss.size else int(found.size)
+
+
+class Lookup(Closeable):
+    """Asks the master which keys are stored, and nothing else: no engine, no memory.
+
+    For a process that only decides what to load (a vLLM scheduler): a :class:`Client`
+    would start an engine it never uses.
+
+    Parameters:
+        master: the master's endpoint.
+        timeout: seconds for a master request.
+        auth: control-message signing, as for :class:`Client`.
+    """
+
+    def __init__(self, master: str, *, timeout: float = 10.0,
+                 auth: AuthConfig | str | bytes | None = None) -> None:
+        self._closed = True
+        if not isinstance(auth, AuthConfig):
+            auth = AuthConfig(secret=auth) if auth is not None else AuthConfig.from_env()
+        self.timeout = timeout
+        self._link = _MasterLink(master, auth.signer())
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<Lookup master={self._link.address} {'CLOSED' if self._closed else 'OPEN'}>"
+
+    def _request(self, msg: Message) -> Message:
+        if self._closed:
+            raise StoreError("the lookup is closed")
+        return self._link.request(msg, self.timeout)
+
+    def batch_exists(self, keys: object) -> npt.NDArray[np.bool_]:
+        with self._lock:
+            return _query(keys, self._request, lambda: b"")
+
+    def longest_prefix(self, block_hashes: object) -> int:
+        """As :meth:`Client.longest_prefix`."""
+        return _leading(self.batch_exists(block_hashes))
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._link.close()

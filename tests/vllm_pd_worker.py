@@ -1,6 +1,7 @@
 """A vLLM engine in its own process, driven over stdin/stdout by the e2e tests.
 
-    python tests/vllm_pd_worker.py ROLE MODEL_DIR        ROLE: single | prefill | decode
+    python tests/vllm_pd_worker.py ROLE MODEL_DIR
+        ROLE: single | prefill | decode | both (kv_both: store mode, P/D either way)
 
 Reads one JSON command per line; answers one line starting with ``@@TE@@ `` (vLLM's
 own output goes to stderr/stdout around it). Commands:
@@ -11,6 +12,8 @@ own output goes to stderr/stdout around it). Commands:
                       blocks and every KV block is free again
         -> {"held": n, "free_blocks": n, "total_blocks": n}
     {"op": "stats"}   -> the worker connector's counters and its engine's
+    {"op": "metrics"} -> vLLM's prompt-token counters: {"source": tokens}, from
+                      ``vllm:prompt_tokens_by_source``
     {"op": "quit"}
 """
 
@@ -40,7 +43,8 @@ def _make_llm(role: str, model: str) -> Any:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "TransferEngineConnector",
             "kv_connector_module_path": "transfer_engine.connectors.vllm",
-            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            "kv_role": {"prefill": "kv_producer", "decode": "kv_consumer",
+                        "both": "kv_both"}[role],
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": json.loads(
                 os.environ.get("TE_VLLM_EXTRA", "{}")),
@@ -98,6 +102,13 @@ def main() -> None:
                 time.sleep(0.01)
             _reply({"held": worker.held if worker else 0,
                     "free_blocks": pool.get_num_free_blocks(), "total_blocks": total})
+        elif op == "metrics":
+            by_source: dict[str, float] = {}
+            for metric in llm.get_metrics():
+                if metric.name == "vllm:prompt_tokens_by_source":
+                    source = metric.labels.get("source", "")
+                    by_source[source] = by_source.get(source, 0) + metric.value
+            _reply(by_source)
         elif op == "stats":
             worker = _worker()
             if worker is None:

@@ -287,3 +287,35 @@ def test_authentication_and_bad_messages() -> None:
                 ctx.term()
             with Client(master.endpoint, auth=SECRET) as client:
                 assert client.get(1) == b"signed"  # the master kept serving
+
+
+def test_lookup_and_segments_registered_elsewhere(cluster: tuple[Master, list[StorageNode]]
+                                                  ) -> None:
+    """A lookup answers what is stored with no engine; a client moves values straight
+    from and into memory its engine registered for other transfers (a KV cache)."""
+    from kvstore.client import Lookup
+    from transfer_engine import Engine
+
+    master, _ = cluster
+    keys = [int(k) for k in block_hashes(np.arange(64), 16, key_bytes=16, salt=b"t")
+            .view(np.uint64).reshape(-1, 2)[:, 0]]
+    src = np.random.default_rng(3).integers(0, 256, 4096, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    with Engine("kv-owner") as engine, Client(master.endpoint, engine=engine) as client, \
+            Lookup(master.endpoint) as lookup:
+        seg_src, seg_dst = engine.register(src), engine.register(dst)
+        assert client.register_buffer(seg_src) is seg_src
+        client.register_buffer(seg_dst)
+        addr = int(src.ctypes.data)
+        client.put_from_addresses(keys[:3], [addr, addr + 1024, addr + 2048], [1024] * 3)
+        assert lookup.longest_prefix(keys) == 3
+        assert lookup.batch_exists(keys).tolist() == [True, True, True, False]
+        base = int(dst.ctypes.data)
+        assert client.get_into_addresses(keys[:3], [base, base + 1024, base + 2048],
+                                         [1024] * 3) == [1024] * 3
+        assert np.array_equal(src[:3072], dst[:3072])
+        with Engine("kv-other") as other:
+            with pytest.raises(InvalidArgumentError, match="not an open segment"):
+                client.register_buffer(other.register(np.zeros(16, dtype=np.uint8)))
+    with pytest.raises(StoreError, match="closed"):
+        lookup.batch_exists(keys)

@@ -67,6 +67,31 @@ trusts the blocks only while that time has not passed: it does not load an expir
 lease, does not start a READ after it, and reports a READ it saw finish only after it
 as failed (the prefill engine may have given the blocks to another request by then;
 vLLM recomputes). Across hosts, lease_s must cover the clock skew.
+
+Store mode (``"store": "tcp://MASTER:PORT"`` in kv_connector_extra_config, any role)
+---------------------------------------------------------------------------------
+::
+
+    W  register_kv_caches        also opens a store client on the worker's engine and
+                                 hands it the KV segments; the handshake metadata names
+                                 the pieces of a block it stores (one per layer and K/V)
+    S  get_num_new_matched_tokens   no P/D params: asks the master once which leading
+                                 blocks beyond the local prefix cache have every piece
+                                 stored (never the prompt's last token) -> (tokens, async)
+    S  update_state_after_alloc  pairs those blocks' keys with the blocks vLLM allocated
+    W  start_load_kv             queues the read on the store thread; results() reports
+                                 it in finished_recving, a failure also in
+                                 failed_recving with its blocks (vLLM recomputes)
+    S  request_finished          a finished (not aborted) request's full prompt blocks
+                                 not loaded from the store are to be saved: its blocks
+                                 are held (True) until the put is done
+    W  start_load_kv             queues the put of the pieces the store lacks; results()
+                                 reports finished_sending once it is done (and a P/D
+                                 lease on the same request is over); a failed put is
+                                 logged and dropped
+
+Requests with P/D kv_transfer_params (``do_remote_prefill``) load from their prefill
+engine and never ask the store. Keys: :mod:`transfer_engine.connectors.vllm.store`.
 """
 
 from transfer_engine.connectors.vllm.blocks import BlockLayout, block_layout, coalesce

@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from transfer_engine.control.auth import AuthConfig
+
 # Protocol versions (kv_transfer_params and the manifest):
 #   1: pull over Engine.read; manifest segment "te-vllm/manifest"; lease in params.
 #   2: params carry prompt_hash, and decode checks every field (parse_remote_params).
@@ -64,6 +66,14 @@ class TEConnectorConfig:
         ``"thread"`` or ``"process"`` (a serving process that keeps moving KV while the
         worker is busy in Python; see docs/data-plane.md). None: ``$TE_TCP_SERVE``, else
         threads.
+    :param store: the cluster store's master, ``tcp://host:port`` (``None``: no store
+        mode): prompts' full blocks are put there when a request finishes, and any
+        engine that later sees the same prefix loads them.
+    :param store_timeout_s: seconds for one store request (a lookup by the scheduler,
+        a load's or a save's transfers by the worker).
+    :param secret_file: a file holding the control secret of the worker's engine and
+        of its store requests (``None``: ``TE_CONTROL_SECRET``/``TE_CONTROL_SECRET_FILE``,
+        as every engine and the store's master read it).
     """
 
     host: str = "127.0.0.1"
@@ -72,6 +82,9 @@ class TEConnectorConfig:
     lease_s: float = 30.0
     timeout_s: float = 10.0
     tcp_serve: str | None = None
+    store: str | None = None
+    store_timeout_s: float = 5.0
+    secret_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.tcp_serve not in (None, "thread", "process"):
@@ -81,10 +94,24 @@ class TEConnectorConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.lease_s <= 0 or self.timeout_s <= 0:
             raise ValueError("lease_s and timeout_s must be positive")
+        if not self.store_timeout_s > 0:
+            raise ValueError(f"store_timeout_s must be positive, got {self.store_timeout_s}")
+        if self.store is not None:
+            _check_store_address(self.store)
+        if self.secret_file is not None and not os.path.isfile(self.secret_file):
+            raise ValueError(f"secret_file {self.secret_file!r} is not a readable file")
+
+    def auth(self) -> AuthConfig:
+        """The control secret the worker's engine and store requests sign with."""
+        if self.secret_file is None:
+            return AuthConfig.from_env()
+        with open(self.secret_file, "rb") as f:
+            return AuthConfig(secret=f.read().strip())
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> TEConnectorConfig:
-        known = {"host", "port", "transports", "lease_s", "timeout_s", "tcp_serve"}
+        known = {"host", "port", "transports", "lease_s", "timeout_s", "tcp_serve", "store",
+                 "store_timeout_s", "secret_file"}
         unknown = set(extra) - known
         if unknown:
             raise ValueError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
@@ -92,11 +119,18 @@ class TEConnectorConfig:
         transports = extra.get("transports")
         if isinstance(transports, str):
             transports = [t.strip() for t in transports.split(",") if t.strip()]
+        for key in ("store", "secret_file"):
+            value = extra.get(key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{key} must be a non-empty string, got {value!r:.80}")
         return cls(host=str(extra.get("host", cls.host)), port=int(extra.get("port", 0)),
                    transports=tuple(transports) if transports else None,
                    lease_s=float(extra.get("lease_s", cls.lease_s)),
                    timeout_s=float(extra.get("timeout_s", cls.timeout_s)),
-                   tcp_serve=extra.get("tcp_serve"))
+                   tcp_serve=extra.get("tcp_serve"),
+                   store=extra.get("store"),
+                   store_timeout_s=float(extra.get("store_timeout_s", cls.store_timeout_s)),
+                   secret_file=extra.get("secret_file"))
 
     def engine_transports(self) -> list[Any] | None:
         """The engine's transports: the names given (or the default), with tcp built
@@ -110,3 +144,15 @@ class TEConnectorConfig:
         names = list(self.transports or env or DEFAULT_TRANSPORTS)
         return [TcpTransport(host=self.host, serve=self.tcp_serve) if n == "tcp" else n
                 for n in names]
+
+
+def _check_store_address(address: str) -> None:
+    """Raises ValueError unless ``address`` is ``tcp://host:port`` (the master's ZeroMQ
+    endpoint), saying what is wrong."""
+    scheme, sep, rest = address.partition("://")
+    if not sep or scheme != "tcp":
+        raise ValueError(f"store must be the master's tcp://host:port, got {address!r:.80}")
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"store {address!r:.80} needs a host and a port in [1, 65535] "
+                         "(tcp://host:port)")

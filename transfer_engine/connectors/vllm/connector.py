@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from typing import TYPE_CHECKING, Any
@@ -62,23 +63,30 @@ class TransferEngineConnector(KVConnectorBase_V1):
         self.scheduler: TEConnectorScheduler | None = None
         self.worker: TEConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            lookup = None
+            if self.config.store is not None:
+                from kvstore.client import Lookup
+
+                lookup = Lookup(self.config.store, timeout=self.config.store_timeout_s,
+                                auth=self.config.auth())
+            hash_block = getattr(kv_cache_config, "hash_block_size", None) or block_size
             self.scheduler = TEConnectorScheduler(self.engine_id, block_size,
-                                                  self.config.lease_s)
+                                                  self.config.lease_s, store=lookup,
+                                                  vllm_hashes=hash_block == block_size)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank()
             config = self.config
             if config.port:
-                config = TEConnectorConfig(config.host, config.port + rank,
-                                           config.transports, config.lease_s,
-                                           config.timeout_s)
+                config = dataclasses.replace(config, port=config.port + rank)
             mc = vllm_config.model_config
             compat = {"model": str(mc.model), "dtype": str(mc.dtype),
                       "block_size": block_size,
                       "tp_size": vllm_config.parallel_config.tensor_parallel_size}
             self.worker = TEConnectorWorker(
-                f"vllm-{self.engine_id}-tp{rank}-{next(self._ids)}", config, compat)
+                f"vllm-{self.engine_id}-tp{rank}-{next(self._ids)}", config, compat,
+                rank=rank)
 
     # worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -98,6 +106,10 @@ class TransferEngineConnector(KVConnectorBase_V1):
             self.worker.hold(meta.reqs_to_send)
         if meta.reqs_to_recv:
             self.worker.start_load(meta.reqs_to_recv.values())
+        if meta.store_saves:
+            self.worker.start_store_saves(meta.store_saves.values())
+        if meta.store_loads:
+            self.worker.start_store_loads(meta.store_loads.values())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -125,6 +137,8 @@ class TransferEngineConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+        if self.scheduler is not None and self.scheduler.store is not None:
+            self.scheduler.store.close()
 
     # scheduler side
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]

@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from transfer_engine.connectors.vllm.config import (
     PROTOCOL_VERSION,
 )
+from transfer_engine.connectors.vllm.store import StoreLoad, StoreSave
 
 
 @dataclass
@@ -40,6 +41,8 @@ class TEConnectorMetadata(KVConnectorMetadata):
 
     reqs_to_recv: dict[str, RecvSpec] = field(default_factory=dict)
     reqs_to_send: dict[str, float] = field(default_factory=dict)  # req id -> lease (s)
+    store_loads: dict[str, StoreLoad] = field(default_factory=dict)
+    store_saves: dict[str, StoreSave] = field(default_factory=dict)
 
 
 @dataclass
@@ -50,6 +53,7 @@ class TEHandshakeMetadata(KVConnectorHandshakeMetadata):
     engine_name: str
     protocol_version: int
     compat_hash: str
+    store_labels: tuple[str, ...] = ()  # the pieces of a block it stores (store mode)
 
 
 # --- kv_transfer_params: what decode accepts ------------------------------------------

@@ -1,4 +1,5 @@
-"""Scheduler-side logic: hands prefill's blocks over, checks decode's params; no I/O."""
+"""Scheduler-side logic: hands prefill's blocks over, checks decode's params, asks the
+store (one master request per new request in store mode); moves no bytes."""
 
 from __future__ import annotations
 
@@ -22,17 +23,29 @@ from transfer_engine.connectors.vllm.metadata import (
     parse_remote_params,
     prompt_hash,
 )
+from transfer_engine.connectors.vllm.store import (
+    StoreLoad,
+    StoreSave,
+    request_block_keys,
+    stored_prefix,
+)
+from transfer_engine.errors import TransferEngineError
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
+    from kvstore.client import Lookup
+
 log = logging.getLogger(__name__)
+
+STORE_RETRY_S = 10.0  # seconds without store lookups after one failed
 
 
 class TEConnectorScheduler:
-    """Scheduler-side logic; holds no memory and does no I/O.
+    """Scheduler-side logic; holds no memory and moves no bytes (store mode asks the
+    master which blocks it holds).
 
     :param engine_id: vLLM's engine id (kv_transfer_params name it to peers).
     :param block_size: tokens per KV block.
@@ -40,11 +53,15 @@ class TEConnectorScheduler:
     :param endpoint: this engine's worker endpoint, if known before the handshake
         metadata arrives.
     :param wall_clock: ``time.time``-like clock for lease expiry in kv_transfer_params.
+    :param store: the cluster store's lookup (store mode), or ``None``.
+    :param vllm_hashes: whether vLLM's block hashes are at ``block_size`` granularity
+        (then they key the store; otherwise the token ids do).
     """
 
     def __init__(self, engine_id: str, block_size: int, lease_s: float = 30.0,
                  endpoint: str | None = None,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 store: Lookup | None = None, vllm_hashes: bool = True) -> None:
         self.engine_id = engine_id
         self.block_size = block_size
         self.lease_s = lease_s
@@ -54,11 +71,110 @@ class TEConnectorScheduler:
         self._send: dict[str, float] = {}
         self._parsed: dict[str, RemoteParams] = {}  # matched, waiting for allocation
         self.refused: dict[str, str] = {}  # request id -> why a load was refused
+        self.store = store
+        self._vllm_hashes = vllm_hashes
+        self.store_labels: tuple[str, ...] = ()  # every rank's pieces of a block
+        self._store_hits: dict[str, tuple[int, int, list[int]]] = {}  # rid -> (computed
+        # tokens asked with, blocks stored from the start, their keys)
+        self._store_known: dict[str, int] = {}  # rid -> leading blocks known stored
+        self._store_loads: dict[str, StoreLoad] = {}
+        self._store_saves: dict[str, StoreSave] = {}
+        self.store_errors = 0
+        self._store_down_until = 0.0  # monotonic: no lookups before (the master failed)
 
     def set_handshake(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         meta = metadata.get(0)
         if isinstance(meta, TEHandshakeMetadata):
             self.endpoint = meta.endpoint
+        labels: list[str] = []
+        for rank in sorted(metadata):
+            m = metadata[rank]
+            if isinstance(m, TEHandshakeMetadata):
+                labels += m.store_labels
+        self.store_labels = tuple(labels)
+
+    # store mode
+    def _store_match(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens the store holds beyond ``num_computed_tokens``, whole blocks, never
+        the prompt's last token (vLLM computes it to sample the next one); asks the
+        master once per request and computed-token count."""
+        if self.store is None or not self.store_labels:
+            return 0
+        rid = request.request_id
+        prompt = request.prompt_token_ids or ()
+        bs = self.block_size
+        local = num_computed_tokens // bs
+        wanted = (len(prompt) - 1) // bs
+        if wanted <= local:
+            return 0
+        cached = self._store_hits.get(rid)
+        if cached is not None and cached[0] == num_computed_tokens:
+            return (cached[1] - local) * bs
+        if time.monotonic() < self._store_down_until:
+            return 0
+        keys = request_block_keys(request, prompt, bs, wanted, self._vllm_hashes)
+        try:
+            stored = local + stored_prefix(self.store, keys[local:], self.store_labels)
+        except TransferEngineError as exc:
+            # every new request would wait out the timeout in the scheduler's loop
+            # while the master is down: ask again only after a pause
+            self.store_errors += 1
+            self._store_down_until = time.monotonic() + STORE_RETRY_S
+            log.warning("request %s: store lookup failed: %s; computing locally, no "
+                        "lookups for %.0f s", rid, exc, STORE_RETRY_S)
+            return 0
+        self._store_hits[rid] = (num_computed_tokens, stored, keys[:stored])
+        return (stored - local) * bs
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
+            count = self._store_match(request, num_computed_tokens)
+            return (count, True) if count > 0 else (0, False)
+        return self._remote_match(request, num_computed_tokens, params)
+
+    def _store_alloc(self, request: Request, blocks: KVCacheBlocks,
+                     num_external_tokens: int) -> None:
+        hit = self._store_hits.pop(request.request_id, None)
+        if num_external_tokens <= 0:
+            return
+        rid = request.request_id
+        if hit is None:  # nothing of ours to load: a load error, so vLLM recomputes
+            self._store_loads[rid] = StoreLoad(rid, [], [])
+            return
+        _, stored, keys = hit
+        group = blocks.blocks[0]
+        start = sum(1 for b in group if b.block_hash is not None)
+        end = min(stored, len(group))
+        if end <= start:
+            self._store_loads[rid] = StoreLoad(rid, [], [])
+            return
+        self._store_known[request.request_id] = end
+        self._store_loads[request.request_id] = StoreLoad(
+            request.request_id, [b.block_id for b in group[start:end]], keys[start:end])
+
+    def _store_finished(self, request: Request, block_ids: list[int]) -> bool:
+        """Puts the prompt's full blocks this request computed (those not known to be
+        stored); True while the worker still reads them (their free waits for it)."""
+        known = self._store_known.pop(request.request_id, 0)
+        self._store_hits.pop(request.request_id, None)
+        if self.store is None or not self.store_labels:
+            return False
+        from vllm.v1.request import RequestStatus
+
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
+                                  RequestStatus.FINISHED_STOPPED):
+            return False  # aborted: its KV may be incomplete
+        prompt = request.prompt_token_ids or ()
+        count = min(int(request.num_computed_tokens), len(prompt)) // self.block_size
+        count = min(count, len(block_ids))
+        if count <= known:
+            return False
+        keys = request_block_keys(request, prompt, self.block_size, count, self._vllm_hashes)
+        self._store_saves[request.request_id] = StoreSave(
+            request.request_id, [int(b) for b in block_ids[known:count]], keys[known:])
+        return True
 
     def _usable(self, request: Request, params: dict[str, Any]) -> RemoteParams | None:
         rid = request.request_id
@@ -72,11 +188,8 @@ class TEConnectorScheduler:
             return None
         return parsed
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
-                                   ) -> tuple[int, bool]:
-        params = request.kv_transfer_params
-        if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
-            return 0, False
+    def _remote_match(self, request: Request, num_computed_tokens: int,
+                      params: dict[str, Any]) -> tuple[int, bool]:
         parsed = self._usable(request, params)
         if parsed is None:
             params["do_remote_prefill"] = False
@@ -89,7 +202,9 @@ class TEConnectorScheduler:
                                  num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
+            self._store_alloc(request, blocks, num_external_tokens)
             return
+        self._store_hits.pop(request.request_id, None)
         params["do_remote_prefill"] = False  # a preempted request recomputes
         parsed = self._parsed.pop(request.request_id, None)
         if num_external_tokens <= 0 or parsed is None:
@@ -104,11 +219,19 @@ class TEConnectorScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None
                              ) -> TEConnectorMetadata:
-        meta = TEConnectorMetadata(self._recv, self._send)
+        meta = TEConnectorMetadata(self._recv, self._send, self._store_loads,
+                                   self._store_saves)
         self._recv, self._send = {}, {}
+        self._store_loads, self._store_saves = {}, {}
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        saving = self._store_finished(request, block_ids)
+        held, params = self._remote_finished(request, block_ids)
+        return held or saving, params
+
+    def _remote_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 

@@ -1,4 +1,5 @@
-"""Worker-side logic: owns the engine and the registered KV memory, loads and holds."""
+"""Worker-side logic: owns the engine and the registered KV memory, loads and holds;
+in store mode, loads from and saves to the cluster store."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from kvstore.client import Client
 from transfer_engine.connectors.compat import compat_hash, describe_mismatch
 from transfer_engine.connectors.vllm.blocks import (
     BlockLayout,
@@ -36,6 +38,7 @@ from transfer_engine.connectors.vllm.metadata import (
     RecvSpec,
     TEHandshakeMetadata,
 )
+from transfer_engine.connectors.vllm.store import StoreIO, StoreLoad, StoreSave
 from transfer_engine.descriptor import Blocks, Descriptor
 from transfer_engine.engine import Engine
 from transfer_engine.errors import (
@@ -85,12 +88,14 @@ class TEConnectorWorker:
         the layer layouts are added by :meth:`register_kv_caches`.
     :param clock: monotonic clock for leases held here (tests pass a fake one).
     :param wall_clock: ``time.time``-like clock the peers' lease expiries are read by.
+    :param rank: tensor parallel rank (store mode keys each rank's pieces apart).
     """
 
     def __init__(self, engine_name: str, config: TEConnectorConfig,
                  compat: dict[str, Any], clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, rank: int = 0) -> None:
         self.engine_name = engine_name
+        self.rank = rank
         self.config = config
         self.compat = dict(compat)
         self._clock = clock
@@ -107,10 +112,18 @@ class TEConnectorWorker:
         self._sent_early: set[str] = set()  # notified before its metadata arrived
         self._failed_blocks: set[int] = set()
         self._lock = threading.Lock()
+        self.store: StoreIO | None = None
+        self._store_client: Client | None = None
+        self._store_executor: ThreadPoolExecutor | None = None
+        self._store_loads: dict[str, tuple[StoreLoad, Future[int], float]] = {}
+        self._store_saves: dict[str, Future[int]] = {}
         self.stats: dict[str, Any] = {"recv_requests": 0, "recv_failed": 0,
                                       "recv_bytes": 0,
                                       "recv_seconds": deque(maxlen=1024),  # latest
-                                      "sent_requests": 0, "lease_expired": 0}
+                                      "sent_requests": 0, "lease_expired": 0,
+                                      "store_loads": 0, "store_load_failed": 0,
+                                      "store_load_bytes": 0, "store_saves": 0,
+                                      "store_save_failed": 0, "store_save_bytes": 0}
         _WORKERS.add(self)
 
     # set-up
@@ -121,7 +134,8 @@ class TEConnectorWorker:
                 self.engine = Engine(self.engine_name, host=self.config.host,
                                      port=self.config.port,
                                      transports=self.config.engine_transports(),
-                                     timeout=self.config.timeout_s)
+                                     timeout=self.config.timeout_s,
+                                     auth=self.config.auth())
         seen: dict[int, Segment] = {}
         layouts = {}
         for name, tensor in kv_caches.items():
@@ -146,6 +160,22 @@ class TEConnectorWorker:
         self._manifest_buf = np.frombuffer(bytearray(self._manifest), dtype=np.uint8)
         self.engine.register(self._manifest_buf, name=MANIFEST_SEGMENT)
         self.engine.on_notify(self._on_notify)
+        if self.config.store is not None:
+            self._open_store(self.config.store)
+
+    def _open_store(self, master: str) -> None:
+        """Store mode: a store client on this engine, the KV segments registered with
+        it as they are, and one thread the loads and saves run on (they wait on the
+        network; the forward pass never does)."""
+        assert self.engine is not None
+        self._store_client = Client(master, engine=self.engine,
+                                    timeout=self.config.store_timeout_s,
+                                    auth=self.config.auth())
+        self.store = StoreIO(self._store_client, self._layers,
+                             f"{self.hash[:16]}/tp{self.rank}")
+        self._store_executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"te-vllm-store-{self.engine_name}",
+            initializer=unpin_current_thread)
 
     @property
     def hash(self) -> str:
@@ -154,7 +184,8 @@ class TEConnectorWorker:
     def handshake_metadata(self) -> TEHandshakeMetadata:
         assert self.engine is not None, "register_kv_caches first"
         return TEHandshakeMetadata(self.engine.endpoint, self.engine.name, PROTOCOL_VERSION,
-                                   self.hash)
+                                   self.hash,
+                                   self.store.labels if self.store is not None else ())
 
     # decode: loads
     def _connect_peer(self, engine: Engine, endpoint: str) -> _RemoteInfo:
@@ -280,6 +311,72 @@ class TEConnectorWorker:
         except Exception as exc:  # noqa: BLE001
             self._fail(recv, exc)
 
+    # store mode
+    def start_store_loads(self, specs: Iterable[StoreLoad]) -> None:
+        """Queues each request's read from the store; :meth:`results` reports it."""
+        for spec in specs:
+            self.stats["store_loads"] += 1
+            fut: Future[int]
+            if self.store is None or self._store_executor is None:
+                fut = Future()
+                fut.set_exception(ProtocolError("store mode is off on this worker"))
+            elif not spec.block_ids:
+                fut = Future()
+                fut.set_exception(ProtocolError("no blocks to load from the store"))
+            else:
+                fut = self._store_executor.submit(self.store.load, spec)
+            self._store_loads[spec.request_id] = (spec, fut, self._clock())
+
+    def start_store_saves(self, specs: Iterable[StoreSave]) -> None:
+        """Queues each finished request's put; vLLM frees its blocks once it is done
+        (:meth:`results` reports it as sent, whether the put worked or not)."""
+        for spec in specs:
+            fut: Future[int]
+            if self.store is None or self._store_executor is None or not spec.block_ids:
+                fut = Future()
+                fut.set_result(0)
+            else:
+                fut = self._store_executor.submit(self.store.save, spec)
+            with self._lock:
+                self._store_saves[spec.request_id] = fut
+
+    def _store_results(self, out: KVConnectorTransferResults) -> set[str]:
+        """Finished store loads into ``out``; returns the requests whose saves ended."""
+        for rid, (spec, fut, started) in list(self._store_loads.items()):
+            if not fut.done():
+                continue
+            del self._store_loads[rid]
+            out.finished_recving.add(rid)
+            try:
+                self.stats["store_load_bytes"] += fut.result()
+                self.stats["recv_seconds"].append(self._clock() - started)
+            # Whatever broke the load (a missing piece, a node or the master gone),
+            # vLLM recomputes the blocks: never a failed request, never wrong KV.
+            except Exception as exc:  # noqa: BLE001
+                self.stats["store_load_failed"] += 1
+                log.warning("request %s: KV load from the store failed: %s; "
+                            "recomputing", rid, exc)
+                out.failed_recving.add(rid)
+                self._failed_blocks.update(spec.block_ids)
+        done: dict[str, Future[int]] = {}
+        with self._lock:
+            for rid, fut in list(self._store_saves.items()):
+                if fut.done():
+                    done[rid] = self._store_saves.pop(rid)
+        for rid, fut in done.items():
+            try:
+                nbytes = fut.result()
+            # A save that failed costs a later engine a recompute, never this request:
+            # logged and dropped.
+            except Exception as exc:  # noqa: BLE001
+                self.stats["store_save_failed"] += 1
+                log.warning("request %s: KV save to the store failed: %s", rid, exc)
+                continue
+            if nbytes:
+                self.stats["store_saves"] += 1
+                self.stats["store_save_bytes"] += nbytes
+        return set(done)
+
     # prefill: holds
     def hold(self, reqs: dict[str, float]) -> None:
         now = self._clock()
@@ -295,30 +392,38 @@ class TEConnectorWorker:
 
     @property
     def held(self) -> int:
+        """Requests whose blocks are held: for a decoder's read or a store save."""
         with self._lock:
-            return len(self._sending)
+            return len(set(self._sending) | set(self._store_saves))
 
     def results(self) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
         now = self._clock()
+        saved = self._store_results(out) if (self._store_loads or self._store_saves) \
+            else set()
+        released: set[str] = set()
         with self._lock:
             for rid in list(self._sent_early):
                 if rid in self._sending:
                     del self._sending[rid]
                     self._sent_early.discard(rid)
-                    out.finished_sending.add(rid)
+                    released.add(rid)
                     self.stats["sent_requests"] += 1
             for rid, deadline in list(self._sending.items()):
                 if deadline <= now:
                     del self._sending[rid]
-                    out.finished_sending.add(rid)
+                    released.add(rid)
                     self.stats["lease_expired"] += 1
                     log.warning("request %s: lease ran out before the decoder read its "
                                 "blocks; freeing them", rid)
             # notifications for requests never held here (aborted) must not pile up
             if len(self._sent_early) > 4096:
                 self._sent_early.clear()
-        if self._recving:
+            # a request's blocks are free once nothing holds them: neither a decoder's
+            # lease nor a save still reading them
+            out.finished_sending |= {r for r in released if r not in self._store_saves}
+            out.finished_sending |= {r for r in saved if r not in self._sending}
+        if self._recving or self._store_loads:
             # vLLM calls this once per step from a thread that hardly lets go of the
             # GIL while a request waits for its KV; without this the transfer threads
             # wait for the interpreter's 5 ms switch interval at every hand-over
@@ -363,6 +468,13 @@ class TEConnectorWorker:
         executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
+        store_exec, self._store_executor = self._store_executor, None
+        if store_exec is not None:
+            store_exec.shutdown(wait=True, cancel_futures=True)
+        client, self._store_client = self._store_client, None
+        self.store = None
+        if client is not None:
+            client.close()
         self._peers.clear()
         self._handshakes.clear()
         if engine is not None:
