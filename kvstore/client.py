@@ -752,7 +752,7 @@ class Client(Closeable):
         ``demotions``, ``disk_hits``, ``disk_promotions``) and this client's:
         ``remote_hits`` (values read from nodes), and with a local tier ``local_hits``,
         ``promotions`` (remote hits kept locally), ``local_writes``, ``local_stale``
-        (copies dropped for an outdated version), ``local_evictions``,
+        (copies dropped: another version, or the key is gone), ``local_evictions``,
         ``local_entries``."""
         with self._lock:
             reply = self._request(KvStats(release=self._take_release()))

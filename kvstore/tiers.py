@@ -93,7 +93,7 @@ class LocalTier(Closeable):
             else:
                 drop.append(i)
         if drop:
-            self.stale += sum(bool(found[i]) for i in drop)
+            self.stale += len(drop)
             self.store.batch_delete(rows[drop])
         return out
 
