@@ -18,8 +18,8 @@ Who sends what:
   its directory, sent in parts) -> ``kv-node!``; ``kv-beat`` (heartbeat, acknowledging
   journal pushes) -> ``kv-beat!``.
 * master -> node, unsolicited: ``kv-journal`` (commits, frees and tier copies of the
-  node's space, in order). The master reuses freed space only once the node acknowledged the free, so a
-  node's directory never names space that holds another object's bytes.
+  node's space, in order). The master reuses freed space only once the node acknowledged
+  the free, so a node's directory never names space that holds another object's bytes.
 """
 
 from __future__ import annotations
