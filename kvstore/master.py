@@ -568,7 +568,7 @@ class Master(TierMoves, Closeable):
                 break
             keep, moving = self._spare(rows)
             if keep.any():
-                t.publish(rows[keep])  # demoted (or on their way): still readable
+                t.publish(rows[keep], schedule=False)  # demoted or kept: still readable
                 freed += moving
                 rows = rows[~keep]
             self.counters["evictions"] += int(rows.size)
