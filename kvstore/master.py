@@ -428,6 +428,7 @@ class Master(TierMoves, Closeable):
             coming = any(n.frees or n.quarantine or n.moving or n.copies
                          for n in self._nodes.values())
             if not (evicted or coming):
+                self._spill(status, lengths, pools, offsets, msg.replicas, start)
                 status[status == Status.RETRY] = Status.NO_SPACE
         placed = np.flatnonzero(pools[:, 0] >= 0)
         put_id = start
@@ -453,6 +454,28 @@ class Master(TierMoves, Closeable):
                         versions=versions.tobytes(),
                         replicas=self.max_replicas, nodes=nodes, pools=wire_pools.tobytes(),
                         offsets=offsets.tobytes(), deadline_s=self.put_timeout_s)
+
+    def _spill(self, status: np.ndarray, lengths: np.ndarray, pools: np.ndarray,
+               offsets: np.ndarray, replicas: int, start: int) -> None:
+        """Places the RETRY keys of a put on disk pools, when DRAM has nothing left to
+        evict or demote (a batch larger than the free DRAM)."""
+        now = self._clock()
+        disk = [p for p in self._pools if p.alive and p.node.active and p.tier == DISK
+                and p.usable_after <= now]
+        want = min(replicas, len({p.node.name for p in disk}))
+        if not want:
+            return
+        for i in np.flatnonzero(status == Status.RETRY).tolist():
+            length = int(lengths[i])
+            got = self._place(disk, length, want, start + i)
+            if len(got) < want:
+                for p, off in got:
+                    self._pools[p].space.free(off, length)
+                continue
+            status[i] = Status.OK
+            for r, (p, off) in enumerate(got):
+                pools[i, r] = p
+                offsets[i, r] = off
 
     def _place(self, ready: list[_Pool], length: int, want: int, spin: int
                ) -> list[tuple[int, int]]:

@@ -2,7 +2,9 @@
 
 A node that lends a disk file has two tiers. New objects go to DRAM; when a put finds
 no DRAM room, the eviction CLOCK picks victims as before, but a victim whose node has
-disk space is *demoted* instead of dropped; a get of an object that lives only on disk
+disk space is *demoted* instead of dropped (only a put that finds nothing in DRAM to
+evict or demote, e.g. one batch larger than the free DRAM, is placed on disk directly,
+by the master's ``_spill``); a get of an object that lives only on disk
 *promotes* it back when its node's DRAM has room (without evicting anything for it).
 
 A move never changes what a reader sees. The master keeps the object's row LIVE and

@@ -13,12 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.fleet import free_port
 from kvstore import KVStore
 from kvstore.client import Client
 from kvstore.device_pool import DevicePool
 from kvstore.errors import ValueTooLargeError
 from kvstore.master import Master
 from kvstore.node import StorageNode
+from tests.kvstore.cluster_helpers import NodeProcess
 
 
 def _values(rng: np.random.Generator, n: int, size: int) -> list[bytes]:
@@ -335,3 +337,43 @@ def test_device_pool_on_cuda() -> None:
             assert block is not None and block.is_cuda
             assert block.cpu().numpy().tobytes() == v
         assert gpu.stats()["device_demotions"] >= 7
+
+
+def test_restarted_master_finds_demoted_objects(tmp_path: Path) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    rng = np.random.default_rng(25)
+    vals = [rng.integers(1, 256, 60_000, dtype=np.uint8).tobytes() for _ in range(30)]
+    opts = dict(lease_s=0.5, put_timeout_s=1.0, grace_s=0.5, node_interval=0.1)
+    master = Master(endpoint, **opts)  # type: ignore[arg-type]
+    try:
+        with _disk_node(master, tmp_path, 1 << 20, 4 << 20) as node, \
+                Client(endpoint, checksum=True, timeout=3.0) as c:
+            for i, v in enumerate(vals):
+                c.put(i, v)
+            _wait(lambda: c.stats()["pending_moves"] == 0)
+            assert any(node.object_pool(i) == ["disk"] for i in range(30))
+            time.sleep(0.3)  # let the journal reach the node
+            master.close()
+            master = Master(endpoint, **opts)  # type: ignore[arg-type]
+            master.wait_nodes(1)
+            assert master.stats()["objects"] == 30
+            assert c.batch_get(range(30), verify=True) == vals
+            assert c.stats()["disk_hits"] > 0
+    finally:
+        master.close()
+
+
+def test_node_process_with_a_spill_file(master: Master, tmp_path: Path) -> None:
+    rng = np.random.default_rng(26)
+    vals = [rng.integers(1, 256, 100_000, dtype=np.uint8).tobytes() for _ in range(24)]
+    spill = tmp_path / "spill"
+    with NodeProcess(master.endpoint, "p0", capacity=1 << 20,
+                     extra=["--disk", str(spill), "--disk-capacity", "4M"]):
+        master.wait_nodes(1)
+        with Client(master.endpoint, checksum=True) as c:
+            c.batch_put(range(12), vals[:12])
+            c.batch_put(range(12, 24), vals[12:])
+            assert c.batch_get(range(24), verify=True) == vals
+            st = c.stats()
+            assert st["demotions"] > 0 and st["disk_hits"] > 0
+        assert spill.stat().st_size == 4 << 20
