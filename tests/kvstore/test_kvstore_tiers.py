@@ -42,7 +42,8 @@ def _wait(cond: object, timeout: float = 5.0) -> None:
 
 @pytest.fixture
 def master() -> Iterator[Master]:
-    with Master(lease_s=2.0, put_timeout_s=3.0, node_interval=0.1) as m:
+    with Master(lease_s=2.0, put_timeout_s=3.0, node_interval=0.1,
+                node_max_missed=25) as m:
         yield m
 
 
@@ -343,7 +344,8 @@ def test_restarted_master_finds_demoted_objects(tmp_path: Path) -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     rng = np.random.default_rng(25)
     vals = [rng.integers(1, 256, 60_000, dtype=np.uint8).tobytes() for _ in range(30)]
-    opts = dict(lease_s=0.5, put_timeout_s=1.0, grace_s=0.5, node_interval=0.1)
+    opts = dict(lease_s=0.5, put_timeout_s=1.0, grace_s=0.5, node_interval=0.1,
+                node_max_missed=25)
     master = Master(endpoint, **opts)  # type: ignore[arg-type]
     try:
         with _disk_node(master, tmp_path, 1 << 20, 4 << 20) as node, \
