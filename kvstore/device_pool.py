@@ -7,7 +7,7 @@ standing in for it (``device="cpu"``), so the same logic (allocate, put, get, ev
 promote) runs and is tested everywhere.
 
 * ``get`` of a resident key is a *hit* (no copy: a view of its block); a miss asks the
-  lower tier (a :class:`kvstore.Client`, :class:`kvstore.LocalTier`-backed client, a
+  lower tier (a :class:`kvstore.client.Client`, with or without its local DRAM tier, a
   :class:`kvstore.KVStore`: anything with ``get``/``put``) and *promotes* what it
   finds into a block.
 * When no block is free, the least recently used one is evicted. A block put here and
