@@ -63,6 +63,7 @@ from kvstore.protocol import (
     column,
     pack,
 )
+from kvstore.tiers import LocalTier
 from transfer_engine import Blocks, Engine
 from transfer_engine.closeable import Closeable
 from transfer_engine.control.auth import AuthConfig, Signer, open_reply, seal
@@ -210,12 +211,18 @@ class Client(Closeable):
             pass over the bytes (about 3.6 GB/s here).
         timeout: seconds for a master request and for a batch's transfers.
         auth: control-message signing, as for engines and the master.
+        local_cache_bytes: memory for a local DRAM tier in front of the cluster (0:
+            none): gets are served from it when the master's version matches, values
+            read or written are kept in it; see :mod:`kvstore.tiers` for the rule that
+            keeps it from serving stale values.
+        local_max_value_bytes: the largest value the local tier keeps.
     """
 
     def __init__(self, master: str, *, engine: Engine | None = None, name: str | None = None,
                  host: str = "127.0.0.1", replicas: int = 1, staging_bytes: int = 16 << 20,
                  checksum: bool = False, timeout: float = 10.0,
-                 auth: AuthConfig | str | bytes | None = None) -> None:
+                 auth: AuthConfig | str | bytes | None = None, local_cache_bytes: int = 0,
+                 local_max_value_bytes: int = 4 << 20) -> None:
         self._closed = True
         if not isinstance(auth, AuthConfig):
             auth = AuthConfig(secret=auth) if auth is not None else AuthConfig.from_env()
@@ -232,6 +239,10 @@ class Client(Closeable):
             self.engine = engine
             self._link = _MasterLink(master, auth.signer())
             self._stack.callback(self._link.close)
+            self._tier: LocalTier | None = None
+            if local_cache_bytes:
+                self._tier = self._stack.enter_context(
+                    LocalTier(local_cache_bytes, max_value_bytes=local_max_value_bytes))
         except BaseException:
             self._stack.close()
             raise
@@ -243,6 +254,7 @@ class Client(Closeable):
         self._staging: np.ndarray | None = None
         self._staging_seg: Segment | None = None
         self._staging_min = staging_bytes
+        self.remote_hits = 0
         self._closed = False
 
     def __repr__(self) -> str:
@@ -453,6 +465,13 @@ class Client(Closeable):
                     release=self._take_release()))
                 assert isinstance(done, KvCommitted)
                 st = column(done.status, "<i1", todo.size, "status")
+                if self._tier is not None:
+                    kept = ok[st[ok] == Status.OK]
+                    js = todo[kept]
+                    versions = column(placed.versions, "<u8", todo.size, "versions")
+                    self._tier.fill(rows[js], versions[kept],
+                                    [_memory(int(addrs[j]), int(lens[j])) for j in js],
+                                    promotion=False)
                 for i in ok[st[ok] != Status.OK].tolist():
                     failed_keys.append(int(todo[i]))
                 reasons += [f"{where.nodes[b][0]}: {e}" for b, e in bad.items()]
@@ -538,14 +557,16 @@ class Client(Closeable):
 
     # -- get ---------------------------------------------------------------------------
 
-    def _locate(self, rows: U64) -> tuple[KvLocated, _Where, I64, U64, float]:
+    def _locate(self, rows: U64) -> tuple[U64, _Where, I64, U64, float]:
+        """(versions, replicas, lengths, checksums, lease end) of each key."""
         started = time.monotonic()
         reply = self._request(KvGet(keys=rows.tobytes(), release=self._take_release()))
         assert isinstance(reply, KvLocated)
         n = rows.shape[0]
         if reply.lease_id:
             self._release.append(reply.lease_id)
-        return (reply, _where(reply, n), column(reply.lengths, "<i8", n, "lengths"),
+        return (column(reply.versions, "<u8", n, "versions"), _where(reply, n),
+                column(reply.lengths, "<i8", n, "lengths"),
                 column(reply.checksums, "<u8", n, "checksums"), started + reply.lease_s)
 
     def _get(self, rows: U64, dest: I64 | None, caps: I64 | None, verify: bool
@@ -555,7 +576,7 @@ class Client(Closeable):
         staging offsets used)."""
         n = rows.shape[0]
         for _attempt in range(2):
-            _, where, lengths, checks, lease_end = self._locate(rows)
+            versions, where, lengths, checks, lease_end = self._locate(rows)
             found = where.status == Status.OK
             out = np.where(found, lengths, -1)
             if dest is None:
@@ -573,7 +594,17 @@ class Client(Closeable):
                 offs = np.zeros(n, dtype=np.int64)
                 addrs = dest
                 self._local(addrs[found], lengths[found])
-            self._read(rows, found, where, addrs, lengths, checks, verify)
+            remote = found
+            if self._tier is not None:
+                remote = found & ~self._tier.serve(rows, versions, found, addrs,
+                                                   checks if verify else None, crc)
+            self._read(rows, remote, where, addrs, lengths, checks, verify)
+            self.remote_hits += int(remote.sum())
+            if self._tier is not None and remote.any():
+                got = np.flatnonzero(remote)
+                self._tier.fill(rows[got], versions[got],
+                                [_memory(int(addrs[i]), int(lengths[i])) for i in got],
+                                promotion=True)
             if time.monotonic() < lease_end:
                 return out, offs
             log.info("kvstore client: a read outlived its lease; reading again")
@@ -700,6 +731,8 @@ class Client(Closeable):
         rows = key_rows(keys)
         out = np.zeros(rows.shape[0], dtype=bool)
         with self._lock:
+            if self._tier is not None:
+                self._tier.invalidate(rows)
             for s in range(0, rows.shape[0], MAX_BATCH):
                 reply = self._request(KvRemove(keys=rows[s:s + MAX_BATCH].tobytes(),
                                                release=self._take_release()))
@@ -712,11 +745,20 @@ class Client(Closeable):
         return bool(self.batch_remove([key])[0])
 
     def stats(self) -> dict[str, Any]:
-        """The master's view: objects, pools and free space, leases, counters."""
+        """The master's view (objects, pools and free space, leases, counters such as
+        ``demotions``, ``disk_hits``, ``disk_promotions``) and this client's:
+        ``remote_hits`` (values read from nodes), and with a local tier ``local_hits``,
+        ``promotions`` (remote hits kept locally), ``local_writes``, ``local_stale``
+        (copies dropped: another version, or the key is gone), ``local_evictions``,
+        ``local_entries``."""
         with self._lock:
             reply = self._request(KvStats(release=self._take_release()))
-        assert isinstance(reply, KvStatsReply)
-        return reply.stats
+            assert isinstance(reply, KvStatsReply)
+            out = dict(reply.stats)
+            out["remote_hits"] = self.remote_hits
+            if self._tier is not None:
+                out.update(self._tier.counters())
+            return out
 
 
 def _query(keys: object, request: Callable[[Message], Message],

@@ -51,6 +51,7 @@ import numpy.typing as npt
 import zmq
 
 from kvstore.errors import StoreError
+from kvstore.moves import DISK, Move, TierMoves
 from kvstore.objects import ObjectTable, State
 from kvstore.protocol import (
     ENTRY,
@@ -110,6 +111,9 @@ class _Node:
     frees: list[tuple[int, int, int]] = field(default_factory=list)  # not yet sent
     quarantine: collections.deque[tuple[int, list[tuple[int, int, int]]]] = field(
         default_factory=collections.deque)
+    moving: list[int] = field(default_factory=list)  # rows of tier copies not yet sent
+    copies: collections.deque[tuple[int, list[int]]] = field(
+        default_factory=collections.deque)  # (journal seq, rows copied by it)
 
 
 @dataclass(eq=False)
@@ -122,6 +126,7 @@ class _Pool:
     space: Space
     usable_after: float
     alive: bool = True
+    pressure: bool = False  # disk: a demotion found no room (eviction may drop from it)
 
 
 @dataclass(eq=False)
@@ -132,7 +137,7 @@ class _Put:
     n: int
 
 
-class Master(Closeable):
+class Master(TierMoves, Closeable):
     """The metadata service; see the module docstring.
 
     Parameters:
@@ -180,6 +185,8 @@ class Master(Closeable):
         self._lease_heap: list[tuple[float, int]] = []
         self._lease_ids = itertools.count(1)
         self._version = time.time_ns()
+        self._moves: dict[int, Move] = {}
+        self._moving: dict[int, int] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         self._lock = threading.RLock()
         self._zctx: zmq.Context[Any] = zmq.Context()
@@ -337,11 +344,26 @@ class Master(Closeable):
         lengths[found] = t.length[hit]
         checks = np.zeros(keys.shape[0], dtype=np.uint64)
         checks[found] = t.checksum[hit]
+        versions = np.zeros(keys.shape[0], dtype=np.uint64)
+        versions[found] = t.version[hit]
+        if hit.size and self._tiered:
+            self._promote(hit)
         nodes, pools = self._node_table(pools)
         return KvLocated(lease_id=lease, lease_s=self.lease_s, status=status.tobytes(),
                          lengths=lengths.tobytes(), checksums=checks.tobytes(),
+                         versions=versions.tobytes(),
                          replicas=self.max_replicas, nodes=nodes, pools=pools.tobytes(),
                          offsets=offsets.tobytes())
+
+    def _promote(self, rows: I64) -> None:
+        """Counts hits on objects only on disk and moves them back to DRAM where their
+        node has room (the get itself reads them from disk)."""
+        disk = np.array([p.tier == DISK for p in self._pools] + [True])
+        pools = self.table.pool[rows]  # -1 indexes the trailing True
+        only = rows[disk[pools].all(axis=1)]
+        if only.size:
+            self.counters["disk_hits"] += int(only.size)
+            self._start_moves(only, "dram")
 
     def _query(self, msg: KvQuery) -> KvFound:
         rows = self.table.lookup(self._keys(msg.keys), touch=False)
@@ -375,9 +397,10 @@ class Master(Closeable):
         pools = np.full((n, self.max_replicas), -1, dtype=np.int32)
         offsets = np.zeros((n, self.max_replicas), dtype=np.int64)
         todo = np.flatnonzero(status == Status.OK)
-        usable = [p for p in self._pools if p.alive and p.node.active]
+        # disk pools are filled by demotion only: new objects are the likeliest to be read
+        usable = [p for p in self._pools if p.alive and p.node.active and p.tier != DISK]
         ready = [p for p in usable if p.usable_after <= now]
-        ready.sort(key=lambda p: (p.tier != "dram", p.index))
+        ready.sort(key=lambda p: p.index)
         biggest = max((p.space.capacity for p in usable), default=0)
         want = min(msg.replicas, len({p.node.name for p in ready}))
         evict_bytes = 0
@@ -402,11 +425,14 @@ class Master(Closeable):
                 offsets[i, r] = off
         if evict_bytes:
             evicted = self._evict(evict_bytes + sum(p.space.capacity for p in ready) // 64)
-            coming = any(n.frees or n.quarantine for n in self._nodes.values())
+            coming = any(n.frees or n.quarantine or n.moving or n.copies
+                         for n in self._nodes.values())
             if not (evicted or coming):
+                self._spill(status, lengths, pools, offsets, msg.replicas, start)
                 status[status == Status.RETRY] = Status.NO_SPACE
         placed = np.flatnonzero(pools[:, 0] >= 0)
         put_id = start
+        versions = np.zeros(n, dtype=np.uint64)
         if placed.size:
             t = self.table
             rows = t.new_rows(int(placed.size))
@@ -414,6 +440,7 @@ class Master(Closeable):
             t.length[rows] = lengths[placed]
             t.checksum[rows] = checks[placed]
             t.version[rows] = self._version + np.arange(1, rows.size + 1, dtype=np.uint64)
+            versions[placed] = t.version[rows]
             self._version += int(rows.size)
             t.state[rows] = State.PENDING
             t.deadline[rows] = now + msg.ttl if msg.ttl > 0 else math.inf
@@ -424,8 +451,31 @@ class Master(Closeable):
         self.counters["puts"] += int(placed.size)
         nodes, wire_pools = self._node_table(pools)
         return KvPlaced(put_id=put_id if placed.size else 0, status=status.tobytes(),
+                        versions=versions.tobytes(),
                         replicas=self.max_replicas, nodes=nodes, pools=wire_pools.tobytes(),
                         offsets=offsets.tobytes(), deadline_s=self.put_timeout_s)
+
+    def _spill(self, status: np.ndarray, lengths: np.ndarray, pools: np.ndarray,
+               offsets: np.ndarray, replicas: int, start: int) -> None:
+        """Places the RETRY keys of a put on disk pools, when DRAM has nothing left to
+        evict or demote (a batch larger than the free DRAM)."""
+        now = self._clock()
+        disk = [p for p in self._pools if p.alive and p.node.active and p.tier == DISK
+                and p.usable_after <= now]
+        want = min(replicas, len({p.node.name for p in disk}))
+        if not want:
+            return
+        for i in np.flatnonzero(status == Status.RETRY).tolist():
+            length = int(lengths[i])
+            got = self._place(disk, length, want, start + i)
+            if len(got) < want:
+                for p, off in got:
+                    self._pools[p].space.free(off, length)
+                continue
+            status[i] = Status.OK
+            for r, (p, off) in enumerate(got):
+                pools[i, r] = p
+                offsets[i, r] = off
 
     def _place(self, ready: list[_Pool], length: int, want: int, spin: int
                ) -> list[tuple[int, int]]:
@@ -526,7 +576,8 @@ class Master(Closeable):
         t.drop_rows(rows)
 
     def _evict(self, nbytes: int) -> bool:
-        """Evicts LIVE objects (CLOCK) until ``nbytes`` of space are on their way back;
+        """Evicts LIVE objects (CLOCK) until ``nbytes`` of space are on their way back,
+        demoting to disk what a node's disk pool has room for (:mod:`kvstore.moves`);
         False when nothing could be evicted."""
         t = self.table
         freed = 0
@@ -538,6 +589,11 @@ class Master(Closeable):
             rows = t.victims(max(1, min(len(t), -(-(nbytes - freed) // avg))))
             if rows.size == 0:
                 break
+            keep, moving = self._spare(rows)
+            if keep.any():
+                t.publish(rows[keep], schedule=False)  # demoted or kept: still readable
+                freed += moving
+                rows = rows[~keep]
             self.counters["evictions"] += int(rows.size)
             unheld = rows[t.leases[rows] == 0]
             freed += int((t.length[unheld] * t.nrep[unheld]).sum())
@@ -618,6 +674,9 @@ class Master(Closeable):
             if node.frees:
                 node.quarantine.append((node.seq, node.frees))
                 node.frees = []
+            if node.moving:
+                node.copies.append((node.seq, node.moving))
+                node.moving = []
 
     def _send_node(self, node: _Node, frame: bytes) -> None:
         try:
@@ -634,6 +693,7 @@ class Master(Closeable):
                 pool = self._pools[p]
                 if pool.alive:
                     pool.space.free(off, length)
+        self._moves_acked(node)
 
     # -- nodes -------------------------------------------------------------------------
 
@@ -752,19 +812,19 @@ class Master(Closeable):
         node.active = False
         self._nodes.pop(node.name, None)
         t = self.table
-        if dead.size == 0:
-            return
-        cap = t.capacity
-        hit = np.flatnonzero((np.isin(t.pool[:cap], dead)).any(axis=1)
-                             & (t.state[:cap] != State.FREE))
-        if hit.size == 0:
-            return
-        empty = hit[self._drop_replicas(hit, dead, free=False)]
-        live = empty[t.state[empty] == State.LIVE]
-        t.unpublish_rows(live)
-        self._retire(live)
-        retired = empty[(t.state[empty] == State.RETIRED) & (t.leases[empty] == 0)]
-        t.drop_rows(retired)
+        if dead.size:
+            cap = t.capacity
+            hit = np.flatnonzero((np.isin(t.pool[:cap], dead)).any(axis=1)
+                                 & (t.state[:cap] != State.FREE))
+            if hit.size:
+                empty = hit[self._drop_replicas(hit, dead, free=False)]
+                live = empty[t.state[empty] == State.LIVE]
+                t.unpublish_rows(live)
+                self._retire(live)
+                retired = empty[(t.state[empty] == State.RETIRED) & (t.leases[empty] == 0)]
+                t.drop_rows(retired)
+        if node.copies or node.moving:  # after its replicas are gone from the rows
+            self._moves_lost(node)
 
     # -- time --------------------------------------------------------------------------
 
@@ -800,6 +860,7 @@ class Master(Closeable):
             "table_bytes": t.nbytes(),
             "leases": len(self._leases),
             "pending_puts": len(self._puts),
+            "pending_moves": len(self._moves),
             "nodes": sorted(n.name for n in self._nodes.values() if n.active),
             "pools": [{"node": p.node.name, "segment": p.segment, "tier": p.tier,
                        "capacity": p.space.capacity, "free": p.space.free_bytes,

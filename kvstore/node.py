@@ -1,9 +1,12 @@
 """A storage node: an engine that lends its registered DRAM (and optionally a disk file)
 to the store.
 
-The node moves no bytes itself: clients WRITE values into its segments and READ them
-back with the engine's one-sided operations, at offsets the master hands out. What the
-node does is stay known to the master: it registers its pools, heartbeats, and applies
+Clients WRITE values into the node's segments and READ them back with the engine's
+one-sided operations, at offsets the master hands out. The only bytes the node moves
+itself are tier moves: with a disk pool, the master demotes objects from DRAM to disk
+when DRAM runs short and promotes them back on a hit (:mod:`kvstore.moves`), and the node
+copies them between its own pools when the journal says so. Otherwise the node's job is
+to stay known to the master: it registers its pools, heartbeats, and applies
 the master's *journal* (commits and frees of its space) to a directory of the objects it
 holds, acknowledging each push. A restarted master learns the node's objects from that
 directory when the node registers again.
@@ -68,9 +71,10 @@ class StorageNode(Closeable):
         name: unique node name; default a random one.
         engine: an engine to register the memory with (not closed by the node); default
             one of its own, on ``host``.
-        disk_path: a file to lend as a second, slower pool (created or truncated to
-            ``disk_capacity`` bytes, memory-mapped and registered).
-        disk_capacity: bytes of the disk pool.
+        disk_path: a spill file lent as a second, slower tier (created or truncated to
+            ``disk_capacity`` bytes, memory-mapped and registered): objects evicted from
+            DRAM are demoted to it instead of dropped, and read from it until promoted.
+        disk_capacity: bytes of the disk pool (its bound: the file never grows).
         pod: placement label; the master puts replicas of one object in distinct pods
             and zones when it can.
         zone: placement label, as ``pod``.
@@ -106,6 +110,7 @@ class StorageNode(Closeable):
                 dram.fill(0)
             self.dram = dram
             self._pools: list[list[Any]] = []
+            self._memory: list[Any] = [dram]  # per pool, for tier copies
             seg = self._stack.enter_context(engine.register(dram, name=f"{self.name}/dram"))
             self._pools.append([seg.name, capacity, "dram"])
             if disk_path is not None:
@@ -118,9 +123,16 @@ class StorageNode(Closeable):
                 finally:
                     os.close(fd)
                 self._stack.callback(disk.close)
+                view = np.frombuffer(disk, dtype=np.uint8)
+                self._stack.callback(lambda: self._memory.clear())  # the view before the map
+                self._memory.append(view)
+                del view
                 seg = self._stack.enter_context(engine.register(disk, name=f"{self.name}/disk"))
                 self._pools.append([seg.name, disk_capacity, "disk"])
             self.directory: dict[tuple[int, int], Entry] = {}
+            self._copies: dict[tuple[int, int, int], set[tuple[int, int]]] = {}
+            self.copies = 0  # tier copies made
+            self.copy_failures = 0
             self.epoch = ""  # of the master we serve
             self.applied = 0  # last journal seq applied
             self.interval = 0.5
@@ -264,15 +276,58 @@ class StorageNode(Closeable):
         if msg.seq == self.applied + 1:
             ops = column(msg.ops, JOURNAL, None, "ops")
             with self._lock:
-                d = self.directory
                 for op, ((k0, k1), pool, off, length, ck, ver) in ops.tolist():
                     if op == Op.COMMIT:
-                        d[(pool, off)] = (k0, k1, pool, off, length, ck, ver)
+                        self._add((k0, k1, pool, off, length, ck, ver))
                     elif op == Op.FREE:
-                        d.pop((pool, off), None)
+                        self._drop(pool, off)
+                    elif op == Op.COPY:
+                        self._copy((k0, k1, pool, off, length, ck, ver))
             self.applied = msg.seq
         if msg.seq <= self.applied:
             self._beat()  # acknowledge at once: the master reuses freed space only then
+
+
+    def _add(self, entry: Entry) -> None:
+        old = self.directory.get((entry[2], entry[3]))
+        if old is not None:
+            self._drop(old[2], old[3])
+        self.directory[(entry[2], entry[3])] = entry
+        self._copies.setdefault((entry[0], entry[1], entry[6]), set()).add(
+            (entry[2], entry[3]))
+
+    def _drop(self, pool: int, off: int) -> None:
+        entry = self.directory.pop((pool, off), None)
+        if entry is not None:
+            ident = (entry[0], entry[1], entry[6])
+            where = self._copies.get(ident)
+            if where is not None:
+                where.discard((pool, off))
+                if not where:
+                    del self._copies[ident]
+
+    def _copy(self, entry: Entry) -> None:
+        """Copies the object (key, version) of ``entry`` from the pool holding it into
+        ``entry``'s range (a tier move); journal order guarantees the source is here."""
+        k0, k1, pool, off, length, _, ver = entry
+        src = next((w for w in self._copies.get((k0, k1, ver), ()) if w[0] != pool), None)
+        if src is None or not (0 <= pool < len(self._memory)):
+            self.copy_failures += 1
+            log.error("node %s: tier copy of key %#x v%d has no source here", self.name,
+                      k0 | k1 << 64, ver)
+            return
+        mem = self._memory
+        mem[pool][off:off + length] = mem[src[0]][src[1]:src[1] + length]
+        self.copies += 1
+        self._add(entry)
+
+    def object_pool(self, key: int) -> list[str]:
+        """Tiers (``"dram"``/``"disk"``) holding copies of ``key`` here (for tests and
+        operators; the master decides which one readers use)."""
+        k0, k1 = key & ((1 << 64) - 1), key >> 64
+        with self._lock:
+            return sorted(self._pools[p][2] for (p, _), e in self.directory.items()
+                          if (e[0], e[1]) == (k0, k1))
 
 
 def _size(text: str) -> int:

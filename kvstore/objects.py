@@ -145,9 +145,10 @@ class ObjectTable:
         """Row of each key's LIVE object, -1 where none."""
         return self.index.lookup(keys, touch=touch)
 
-    def publish(self, rows: I64) -> I64:
+    def publish(self, rows: I64, *, schedule: bool = True) -> I64:
         """Makes ``rows`` (distinct keys) the LIVE objects of their keys; returns the rows
-        they replace (-1 where none). Schedules their TTLs."""
+        they replace (-1 where none). Schedules their TTLs (``schedule`` False: rows put
+        back after :meth:`victims`, whose TTLs are still scheduled)."""
         keys = self.keys[rows]
         if len(self.index) + rows.size > 0.9 * self.index.slots:
             self._rebuild(len(self.index) + rows.size)
@@ -160,6 +161,8 @@ class ObjectTable:
         # are the likeliest to be asked for next (the next turn of the conversation)
         self.index.lookup(keys, touch=True)
         self.state[rows] = State.LIVE
+        if not schedule:
+            return old
         dl = self.deadline[rows]
         for r, d in zip(rows[np.isfinite(dl)].tolist(), dl[np.isfinite(dl)].tolist(),
                         strict=True):

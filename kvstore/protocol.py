@@ -17,9 +17,9 @@ Who sends what:
 * node -> master: ``kv-node`` (register; a restarted master learns the node's objects from
   its directory, sent in parts) -> ``kv-node!``; ``kv-beat`` (heartbeat, acknowledging
   journal pushes) -> ``kv-beat!``.
-* master -> node, unsolicited: ``kv-journal`` (commits and frees of the node's space, in
-  order). The master reuses freed space only once the node acknowledged the free, so a
-  node's directory never names space that holds another object's bytes.
+* master -> node, unsolicited: ``kv-journal`` (commits, frees and tier copies of the
+  node's space, in order). The master reuses freed space only once the node acknowledged
+  the free, so a node's directory never names space that holds another object's bytes.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ class Op(enum.IntEnum):
 
     COMMIT = 1
     FREE = 2
+    COPY = 3  # copy the node's replica of (key, version) to the entry's range, then COMMIT it
 
 
 ENTRY = np.dtype([("key", "<u8", (2,)), ("pool", "<i8"), ("offset", "<i8"),
@@ -70,7 +71,9 @@ ENTRY = np.dtype([("key", "<u8", (2,)), ("pool", "<i8"), ("offset", "<i8"),
 """One object replica in a node's directory (``pool`` is the node's own segment number)."""
 
 JOURNAL = np.dtype([("op", "<i8"), ("entry", ENTRY)])
-"""One journal operation: commit the entry, or free the range at (pool, offset)."""
+"""One journal operation: commit the entry, free the range at (pool, offset), or copy the
+node's replica of the entry's (key, version) into the entry's range and commit it (a
+move between the node's DRAM and disk pools)."""
 
 
 def column(data: object, dtype: npt.DTypeLike, count: int | None, what: str,
@@ -119,12 +122,15 @@ class KvPlaced(Message):
     """Where to write: for key ``i`` and replica ``r``, ``pools[i, r]`` (an index into
     ``nodes``, -1: none) and ``offsets[i, r]``. ``status`` per key. ``nodes`` rows are
     ``[node name, incarnation, engine endpoint, segment name]``. ``deadline_s``: the put
-    must be committed within this many seconds or its space is reclaimed."""
+    must be committed within this many seconds or its space is reclaimed. ``versions``
+    (``uint64[n]``, 0 where not placed): what a get answers for the object once it is
+    committed (a client's local tier keys its copies by it)."""
 
     kind: ClassVar[str] = "kv-placed"
     max_bytes: ClassVar[int] = _BIG
     put_id: int = 0
     status: bytes = b""
+    versions: bytes = b""
     replicas: int = 1
     nodes: list[Any] = field(default_factory=list)
     pools: bytes = b""
@@ -171,8 +177,9 @@ class KvGet(Message):
 @dataclass(frozen=True, slots=True)
 class KvLocated(Message):
     """Replicas of each found key (``status`` OK) as in :class:`KvPlaced`, with
-    ``lengths`` and ``checksums``. The space stays as it is until ``lease_id`` is
-    released or ``lease_s`` seconds pass, whichever is first."""
+    ``lengths``, ``checksums`` and ``versions`` (a new put of a key gets a new version;
+    moving an object between a node's tiers keeps it). The space stays as it is until
+    ``lease_id`` is released or ``lease_s`` seconds pass, whichever is first."""
 
     kind: ClassVar[str] = "kv-located"
     max_bytes: ClassVar[int] = _BIG
@@ -181,6 +188,7 @@ class KvLocated(Message):
     status: bytes = b""
     lengths: bytes = b""
     checksums: bytes = b""
+    versions: bytes = b""
     replicas: int = 1
     nodes: list[Any] = field(default_factory=list)
     pools: bytes = b""
