@@ -21,11 +21,13 @@ ratios.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -66,6 +68,13 @@ def _timed(run: Callable[[int], None], duration: float) -> tuple[int, list[float
             return i, lat
 
 
+def _sets(args: argparse.Namespace) -> int:
+    """Batches of distinct keys the timed loops cycle through (a third of the nodes'
+    capacity, 2 to 64)."""
+    return max(2, min(64, (args.node_capacity * args.nodes // 3)
+                      // (args.value_size * args.batch)))
+
+
 def bench_store(args: argparse.Namespace, src: np.ndarray, dst: np.ndarray
                 ) -> dict[str, Any]:
     from kvstore.client import Client
@@ -74,7 +83,7 @@ def bench_store(args: argparse.Namespace, src: np.ndarray, dst: np.ndarray
     endpoint = f"tcp://127.0.0.1:{port}"
     out: dict[str, Any] = {}
     size, batch = args.value_size, args.batch
-    sets = max(2, min(64, (args.node_capacity * args.nodes // 3) // (size * batch)))
+    sets = _sets(args)
     with Child(["-m", "kvstore.master", "--bind", endpoint]) as master:
         master.expect("kvstore-master serving", 30)
         nodes = [Child(["-m", "kvstore.node", "--master", endpoint, "--name", f"bench-n{i}",
@@ -188,16 +197,108 @@ def bench_redis(args: argparse.Namespace, src: np.ndarray) -> dict[str, Any]:
         proc.wait(10)
 
 
-def bench_mooncake(args: argparse.Namespace) -> dict[str, Any]:
+MOONCAKE_FIELDS = ("mooncake_put_gbps", "mooncake_get_gbps", "mooncake_get_p50_us",
+                   "mooncake_get_p99_us")
+
+
+def _mooncake_master() -> str | None:
+    """Mooncake's ``mooncake_master`` program when its wheel (a compiled
+    ``mooncake.store``, not this project's API shim) is installed, else None."""
     try:
-        import mooncake.store  # type: ignore[import-not-found]  # noqa: F401
-    except ImportError:
+        spec = importlib.util.find_spec("mooncake.store")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not (spec.origin or "").endswith(".so"):
+        return None
+    program = os.path.join(os.path.dirname(spec.origin or ""), "mooncake_master")
+    if os.access(program, os.X_OK):
+        return program
+    return shutil.which("mooncake_master")
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"mooncake_master ended (exit code {proc.returncode})"
+                                   ) from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"mooncake_master not listening within {timeout:g}s"
+                                   ) from None
+            time.sleep(0.05)
+
+
+def _tail(path: str, n: int = 1500) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return ""
+
+
+def bench_mooncake(args: argparse.Namespace) -> dict[str, Any]:
+    """Mooncake Store over its TCP transport, measured as ours: ``mooncake_master`` (P2P
+    handshake, no metadata server or etcd), one client process lending the storage
+    segment, and a second client process putting and getting the same batches
+    (:mod:`bench.mooncake_store_peer`). Every process ends before this returns."""
+    nulls: dict[str, Any] = dict.fromkeys(MOONCAKE_FIELDS)
+    program = _mooncake_master()
+    if program is None:
         print("mooncake baseline skipped: `pip install mooncake-transfer-engine-non-cuda` "
               "(and `apt-get install libibverbs1`) to measure Mooncake Store")
-        return {"mooncake_put_gbps": None, "mooncake_get_gbps": None}
-    print("mooncake baseline: the wheel imports, but its store needs mooncake_master and a "
-          "metadata server, which this bench does not start yet")
-    return {"mooncake_put_gbps": None, "mooncake_get_gbps": None}
+        return nulls
+    size, batch = args.value_size, args.batch
+    sets = _sets(args)
+    # room for every set twice over: Mooncake evicts from 90 % full
+    segment_size = max(64 << 20, -(-2 * sets * batch * size // (1 << 20)) << 20)
+    rpc, metrics = _free_port(), _free_port()
+    master_addr = f"127.0.0.1:{rpc}"
+    logs = tempfile.mkdtemp(prefix="store-bench-mooncake-")
+    master_log = os.path.join(logs, "master.log")
+    children: list[Child] = []
+    master: subprocess.Popen[bytes] | None = None
+    try:
+        with open(master_log, "wb") as log:
+            master = subprocess.Popen(
+                [program, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
+                 f"--metrics_port={metrics}", "--metrics_host=127.0.0.1",
+                 "--enable_metric_reporting=false", "--enable_http_metadata_server=false"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        _wait_port(rpc, master, 30)
+        with open(os.path.join(logs, "segment.log"), "w") as err:
+            children.append(Child(["-m", "bench.mooncake_store_peer", "segment", "--master",
+                                   master_addr, "--segment-size", str(segment_size)], err))
+        children[-1].expect("mooncake-segment ready", 60)
+        with open(os.path.join(logs, "client.log"), "w") as err:
+            children.append(Child(["-m", "bench.mooncake_store_peer", "client", "--master",
+                                   master_addr, "--value-size", str(size), "--batch",
+                                   str(batch), "--sets", str(sets), "--duration",
+                                   str(args.duration)], err))
+        got = json.loads(children[-1].expect("mooncake-result", 120 + 4 * args.duration))
+    except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
+        detail = "".join(f"\n--- {name}:\n{_tail(os.path.join(logs, name))}"
+                         for name in ("client.log", "segment.log", "master.log")
+                         if _tail(os.path.join(logs, name)).strip())
+        print(f"mooncake baseline failed: {exc}{detail}")
+        return {**nulls, "mooncake_error": str(exc)}
+    finally:
+        for child in reversed(children):
+            child.close(timeout=10)
+        if master is not None:
+            if master.poll() is None:
+                master.terminate()
+            try:
+                master.wait(10)
+            except subprocess.TimeoutExpired:
+                master.kill()
+                master.wait(5)
+        shutil.rmtree(logs, ignore_errors=True)
+    return {f"mooncake_{k}": got[k] for k in ("put_gbps", "get_gbps", "get_p50_us",
+                                              "get_p99_us")}
 
 
 def main(argv: list[str] | None = None) -> None:
