@@ -39,7 +39,7 @@ LOCAL_BUFFER = 16 << 20
 
 
 def _store(master: str, segment_size: int) -> Any:
-    from mooncake.store import MooncakeDistributedStore  # type: ignore[import-not-found]
+    from mooncake.store import MooncakeDistributedStore  # type: ignore[import-not-found,unused-ignore]
 
     store = MooncakeDistributedStore()
     rc = store.setup("127.0.0.1", "P2PHANDSHAKE", segment_size, LOCAL_BUFFER, "tcp", "",
