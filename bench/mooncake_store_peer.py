@@ -16,6 +16,8 @@ writes the value, as a put over a stored key does in ours) and ``batch_get_into`
 the same keys, checks the bytes again, removes the keys, and prints one line
 ``mooncake-result {json}``: ``put_gbps``, ``get_gbps``, ``get_p50_us``, ``get_p99_us``.
 Both use the P2P handshake (no metadata server) and ``protocol="tcp"`` on 127.0.0.1.
+They run under the interpreter of Mooncake's environment (``--mooncake-python``), which
+needs numpy besides the wheel, and import nothing of this project but ``bench.stats``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 
 import numpy as np  # noqa: E402
 
-from bench.stats import fill_random, percentile  # noqa: E402
+from bench.stats import fill_random, percentile, timed_calls  # noqa: E402
 
 LOCAL_BUFFER = 16 << 20
 
@@ -63,8 +65,6 @@ def segment(args: argparse.Namespace) -> None:
 
 
 def client(args: argparse.Namespace) -> None:
-    from bench.store_bench import _timed
-
     size, batch, sets = args.value_size, args.batch, args.sets
     src = np.empty(size * batch, dtype=np.uint8)
     fill_random(src, args.seed)
@@ -103,9 +103,9 @@ def client(args: argparse.Namespace) -> None:
             check("batch_put_from", store.batch_put_from(keys[s], srcs, sizes), 0)
         get(0)
         verify()
-        calls, _ = _timed(put, args.duration)
+        calls, _ = timed_calls(put, args.duration)
         out: dict[str, Any] = {"put_gbps": calls * batch * size / args.duration / 1e9}
-        calls, lat = _timed(get, args.duration)
+        calls, lat = timed_calls(get, args.duration)
         out["get_gbps"] = calls * batch * size / sum(lat) / 1e9
         out["get_p50_us"] = percentile(lat, 50) * 1e6
         out["get_p99_us"] = percentile(lat, 99) * 1e6
