@@ -58,10 +58,12 @@ class Child:
     context manager so that no error path leaves an orphan or an open pipe.
     """
 
-    def __init__(self, args: Sequence[str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, *args], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, text=True, bufsize=1,
-                                     env=child_env())
+    def __init__(self, args: Sequence[str], stderr: Any = None,
+                 python: str | None = None) -> None:
+        self.proc = subprocess.Popen([python or sys.executable, *args],
+                                     stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                     bufsize=1, env=child_env())
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.other: list[str] = []
         self._pump_thread = threading.Thread(target=self._pump, daemon=True,

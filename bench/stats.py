@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import resource
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 __all__ = ["percentile", "median", "cpu_seconds", "fill_random", "expected_bytes",
-           "FILL_CHUNK"]
+           "timed_calls", "FILL_CHUNK"]
 
 # Random fills are generated per chunk from (seed, chunk index), so any byte range can be
 # regenerated without producing everything before it (the initiator checks a READ this way).
@@ -87,3 +88,17 @@ def expected_bytes(seed: int, offset: int, length: int) -> np.ndarray:
         out[pos:pos + take] = _chunk(seed, index)[within:within + take]
         pos += take
     return out
+
+
+def timed_calls(run: Callable[[int], None], duration: float) -> tuple[int, list[float]]:
+    """Calls ``run(i)`` for ``duration`` seconds; returns calls and their latencies."""
+    lat: list[float] = []
+    end = time.perf_counter() + duration
+    i = 0
+    while True:
+        t0 = time.perf_counter()
+        run(i)
+        lat.append(time.perf_counter() - t0)
+        i += 1
+        if t0 + lat[-1] >= end:
+            return i, lat
