@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
                    type=float, default=None, metavar="SECONDS",
                    help="sys.setswitchinterval in both processes (default: Python's 0.005)")
     p.add_argument("--serve", choices=("thread", "process"),
-                   default=os.environ.get("TE_TCP_SERVE") or "thread",
+                   default=os.environ.get("TE_SERVE") or "thread",
                    help="where the target serves tcp rails (TcpTransport(serve=...))")
     p.add_argument("--json", metavar="PATH", default=None)
     p.add_argument("--_target", action="store_true", help=argparse.SUPPRESS)
@@ -280,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.switch_interval is not None:
         sys.setswitchinterval(a.switch_interval)
-    os.environ["TE_TCP_SERVE"] = a.serve  # the target child inherits it
+    os.environ["TE_SERVE"] = a.serve  # the target child inherits it
     if a._target:
         return run_target(a.protocol, a.buffer_size, a.seed)
     shapes = [_shape(s) for s in a.shapes.split(",") if s]

@@ -517,14 +517,15 @@ def test_config_validation() -> None:
         TEConnectorConfig(lease_s=0)
 
 
-def test_tcp_serve_config_builds_the_serving_process_transport() -> None:
+def test_serve_config_builds_the_serving_process_transport() -> None:
     from transfer_engine.transport.tcp import TcpTransport
 
     cfg = TEConnectorConfig.from_extra_config({"transports": "shm,tcp",
-                                               "tcp_serve": "process"})
+                                               "serve": "process"})
     shm, tcp = cfg.engine_transports()
-    assert shm == "shm" and isinstance(tcp, TcpTransport) and tcp.info("serve") == "process"
+    assert isinstance(tcp, TcpTransport) and tcp.info("serve") == "process"
+    assert shm.info("serve") == "process"
     assert TEConnectorConfig.from_extra_config({"transports": "tcp"}).engine_transports() == [
         "tcp"]
-    with pytest.raises(ValueError, match="tcp_serve"):
-        TEConnectorConfig.from_extra_config({"tcp_serve": "fork"})
+    with pytest.raises(ValueError, match="serve"):
+        TEConnectorConfig.from_extra_config({"serve": "fork"})

@@ -44,6 +44,7 @@ import shutil
 import socket
 import struct
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -76,6 +77,7 @@ from transfer_engine.transport.stream import (
     pack_local,
     send_bytes,
 )
+from transfer_engine.transport.stream.process import ServeProcess, serve_mode
 
 __all__ = ["ShmTransport", "host_id"]
 
@@ -289,7 +291,6 @@ class ShmServer(StreamServer):
             raise InvalidDescriptorError("initiator range outside the segments it "
                                          "announced", peer=conn.peer, op=op,
                                          transport="shm")
-        ours = views.iov.tolist()
         theirs = local.tolist()
         if views.nbytes != sum(n for _, n in theirs):
             raise NotSupportedError("shm request sizes disagree", peer=conn.peer, op=op,
@@ -297,10 +298,19 @@ class ShmServer(StreamServer):
         if _exited(conn.pidfd):
             raise PeerLostError("peer process is gone", peer=conn.peer, op=op,
                                 transport="shm")
+        ours, after = self.rows(views, write_to_peer)
         try:
             cross_copy(conn.pid, ours, theirs, write=write_to_peer)
         except OSError as exc:
             raise _translate(exc, conn, op) from exc
+        if after is not None:
+            after()
+
+    def rows(self, views: Targets, write_to_peer: bool
+             ) -> tuple[list[tuple[int, int]], Callable[[], None] | None]:
+        """Our side of a copy as (address, length) rows in this process, and what to
+        run after a copy into them (a serving process puts bytes in place)."""
+        return views.iov.tolist(), None
 
     def land(self, conn: Connection, views: Targets, local: np.ndarray | None) -> None:
         self._copy(conn, views, local, write_to_peer=False, op="write")
@@ -325,12 +335,19 @@ class ShmTransport(Transport):
         folder (default: the system temp folder).
     :param stall_timeout: longest pause the target allows inside a request or an
         answer before it drops the rail.
+    :param serve: where peers' requests are served: ``"thread"`` (threads of this
+        process) or ``"process"`` (a serving process of its own, which copies while this
+        process's threads are busy in Python; see :mod:`.stream.process`). Default:
+        ``$TE_SERVE`` or ``"thread"``.
     """
 
     name = "shm"
 
     def __init__(self, rails: int = 2, slice_size: int = 4 << 20,
-                 socket_dir: str | None = None, stall_timeout: float = STALL_TIMEOUT) -> None:
+                 socket_dir: str | None = None, stall_timeout: float = STALL_TIMEOUT,
+                 serve: str | None = None) -> None:
+        self._serve = serve_mode(serve)
+        self._process: ServeProcess | None = None
         if not stall_timeout > 0:
             raise ValueError("stall_timeout must be positive")
         self._caps = Capabilities(max_sge=1000, max_wr_bytes=256 << 20, remote_scatter=True,
@@ -356,19 +373,27 @@ class ShmTransport(Transport):
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(self._path)
-            listener.listen(128)
-        except OSError:
+            if self._serve == "process":
+                self._process = ServeProcess("shm", listener, host,
+                                             stall_timeout=self._stall)
+            else:
+                listener.listen(128)
+        except (OSError, TransferError):
             listener.close()
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
-        self._server = ShmServer(listener, host, 0, self._stall)
+        if self._process is None:
+            self._server = ShmServer(listener, host, 0, self._stall)
         return {"path": self._path, "host_id": host.host_id, "pid": os.getpid()}
 
     def register(self, segment: Segment) -> dict[str, Any]:
+        if self._process is not None:
+            self._process.register(segment)
         return {}
 
     def deregister(self, segment: Segment) -> None:
-        pass
+        if self._process is not None:
+            self._process.deregister(segment)
 
     def reachable(self, peer_meta: dict[str, Any]) -> bool:
         info = peer_meta.get("transports", {}).get("shm")
@@ -399,8 +424,20 @@ class ShmTransport(Transport):
         return rail
 
     def revoke(self, segment: Segment) -> None:
+        if self._process is not None:
+            self._process.revoke(segment)
         if self._server is not None:
             self._server.revoke(segment)
+
+    def info(self, key: str) -> Any:
+        if key == "serve":
+            return self._serve
+        if key == "serve_pid":
+            return self._process.pid if self._process is not None else None
+        if key in ("bytes_received", "server_stats") and self._process is not None:
+            got = self._process.stats()
+            return got["bytes_received"] if key == "bytes_received" else got["stats"]
+        return None
 
     def close(self) -> None:
         if self._closed:
@@ -411,5 +448,7 @@ class ShmTransport(Transport):
         self._rails.clear()
         if self._server is not None:
             self._server.close()
+        if self._process is not None:
+            self._process.close()
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)

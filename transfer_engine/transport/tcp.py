@@ -86,7 +86,7 @@ from transfer_engine.transport.stream import (
     send_gather,
     tune_socket,
 )
-from transfer_engine.transport.stream.process import ServeProcess
+from transfer_engine.transport.stream.process import ServeProcess, serve_mode
 from transfer_engine.transport.tcp_nics import NicEndpoint, RateMeter, local_nics, pair_nics
 
 __all__ = ["TcpTransport"]
@@ -279,7 +279,7 @@ class TcpTransport(Transport):
     :param serve: where peers' requests are served: ``"thread"`` (threads of this
         process) or ``"process"`` (a serving process of its own, which moves the bytes
         while this process's threads are busy in Python; see
-        :mod:`.stream.process` and docs/data-plane.md). Default: ``$TE_TCP_SERVE`` or
+        :mod:`.stream.process` and docs/data-plane.md). Default: ``$TE_SERVE`` or
         ``"thread"``. ``"process"`` does not combine with ``nics`` yet.
     :param nic_timeout: seconds a NIC rail's sent bytes may stay unacknowledged before
         the kernel drops its connection (``TCP_USER_TIMEOUT``): a NIC whose link went
@@ -297,10 +297,7 @@ class TcpTransport(Transport):
                  nics: str | Sequence[str] | None = None,
                  topology: Topology | None = None, nic_timeout: float = 5.0,
                  serve: str | None = None) -> None:
-        serve = serve or os.environ.get("TE_TCP_SERVE") or "thread"
-        if serve not in ("thread", "process"):
-            raise ValueError(f"serve must be 'thread' or 'process', not {serve!r}")
-        self._serve = serve
+        self._serve = serve = serve_mode(serve)
         if spread is not None and spread < 1:
             raise ValueError("spread must be at least 1")
         if not stall_timeout > 0:
@@ -353,12 +350,13 @@ class TcpTransport(Transport):
         listener = socket.socket(addr[0], socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(addr[4])
-        listener.listen(128)
         bound = listener.getsockname()
         if self._serve == "process":
-            self._process = ServeProcess(listener, host, self._buffer_bytes,
-                                         self._congestion, self._stall)
+            self._process = ServeProcess("tcp", listener, host, stall_timeout=self._stall,
+                                         buffer_bytes=self._buffer_bytes,
+                                         congestion=self._congestion)
             return {"host": bound[0], "port": bound[1]}
+        listener.listen(128)
         self._server = TcpServer(listener, host, self._buffer_bytes, self._congestion,
                                  self._stall)
         info: dict[str, Any] = {"host": bound[0], "port": bound[1]}

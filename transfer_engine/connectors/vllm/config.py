@@ -62,9 +62,9 @@ class TEConnectorConfig:
     :param transports: transport names, best first (``None``: the engine's default).
     :param lease_s: seconds prefill holds a finished request's blocks for decode.
     :param timeout_s: seconds for handshakes (connect, manifest read).
-    :param tcp_serve: where the worker's engine serves peers' tcp requests:
+    :param serve: where the worker's engine serves peers' tcp and shm requests:
         ``"thread"`` or ``"process"`` (a serving process that keeps moving KV while the
-        worker is busy in Python; see docs/data-plane.md). None: ``$TE_TCP_SERVE``, else
+        worker is busy in Python; see docs/data-plane.md). None: ``$TE_SERVE``, else
         threads.
     :param store: the cluster store's master, ``tcp://host:port`` (``None``: no store
         mode): prompts' full blocks are put there when a request finishes, and any
@@ -81,15 +81,15 @@ class TEConnectorConfig:
     transports: tuple[str, ...] | None = None
     lease_s: float = 30.0
     timeout_s: float = 10.0
-    tcp_serve: str | None = None
+    serve: str | None = None
     store: str | None = None
     store_timeout_s: float = 5.0
     secret_file: str | None = None
 
     def __post_init__(self) -> None:
-        if self.tcp_serve not in (None, "thread", "process"):
-            raise ValueError(f"tcp_serve must be 'thread' or 'process', not "
-                             f"{self.tcp_serve!r}")
+        if self.serve not in (None, "thread", "process"):
+            raise ValueError(f"serve must be 'thread' or 'process', not "
+                             f"{self.serve!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.lease_s <= 0 or self.timeout_s <= 0:
@@ -110,7 +110,7 @@ class TEConnectorConfig:
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> TEConnectorConfig:
-        known = {"host", "port", "transports", "lease_s", "timeout_s", "tcp_serve", "store",
+        known = {"host", "port", "transports", "lease_s", "timeout_s", "serve", "store",
                  "store_timeout_s", "secret_file"}
         unknown = set(extra) - known
         if unknown:
@@ -127,23 +127,25 @@ class TEConnectorConfig:
                    transports=tuple(transports) if transports else None,
                    lease_s=float(extra.get("lease_s", cls.lease_s)),
                    timeout_s=float(extra.get("timeout_s", cls.timeout_s)),
-                   tcp_serve=extra.get("tcp_serve"),
+                   serve=extra.get("serve"),
                    store=extra.get("store"),
                    store_timeout_s=float(extra.get("store_timeout_s", cls.store_timeout_s)),
                    secret_file=extra.get("secret_file"))
 
     def engine_transports(self) -> list[Any] | None:
-        """The engine's transports: the names given (or the default), with tcp built
-        for ``tcp_serve`` when it is set."""
-        if self.tcp_serve is None:
+        """The engine's transports: the names given (or the default), with tcp and shm
+        built for ``serve`` when it is set."""
+        if self.serve is None:
             return list(self.transports) if self.transports else None
         from transfer_engine.engine import DEFAULT_TRANSPORTS
+        from transfer_engine.transport.shm import ShmTransport
         from transfer_engine.transport.tcp import TcpTransport
 
         env = [t.strip() for t in os.environ.get("TE_TRANSPORTS", "").split(",") if t.strip()]
         names = list(self.transports or env or DEFAULT_TRANSPORTS)
-        return [TcpTransport(host=self.host, serve=self.tcp_serve) if n == "tcp" else n
-                for n in names]
+        built = {"tcp": lambda: TcpTransport(host=self.host, serve=self.serve),
+                 "shm": lambda: ShmTransport(serve=self.serve)}
+        return [built[n]() if n in built else n for n in names]
 
 
 def _check_store_address(address: str) -> None:

@@ -1,4 +1,5 @@
-"""The application's side of a serving process (``TcpTransport(serve="process")``).
+"""The application's side of a serving process (``serve="process"`` of the tcp and shm
+transports).
 
 Why a process: a thread of ours inside the application must win the GIL back after
 every wait for a peer, and a busy application thread holds it for up to the switch
@@ -39,12 +40,25 @@ _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
          "from transfer_engine.transport.stream.worker import main; main()")
 
 
-class ServeProcess:
-    """Starts the serving process on ``listener`` (which it then owns) and relays what
-    it asks of ``host``. Closed by its transport."""
+def serve_mode(serve: str | None) -> str:
+    """``serve`` as given, else ``$TE_SERVE``, else ``"thread"``; ValueError if unknown."""
+    mode = serve or os.environ.get("TE_SERVE") or "thread"
+    if mode not in ("thread", "process"):
+        raise ValueError(f"serve must be 'thread' or 'process', not {mode!r}")
+    return mode
 
-    def __init__(self, listener: socket.socket, host: Host, buffer_bytes: int,
-                 congestion: str | None, stall_timeout: float) -> None:
+
+class ServeProcess:
+    """Starts the serving process of transport ``kind`` (``"tcp"`` or ``"shm"``) on
+    ``listener``, bound and not yet listening: the serving process listens, so that a
+    unix socket's peers see its credentials (shm initiators let that process copy).
+    The serving process owns the listener from then on. Relays what it asks of
+    ``host``; closed by its transport."""
+
+    def __init__(self, kind: str, listener: socket.socket, host: Host, *,
+                 stall_timeout: float, buffer_bytes: int = 0,
+                 congestion: str | None = None) -> None:
+        self.kind = kind
         self._host = host
         self._admitted: dict[int, Any] = {}  # admission id -> the host's ticket
         self._next_admission = 0
@@ -66,7 +80,7 @@ class ServeProcess:
             listener.close()  # the serving process holds it now
         self._chan = Channel(ours)
         try:
-            self._chan.send({"name": host.name, "host_id": host.host_id,
+            self._chan.send({"kind": kind, "name": host.name, "host_id": host.host_id,
                              "buffer_bytes": buffer_bytes, "congestion": congestion,
                              "stall": stall_timeout})
             ours.settimeout(START_TIMEOUT)
@@ -76,11 +90,11 @@ class ServeProcess:
                 raise ChannelClosed(f"unexpected {ready!r}")
         except (ChannelClosed, OSError) as exc:
             self._kill()
-            raise ClosedError(f"tcp serving process did not start: {exc}",
-                                 transport="tcp") from None
+            raise ClosedError(f"{kind} serving process did not start: {exc}",
+                              transport=kind) from None
         self.pid = int(ready["pid"])
         self._reader = threading.Thread(target=self._read, daemon=True,
-                                        name="te-tcp-serve-link")
+                                        name=f"te-{kind}-serve-link")
         self._reader.start()
 
     # --- what the serving process asks ------------------------------------------------
@@ -138,8 +152,8 @@ class ServeProcess:
         if not was_dead:
             code = self._proc.poll()
             if code not in (None, 0):
-                log.error("tcp serving process exited (%s): peers' rails to this engine "
-                          "are down", _describe(code))
+                log.error("%s serving process exited (%s): peers' rails to this engine "
+                          "are down", self.kind, _describe(code))
         self._chan.close()
 
     # --- what the transport tells it --------------------------------------------------
@@ -153,8 +167,8 @@ class ServeProcess:
         try:
             return self._chan.call(msg, timeout, fds)
         except (ChannelClosed, TimeoutError) as exc:
-            raise ClosedError(f"tcp serving process unreachable: {exc}",
-                                 transport="tcp") from None
+            raise ClosedError(f"{self.kind} serving process unreachable: {exc}",
+                              transport=self.kind) from None
 
     def register(self, seg: Segment) -> None:
         """Tells the serving process of ``seg`` (sharing its pages when it can) before
@@ -218,7 +232,7 @@ class ServeProcess:
         try:
             self._proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            log.warning("tcp serving process did not stop; killing it")
+            log.warning("%s serving process did not stop; killing it", self.kind)
             self._kill()
         self._chan.close()
         self._reader.join(timeout=5)

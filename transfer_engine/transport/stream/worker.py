@@ -1,10 +1,11 @@
-"""The serving process: a TCP stream server that runs outside the application.
+"""The serving process: a stream transport's server, run outside the application.
 
 Started by :class:`.process.ServeProcess` with three descriptors: its end of the
 private channel, the listening socket, and the application's ``/proc/<pid>/mem``
 (opened by the application itself, so no ptrace permission is involved). It runs the
-same :class:`~transfer_engine.transport.tcp.TcpServer` as the in-process mode, every
-check included, against a host that asks the application only what only it knows:
+same :class:`~transfer_engine.transport.tcp.TcpServer` or
+:class:`~transfer_engine.transport.shm.ShmServer` as the in-process mode, every check
+included, against a host that asks the application only what only it knows:
 
 - a rail's opening (``admit``): the tickets stay in the application;
 - segments arrive as the application registers them (``seg``), with the memfd of their
@@ -27,6 +28,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,7 @@ import numpy as np
 from transfer_engine.errors import AuthenticationError, InvalidDescriptorError
 from transfer_engine.segment import MemoryInfo, Segment, _view_at
 from transfer_engine.transport.base import Immediate
+from transfer_engine.transport.shm import ShmServer
 from transfer_engine.transport.stream.channel import Channel, ChannelClosed
 from transfer_engine.transport.stream.io import (
     recv_into_views,
@@ -56,7 +59,7 @@ class ServedSegment(Segment):
     __slots__ = ("lo", "hi", "delta", "_map")
 
     def __init__(self, seg_id: int, name: str, address: int, length: int, device: str,
-                 writable: bool, server: TcpServer | None) -> None:
+                 writable: bool, server: TcpServer | ShmServer | None) -> None:
         def stuck(seg: Segment) -> None:
             if server is not None:
                 server.revoke(seg)
@@ -177,6 +180,26 @@ def _pieces(views: Targets) -> list[tuple[int, int, int]]:
     return out
 
 
+def direct_rows(views: Targets) -> np.ndarray | None:
+    """The request's rows as local addresses when every byte is in shared pages."""
+    iov = views.iov
+    if not len(iov):
+        return iov
+    segs, ids = views.segments, views.ids
+    out = iov.copy()
+    for seg_id, seg in segs.items():
+        rows = slice(None) if ids is None else ids == seg_id
+        mine = iov[rows]
+        if not len(mine):
+            continue
+        if not (int(mine[:, 0].min()) >= seg.lo  # type: ignore[attr-defined]
+                and int((mine[:, 0] + mine[:, 1]).max()) <= seg.hi):  # type: ignore[attr-defined]
+            return None
+        delta = np.uint64(seg.delta % _U64)  # type: ignore[attr-defined]
+        out[rows, 0] += delta
+    return out
+
+
 class ServeTcpServer(TcpServer):
     """:class:`TcpServer` over the application's memory from outside its process."""
 
@@ -185,28 +208,8 @@ class ServeTcpServer(TcpServer):
         self._mem = mem_fd
         super().__init__(listener, host, buffer_bytes, congestion, stall_timeout)
 
-    @staticmethod
-    def _direct(views: Targets) -> np.ndarray | None:
-        """The request's rows as local addresses when every byte is in shared pages."""
-        iov = views.iov
-        if not len(iov):
-            return iov
-        segs, ids = views.segments, views.ids
-        out = iov.copy()
-        for seg_id, seg in segs.items():
-            rows = slice(None) if ids is None else ids == seg_id
-            mine = iov[rows]
-            if not len(mine):
-                continue
-            if not (int(mine[:, 0].min()) >= seg.lo  # type: ignore[attr-defined]
-                    and int((mine[:, 0] + mine[:, 1]).max()) <= seg.hi):  # type: ignore[attr-defined]
-                return None
-            delta = np.uint64(seg.delta % _U64)  # type: ignore[attr-defined]
-            out[rows, 0] += delta
-        return out
-
     def land(self, conn: Connection, views: Targets, local: np.ndarray | None) -> None:
-        iov = self._direct(views)
+        iov = direct_rows(views)
         if iov is not None:
             recv_scatter(conn.sock, iov, views.nbytes)
             return
@@ -224,7 +227,7 @@ class ServeTcpServer(TcpServer):
 
     def serve(self, conn: Connection, wr_id: int, views: Targets,
               local: np.ndarray | None) -> None:
-        iov = self._direct(views)
+        iov = direct_rows(views)
         answer = self._answer(wr_id, None)
         if iov is not None:
             headroom = np.empty((len(iov) + 1, 2), dtype=np.uint64)
@@ -240,6 +243,39 @@ class ServeTcpServer(TcpServer):
                 _full(os.preadv, self._mem, memoryview(chunk), address)
                 bufs.append(chunk)
         send_views(conn.sock, bufs)
+
+
+class ServeShmServer(ShmServer):
+    """:class:`ShmServer` over the application's memory from outside its process: the
+    initiator's bytes are copied to and from shared pages directly, and through bounce
+    buffers and the mem file for the rest."""
+
+    def __init__(self, listener: socket.socket, host: ProxyHost, mem_fd: int,
+                 stall_timeout: float) -> None:
+        self._mem = mem_fd
+        super().__init__(listener, host, 0, stall_timeout)
+
+    def rows(self, views: Targets, write_to_peer: bool
+             ) -> tuple[list[tuple[int, int]], Callable[[], None] | None]:
+        iov = direct_rows(views)
+        if iov is not None:
+            return iov.tolist(), None
+        rows: list[tuple[int, int]] = []
+        bounced: list[tuple[memoryview, int]] = []
+        for address, length, here in _pieces(views):
+            if here:
+                rows.append((here, length))
+                continue
+            buf = memoryview(bytearray(length))
+            rows.append((ctypes.addressof(ctypes.c_char.from_buffer(buf)), length))
+            bounced.append((buf, address))
+            if write_to_peer:
+                _full(os.preadv, self._mem, buf, address)
+        def put_in_place() -> None:  # also keeps the bounce buffers alive until then
+            if not write_to_peer:
+                for buf, address in bounced:
+                    _full(os.pwrite, self._mem, buf, address)
+        return rows, put_in_place
 
 
 def _full(call: Any, fd: int, buf: memoryview, offset: int) -> None:
@@ -265,8 +301,14 @@ def main() -> None:
     chan = Channel(socket.socket(fileno=ctrl))
     cfg, _ = chan.recv()
     host = ProxyHost(chan, cfg["name"], cfg["host_id"])
-    server = ServeTcpServer(socket.socket(fileno=listen), host, mem, cfg["buffer_bytes"],
-                            cfg["congestion"], cfg["stall"])
+    listener = socket.socket(fileno=listen)
+    listener.listen(128)
+    server: TcpServer | ShmServer
+    if cfg["kind"] == "shm":
+        server = ServeShmServer(listener, host, mem, cfg["stall"])
+    else:
+        server = ServeTcpServer(listener, host, mem, cfg["buffer_bytes"], cfg["congestion"],
+                                cfg["stall"])
     chan.send({"op": "ready", "pid": os.getpid()})
     try:
         while True:
@@ -298,7 +340,7 @@ def main() -> None:
         chan.close()
 
 
-def _add_segment(chan: Channel, host: ProxyHost, server: TcpServer, msg: dict[str, Any],
+def _add_segment(chan: Channel, host: ProxyHost, server: TcpServer | ShmServer, msg: dict[str, Any],
                  fds: list[int]) -> None:
     seg = ServedSegment(msg["seg"], msg["name"], msg["address"], msg["length"],
                         msg["device"], msg["writable"], server)
