@@ -317,3 +317,24 @@ def test_busy_target_and_initiator_move_exact_bytes(
     while len(got) < 3 and time.monotonic() < deadline:
         got += t.notifications(timeout=0.5)
     assert sorted(n.payload for n in got) == [b"n0", b"n1", b"n2"]
+
+
+def test_share_body_moves_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A segment larger than a chunk is moved a chunk at a time, bytes intact, and
+    shared again as one body."""
+    monkeypatch.setattr(shared, "MOVE_CHUNK", 64 << 10)
+    buf = np.frombuffer(bytearray(random_bytes(MiB + 12345, 4).tobytes()), np.uint8)
+    want = buf.copy()
+    body = shared.share_body(buf.ctypes.data, buf.size)
+    assert body is not None
+    try:
+        assert np.array_equal(buf, want)
+        buf[body.start - buf.ctypes.data] ^= 0xFF  # still ordinary, writable memory
+        assert buf[body.start - buf.ctypes.data] != want[body.start - buf.ctypes.data]
+        again = shared.share_body(body.start, body.end - body.start)
+        assert again is not None and (again.start, again.end) == (body.start, body.end)
+        os.close(again.fd)
+        shared.release(again)
+    finally:
+        os.close(body.fd)
+        shared.release(body)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 PAGE = mmap.PAGESIZE
 MIN_SHARED = 64 << 10  # below this the whole segment goes through /proc/<pid>/mem
+MOVE_CHUNK = 64 << 20  # bytes copied and remapped at a time (the extra memory it needs)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -118,18 +119,22 @@ def share_body(address: int, length: int) -> Body | None:
         fd = os.memfd_create(_NAME, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
-            view = memoryview((ctypes.c_ubyte * size).from_address(start)).cast("B")
-            done = 0
-            while done < size:
-                done += os.pwrite(fd, view[done:], done)
-            got = _libc.mmap(start, size, mmap.PROT_READ | mmap.PROT_WRITE,
-                             mmap.MAP_SHARED | 0x10,  # MAP_FIXED
-                             fd, 0)
-            if got in (None, _MAP_FAILED) or got != start:
-                os.close(fd)
-                return None  # nothing was replaced
             inode = os.fstat(fd).st_ino
+            for at in range(0, size, MOVE_CHUNK):  # at most one chunk held twice
+                n = min(MOVE_CHUNK, size - at)
+                view = memoryview((ctypes.c_ubyte * n).from_address(start + at)).cast("B")
+                done = 0
+                while done < n:
+                    done += os.pwrite(fd, view[done:], at + done)
+                del view
+                got = _libc.mmap(start + at, n, mmap.PROT_READ | mmap.PROT_WRITE,
+                                 mmap.MAP_SHARED | 0x10,  # MAP_FIXED
+                                 fd, at)
+                if got in (None, _MAP_FAILED) or got != start + at:
+                    raise OSError(ctypes.get_errno(), "mmap over the segment failed")
         except OSError:
+            # chunks moved so far stay moved (same bytes, same addresses), unrecorded:
+            # a later registration may move them again
             os.close(fd)
             return None
         _open[inode] = [fd, 1]
