@@ -338,3 +338,30 @@ def test_share_body_moves_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         os.close(body.fd)
         shared.release(body)
+
+
+def test_a_notification_callback_may_register_and_close_segments(
+        make_engine: Callable[..., Engine]) -> None:
+    """Callbacks run off the link to the serving process: one that registers and closes
+    a segment (which asks the serving process and waits) neither deadlocks nor stalls."""
+    t = _target(make_engine)
+    a = make_engine("a", transports=["tcp"])
+    t.register(torch.zeros(MiB, dtype=torch.uint8), name="kv")
+    done = threading.Event()
+    seen: list[bytes] = []
+
+    def callback(note: Any) -> None:
+        with t.register(torch.zeros(MiB, dtype=torch.uint8)):
+            pass
+        seen.append(note.payload)
+        done.set()
+
+    t.on_notify(callback)
+    src = random_bytes(MiB, 2)
+    src_seg = a.register(src)
+    peer = a.connect(t.endpoint)
+    start = time.monotonic()
+    a.write(peer, [(Descriptor(src_seg, 0, MiB), Descriptor(peer.segment("kv"), 0, MiB))],
+            notify=b"cb").wait(10)
+    assert done.wait(8) and seen == [b"cb"]
+    assert time.monotonic() - start < 8

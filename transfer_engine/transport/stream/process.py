@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -93,6 +94,14 @@ class ServeProcess:
             raise ClosedError(f"{kind} serving process did not start: {exc}",
                               transport=kind) from None
         self.pid = int(ready["pid"])
+        # immediates go to the engine from a thread of their own, in order: a
+        # notification callback may call back here (register, close a segment), which
+        # waits for an answer only the link's reader can take
+        self._immediates: queue.SimpleQueue[tuple[str, Immediate, bytes] | None] = (
+            queue.SimpleQueue())
+        self._deliverer = threading.Thread(target=self._deliver, daemon=True,
+                                           name=f"te-{kind}-serve-notify")
+        self._deliverer.start()
         self._reader = threading.Thread(target=self._read, daemon=True,
                                         name=f"te-{kind}-serve-link")
         self._reader.start()
@@ -109,9 +118,8 @@ class ServeProcess:
                     continue
                 op = msg.get("op")
                 if op == "imm":
-                    self._host.deliver_immediate(
-                        msg["peer"], Immediate(msg["transfer"], msg["expected"],
-                                               msg["notify"]), msg["origin"])
+                    self._immediates.put((msg["peer"], Immediate(
+                        msg["transfer"], msg["expected"], msg["notify"]), msg["origin"]))
                 elif op == "admit":
                     self._admit(msg)
                 elif op == "release":
@@ -125,6 +133,13 @@ class ServeProcess:
             log.exception("serving process link failed")
         finally:
             self._gone()
+
+    def _deliver(self) -> None:
+        while (item := self._immediates.get()) is not None:
+            try:
+                self._host.deliver_immediate(*item)
+            except Exception:
+                log.exception("immediate from %s not delivered", item[0])
 
     def _admit(self, msg: dict[str, Any]) -> None:
         try:
@@ -149,6 +164,7 @@ class ServeProcess:
             self._admitted.clear()
         for ticket in admitted:
             ticket.release()
+        self._immediates.put(None)  # after every immediate that arrived
         if not was_dead:
             code = self._proc.poll()
             if code not in (None, 0):
@@ -236,6 +252,7 @@ class ServeProcess:
             self._kill()
         self._chan.close()
         self._reader.join(timeout=5)
+        self._deliverer.join(timeout=5)
         with self._lock:
             bodies = list(self._bodies.values())
             self._bodies.clear()
