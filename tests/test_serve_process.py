@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -365,3 +368,48 @@ def test_a_notification_callback_may_register_and_close_segments(
             notify=b"cb").wait(10)
     assert done.wait(8) and seen == [b"cb"]
     assert time.monotonic() - start < 8
+
+
+def test_the_serving_process_outlives_the_thread_that_started_it(
+        make_engine: Callable[..., Engine]) -> None:
+    made: list[Engine] = []
+    thread = threading.Thread(target=lambda: made.append(_target(make_engine)))
+    thread.start()
+    thread.join(60)
+    t = made[0]
+    t.register(torch.zeros(MiB, dtype=torch.uint8), name="kv")
+    time.sleep(0.3)
+    assert os.path.exists(f"/proc/{_serve_pid(t)}") and not _zombie(_serve_pid(t))
+    a = make_engine("a", transports=["tcp"])
+    src = random_bytes(MiB, 3)
+    peer = a.connect(t.endpoint)
+    a.write(peer, [(Descriptor(a.register(src), 0, MiB),
+                    Descriptor(peer.segment("kv"), 0, MiB))]).wait(10)
+
+
+def test_the_serving_process_exits_with_a_killed_application(tmp_path: Any) -> None:
+    code = ("import os, sys, time; from transfer_engine import Engine; "
+            "from transfer_engine.transport.tcp import TcpTransport; "
+            "e = Engine('app', transports=[TcpTransport(serve='process')]); "
+            "print(e._transports['tcp'].info('serve_pid'), flush=True); time.sleep(60)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+    app = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                           env=env)
+    try:
+        assert app.stdout is not None
+        serve_pid = int(app.stdout.readline())
+        assert os.path.exists(f"/proc/{serve_pid}")
+        app.kill()
+        app.wait(10)
+        deadline = time.monotonic() + 10
+        while (os.path.exists(f"/proc/{serve_pid}") and not _zombie(serve_pid)
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{serve_pid}") or _zombie(serve_pid)
+    finally:
+        if app.poll() is None:
+            app.kill()
+            app.wait(10)
+        if app.stdout is not None:
+            app.stdout.close()

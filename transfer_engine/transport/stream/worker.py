@@ -14,8 +14,8 @@ included, against a host that asks the application only what only it knows:
   not be shared) through the mem file;
 - immediates go back (``imm``) after their bytes landed, in order.
 
-It exits when the channel closes, and is killed with the application
-(``PR_SET_PDEATHSIG``).
+It exits when the channel closes, which the kernel does when the application exits or
+is killed (``PR_SET_PDEATHSIG`` would follow the thread that started it instead).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import ctypes
 import logging
 import mmap
 import os
-import signal
 import socket
 import sys
 import threading
@@ -294,10 +293,9 @@ def main() -> None:
     """The serving process's main thread: set up, then read the channel until it closes."""
     logging.basicConfig(level=os.environ.get("TE_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s te-serve %(levelname)s %(message)s")
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     ctrl, listen, mem = (int(v) for v in os.environ["TE_SERVE_FDS"].split(","))
     if os.getppid() != int(os.environ["TE_SERVE_PARENT"]):
-        sys.exit(0)  # the application died before we armed the signal
+        sys.exit(0)  # the application is gone already
     chan = Channel(socket.socket(fileno=ctrl))
     cfg, _ = chan.recv()
     host = ProxyHost(chan, cfg["name"], cfg["host_id"])
