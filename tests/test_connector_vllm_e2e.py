@@ -285,7 +285,10 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tmp_path = tmp_path_factory.mktemp("vllm")
     model = tmp_path / "model"
     build_model(model)
-    extra = {"prefill": {"lease_s": LEASE_S}, "decode": {"timeout_s": 3.0}, "single": {}}
+    # prefill serves decode's READs from a serving process: its model runner is the busy
+    # Python thread of a P/D pull
+    extra = {"prefill": {"lease_s": LEASE_S, "serve": "process"}, "decode": {"timeout_s": 3.0},
+             "single": {}}
     # prefill and decode on cores of their own, as on two hosts; the single engine on
     # prefill's (they never run at the same time): one engine's worth of CPU each
     first, second = core_halves()
