@@ -18,6 +18,8 @@ arguments map:
 
 As in Mooncake, ``put`` of a key that is already stored leaves the stored value and
 succeeds (keys name immutable KV blocks); ``remove`` then ``put`` replaces one.
+``BufferPool`` (:mod:`kvstore.buffer_pool`) leases registered scratch memory for
+``get_into`` / ``put_from``, as Mooncake's does.
 """
 
 from __future__ import annotations
