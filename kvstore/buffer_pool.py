@@ -182,6 +182,10 @@ class BufferLease:
             return
         pool._give_back(self)
 
+    def _detach(self) -> _Region | None:
+        region, self._region, self._pool = self._region, None, None
+        return region
+
     def __enter__(self) -> BufferLease:
         return self
 
@@ -234,7 +238,9 @@ class BufferPool:
         self._default_timeout = None if default_timeout is None else float(default_timeout)
         self._max_regions = None if max_regions is None else _size(max_regions,
                                                                    "max_regions")
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._pending: list[_Region] = []  # releases deferred by _give_back
         self._active: dict[int, _Region] = {}
         self._total = 0  # bytes held by active leases
         self._reserved_bytes = 0  # overflow buffers being made outside the lock
@@ -269,6 +275,7 @@ class BufferPool:
         with self._cond:
             while True:
                 self._raise_if_not_open()
+                self._drain_locked()
                 region = self._try_acquire_locked(need)
                 if region is not None:
                     self._active[region.ptr] = region
@@ -339,27 +346,48 @@ class BufferPool:
     def _give_back(self, lease: BufferLease) -> None:
         """Ends ``lease``: its block goes back to its free list, an overflow buffer is
         unregistered and unmapped."""
+        if self._lock._is_owned():  # type: ignore[attr-defined]
+            # a finaliser the garbage collector ran inside this pool's own locked code,
+            # mid-change: the next acquire or close finishes it
+            region = lease._detach()
+            if region is not None:
+                self._pending.append(region)
+            return
         with self._cond:
-            region = lease._region
+            region = lease._detach()
             if region is None:
                 return
-            lease._region = None
-            lease._pool = None
-            del self._active[region.ptr]
-            self._total -= region.accounted
-            if region.offset is not None:
-                self._buddy.free(region.offset)
-                self._cond.notify_all()
-                return
-        assert region.mapping is not None
+            mapping = self._drop_locked(region)
+        if mapping is None:
+            return
         try:
             ret = self._store.unregister_buffer(region.ptr)
         finally:
-            region.mapping.close()
+            mapping.close()
             with self._cond:
                 self._cond.notify_all()
         if ret != 0:
             raise RuntimeError("overflow buffer unregistration failed")
+
+    def _drop_locked(self, region: _Region) -> _Mapping | None:
+        """Forgets an ended lease's region; its overflow mapping, if any, is the
+        caller's to unregister and unmap."""
+        del self._active[region.ptr]
+        self._total -= region.accounted
+        if region.offset is not None:
+            self._buddy.free(region.offset)
+            self._cond.notify_all()
+        return region.mapping
+
+    def _drain_locked(self) -> None:
+        """Finishes the releases deferred by :meth:`_give_back`."""
+        while self._pending:
+            region = self._pending.pop()
+            mapping = self._drop_locked(region)
+            if mapping is not None:
+                self._store.unregister_buffer(region.ptr)
+                mapping.close()
+                self._cond.notify_all()
 
     # -- pool --------------------------------------------------------------------------
 
@@ -370,6 +398,7 @@ class BufferPool:
         with self._cond:
             if self._closed or self._closing or max(size, 1) > self._max_size_class:
                 return
+            self._drain_locked()
             order = self._buddy.order_for(size)
             taken: list[int] = []
             for _ in range(count):
@@ -388,6 +417,7 @@ class BufferPool:
                 return
             self._closing = True
             self._cond.wait_for(lambda: self._reserved_regions == 0)
+            self._drain_locked()
             if self._active:
                 self._closing = False
                 self._cond.notify_all()

@@ -251,6 +251,24 @@ def test_a_dropped_lease_goes_back(store: MooncakeDistributedStore) -> None:
     pool.close()
 
 
+def test_a_lease_collected_inside_the_pools_lock(store: MooncakeDistributedStore) -> None:
+    """The garbage collector may end a lease while this thread runs the pool's locked
+    code; that release waits for the next acquire or close instead of changing the
+    pool's state mid-operation."""
+    pool = BufferPool(store, min_size_class=4096, alignment=4096,
+                      block_on_exhaustion=False)
+    local = pool.acquire(LOCAL)
+    overflow = pool.acquire(1)  # the area is full: an overflow buffer
+    registered = len(store._buffers)
+    with pool._cond:
+        del local, overflow
+        gc.collect()
+        assert len(pool._active) == 2  # not yet
+    pool.acquire(LOCAL).release()  # both came back on the way in
+    assert len(store._buffers) == registered - 1
+    pool.close()
+
+
 def test_close_refuses_active_leases(store: MooncakeDistributedStore) -> None:
     pool = BufferPool(store, 1 << 20, min_size_class=4096, alignment=4096)
     lease = pool.acquire(1)
