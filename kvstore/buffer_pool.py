@@ -19,6 +19,7 @@ size), ``max_regions`` the number of active leases. Errors are Mooncake's:
 from __future__ import annotations
 
 import ctypes
+import heapq
 import mmap
 import operator
 import threading
@@ -65,35 +66,53 @@ class _Mapping:
 
 
 class _Buddy:
-    """Power-of-two blocks of one area, offsets relative to its start."""
+    """Power-of-two blocks of one area, offsets relative to its start. Per order: a set
+    of free offsets and a heap of them (entries whose block has since merged are skipped
+    when popped), so the lowest free block is found without a scan."""
 
     def __init__(self, size: int, min_block: int) -> None:
         self.min_order = (min_block - 1).bit_length()
         self.max_order = max(size.bit_length() - 1, self.min_order - 1)
-        self._free: dict[int, set[int]] = {
-            k: set() for k in range(self.min_order, self.max_order + 1)}
+        orders = range(self.min_order, self.max_order + 1)
+        self._free: dict[int, set[int]] = {k: set() for k in orders}
+        self._heaps: dict[int, list[int]] = {k: [] for k in orders}
         self._used: dict[int, int] = {}
         offset = 0
         for order in range(self.max_order, self.min_order - 1, -1):
             if size - offset >= 1 << order:  # largest first: each block aligned to its size
-                self._free[order].add(offset)
+                self._add(order, offset)
                 offset += 1 << order
 
     def order_for(self, size: int) -> int:
         return max(self.min_order, (max(size, 1) - 1).bit_length())
 
+    def _add(self, order: int, offset: int) -> None:
+        self._free[order].add(offset)
+        heap = self._heaps[order]
+        heapq.heappush(heap, offset)
+        if len(heap) > 2 * len(self._free[order]) + 64:  # drop the stale entries
+            heap[:] = sorted(self._free[order])
+
+    def _pop_lowest(self, order: int) -> int:
+        free, heap = self._free[order], self._heaps[order]
+        while True:
+            offset = heapq.heappop(heap)
+            if offset in free:
+                free.discard(offset)
+                return offset
+
     def alloc(self, order: int) -> int | None:
-        """The offset of a free block of ``order``, or None."""
+        """The offset of a free block of ``order`` (the lowest, which keeps the top of
+        the area whole for large requests), or None."""
         if order > self.max_order:
             return None
         k = next((k for k in range(order, self.max_order + 1) if self._free[k]), None)
         if k is None:
             return None
-        offset = min(self._free[k])  # lowest first keeps the top of the area whole
-        self._free[k].discard(offset)
+        offset = self._pop_lowest(k)
         while k > order:
             k -= 1
-            self._free[k].add(offset + (1 << k))
+            self._add(k, offset + (1 << k))
         self._used[offset] = order
         return offset
 
@@ -103,10 +122,10 @@ class _Buddy:
             buddy = offset ^ (1 << order)
             if buddy not in self._free[order]:
                 break
-            self._free[order].discard(buddy)
+            self._free[order].discard(buddy)  # its heap entry goes stale
             offset = min(offset, buddy)
             order += 1
-        self._free[order].add(offset)
+        self._add(order, offset)
 
 
 @dataclass

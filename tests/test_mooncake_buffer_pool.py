@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.buffer_pool import BufferLease, BufferPool, RegisteredBufferPool
+from kvstore.buffer_pool import BufferLease, BufferPool, RegisteredBufferPool, _Buddy
 from kvstore.master import Master
 from kvstore.mooncake_store import ErrorCode, MooncakeDistributedStore
 
@@ -358,6 +358,30 @@ def test_zero_copy_round_trip_through_leases(store: MooncakeDistributedStore,
         reader_pool.close()
         writer_pool.close()
         reader.close()
+
+
+@pytest.mark.parametrize("area", [1 << 20, (1 << 20) + (3 << 12) + 100])
+def test_blocks_never_overlap_and_merge_back(area: int) -> None:
+    buddy = _Buddy(area, 4096)
+    rng = np.random.default_rng(area)
+    held: dict[int, int] = {}
+    for _ in range(3000):
+        if held and rng.random() < 0.45:
+            offset = list(held)[int(rng.integers(len(held)))]
+            del held[offset]
+            buddy.free(offset)
+            continue
+        order = buddy.order_for(int(rng.integers(1, 200_000)))
+        offset = buddy.alloc(order)
+        if offset is None:
+            continue
+        assert offset % (1 << order) == 0 and offset + (1 << order) <= area
+        for other, other_order in held.items():
+            assert offset + (1 << order) <= other or other + (1 << other_order) <= offset
+        held[offset] = order
+    for offset in list(held):
+        buddy.free(offset)
+    assert buddy.alloc(buddy.max_order) == 0  # whole again
 
 
 def test_mooncake_names_in_the_shim() -> None:
