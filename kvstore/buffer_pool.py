@@ -182,8 +182,8 @@ class BufferLease:
     @property
     def buffer(self) -> memoryview:
         """A writable byte memoryview of the requested size over the lease's memory."""
-        if self._region is None:
-            raise RuntimeError("buffer lease is closed")
+        if self._region is None:  # BufferError, as Mooncake's buffer protocol raises
+            raise BufferError("buffer lease is closed")
         view = BufferLeaseView(self, self._size)
         self._views.add(view)
         return view.buffer
