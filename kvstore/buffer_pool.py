@@ -13,7 +13,8 @@ Where leases come from:
 
 ``max_bytes`` bounds the bytes all active leases hold (local blocks count their class
 size), ``max_regions`` the number of active leases. Errors are Mooncake's:
-``RuntimeError`` with its messages.
+``RuntimeError`` with its messages (``BufferError`` for the view of a released lease,
+``TypeError`` for a negative size).
 """
 
 from __future__ import annotations
