@@ -18,6 +18,8 @@ arguments map:
 
 As in Mooncake, ``put`` of a key that is already stored leaves the stored value and
 succeeds (keys name immutable KV blocks); ``remove`` then ``put`` replaces one.
+``BufferPool`` (:mod:`kvstore.buffer_pool`) leases registered scratch memory for
+``get_into`` / ``put_from``, as Mooncake's does.
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.buffer_pool import (
+    BufferLease,
+    BufferLeaseView,
+    BufferPool,
+    RegisteredBufferLease,
+    RegisteredBufferLeaseView,
+    RegisteredBufferPool,
+)
 from kvstore.client import Client
 from kvstore.errors import (
     CapacityError,
@@ -39,7 +49,9 @@ from kvstore.node import StorageNode
 from transfer_engine import Engine
 from transfer_engine.errors import TransferEngineError
 
-__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "ErrorCode"]
+__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "ErrorCode", "BufferPool",
+           "BufferLease", "BufferLeaseView", "RegisteredBufferPool", "RegisteredBufferLease",
+           "RegisteredBufferLeaseView"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +103,7 @@ class MooncakeDistributedStore:
         self._node: StorageNode | None = None
         self._engine: Engine | None = None
         self._buffers: dict[int, Any] = {}
+        self._local_buffer_size: int | None = None
 
     def setup(self, local_hostname: str, metadata_server: str = "",
               global_segment_size: int = 0, local_buffer_size: int = 16 << 20,
@@ -116,7 +129,13 @@ class MooncakeDistributedStore:
             self.close()
             return _code(exc) if isinstance(exc, TransferEngineError) else \
                 ErrorCode.INVALID_PARAMS
+        self._local_buffer_size = local_buffer_size
         return ErrorCode.OK
+
+    def _local_buffer_bytes(self) -> int | None:
+        """``setup``'s ``local_buffer_size`` (None before setup): the size of a
+        :class:`BufferPool`'s local area over this store."""
+        return self._local_buffer_size
 
     def _c(self) -> Client:
         if self._client is None:
@@ -129,6 +148,7 @@ class MooncakeDistributedStore:
                 part.close()
         self._client = self._node = self._engine = None
         self._buffers.clear()
+        self._local_buffer_size = None
         return ErrorCode.OK
 
     # -- bytes -------------------------------------------------------------------------

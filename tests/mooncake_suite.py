@@ -13,7 +13,7 @@ The scripts and what is counted (12 tests per mode):
 
 - ``mooncake-wheel/tests/transfer_engine_initiator_test.py`` (6 unittest cases) against
   ``transfer_engine_target.py``;
-- ``mooncake-wheel/tests/test_import_structure.py`` (3 cases; two need ``mooncake.store``
+- ``mooncake-wheel/tests/test_import_structure.py`` (3 cases; two use ``mooncake.store``
   and ``BufferPool``, which the KV store provides);
 - ``mooncake-transfer-engine/example/batch_register_bench.py`` and
   ``kvcache_prefix_bench.py`` (target + initiator; pass: exit 0, no failed transfer);

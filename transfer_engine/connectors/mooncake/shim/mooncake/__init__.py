@@ -1,7 +1,8 @@
 """The ``mooncake`` package name over the transfer-engine project (a shim, not Mooncake).
 
-``mooncake.engine`` is :mod:`transfer_engine.connectors.mooncake`; ``mooncake.store``
-and ``BufferPool`` come from the project's KV store where it provides them. The shim
+``mooncake.engine`` is :mod:`transfer_engine.connectors.mooncake`; ``mooncake.store``,
+``mooncake.buffer_pool`` and ``BufferPool`` come from the project's KV store where it
+provides them. The shim
 refuses to load where a real Mooncake is installed: it never shadows one.
 """
 
@@ -21,13 +22,17 @@ if _real is not None:
 IS_SHIM = True  # how code (and tests) tell the shim from Mooncake
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("BufferPool", "RegisteredBufferPool"):
-        from mooncake import store
+__all__ = ["BufferPool", "RegisteredBufferPool"]
 
-        value = getattr(store, name, None)
-        if value is not None:
-            return value
-        raise AttributeError(f"mooncake.{name}: the project's KV store does not provide "
-                             "it (yet)")
+
+def __getattr__(name: str) -> Any:
+    # lazily: ``import mooncake.engine`` should not load the KV store
+    if name in ("BufferPool", "RegisteredBufferPool"):
+        try:
+            from mooncake import buffer_pool
+        except ImportError as exc:
+            raise AttributeError(f"mooncake.{name}: {exc}") from None
+        value = getattr(buffer_pool, name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'mooncake' has no attribute {name!r}")
