@@ -300,6 +300,14 @@ class TransferEngine:
         except ValueError as exc:
             raise _Failed(-1, str(exc)) from None
         try:
+            return self._start_with(directory, local_hostname, protocol, auth)
+        except _Failed:
+            directory.close()
+            raise
+
+    def _start_with(self, directory: Directory, local_hostname: str, protocol: str,
+                    auth: AuthConfig) -> int:
+        try:
             host, port = split_hostport(local_hostname)
         except ValueError as exc:
             raise _Failed(-1, f"bad local_hostname {local_hostname!r}: {exc}") from None

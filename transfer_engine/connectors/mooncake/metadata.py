@@ -131,6 +131,9 @@ class Directory:
     def withdraw(self, name: str) -> None:
         """Removes what :meth:`publish` announced (best effort, never raises)."""
 
+    def close(self) -> None:
+        """Releases connections to the service (:meth:`withdraw` does too)."""
+
     def _stale(self, name: str, location: Location) -> bool:
         """Whether the entry under ``name`` is ours already or names an endpoint nobody
         listens on (a dead engine's, which a restarted one may take over)."""
@@ -303,9 +306,6 @@ class _StoreDirectory(Directory):
     def delete_if(self, key: str, value: bytes) -> None:
         """Deletes ``key`` while it holds ``value``."""
         raise NotImplementedError
-
-    def close(self) -> None:
-        """Releases connections to the store."""
 
     # Directory
 
