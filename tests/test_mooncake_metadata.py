@@ -506,6 +506,7 @@ def test_mooncakes_engine_and_ours_share_an_etcd(etcd_url: str) -> None:
         port = int(proc.stdout.readline())
         directory = EtcdDirectory(etcd_url)
         location = directory.lookup("mooncake-real")  # Mooncake's entry, read by us
+        assert directory.get("mooncake/ram/mooncake-real") is not None
         assert location.port == port
         assert directory.get("mooncake/rpc_meta/mooncake-real") == mooncake_json(
             {"ip_or_host_name": location.host, "rpc_port": port})
@@ -520,3 +521,6 @@ def test_mooncakes_engine_and_ours_share_an_etcd(etcd_url: str) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
