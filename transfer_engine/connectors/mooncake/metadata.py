@@ -9,7 +9,12 @@ Mooncake engines find each other by *segment name* (``local_hostname`` given to
   /metadata?key=K``, 200 on success, 404 for a missing key, 400 for a second ``PUT`` of
   a ``rpc_meta`` key (:class:`HttpDirectory` is the client, :class:`MetadataServer` the
   server, wire-compatible with Mooncake's ``mooncake_http_metadata_server``).
-- ``etcd://``/``redis://``: not supported here (:func:`open_directory` says so).
+- ``etcd://host:port`` (or a bare ``host:port``, Mooncake's default; several endpoints
+  separated by ``,`` or ``;``): the same keys in etcd, through its v3 JSON gateway
+  (:class:`EtcdDirectory`).
+- ``redis://[[user]:password@]host[:port][/db]``: the same keys in redis, over RESP by
+  hand (:class:`RedisDirectory`; credentials also from Mooncake's ``$MC_REDIS_USERNAME``,
+  ``$MC_REDIS_PASSWORD``, ``$MC_REDIS_DB_INDEX``).
 
 Keys, as Mooncake writes them (``<prefix>`` is ``mooncake/`` plus
 ``$MC_METADATA_CLUSTER_ID/`` when set):
@@ -20,12 +25,23 @@ Keys, as Mooncake writes them (``<prefix>`` is ``mooncake/`` plus
   "length"}]}``: the registered memory, for people and tools; our peers learn segments
   from the handshake itself.
 
+In etcd and redis the values are byte for byte what Mooncake's plugins write (compact
+JSON, keys sorted, a trailing newline: :func:`mooncake_json`), without a lease or TTL,
+so Mooncake's engines and ours read each other's entries. Mooncake's plugins overwrite
+an ``rpc_meta`` key; here it is created only when absent (etcd: a transaction on the
+key's create revision; redis: ``SET NX``) and replaced only when it is stale, as the
+HTTP server's first-writer rule has it. Closing deletes our keys while they still hold
+what we wrote (etcd: a transaction on the value; redis: a short Lua script).
+
 Authentication: with a control secret (``TE_CONTROL_SECRET``) the server answers only
 requests carrying ``X-TE-Signature``: our HMAC frame head (``control/auth.py``) over
 ``METHOD\\nKEY\\nsha256(body)``, with its timestamp window and replay check. Replies are
 not signed: a forged reply can at most point a client to an endpoint, whose handshake
 is signed. Without a secret the server serves loopback only (``TE_ALLOW_INSECURE=1`` to
 opt out), like every other port of the project.
+etcd and redis are the operator's to secure (etcd's TLS and users are not spoken here;
+redis's ``AUTH`` is); their entries are not signed, and as with a forged HTTP reply, a
+forged entry can only point an engine at an endpoint whose handshake is signed.
 """
 
 from __future__ import annotations
