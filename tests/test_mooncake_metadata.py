@@ -483,6 +483,34 @@ def test_redis_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
         directory.close()
 
 
+def test_redis_connection_dropped_by_the_server_is_opened_again(redis_url: str) -> None:
+    directory = RedisDirectory(redis_url)
+    name = _name("r")
+    directory.publish(name, Location("127.0.0.1", 5))
+    killer = mc_metadata.RespConnection("127.0.0.1", int(redis_url.rsplit(":", 1)[1]), 3)
+    try:
+        assert killer.command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes") >= 1
+    finally:
+        killer.close()
+    assert directory.lookup(name) == Location("127.0.0.1", 5)  # on a new connection
+    directory.withdraw(name)
+
+
+def test_a_store_that_never_answers_fails_within_its_timeout() -> None:
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        for directory in (RedisDirectory(f"redis://127.0.0.1:{port}", timeout=0.3),
+                          EtcdDirectory(f"127.0.0.1:{port}", timeout=0.3)):
+            started = time.monotonic()
+            with pytest.raises(DirectoryError) as err:
+                directory.lookup("x")
+            assert err.value.code == -200
+            assert time.monotonic() - started < 1.5
+            directory.close()
+
+
 MOONCAKE_ETCD_ENGINE = """
 import sys
 from mooncake.engine import TransferEngine
