@@ -557,7 +557,7 @@ class RedisDirectory(_StoreDirectory):
             raise DirectoryError(-200, f"{self.where} unreachable: {exc}") from None
         return conn
 
-    def _command(self, *args: str | bytes | int) -> Any:
+    def _command(self, verb: str, *args: str | bytes | int) -> Any:
         """One command; a connection the server dropped is opened again once."""
         with self._io:
             for attempt in (0, 1):
@@ -565,17 +565,17 @@ class RedisDirectory(_StoreDirectory):
                 if self._conn is None:
                     self._conn = self._connect()
                 try:
-                    return self._conn.command(*args)
+                    return self._conn.command(verb, *args)
                 except RedisError as exc:
                     hint = (" (give the password as MC_REDIS_PASSWORD or "
                             "redis://:password@host:port)" if "NOAUTH" in str(exc) else "")
-                    raise DirectoryError(-200, f"{self.where}: {args[0]}: {exc}{hint}"
+                    raise DirectoryError(-200, f"{self.where}: {verb}: {exc}{hint}"
                                          ) from None
                 except (OSError, ValueError) as exc:
                     self._conn.close()
                     self._conn = None
                     if fresh or attempt:
-                        raise DirectoryError(-200, f"{self.where}: {args[0]}: {exc}"
+                        raise DirectoryError(-200, f"{self.where}: {verb}: {exc}"
                                              ) from None
         raise AssertionError("unreachable")
 
