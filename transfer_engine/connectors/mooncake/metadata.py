@@ -306,6 +306,7 @@ class _StoreDirectory(Directory):
         self._prefix = key_prefix()
         self._written: dict[str, bytes] = {}  # key -> the value we last wrote there
         self._lock = threading.Lock()
+        self._publishing = threading.Lock()  # one publish_buffers at a time
 
     # the store's primitives; each raises DirectoryError when the store fails
 
@@ -352,13 +353,14 @@ class _StoreDirectory(Directory):
         value = mooncake_json({
             "name": name, "protocol": "transfer_engine",
             "buffers": [{"name": name, "addr": a, "length": n} for a, n in buffers]})
-        try:
-            self.put(key, value)
-        except DirectoryError as exc:
-            log.warning("%s", exc)
-            return
-        with self._lock:
-            self._written[key] = value
+        with self._publishing:  # what we record is what the store holds last
+            try:
+                self.put(key, value)
+            except DirectoryError as exc:
+                log.warning("%s", exc)
+                return
+            with self._lock:
+                self._written[key] = value
 
     def withdraw(self, name: str) -> None:
         with self._lock:
