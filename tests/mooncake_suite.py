@@ -1,7 +1,7 @@
 """Runs Mooncake's own transfer-engine Python tests, unchanged, against ``mooncake.engine``.
 
     PYTHONPATH=$PWD python3 -m tests.mooncake_suite --src MOONCAKE_CHECKOUT \
-        [--mode p2p|http|both] [--python PY] [--real]
+        [--mode p2p|http|etcd|redis|both|all] [--python PY] [--real]
 
 ``--src``: a Mooncake source checkout (only its test and example scripts are read).
 By default the scripts run on this project through the ``mooncake`` shim; ``--real``
@@ -41,6 +41,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.etcd_helpers import etcd_server
+from tests.redis_helpers import redis_server
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIM = ROOT / "transfer_engine" / "connectors" / "mooncake" / "shim"
@@ -211,17 +214,36 @@ def unittest_results(name: str, out: str, expected: int) -> list[Result]:
 
 
 def run_mode(r: Runner, mode: str) -> list[Result]:
-    results: list[Result] = []
-    meta_env: dict[str, str] = {}
-    server = None
-    if mode == "http":
-        port = free_port()
-        if r.real:
-            server = r.popen(["-c", "from mooncake.http_metadata_server import main; main()",
-                              "--port", str(port), "--host", "127.0.0.1"])
-        else:
-            server = r.popen(["-m", "transfer_engine.connectors.mooncake", "metadata-server",
-                              "--port", str(port), "--host", "127.0.0.1"])
+    with metadata_service(r, mode) as metadata:
+        return run_tests(r, mode, metadata)
+
+
+@contextmanager
+def metadata_service(r: Runner, mode: str) -> Iterator[str]:
+    """Starts the mode's metadata service; yields the connection string to pass."""
+    if mode == "p2p":
+        yield "P2PHANDSHAKE"
+    elif mode == "etcd":
+        data = r.workdir / "etcd-data"
+        data.mkdir(exist_ok=True)
+        with etcd_server(data) as url:
+            yield url
+    elif mode == "redis":
+        with redis_server() as url:
+            yield url
+    else:
+        yield from http_metadata_server(r)
+
+
+def http_metadata_server(r: Runner) -> Iterator[str]:
+    port = free_port()
+    if r.real:
+        server = r.popen(["-c", "from mooncake.http_metadata_server import main; main()",
+                          "--port", str(port), "--host", "127.0.0.1"])
+    else:
+        server = r.popen(["-m", "transfer_engine.connectors.mooncake", "metadata-server",
+                          "--port", str(port), "--host", "127.0.0.1"])
+    try:
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -231,44 +253,44 @@ def run_mode(r: Runner, mode: str) -> list[Result]:
                 if time.monotonic() > deadline or server.poll() is not None:
                     raise RuntimeError("the metadata server did not start") from None
                 time.sleep(0.1)
-        meta_env["MC_METADATA_SERVER"] = f"http://127.0.0.1:{port}/metadata"
-    else:
-        meta_env["MC_METADATA_SERVER"] = "P2PHANDSHAKE"
-    metadata = meta_env["MC_METADATA_SERVER"]
-    try:
-        # 1. the wheel's initiator test against its target
-        tests = r.src / WHEEL_TESTS
-        target_name = f"127.0.0.1:{free_port()}"
-        env = {**meta_env, "TARGET_SERVER_NAME": target_name,
-               "INITIATOR_SERVER_NAME": f"127.0.0.1:{free_port()}", "PROTOCOL": "tcp"}
-        with r.background([str(tests / "transfer_engine_target.py")], env, tests) as target:
-            wait_for(target, r"(Target server ready)")
-            if mode == "p2p":
-                env["TARGET_SERVER_NAME"] = f"127.0.0.1:{r.find_rpc_port(target.pid)}"
-            rc, out = r.run([str(tests / "transfer_engine_initiator_test.py")], env,
-                            cwd=tests)
-        results += unittest_results("transfer_engine_initiator_test", out, 6)
-        # 2. the import test
-        rc, out = r.run([str(tests / "test_import_structure.py")], meta_env, cwd=tests)
-        results += unittest_results("test_import_structure", out, 3)
-        # 3. the two examples, target then initiator
-        examples = r.src / EXAMPLES
-        for script, target_args, initiator_args in (
-                ("batch_register_bench.py",
-                 ["--num_blocks", "4", "--block_size_gb", "0.0625"],
-                 ["--num_blocks", "4", "--block_size_gb", "0.0625", "--transfer_size_mb",
-                  "16", "--iterations", "5", "--warmup", "1"]),
-                ("kvcache_prefix_bench.py", ["--pool_size_gb", "0.25"],
-                 ["--pool_size_gb", "0.25", "--prefix_tokens", "64,256",
-                  "--kv_bytes_per_token", "40960", "--iterations", "5", "--warmup", "1",
-                  "--threads", "2"])):
-            results.append(run_example(r, examples / script, metadata, target_args,
-                                       initiator_args))
-        # 4. the RPC communicator test
-        results.append(run_rpc(r))
+        yield f"http://127.0.0.1:{port}/metadata"
     finally:
-        if server is not None:
-            stop(server)
+        stop(server)
+
+
+def run_tests(r: Runner, mode: str, metadata: str) -> list[Result]:
+    results: list[Result] = []
+    meta_env = {"MC_METADATA_SERVER": metadata}
+    # 1. the wheel's initiator test against its target
+    tests = r.src / WHEEL_TESTS
+    target_name = f"127.0.0.1:{free_port()}"
+    env = {**meta_env, "TARGET_SERVER_NAME": target_name,
+           "INITIATOR_SERVER_NAME": f"127.0.0.1:{free_port()}", "PROTOCOL": "tcp"}
+    with r.background([str(tests / "transfer_engine_target.py")], env, tests) as target:
+        wait_for(target, r"(Target server ready)")
+        if mode == "p2p":
+            env["TARGET_SERVER_NAME"] = f"127.0.0.1:{r.find_rpc_port(target.pid)}"
+        rc, out = r.run([str(tests / "transfer_engine_initiator_test.py")], env,
+                        cwd=tests)
+    results += unittest_results("transfer_engine_initiator_test", out, 6)
+    # 2. the import test
+    rc, out = r.run([str(tests / "test_import_structure.py")], meta_env, cwd=tests)
+    results += unittest_results("test_import_structure", out, 3)
+    # 3. the two examples, target then initiator
+    examples = r.src / EXAMPLES
+    for script, target_args, initiator_args in (
+            ("batch_register_bench.py",
+             ["--num_blocks", "4", "--block_size_gb", "0.0625"],
+             ["--num_blocks", "4", "--block_size_gb", "0.0625", "--transfer_size_mb",
+              "16", "--iterations", "5", "--warmup", "1"]),
+            ("kvcache_prefix_bench.py", ["--pool_size_gb", "0.25"],
+             ["--pool_size_gb", "0.25", "--prefix_tokens", "64,256",
+              "--kv_bytes_per_token", "40960", "--iterations", "5", "--warmup", "1",
+              "--threads", "2"])):
+        results.append(run_example(r, examples / script, metadata, target_args,
+                                   initiator_args))
+    # 4. the RPC communicator test
+    results.append(run_rpc(r))
     return results
 
 
@@ -321,7 +343,8 @@ def run_rpc(r: Runner) -> Result:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--src", required=True, type=Path, help="a Mooncake checkout")
-    parser.add_argument("--mode", choices=["p2p", "http", "both"], default="both")
+    parser.add_argument("--mode", choices=["p2p", "http", "etcd", "redis", "both", "all"],
+                        default="both", help="both: p2p and http; all: the four")
     parser.add_argument("--python", default=sys.executable)
     parser.add_argument("--real", action="store_true",
                         help="run on the mooncake that --python imports, not the shim")
@@ -330,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     failed_total = 0
     with tempfile.TemporaryDirectory() as work:
         runner = Runner(args.src, args.python, args.real, Path(work))
-        for mode in (["p2p", "http"] if args.mode == "both" else [args.mode]):
+        modes = {"both": ["p2p", "http"], "all": ["p2p", "http", "etcd", "redis"]}
+        for mode in modes.get(args.mode, [args.mode]):
             results = run_mode(runner, mode)
             passed = sum(res.passed for res in results)
             for res in results:

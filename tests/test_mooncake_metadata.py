@@ -289,3 +289,266 @@ def test_mooncakes_engines_work_with_our_metadata_server(server: MetadataServer)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "probe -200" in done.stdout
     assert [k for k in server.keys() if "rpc_meta" in k] == []  # withdrawn at exit
+
+
+# --- etcd and redis -----------------------------------------------------------------
+
+from tests.etcd_helpers import etcd_server, etcd_skip_reason  # noqa: E402
+from tests.redis_helpers import redis_server, redis_skip_reason  # noqa: E402
+from transfer_engine.connectors.mooncake.metadata import (  # noqa: E402
+    DirectoryError,
+    EtcdDirectory,
+    RedisDirectory,
+    mooncake_json,
+    open_directory,
+)
+
+
+@pytest.fixture(scope="module")
+def etcd_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    reason = etcd_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with etcd_server(tmp_path_factory.mktemp("etcd")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    reason = redis_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with redis_server() as url:
+        yield url
+
+
+@pytest.fixture(params=["etcd", "redis"])
+def store_url(request: pytest.FixtureRequest) -> str:
+    url: str = request.getfixturevalue(f"{request.param}_url")
+    return url
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _name(tag: str) -> str:
+    return f"{tag}-{os.getpid()}-{time.monotonic_ns()}"
+
+
+def test_store_directories_write_mooncakes_keys_and_bytes(store_url: str) -> None:
+    directory = open_directory(store_url, None)
+    assert isinstance(directory, EtcdDirectory | RedisDirectory)
+    name = _name("d")
+    directory.publish(name, Location("127.0.0.1", 4567))
+    # byte for byte what Mooncake's plugins write (jsoncpp's FastWriter)
+    assert directory.get(f"mooncake/rpc_meta/{name}") == \
+        b'{"ip_or_host_name":"127.0.0.1","rpc_port":4567}\n'
+    directory.publish_buffers(name, [(4096, 8192)])
+    assert json.loads(directory.get(f"mooncake/ram/{name}") or b"") == {
+        "name": name, "protocol": "transfer_engine",
+        "buffers": [{"name": name, "addr": 4096, "length": 8192}]}
+    assert directory.lookup(name) == Location("127.0.0.1", 4567)
+    other = open_directory(store_url, None)
+    with pytest.raises(DirectoryError) as err:
+        other.lookup(_name("absent"))
+    assert err.value.code == -200
+    directory.withdraw(name)
+    assert other.get(f"mooncake/rpc_meta/{name}") is None
+    assert other.get(f"mooncake/ram/{name}") is None
+    other.close()
+
+
+def test_store_names_are_kept_by_live_engines_and_taken_from_dead_ones(store_url: str
+                                                                      ) -> None:
+    name = _name("n")
+    first, second = open_directory(store_url, None), open_directory(store_url, None)
+    with socket.socket() as live:
+        live.bind(("127.0.0.1", 0))
+        live.listen()
+        first.publish(name, Location("127.0.0.1", live.getsockname()[1]))
+        with pytest.raises(DirectoryError, match="live engine"):
+            second.publish(name, Location("127.0.0.1", 9))
+    # nobody listens there now: the name is taken over, and the first's withdraw
+    # leaves the new owner's entry alone
+    second.publish(name, Location("127.0.0.1", 9))
+    first.withdraw(name)
+    assert second.lookup(name) == Location("127.0.0.1", 9)
+    second.withdraw(name)
+    assert second.get(f"mooncake/rpc_meta/{name}") is None
+    second.close()
+
+
+def test_store_keys_carry_the_cluster_id(store_url: str, monkeypatch: pytest.MonkeyPatch
+                                         ) -> None:
+    monkeypatch.setenv("MC_METADATA_CLUSTER_ID", "fleet-a")
+    directory = open_directory(store_url, None)
+    name = _name("c")
+    directory.publish(name, Location("127.0.0.1", 5))
+    assert directory.get(f"mooncake/fleet-a/rpc_meta/{name}") is not None
+    assert directory.get(f"mooncake/rpc_meta/{name}") is None
+    directory.withdraw(name)
+
+
+@pytest.mark.parametrize("size", [1, 3 << 20])
+def test_engines_move_bytes_through_a_store(store_url: str, size: int) -> None:
+    a, b = TransferEngine(), TransferEngine()
+    name_a, name_b = _name("prefill"), _name("decode")
+    probe = open_directory(store_url, None)
+    try:
+        assert a.initialize(name_a, store_url, "tcp", "") == 0
+        assert b.initialize(name_b, store_url, "tcp", "") == 0
+        assert probe.lookup(name_a) == Location("127.0.0.1", a.get_rpc_port())
+        assert TransferEngine().initialize(name_a, store_url, "tcp", "") == -1  # taken
+        rng = np.random.default_rng(size)
+        src = rng.integers(0, 256, size, dtype=np.uint8)
+        remote = np.zeros(size, dtype=np.uint8)
+        back = np.zeros(size, dtype=np.uint8)
+        for buf, engine in ((src, a), (back, a), (remote, b)):
+            assert engine.register_memory(buf.ctypes.data, buf.nbytes) == 0
+        ram = json.loads(probe.get(f"mooncake/ram/{name_b}") or b"")
+        assert ram["buffers"] == [{"name": name_b, "addr": remote.ctypes.data,
+                                   "length": size}]
+        assert a.get_first_buffer_address(name_b) == remote.ctypes.data
+        assert a.transfer_sync_write(name_b, src.ctypes.data, remote.ctypes.data,
+                                     size) == 0
+        assert np.array_equal(remote, src)
+        assert a.transfer_sync_read(name_b, back.ctypes.data, remote.ctypes.data,
+                                    size) == 0
+        assert np.array_equal(back, src)
+        started = time.monotonic()
+        assert a.send_probe(_name("nobody")) == -200
+        assert a.transfer_sync_write(_name("nobody"), src.ctypes.data, 0, 1) == -1
+        assert time.monotonic() - started < 2
+    finally:
+        a.close()
+        b.close()
+    for name in (name_a, name_b):  # closing removes the keys, as Mooncake's engine
+        assert probe.get(f"mooncake/rpc_meta/{name}") is None
+        assert probe.get(f"mooncake/ram/{name}") is None
+    probe.close()
+
+
+def test_initialize_takes_mooncakes_spellings_of_a_store(etcd_url: str, redis_url: str
+                                                         ) -> None:
+    bare_etcd = etcd_url.removeprefix("etcd://")  # Mooncake: a bare host:port is etcd
+    for call in (lambda e: e.initialize(_name("x"), bare_etcd, "tcp", ""),
+                 lambda e: e.initialize_ext(_name("x"), bare_etcd, "tcp", "", "etcd"),
+                 lambda e: e.initialize_ext(_name("x"), redis_url.removeprefix(
+                     "redis://"), "tcp", "", "redis"),
+                 lambda e: e.initialize(_name("x"), f"etcd://127.0.0.1:{_free_port()},"
+                                        f"{bare_etcd}", "tcp", "")):  # a dead endpoint
+        engine = TransferEngine()
+        try:
+            assert call(engine) == 0
+        finally:
+            engine.close()
+
+
+def test_an_unreachable_store_fails_at_once() -> None:
+    for url in (f"etcd://127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}",
+                f"redis://127.0.0.1:{_free_port()}", "redis://127.0.0.1:99999",
+                "etcd://https://127.0.0.1:2379", "zookeeper://127.0.0.1:2181"):
+        engine = TransferEngine()
+        started = time.monotonic()
+        assert engine.initialize("x", url, "tcp", "") == -1, url
+        assert time.monotonic() - started < 0.5, url
+        assert engine.get_rpc_port() == -1
+
+
+@pytest.mark.skipif(redis_skip_reason() is not None, reason=str(redis_skip_reason()))
+def test_redis_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    with redis_server(password="s3cret:/@") as url:
+        assert TransferEngine().initialize("x", url, "tcp", "") == -1  # NOAUTH
+        quoted = urllib.parse.quote("s3cret:/@", safe="")
+        hostport = url.removeprefix("redis://")
+        assert TransferEngine().initialize("x", f"redis://:wrong@{hostport}", "tcp",
+                                           "") == -1
+        for conn, env in ((f"redis://:{quoted}@{hostport}", {}),
+                          (f"redis://default:{quoted}@{hostport}/3", {}),
+                          (url, {"MC_REDIS_PASSWORD": "s3cret:/@",
+                                 "MC_REDIS_DB_INDEX": "2"})):
+            for key, value in env.items():
+                monkeypatch.setenv(key, value)
+            engine = TransferEngine()
+            try:
+                assert engine.initialize("x", conn, "tcp", "") == 0, conn
+            finally:
+                engine.close()
+        directory = RedisDirectory(f"redis://:{quoted}@{hostport}/2")
+        assert directory.get("mooncake/rpc_meta/x") is None  # withdrawn on close
+        directory.close()
+
+
+def test_redis_connection_dropped_by_the_server_is_opened_again(redis_url: str) -> None:
+    directory = RedisDirectory(redis_url)
+    name = _name("r")
+    directory.publish(name, Location("127.0.0.1", 5))
+    killer = mc_metadata.RespConnection("127.0.0.1", int(redis_url.rsplit(":", 1)[1]), 3)
+    try:
+        assert killer.command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes") >= 1
+    finally:
+        killer.close()
+    assert directory.lookup(name) == Location("127.0.0.1", 5)  # on a new connection
+    directory.withdraw(name)
+
+
+def test_a_store_that_never_answers_fails_within_its_timeout() -> None:
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        for directory in (RedisDirectory(f"redis://127.0.0.1:{port}", timeout=0.3),
+                          EtcdDirectory(f"127.0.0.1:{port}", timeout=0.3)):
+            started = time.monotonic()
+            with pytest.raises(DirectoryError) as err:
+                directory.lookup("x")
+            assert err.value.code == -200
+            assert time.monotonic() - started < 1.5
+            directory.close()
+
+
+MOONCAKE_ETCD_ENGINE = """
+import sys
+from mooncake.engine import TransferEngine
+engine = TransferEngine()
+assert engine.initialize("mooncake-real", sys.argv[1], "tcp", "") == 0
+print(engine.get_rpc_port(), flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.skipif(not MOONCAKE_PYTHON, reason="set MOONCAKE_PYTHON to a python that "
+                    "imports Mooncake's wheel (mooncake-transfer-engine-non-cuda)")
+def test_mooncakes_engine_and_ours_share_an_etcd(etcd_url: str) -> None:
+    proc = subprocess.Popen([MOONCAKE_PYTHON, "-c", MOONCAKE_ETCD_ENGINE, etcd_url],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    ours = TransferEngine()
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        port = int(proc.stdout.readline())
+        directory = EtcdDirectory(etcd_url)
+        location = directory.lookup("mooncake-real")  # Mooncake's entry, read by us
+        assert directory.get("mooncake/ram/mooncake-real") is not None
+        assert location.port == port
+        assert directory.get("mooncake/rpc_meta/mooncake-real") == mooncake_json(
+            {"ip_or_host_name": location.host, "rpc_port": port})
+        assert ours.initialize("ours", etcd_url, "tcp", "") == 0
+        assert directory.lookup("ours").port == ours.get_rpc_port()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(30) == 0
+        assert directory.get("mooncake/rpc_meta/mooncake-real") is None  # Mooncake's too
+    finally:
+        ours.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()

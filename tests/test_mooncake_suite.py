@@ -1,5 +1,5 @@
-"""Mooncake's own transfer-engine Python tests, unchanged, on our engine (P2P handshake
-and HTTP metadata server): see tests/mooncake_suite.py. Needs a Mooncake source
+"""Mooncake's own transfer-engine Python tests, unchanged, on our engine (P2P handshake,
+HTTP metadata server, etcd, redis): see tests/mooncake_suite.py. Needs a Mooncake source
 checkout: ``MOONCAKE_SRC=/path/to/Mooncake``; skipped without one."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests import mooncake_suite
+from tests.etcd_helpers import etcd_skip_reason
+from tests.redis_helpers import redis_skip_reason
 
 SRC = os.environ.get("MOONCAKE_SRC", "")
 # Cases allowed to fail here: none (the import-structure cases' mooncake.store and
@@ -23,8 +25,11 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["p2p", "http"])
+@pytest.mark.parametrize("mode", ["p2p", "http", "etcd", "redis"])
 def test_mooncakes_own_tests_pass(mode: str, tmp_path: Path) -> None:
+    reason = {"etcd": etcd_skip_reason(), "redis": redis_skip_reason()}.get(mode)
+    if reason:
+        pytest.skip(reason)
     runner = mooncake_suite.Runner(Path(SRC), mooncake_suite.sys.executable, False,
                                    tmp_path)
     results = mooncake_suite.run_mode(runner, mode)

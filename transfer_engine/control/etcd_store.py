@@ -54,7 +54,7 @@ from transfer_engine.errors import (
     UnknownPeerError,
 )
 
-__all__ = ["EtcdStore", "ETCD_SCHEME"]
+__all__ = ["EtcdStore", "ETCD_SCHEME", "etcd_request"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,36 @@ def _unb64(text: Any) -> bytes:
 def _prefix_end(prefix: bytes) -> bytes:
     """The smallest key above every key starting with ``prefix`` (etcd's range_end)."""
     return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+def etcd_request(host: str, port: int, path: str, body: dict[str, Any], timeout: float,
+                 op: str) -> dict[str, Any]:
+    """One POST of ``body`` to etcd's v3 JSON gateway (``/v3/kv/range``, ...); returns
+    the decoded reply. Raises ``ConnectError`` (unreachable), ``TransferTimeout`` and
+    ``ProtocolError`` (an error reply, or one that is not JSON)."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = resp.read(_MAX_RESPONSE)
+    except TimeoutError as exc:
+        raise TransferTimeout(f"etcd {path} took over {timeout}s", peer="etcd",
+                              op=op) from exc
+    except OSError as exc:
+        raise ConnectError(f"etcd at {host}:{port}: {exc}", peer="etcd", op=op) from exc
+    except http.client.HTTPException as exc:
+        raise ProtocolError(f"etcd {path}: {exc!r}", peer="etcd", op=op) from exc
+    finally:
+        conn.close()
+    try:
+        reply = json.loads(data)
+    except ValueError as exc:
+        raise ProtocolError(f"etcd {path} answered {resp.status} with no JSON: "
+                            f"{data[:200]!r}", peer="etcd", op=op) from exc
+    if resp.status != 200 or not isinstance(reply, dict) or "error" in reply:
+        raise ProtocolError(f"etcd {path} answered {resp.status}: {str(reply)[:300]}",
+                            peer="etcd", op=op)
+    return reply
 
 
 class EtcdStore(MetadataStore):
@@ -117,32 +147,8 @@ class EtcdStore(MetadataStore):
         """One JSON request to the gateway; errors become the engine's own."""
         if self._closed:
             raise ClosedError("etcd store is closed", peer="etcd", op=op)
-        conn = http.client.HTTPConnection(self._host, self._port,
-                                          timeout=timeout or self.timeout)
-        try:
-            conn.request("POST", path, json.dumps(body),
-                         {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            data = resp.read(_MAX_RESPONSE)
-        except TimeoutError as exc:
-            raise TransferTimeout(f"etcd {path} took over {timeout or self.timeout}s",
-                                  peer="etcd", op=op) from exc
-        except OSError as exc:
-            raise ConnectError(f"etcd at {self._host}:{self._port}: {exc}", peer="etcd",
-                               op=op) from exc
-        except http.client.HTTPException as exc:
-            raise ProtocolError(f"etcd {path}: {exc!r}", peer="etcd", op=op) from exc
-        finally:
-            conn.close()
-        try:
-            reply = json.loads(data)
-        except ValueError as exc:
-            raise ProtocolError(f"etcd {path} answered {resp.status} with no JSON: "
-                                f"{data[:200]!r}", peer="etcd", op=op) from exc
-        if resp.status != 200 or not isinstance(reply, dict) or "error" in reply:
-            raise ProtocolError(f"etcd {path} answered {resp.status}: {str(reply)[:300]}",
-                                peer="etcd", op=op)
-        return reply
+        return etcd_request(self._host, self._port, path, body, timeout or self.timeout,
+                            op)
 
     def _key(self, name: str) -> bytes:
         if not name or "/" in name:

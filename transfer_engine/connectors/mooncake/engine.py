@@ -258,8 +258,9 @@ class TransferEngine:
     def initialize(self, local_hostname: str, metadata_server: str, protocol: str,
                    device_name: str) -> int:
         """Starts the engine. ``metadata_server``: ``"P2PHANDSHAKE"``, an
-        ``http://host:port/metadata`` URL, or (unsupported here) etcd/redis. Returns 0,
-        or -1 with the reason logged."""
+        ``http://host:port/metadata`` URL, ``etcd://host:port`` (or a bare
+        ``host:port``, Mooncake's default) or ``redis://host:port``. Returns 0, or -1
+        with the reason logged (at once for a metadata service nobody serves)."""
         scheme, sep, rest = metadata_server.partition("://")
         if sep:
             return self.initialize_ext(local_hostname, rest, protocol, device_name, scheme)
@@ -298,6 +299,14 @@ class TransferEngine:
             directory = open_directory(conn, auth.signer())
         except ValueError as exc:
             raise _Failed(-1, str(exc)) from None
+        try:
+            return self._start_with(directory, local_hostname, protocol, auth)
+        except _Failed:
+            directory.close()
+            raise
+
+    def _start_with(self, directory: Directory, local_hostname: str, protocol: str,
+                    auth: AuthConfig) -> int:
         try:
             host, port = split_hostport(local_hostname)
         except ValueError as exc:

@@ -9,7 +9,12 @@ Mooncake engines find each other by *segment name* (``local_hostname`` given to
   /metadata?key=K``, 200 on success, 404 for a missing key, 400 for a second ``PUT`` of
   a ``rpc_meta`` key (:class:`HttpDirectory` is the client, :class:`MetadataServer` the
   server, wire-compatible with Mooncake's ``mooncake_http_metadata_server``).
-- ``etcd://``/``redis://``: not supported here (:func:`open_directory` says so).
+- ``etcd://host:port`` (or a bare ``host:port``, Mooncake's default; several endpoints
+  separated by ``,`` or ``;``): the same keys in etcd, through its v3 JSON gateway
+  (:class:`EtcdDirectory`).
+- ``redis://[[user]:password@]host[:port][/db]``: the same keys in redis, over RESP by
+  hand (:class:`RedisDirectory`; credentials also from Mooncake's ``$MC_REDIS_USERNAME``,
+  ``$MC_REDIS_PASSWORD``, ``$MC_REDIS_DB_INDEX``).
 
 Keys, as Mooncake writes them (``<prefix>`` is ``mooncake/`` plus
 ``$MC_METADATA_CLUSTER_ID/`` when set):
@@ -20,12 +25,23 @@ Keys, as Mooncake writes them (``<prefix>`` is ``mooncake/`` plus
   "length"}]}``: the registered memory, for people and tools; our peers learn segments
   from the handshake itself.
 
+In etcd and redis the values are byte for byte what Mooncake's plugins write (compact
+JSON, keys sorted, a trailing newline: :func:`mooncake_json`), without a lease or TTL,
+so Mooncake's engines and ours read each other's entries. Mooncake's plugins overwrite
+an ``rpc_meta`` key; here it is created only when absent (etcd: a transaction on the
+key's create revision; redis: ``SET NX``) and replaced only when it is stale, as the
+HTTP server's first-writer rule has it. Closing deletes our keys while they still hold
+what we wrote (etcd: a transaction on the value; redis: a short Lua script).
+
 Authentication: with a control secret (``TE_CONTROL_SECRET``) the server answers only
 requests carrying ``X-TE-Signature``: our HMAC frame head (``control/auth.py``) over
 ``METHOD\\nKEY\\nsha256(body)``, with its timestamp window and replay check. Replies are
 not signed: a forged reply can at most point a client to an endpoint, whose handshake
 is signed. Without a secret the server serves loopback only (``TE_ALLOW_INSECURE=1`` to
 opt out), like every other port of the project.
+etcd and redis are the operator's to secure (etcd's TLS and users are not spoken here;
+redis's ``AUTH`` is); their entries are not signed, and as with a forged HTTP reply, a
+forged entry can only point an engine at an endpoint whose handshake is signed.
 """
 
 from __future__ import annotations
@@ -47,10 +63,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from transfer_engine.control.auth import OVERHEAD, AuthConfig, Signer, check_exposure
-from transfer_engine.errors import AuthenticationError
+from transfer_engine.control.etcd_store import etcd_request
+from transfer_engine.errors import (
+    AuthenticationError,
+    ConnectError,
+    TransferEngineError,
+    TransferTimeout,
+)
 
 __all__ = ["P2PHANDSHAKE", "Location", "DirectoryError", "Directory", "P2PDirectory",
-           "HttpDirectory", "MetadataServer", "open_directory", "split_hostport", "main"]
+           "HttpDirectory", "EtcdDirectory", "RedisDirectory", "RespConnection",
+           "RedisError", "MetadataServer", "mooncake_json", "open_directory",
+           "split_hostport", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +146,20 @@ class Directory:
 
     def withdraw(self, name: str) -> None:
         """Removes what :meth:`publish` announced (best effort, never raises)."""
+
+    def close(self) -> None:
+        """Releases connections to the service (:meth:`withdraw` does too)."""
+
+    def _stale(self, name: str, location: Location) -> bool:
+        """Whether the entry under ``name`` is ours already or names an endpoint nobody
+        listens on (a dead engine's, which a restarted one may take over)."""
+        try:
+            old = self.lookup(name)
+        except DirectoryError:
+            return False
+        if old == location:
+            return True
+        return probe(old, 0.5) == -102
 
 
 class P2PDirectory(Directory):
@@ -222,16 +260,6 @@ class HttpDirectory(Directory):
                                    f"{body[:200]!r} (the name is taken by a live engine?)")
         self.publish_buffers(name, [])
 
-    def _stale(self, name: str, location: Location) -> bool:
-        """Whether the entry under ``name`` names an endpoint nobody listens on."""
-        try:
-            old = self.lookup(name)
-        except DirectoryError:
-            return False
-        if old == location:
-            return True
-        return probe(old, 0.5) == -102
-
     def publish_buffers(self, name: str, buffers: Sequence[tuple[int, int]]) -> None:
         desc = {"name": name, "protocol": "transfer_engine",
                 "buffers": [{"name": name, "addr": a, "length": n} for a, n in buffers]}
@@ -248,9 +276,340 @@ class HttpDirectory(Directory):
         self.delete(f"{self._prefix}ram/{name}")
 
 
+def mooncake_json(value: Any) -> bytes:
+    """``value`` as Mooncake's etcd and redis plugins write it (jsoncpp's FastWriter:
+    compact, keys sorted, a newline at the end), so both engines write the same bytes."""
+    return (json.dumps(value, sort_keys=True, separators=(",", ":")) + "\n").encode()
+
+
+def _rpc_meta(raw: bytes, name: str, where: str) -> Location:
+    try:
+        meta = json.loads(raw)
+        return Location(str(meta["ip_or_host_name"]), int(meta["rpc_port"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DirectoryError(-200, f"bad rpc_meta for {name!r} in {where}: {exc}") from None
+
+
+class _StoreDirectory(Directory):
+    """Mooncake's keys in a plain key-value store (etcd, redis).
+
+    Mooncake's plugins overwrite ``rpc_meta`` unconditionally; here a name is created
+    only when absent, and an existing entry is replaced only when it is stale (see
+    :meth:`Directory._stale`), as with the HTTP server: a live engine keeps its name.
+    :meth:`withdraw` deletes a key only while it holds what we wrote, so an engine that
+    took the name over keeps its entry.
+    """
+
+    where = ""
+
+    def __init__(self) -> None:
+        self._prefix = key_prefix()
+        self._written: dict[str, bytes] = {}  # key -> the value we last wrote there
+        self._lock = threading.Lock()
+        self._publishing = threading.Lock()  # one publish_buffers at a time
+
+    # the store's primitives; each raises DirectoryError when the store fails
+
+    def get(self, key: str) -> bytes | None:
+        raise NotImplementedError
+
+    def create(self, key: str, value: bytes) -> bool:
+        """Writes ``value`` unless ``key`` exists; whether it did."""
+        raise NotImplementedError
+
+    def put(self, key: str, value: bytes) -> None:
+        raise NotImplementedError
+
+    def delete_if(self, key: str, value: bytes) -> None:
+        """Deletes ``key`` while it holds ``value``."""
+        raise NotImplementedError
+
+    # Directory
+
+    def lookup(self, name: str) -> Location:
+        raw = self.get(f"{self._prefix}rpc_meta/{name}")
+        if raw is None:
+            raise DirectoryError(-200, f"{name!r} is not in {self.where}")
+        return _rpc_meta(raw, name, self.where)
+
+    def publish(self, name: str, location: Location) -> None:
+        key = f"{self._prefix}rpc_meta/{name}"
+        value = mooncake_json({"ip_or_host_name": location.host,
+                               "rpc_port": location.port})
+        try:
+            if not self.create(key, value):
+                if not self._stale(name, location):
+                    raise DirectoryError(-1, f"cannot publish {name!r} in {self.where}: "
+                                             "the name is held by a live engine")
+                self.put(key, value)  # a dead engine's entry: take the name over
+        except DirectoryError as exc:
+            raise DirectoryError(-1, str(exc)) from None
+        with self._lock:
+            self._written[key] = value
+        self.publish_buffers(name, [])
+
+    def publish_buffers(self, name: str, buffers: Sequence[tuple[int, int]]) -> None:
+        key = f"{self._prefix}ram/{name}"
+        value = mooncake_json({
+            "name": name, "protocol": "transfer_engine",
+            "buffers": [{"name": name, "addr": a, "length": n} for a, n in buffers]})
+        with self._publishing:  # what we record is what the store holds last
+            try:
+                self.put(key, value)
+            except DirectoryError as exc:
+                log.warning("%s", exc)
+                return
+            with self._lock:
+                self._written[key] = value
+
+    def withdraw(self, name: str) -> None:
+        with self._lock:
+            written, self._written = self._written, {}
+        for key, value in written.items():
+            try:
+                self.delete_if(key, value)
+            except DirectoryError as exc:
+                log.warning("%s: cannot remove %s: %s", self.where, key, exc)
+        self.close()
+
+
+def _b64(data: bytes | str) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+class EtcdDirectory(_StoreDirectory):
+    """Mooncake's keys in etcd (``etcd://host:port``; several endpoints separated by
+    ``,`` or ``;`` as Mooncake takes them, tried in turn), over etcd's v3 JSON gateway.
+    Keys carry no lease, as Mooncake's: a crashed engine's entry stays until taken
+    over or deleted."""
+
+    mode = "etcd"
+
+    def __init__(self, endpoints: str, timeout: float = _HTTP_TIMEOUT) -> None:
+        super().__init__()
+        text = endpoints[len("etcd://"):] if endpoints.startswith("etcd://") else endpoints
+        self.endpoints: list[tuple[str, int]] = []
+        for item in text.replace(",", ";").split(";"):
+            item = item.strip().rstrip("/")
+            if not item:
+                continue
+            scheme, sep, rest = item.partition("://")
+            if sep and scheme != "http":
+                raise ValueError(f"etcd endpoint {item!r}: only plain http endpoints are "
+                                 "supported (no TLS)")
+            host, port = split_hostport(rest if sep else item)
+            if not host:
+                raise ValueError(f"etcd endpoint {item!r} has no host")
+            self.endpoints.append((host, port or 2379))
+        if not self.endpoints:
+            raise ValueError(f"no etcd endpoint in {endpoints!r}")
+        self.where = "etcd at " + ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        self._timeout = timeout
+
+    def _call(self, path: str, body: dict[str, Any], op: str) -> dict[str, Any]:
+        """The request on the first endpoint that answers (the last one that did is
+        tried first)."""
+        failures = []
+        for host, port in list(self.endpoints):
+            try:
+                reply = etcd_request(host, port, path, body, self._timeout, op)
+            except (ConnectError, TransferTimeout) as exc:
+                failures.append(str(exc))
+                continue
+            except TransferEngineError as exc:
+                raise DirectoryError(-200, f"{self.where}: {op}: {exc}") from None
+            if (host, port) != self.endpoints[0]:
+                with self._lock:
+                    self.endpoints.remove((host, port))
+                    self.endpoints.insert(0, (host, port))
+            return reply
+        raise DirectoryError(-200, f"{self.where} unreachable: {'; '.join(failures)}")
+
+    def get(self, key: str) -> bytes | None:
+        kvs = self._call("/v3/kv/range", {"key": _b64(key)}, "get").get("kvs") or []
+        return base64.b64decode(kvs[0].get("value", "")) if kvs else None
+
+    def create(self, key: str, value: bytes) -> bool:
+        reply = self._call("/v3/kv/txn", {
+            "compare": [{"key": _b64(key), "target": "CREATE", "result": "EQUAL",
+                         "create_revision": "0"}],
+            "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}]},
+            "create")
+        return bool(reply.get("succeeded"))
+
+    def put(self, key: str, value: bytes) -> None:
+        self._call("/v3/kv/put", {"key": _b64(key), "value": _b64(value)}, "put")
+
+    def delete_if(self, key: str, value: bytes) -> None:
+        self._call("/v3/kv/txn", {
+            "compare": [{"key": _b64(key), "target": "VALUE", "result": "EQUAL",
+                         "value": _b64(value)}],
+            "success": [{"request_delete_range": {"key": _b64(key)}}]}, "delete")
+
+
+class RedisError(Exception):
+    """An error reply from redis (``-ERR ...``)."""
+
+
+class RespConnection:
+    """One connection to redis speaking RESP2: enough for GET, SET, DEL, EVAL, AUTH and
+    SELECT. Not thread-safe (:class:`RedisDirectory` serialises it)."""
+
+    MAX_REPLY = 64 << 20
+
+    def __init__(self, host: str, port: int, timeout: float,
+                 connect_timeout: float = 1.5) -> None:
+        self._sock = socket.create_connection((host, port), timeout=connect_timeout)
+        self._sock.settimeout(timeout)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._file = self._sock.makefile("rb")
+
+    def command(self, *args: str | bytes | int) -> Any:
+        """Sends one command; returns its reply (bytes, int, list, None), raises
+        ``RedisError`` for an error reply and ``OSError`` when the connection fails."""
+        parts = [a if isinstance(a, bytes) else str(a).encode() for a in args]
+        out = [b"*%d\r\n" % len(parts)]
+        for part in parts:
+            out += [b"$%d\r\n" % len(part), part, b"\r\n"]
+        self._sock.sendall(b"".join(out))
+        return self._reply()
+
+    def _reply(self) -> Any:
+        line = self._file.readline(self.MAX_REPLY)
+        if not line.endswith(b"\r\n"):
+            raise ConnectionError("redis closed the connection" if not line
+                                  else "malformed redis reply")
+        kind, rest = line[:1], line[1:-2]
+        if kind == b"+":
+            return rest
+        if kind == b"-":
+            raise RedisError(rest.decode(errors="replace"))
+        if kind == b":":
+            return int(rest)
+        if kind == b"$":
+            size = int(rest)
+            if size < 0:
+                return None
+            if size > self.MAX_REPLY:
+                raise ConnectionError(f"redis reply of {size} bytes is too large")
+            data = self._file.read(size + 2)
+            if len(data) != size + 2:
+                raise ConnectionError("redis closed the connection")
+            return data[:-2]
+        if kind == b"*":
+            count = int(rest)
+            return None if count < 0 else [self._reply() for _ in range(count)]
+        raise ConnectionError(f"malformed redis reply {line[:40]!r}")
+
+    def close(self) -> None:
+        self._file.close()
+        self._sock.close()
+
+
+_DELETE_IF = ("if redis.call('GET', KEYS[1]) == ARGV[1] then "
+              "return redis.call('DEL', KEYS[1]) end return 0")
+
+
+class RedisDirectory(_StoreDirectory):
+    """Mooncake's keys in redis: ``redis://[[user]:password@]host[:port][/db]``.
+
+    Credentials and database as Mooncake takes them, from ``$MC_REDIS_USERNAME``,
+    ``$MC_REDIS_PASSWORD`` and ``$MC_REDIS_DB_INDEX``, or from the URL (which wins).
+    The port defaults to redis's 6379 (Mooncake's to its handshake port, 12001).
+    """
+
+    mode = "redis"
+
+    def __init__(self, url: str, timeout: float = _HTTP_TIMEOUT) -> None:
+        super().__init__()
+        parts = urllib.parse.urlsplit(url if "://" in url else "redis://" + url)
+        if parts.scheme != "redis" or not parts.hostname:
+            raise ValueError(f"not a redis url: {url!r}")
+        self._host, self._port = parts.hostname, parts.port or 6379  # port: ValueError
+        self._user = urllib.parse.unquote(parts.username or "") or os.environ.get(
+            "MC_REDIS_USERNAME", "")
+        self._password = urllib.parse.unquote(parts.password or "") or os.environ.get(
+            "MC_REDIS_PASSWORD", "")
+        db = parts.path.strip("/") or os.environ.get("MC_REDIS_DB_INDEX", "") or "0"
+        if not db.isdigit() or int(db) > 255:
+            raise ValueError(f"redis database {db!r} is not a number in 0..255")
+        self._db = int(db)
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        self.where = f"redis at {host}:{self._port}"
+        self._timeout = timeout
+        self._conn: RespConnection | None = None
+        self._io = threading.Lock()  # one command at a time on the connection
+
+    def _connect(self) -> RespConnection:
+        try:
+            conn = RespConnection(self._host, self._port, self._timeout)
+        except OSError as exc:
+            raise DirectoryError(-200, f"{self.where} unreachable: {exc}") from None
+        try:
+            if self._password:
+                auth = (self._user, self._password) if self._user else (self._password,)
+                conn.command("AUTH", *auth)
+            if self._db:
+                conn.command("SELECT", self._db)
+        except RedisError as exc:
+            conn.close()
+            raise DirectoryError(-200, f"{self.where}: {exc}") from None
+        except OSError as exc:
+            conn.close()
+            raise DirectoryError(-200, f"{self.where} unreachable: {exc}") from None
+        return conn
+
+    def _command(self, verb: str, *args: str | bytes | int) -> Any:
+        """One command; a connection the server dropped is opened again once."""
+        with self._io:
+            for attempt in (0, 1):
+                fresh = self._conn is None
+                if self._conn is None:
+                    self._conn = self._connect()
+                try:
+                    return self._conn.command(verb, *args)
+                except RedisError as exc:
+                    hint = (" (give the password as MC_REDIS_PASSWORD or "
+                            "redis://:password@host:port)" if "NOAUTH" in str(exc) else "")
+                    raise DirectoryError(-200, f"{self.where}: {verb}: {exc}{hint}"
+                                         ) from None
+                except (OSError, ValueError) as exc:
+                    self._conn.close()
+                    self._conn = None
+                    if fresh or attempt:
+                        raise DirectoryError(-200, f"{self.where}: {verb}: {exc}"
+                                             ) from None
+        raise AssertionError("unreachable")
+
+    def get(self, key: str) -> bytes | None:
+        value = self._command("GET", key)
+        return value if isinstance(value, bytes) else None
+
+    def create(self, key: str, value: bytes) -> bool:
+        return self._command("SET", key, value, "NX") is not None
+
+    def put(self, key: str, value: bytes) -> None:
+        self._command("SET", key, value)
+
+    def delete_if(self, key: str, value: bytes) -> None:
+        try:
+            self._command("EVAL", _DELETE_IF, 1, key, value)
+        except DirectoryError:  # scripting disabled: a GET then a DEL
+            if self.get(key) == value:
+                self._command("DEL", key)
+
+    def close(self) -> None:
+        with self._io:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
 def open_directory(conn_string: str, signer: Signer | None) -> Directory:
-    """The directory for a Mooncake metadata connection string. Raises ``ValueError``
-    (with what to use instead) for etcd, redis and unknown schemes."""
+    """The directory for a Mooncake metadata connection string: ``P2PHANDSHAKE``,
+    ``http(s)://``, ``etcd://`` (also a bare ``host:port``, as Mooncake) or
+    ``redis://``. Raises ``ValueError`` for other schemes and malformed strings. The
+    signer authenticates requests to our HTTP server; etcd and redis have their own."""
     if conn_string == P2PHANDSHAKE:
         return P2PDirectory()
     scheme, sep, _ = conn_string.partition("://")
@@ -258,10 +617,14 @@ def open_directory(conn_string: str, signer: Signer | None) -> Directory:
         scheme = "etcd"  # Mooncake's default for a bare host:port
     if scheme in ("http", "https"):
         return HttpDirectory(conn_string, signer)
+    if scheme == "etcd":
+        return EtcdDirectory(conn_string)
+    if scheme == "redis":
+        return RedisDirectory(conn_string)
     raise ValueError(
-        f"metadata server {conn_string!r}: {scheme} is not supported by this engine; use "
-        "P2PHANDSHAKE, or an HTTP metadata server (`te-mooncake metadata-server "
-        "--port 8080`, then http://host:8080/metadata)")
+        f"metadata server {conn_string!r}: {scheme} is not supported; use P2PHANDSHAKE, "
+        "http://host:port/metadata (`te-mooncake metadata-server`), etcd://host:port or "
+        "redis://host:port")
 
 
 def probe(location: Location, timeout: float) -> int:
