@@ -176,10 +176,16 @@ class ServeProcess:
 
     @property
     def alive(self) -> bool:
-        return not self._dead and self._proc.poll() is None
+        """Whether the serving process can still answer: at interpreter exit the link's
+        reader (a daemon thread) no longer runs, so nothing it would answer can be
+        waited for."""
+        return (not self._dead and self._proc.poll() is None
+                and not sys.is_finalizing() and self._reader.is_alive())
 
     def _call(self, msg: dict[str, Any], timeout: float = CALL_TIMEOUT,
               fds: tuple[int, ...] = ()) -> dict[str, Any]:
+        if not self.alive:
+            raise ClosedError(f"{self.kind} serving process is gone", transport=self.kind)
         try:
             return self._chan.call(msg, timeout, fds)
         except (ChannelClosed, TimeoutError) as exc:
@@ -245,6 +251,9 @@ class ServeProcess:
             self._chan.send({"op": "close"})
         except ChannelClosed:
             pass
+        if sys.is_finalizing():  # it exits on its own once the channel closes
+            self._chan.close()
+            return
         try:
             self._proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
