@@ -72,7 +72,7 @@ def test_bytes_exact_across_shared_pages_edges_and_unshared_memory(
     with a busy thread in the process; one notification per transfer."""
     t = _target(make_engine)
     a = make_engine("a", transports=["tcp"])
-    big = torch.zeros(6 * MiB + 123, dtype=torch.uint8)
+    big = torch.zeros(40 * MiB + 123, dtype=torch.uint8)  # above malloc's mmap threshold
     small = bytearray(9000)
     odd = np.zeros(3 * MiB + 8, dtype=np.uint8)[3:3 * MiB + 3]
     segs = [t.register(big, name="big"), t.register(small, name="small"),
@@ -83,7 +83,7 @@ def test_bytes_exact_across_shared_pages_edges_and_unshared_memory(
     peer = a.connect(t.endpoint)
     remote = {n: peer.segment(n) for n in ("big", "small", "odd")}
     layout = [("big", 0, 0, 5000), ("big", 4096 * 3 + 17, 5000, 2 * MiB),
-              ("big", 6 * MiB + 123 - 7000, 5000 + 2 * MiB, 7000),
+              ("big", 40 * MiB + 123 - 7000, 5000 + 2 * MiB, 7000),
               ("small", 100, 3 * MiB, 8000), ("odd", 1, 4 * MiB, 3 * MiB - 2)]
     pairs = [(Descriptor(src_seg, s_off, n), Descriptor(remote[name], r_off, n))
              for name, r_off, s_off, n in layout]
@@ -206,7 +206,7 @@ def test_shared_pages_cannot_be_opened_by_another_user(
     """The memfd has no name in any file system; through /proc it takes the owner's
     rights (another user's process is refused)."""
     t = _target(make_engine)
-    t.register(torch.zeros(2 * MiB, dtype=torch.uint8), name="kv")
+    t.register(torch.zeros(48 * MiB, dtype=torch.uint8), name="kv")  # malloc maps it
     fds = [fd for fd in os.listdir("/proc/self/fd") if "te-serve" in _link(fd)]
     assert fds, "the registered pages are shared through a memfd"
     path = f"/proc/{os.getpid()}/fd/{fds[0]}"
@@ -258,7 +258,7 @@ def test_rails_still_need_a_ticket(make_engine: Callable[..., Engine]) -> None:
 
 
 def test_share_body_moves_only_whole_private_pages() -> None:
-    buf = np.frombuffer(bytearray(random_bytes(3 * MiB, 8).tobytes()), np.uint8)
+    buf = np.frombuffer(bytearray(random_bytes(40 * MiB, 8).tobytes()), np.uint8)
     want = buf.copy()
     body = shared.share_body(buf.ctypes.data + 10, buf.size - 20)
     assert body is not None
@@ -325,8 +325,8 @@ def test_busy_target_and_initiator_move_exact_bytes(
 def test_share_body_moves_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """A segment larger than a chunk is moved a chunk at a time, bytes intact, and
     shared again as one body."""
-    monkeypatch.setattr(shared, "MOVE_CHUNK", 64 << 10)
-    buf = np.frombuffer(bytearray(random_bytes(MiB + 12345, 4).tobytes()), np.uint8)
+    monkeypatch.setattr(shared, "MOVE_CHUNK", 4 * MiB)
+    buf = np.frombuffer(bytearray(random_bytes(40 * MiB + 12345, 4).tobytes()), np.uint8)
     want = buf.copy()
     body = shared.share_body(buf.ctypes.data, buf.size)
     assert body is not None
@@ -413,3 +413,15 @@ def test_the_serving_process_exits_with_a_killed_application(tmp_path: Any) -> N
             app.wait(10)
         if app.stdout is not None:
             app.stdout.close()
+
+
+def test_heap_memory_is_never_moved() -> None:
+    """Pages malloc may hand out again (the heap) stay private: once freed, a forked child
+    would otherwise share, and overwrite, the parent's later allocations."""
+    small = np.zeros(100 << 10, dtype=np.uint8)  # from the heap
+    assert shared.share_body(small.ctypes.data, small.nbytes) is None
+    big = np.zeros(48 * MiB, dtype=np.uint8)  # above glibc's largest mmap threshold
+    body = shared.share_body(big.ctypes.data, big.nbytes)
+    assert body is not None
+    os.close(body.fd)
+    shared.release(body)

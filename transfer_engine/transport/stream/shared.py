@@ -8,10 +8,14 @@ pages that lie wholly inside a segment are moved, where they are, onto an anonym
 now reads and writes memory the serving process maps too. The fd travels only over the
 serving process's private socket pair; no name exists that another process could open.
 
-Only private, anonymous, read-write pages are moved (heap, ``malloc``'s mapped chunks,
-torch and numpy buffers), never a file mapping, and never the partial pages at a
-segment's two ends, which may hold other objects: the serving process reaches those
-few bytes through ``/proc/<pid>/mem`` instead. Writes another thread makes to a segment
+Only the pages of a chunk that glibc's ``malloc`` mapped for itself are moved (every
+large torch tensor, numpy array or buffer: they are ``free``'d by unmapping, so the
+moved pages never go back to ``malloc`` for reuse), and never the partial pages at a
+segment's two ends: the serving process reaches those few bytes, and every other kind
+of memory (the heap, another allocator's, a file mapping), through ``/proc/<pid>/mem``
+instead. Heap pages in particular must never be moved: once freed, ``malloc`` would hand
+them out again, and a child made with ``fork()`` would then share, and overwrite, the
+parent's allocations. Writes another thread makes to a segment
 *while it is being registered* may be lost (registration copies it); register memory
 before it is in use, as an RDMA registration also expects.
 
@@ -22,6 +26,7 @@ with ``fork()`` afterwards shares them instead of getting copy-on-write pages.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import threading
@@ -94,6 +99,41 @@ def _private(vma: tuple[int, int, str, int, int, str]) -> bool:
     return inode == 0 and path in ("", "[heap]")
 
 
+@functools.cache
+def _glibc_malloc() -> bool:
+    """Whether ``malloc`` here is glibc's (not one preloaded in front of it)."""
+    try:
+        glibc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    as_int = ctypes.cast(_libc.malloc, ctypes.c_void_p).value
+    return as_int is not None and as_int == ctypes.cast(glibc.malloc, ctypes.c_void_p).value
+
+
+def _mmapped_chunk(address: int, length: int) -> bool:
+    """Whether ``[address, address + length)`` lies in a chunk glibc's ``malloc`` mapped
+    on its own: its header (just below ``address`` for a segment that starts the
+    allocation, or at the start of ``address``'s page for a plain ``malloc``'s) says
+    ``IS_MMAPPED`` and covers the range."""
+    if not _glibc_malloc():
+        return False
+    candidates = [address - 16] if address % 16 == 0 else []
+    candidates.append(address // PAGE * PAGE)  # malloc's own mapping: header, then data
+    for chunk in candidates:
+        head = _maps(chunk, chunk + 16)
+        if not head or head[0][0] > chunk or head[0][1] < chunk + 16:
+            continue
+        if not _private(head[0]) or head[0][5]:
+            continue  # not plain anonymous memory (the heap, a file, a shared mapping)
+        prev = ctypes.c_size_t.from_address(chunk).value
+        size = ctypes.c_size_t.from_address(chunk + 8).value
+        if chunk % PAGE == 0 and prev:
+            continue  # a chunk at a page start is malloc's own mapping: no offset
+        if size & 2 and chunk + 16 <= address and address + length <= chunk + (size & ~7):
+            return True
+    return False
+
+
 def share_body(address: int, length: int) -> Body | None:
     """Moves the whole pages of ``[address, address + length)`` onto a memfd (see the
     module's notes) and returns them, or None when there are too few or they cannot
@@ -113,7 +153,7 @@ def share_body(address: int, length: int) -> Body | None:
                 entry[1] += 1
                 return Body(os.dup(entry[0]), start, end, base + start, inode)
             return None
-        if not _covers(maps, start, end, _private):
+        if not (_covers(maps, start, end, _private) and _mmapped_chunk(address, length)):
             return None
         size = end - start
         fd = os.memfd_create(_NAME, os.MFD_CLOEXEC)
