@@ -5,8 +5,11 @@ TTFT percentiles per policy.
         --nodes 100 1000 --time-scale 200 --out results/scheduler
 
 ``--time-scale`` per fleet size is scaled with it (``200`` at 1000 nodes is ``20`` at
-100), so every row sees the same load per instance. ``--find-load G`` instead picks, per
-fleet size, the time scale at which round robin's goodput falls to ``G`` (bisection).
+100), so every row sees the same load per instance. ``--find-load G [G ...]`` instead
+picks, per fleet size and per ``G``, the time scale at which round robin's goodput falls
+to ``G`` (bisection): ratios between policies mean most where round robin misses the SLO
+for a good share of requests but the fleet is not past saturation, and where that is
+differs between traces, so several loads can go in one table.
 The chart is a PNG when matplotlib is installed, else an SVG drawn here.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,7 @@ from scheduler.trace import Trace, load_trace
 __all__ = ["run", "find_load", "table", "plot", "main"]
 
 _COLUMNS = ("nodes", "policy", "time_scale", "goodput", "prefix_hit_rate", "hit_bound",
-            "p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "sim_seconds")
+            "hit_vs_bound", "p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "sim_seconds")
 
 
 def find_load(trace: Trace, nodes: int, goodput: float, *, lo: float = 1.0,
@@ -42,32 +46,45 @@ def find_load(trace: Trace, nodes: int, goodput: float, *, lo: float = 1.0,
 
 
 def run(trace: Trace, nodes: list[int], policies: list[str], scale_at_1000: float | None,
-        target_goodput: float | None) -> list[dict[str, Any]]:
+        target_goodput: float | Sequence[float] | None) -> list[dict[str, Any]]:
+    """Every policy at every fleet size, at each load: the time scale given for 1000
+    nodes (scaled with the fleet), or per target the one where round robin's goodput
+    is that target."""
+    if target_goodput is None:
+        targets: list[float | None] = [None]
+    elif isinstance(target_goodput, int | float):
+        targets = [float(target_goodput)]
+    else:
+        targets = [float(g) for g in target_goodput]
     rows = []
     for n in nodes:
-        if target_goodput is not None:
-            scale = find_load(trace, n, target_goodput)
-        else:
-            scale = (scale_at_1000 or 1.0) * n / 1000
-        for policy in policies:
-            result = simulate(trace, policy, SimConfig(nodes=n, time_scale=scale))
-            rows.append(result)
-            print(" ".join(f"{k}={result[k]}" for k in _COLUMNS), flush=True)
+        for target in targets:
+            if target is not None:
+                scale = find_load(trace, n, target)
+            else:
+                scale = (scale_at_1000 or 1.0) * n / 1000
+            for policy in policies:
+                result = simulate(trace, policy, SimConfig(nodes=n, time_scale=scale))
+                result["hit_vs_bound"] = (round(result["prefix_hit_rate"]
+                                                / result["hit_bound"], 3)
+                                          if result["hit_bound"] else 0.0)
+                rows.append(result)
+                print(" ".join(f"{k}={result[k]}" for k in _COLUMNS), flush=True)
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """A Markdown table of the runs, with each policy's goodput relative to round robin
-    and to least loaded at the same fleet size."""
-    base = {(r["nodes"], r["policy"]): r["goodput"] for r in rows}
+    and to least loaded at the same fleet size and load."""
+    base = {(r["nodes"], r["time_scale"], r["policy"]): r["goodput"] for r in rows}
     head = list(_COLUMNS) + ["vs_round_robin", "vs_least_loaded"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         rel = []
         for other in ("round_robin", "least_loaded"):
-            g = base.get((r["nodes"], other))
+            g = base.get((r["nodes"], r["time_scale"], other))
             rel.append(f"{r['goodput'] / g:.2f}x" if g else "-")
-        lines.append("| " + " | ".join(str(r[k]) for k in _COLUMNS) + " | "
+        lines.append("| " + " | ".join(str(r.get(k, "-")) for k in _COLUMNS) + " | "
                      + " | ".join(rel) + " |")
     return "\n".join(lines) + "\n"
 
@@ -84,7 +101,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
         print("matplotlib is not installed (pip install matplotlib); drawing an SVG")
         return _svg(rows, path.with_suffix(".svg"))
     fig, ax = plt.subplots(figsize=(8, 4))
-    labels = [f"{r['policy']}\n{r['nodes']} nodes" for r in rows]
+    labels = [f"{r['policy']}\n{r['nodes']} nodes x{r['time_scale']:g}" for r in rows]
     for i, q in enumerate(("p50", "p90", "p99")):
         ax.bar([x + 0.27 * i for x in range(len(rows))], [r[f"{q}_ttft_s"] for r in rows],
                width=0.27, label=q)
@@ -128,7 +145,7 @@ def _svg(rows: list[dict[str, Any]], path: Path) -> Path:
                        f'<title>{q} {v}s</title></rect>')
         out.append(f'<text x="{x0 + 33}" y="{height - bottom + 14}" text-anchor="middle">'
                    f'{r["policy"]}</text><text x="{x0 + 33}" y="{height - bottom + 28}" '
-                   f'text-anchor="middle">{r["nodes"]} nodes</text>')
+                   f'text-anchor="middle">{r["nodes"]} x{r["time_scale"]:g}</text>')
     for j, q in enumerate(colors):
         out.append(f'<rect x="{left + 70 * j}" y="{height - 30}" width="10" height="10" '
                    f'fill="{colors[q]}"/><text x="{left + 70 * j + 14}" '
@@ -148,8 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     load = ap.add_mutually_exclusive_group()
     load.add_argument("--time-scale", type=float, default=200.0,
                       help="time scale at 1000 nodes (scaled with the fleet size)")
-    load.add_argument("--find-load", type=float, metavar="GOODPUT",
-                      help="per fleet size, the load at which round robin reaches GOODPUT")
+    load.add_argument("--find-load", type=float, nargs="+", metavar="GOODPUT",
+                      help="per fleet size, the loads at which round robin reaches each "
+                           "GOODPUT (e.g. 0.5 0.3)")
     ap.add_argument("--out", default="results/scheduler", help="folder for the outputs")
     args = ap.parse_args(argv)
     trace = load_trace(args.trace)

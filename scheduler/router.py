@@ -7,13 +7,18 @@ Policies (by name, :data:`POLICIES`):
   decode instance with the least KV in use.
 - ``prefix_only``: the prefill instance caching the longest prefix of the request
   (ties in turn); decode in turn.
-- ``cache_aware`` (``default``): the prefill instance with the earliest estimated first
-  token: its queued work, plus the prefill of what it does not cache (from its own
-  cache, or fetched from the store when that holds more), plus the KV transfer; then
-  the decode instance nearest to it (same pod, then zone, then across zones) among those
-  whose KV has room and whose step time after admission meets the TPOT target, the
-  least filled first. A prompt whose uncached part is at most ``local_prefill_tokens``
-  is prefilled on the decode instance itself (no transfer, no prefill queue).
+- ``cache_aware`` (``default``): per prefill instance, an estimate in seconds of when
+  the request's prefill would end there: its queued work, plus the prefill of what it
+  does not cache (from its own cache, or fetched from the store when that holds more),
+  plus the compute of the cached blocks it would leave behind on a better holder. Where
+  some instances meet the request's TTFT target with ``slo_margin`` to spare, the least
+  work among them wins; else the earliest estimate among those that still meet it; else,
+  the target being lost everywhere, the least work (the capacity it does not take is
+  what lets later requests meet theirs). Then the decode instance nearest to it (same
+  pod, then zone, then across zones) among those whose KV has room and whose step time
+  after admission meets the TPOT target, the least filled first. A prompt whose
+  uncached part is at most ``local_prefill_tokens`` is prefilled on the decode instance
+  itself (no transfer, no prefill queue).
 
 Hot spots: a hot prefix cannot pull every request to one instance, because its queued
 work is part of the estimate; ``sample`` > 0 restricts each choice to the instances
@@ -96,6 +101,10 @@ class Router:
     :param sample: ``0`` scores every instance; ``k > 0`` scores the cache holders plus
         ``k`` random instances per choice.
     :param seed: seeds the sampling (decisions are otherwise deterministic).
+    :param affinity: seconds charged per second of compute of cached blocks a choice
+        leaves behind (``1``: they are computed again; ``0``: no charge).
+    :param slo_margin: share of the TTFT target within which ``cache_aware`` takes the
+        least work rather than the earliest estimate (``0``: never).
     """
 
     def __init__(self, fleet: Fleet, policy: str = DEFAULT_POLICY, *,
@@ -194,15 +203,10 @@ class Router:
             else:
                 pmask = self._sampled(pmask, depth.keys())
                 est, work = self._prefill_estimates(req, now, depth, store, pre)
-                if self.slo_margin > 0:
-                    # Where the TTFT target holds anyway, least work wins: compute
-                    # saved now is capacity for the requests that come next.
-                    limit = self.slo_margin * self.slo.ttft_limit(req.input_tokens, cost)
-                    within = pmask & (est <= limit)
-                    if within.any():
-                        pmask, est = within, work + 1e-3 * est
-                p = self._pick("prefill", est, pmask)
-                p = self._admit(pre, p, pmask, "prefill", est)
+                score, pmask = self._prefill_choice(
+                    est, work, pmask, self.slo.ttft_limit(req.input_tokens, cost))
+                p = self._pick("prefill", score, pmask)
+                p = self._admit(pre, p, pmask, "prefill", score)
             cached = min(depth.get(p, 0), len(req.keys))
             fetched = max(0, store - cached)
             uncached = max(1, req.input_tokens - max(cached, store) * cost.block_tokens)
@@ -217,6 +221,30 @@ class Router:
             return Decision(p, d, pre.names[p], dec.names[d], cached, fetched, uncached,
                             req.input_tokens + req.output_tokens, path, transport,
                             prefill_s, ttft, tpot)
+
+    def _prefill_choice(self, est: F64, work: F64, mask: Mask, limit: float
+                        ) -> tuple[F64, Mask]:
+        """The scores and candidates of the prefill choice, in three tiers by the
+        request's TTFT target ``limit`` (seconds):
+
+        1. instances whose estimate is within ``slo_margin`` of the target: least work
+           wins, since the target holds anyway and the compute saved is capacity for the
+           requests that come next (the margin keeps queues short enough for them);
+        2. else instances where the target still holds: earliest estimate;
+        3. else (it misses everywhere): least work again, since this request's TTFT is
+           lost wherever it goes and the compute it does not take is what decides
+           whether later requests make theirs.
+
+        Ties in work go to the earlier estimate."""
+        least_work: F64 = work + 1e-3 * est
+        if self.slo_margin > 0:
+            within = mask & (est <= self.slo_margin * limit)
+            if within.any():
+                return least_work, within
+        feasible = mask & (est <= limit)
+        if feasible.any():
+            return est, feasible
+        return least_work, mask
 
     def _prefill_estimates(self, req: Request, now: float, depth: dict[int, int],
                            store: int, pre: Pool) -> tuple[F64, F64]:

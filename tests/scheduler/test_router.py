@@ -121,3 +121,40 @@ def test_store_hits_count_and_cost_a_fetch() -> None:
     d = Router(fleet, "default", cost=cost).route(_req(list(range(8))), now=0.0)
     assert d.cached_blocks == 0 and d.store_blocks == 6
     assert d.prefill_s > cost.fetch_s(6) > 0
+
+
+def test_a_request_late_everywhere_takes_the_least_work() -> None:
+    """Every queue is past the request's TTFT target: its own TTFT is lost anyway, so it
+    goes where it costs the least compute (its prefix holder), not to the earliest."""
+    fleet = _fleet()
+    keys = list(range(8))
+    pre = fleet.prefill
+    fleet.prefix.insert(pre.slot["p0"], keys)
+    for name in ("p1", "p2", "p3"):
+        pre.free_at[pre.slot[name]] = 20.0
+    pre.free_at[pre.slot["p0"]] = 30.0
+    d = Router(fleet, "default").route(_req(keys + [98, 99]), now=0.0)
+    assert d.prefill_name == "p0" and d.cached_blocks == 8
+    assert d.est_ttft_s > 30.0
+
+
+def test_a_request_that_can_still_make_it_takes_the_earliest() -> None:
+    """No queue leaves the margin, but some still meet the target: the earliest estimate
+    wins, even against the holder's smaller work."""
+    fleet = _fleet()
+    keys = list(range(8))
+    pre = fleet.prefill
+    fleet.prefix.insert(pre.slot["p0"], keys)
+    pre.free_at[pre.slot["p0"]] = 1.65  # + 0.14 s of prefill: just within 1.83 s
+    for name in ("p1", "p2", "p3"):
+        pre.free_at[pre.slot[name]] = 0.6  # + 0.98 s (full prefill + blocks left behind)
+    d = Router(fleet, "default").route(_req(keys + [98, 99]), now=0.0)
+    assert d.prefill_name in ("p1", "p2", "p3") and d.cached_blocks == 0
+    fleet = _fleet()
+    pre = fleet.prefill
+    fleet.prefix.insert(pre.slot["p0"], keys)
+    pre.free_at[pre.slot["p0"]] = 1.65
+    for name in ("p1", "p2", "p3"):
+        pre.free_at[pre.slot[name]] = 1.0  # + 0.98 s: past the target
+    d = Router(fleet, "default").route(_req(keys + [98, 99]), now=0.0)
+    assert d.prefill_name == "p0" and d.cached_blocks == 8

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.errors import TraceError
-from scheduler.report import table
+from scheduler.report import run, table
 from scheduler.sim import SimConfig, main, simulate
 from scheduler.trace import load_trace, synthetic_trace
 
@@ -47,6 +47,29 @@ def test_policies_under_load() -> None:
     assert got["default"]["goodput"] >= got["round_robin"]["goodput"]
     assert got["default"]["p99_ttft_s"] <= got["round_robin"]["p99_ttft_s"]
     assert "| 16 | cache_aware |" in table(list(got.values()))
+
+
+@pytest.mark.parametrize(("nodes", "rate", "scale"),
+                         [(16, 4.0, 1.0), (16, 4.0, 8.0), (48, 12.0, 2.0)])
+def test_default_is_never_below_least_loaded(nodes: int, rate: float, scale: float) -> None:
+    """Light, heavy and past saturation, small and larger fleets."""
+    trace = synthetic_trace(800, seed=4, rate=rate)
+    config = SimConfig(nodes=nodes, time_scale=scale, cache_blocks=200)
+    got = {p: simulate(trace, p, config) for p in ("round_robin", "least_loaded", "default")}
+    assert got["default"]["goodput"] >= got["least_loaded"]["goodput"]
+    assert got["default"]["goodput"] >= got["round_robin"]["goodput"]
+    assert got["default"]["prefix_hit_rate"] >= 0.8 * trace.hit_bound
+
+
+def test_report_runs_each_load_and_compares_within_it() -> None:
+    trace = synthetic_trace(200, seed=2, rate=10.0)
+    rows = run(trace, [8], ["round_robin", "cache_aware"], None, [0.7, 0.3])
+    scales = sorted({r["time_scale"] for r in rows})
+    assert len(rows) == 4 and len(scales) == 2
+    assert all(0.0 <= r["hit_vs_bound"] <= 1.0 for r in rows)
+    md = table(rows)
+    assert md.count("| 1.00x |") == 2  # round robin against itself, once per load
+    assert "hit_vs_bound" in md.splitlines()[0]
 
 
 def test_command_line_writes_json(tmp_path: Path) -> None:
