@@ -517,15 +517,9 @@ def test_config_validation() -> None:
         TEConnectorConfig(lease_s=0)
 
 
-def test_serve_config_builds_the_serving_process_transport() -> None:
-    from transfer_engine.transport.tcp import TcpTransport
-
-    cfg = TEConnectorConfig.from_extra_config({"transports": "shm,tcp",
-                                               "serve": "process"})
-    shm, tcp = cfg.engine_transports()
-    assert isinstance(tcp, TcpTransport) and tcp.info("serve") == "process"
-    assert shm.info("serve") == "process"
-    assert TEConnectorConfig.from_extra_config({"transports": "tcp"}).engine_transports() == [
-        "tcp"]
+def test_serve_config() -> None:
+    cfg = TEConnectorConfig.from_extra_config({"transports": "shm,tcp", "serve": "process"})
+    assert cfg.serve == "process"
+    assert TEConnectorConfig.from_extra_config({}).serve is None
     with pytest.raises(ValueError, match="serve"):
         TEConnectorConfig.from_extra_config({"serve": "fork"})

@@ -111,6 +111,10 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
     :param traffic: a :class:`~transfer_engine.state.TrafficPolicy` that orders the
         transports of each transfer (e.g. ``scheduler.policy.TrafficPolicy``) and hears
         how each went; ``None``: the peer's health order alone.
+    :param serve: where the tcp and shm transports this engine loads by name serve
+        peers' requests: ``"thread"``, or ``"process"`` (a serving process, for an
+        application whose threads are busy in Python; see docs/data-plane.md). ``None``:
+        ``$TE_SERVE``, else threads. Transport objects passed in keep their own.
     """
 
     _watchdog: Watchdog | None = None  # started with the first transfer
@@ -123,7 +127,11 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
                  insecure: bool | None = None,
                  transfer_timeout: float | None = None,
                  peer_timeout: float | None = 10.0,
-                 traffic: TrafficPolicy | None = None) -> None:
+                 traffic: TrafficPolicy | None = None,
+                 serve: str | None = None) -> None:
+        if serve not in (None, "thread", "process"):
+            raise ValueError(f"serve must be 'thread' or 'process', not {serve!r}")
+        self.serve = serve
         self.name = name
         self.traffic = traffic
         self.transfer_timeout = transfer_timeout
@@ -185,7 +193,10 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
                 transport = spec
             else:
                 try:
-                    kwargs = {"host": self.host} if spec in ("tcp", "rdma") else {}
+                    kwargs: dict[str, Any] = (
+                        {"host": self.host} if spec in ("tcp", "rdma") else {})
+                    if self.serve is not None and spec in ("tcp", "shm"):
+                        kwargs["serve"] = self.serve
                     transport = load_transport(spec, **kwargs)
                 except TransferEngineError as exc:
                     log.info("transport %s unavailable: %s", spec, exc)

@@ -318,14 +318,22 @@ class TransferEngine:
             if directory.mode == "p2p":
                 raise _Failed(-1, f"cannot resolve {bind!r}") from None
             bind = "127.0.0.1"  # a plain name in a metadata service: serve loopback
+        try:
+            directory.check()  # before starting an engine (and its serving processes)
+        except DirectoryError as exc:
+            raise _Failed(-1, str(exc)) from None
         transports = _transports(protocol)
         self._timeout = _timeout()
         engine_name = f"mooncake-{host or bind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             # the port is ours to choose, as Mooncake's: peers learn it from the name
             # (P2P, via get_rpc_port) or from the metadata server
+            # served from a serving process unless TE_SERVE says otherwise: Mooncake's
+            # engine moves bytes on threads of its own, never waiting for the caller's
+            # Python, and code written for it expects as much
             engine = Engine(engine_name, host=bind, port=0, transports=transports,
-                            timeout=min(self._timeout, 10.0), auth=auth)
+                            timeout=min(self._timeout, 10.0), auth=auth,
+                            serve=os.environ.get("TE_SERVE") or "process")
         except (ValueError, TransferEngineError, OSError) as exc:
             raise _Failed(-1, str(exc)) from None
         if transports is not None and "rdma" in transports and "rdma" not in \

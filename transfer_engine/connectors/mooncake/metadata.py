@@ -147,6 +147,10 @@ class Directory:
     def withdraw(self, name: str) -> None:
         """Removes what :meth:`publish` announced (best effort, never raises)."""
 
+    def check(self) -> None:
+        """Raises ``DirectoryError`` when the service cannot be reached: asked before an
+        engine is started for nothing."""
+
     def close(self) -> None:
         """Releases connections to the service (:meth:`withdraw` does too)."""
 
@@ -210,6 +214,9 @@ class HttpDirectory(Directory):
             return resp.status, resp.read(1 << 24)
         finally:
             conn.close()
+
+    def check(self) -> None:
+        self.get(f"{self._prefix}rpc_meta/")  # no such key: only reaching it counts
 
     def get(self, key: str) -> bytes | None:
         """The value of ``key`` or None when absent. Raises ``DirectoryError``."""
@@ -325,6 +332,9 @@ class _StoreDirectory(Directory):
         raise NotImplementedError
 
     # Directory
+
+    def check(self) -> None:
+        self.get(f"{self._prefix}rpc_meta/")  # no such key: only reaching it counts
 
     def lookup(self, name: str) -> Location:
         raw = self.get(f"{self._prefix}rpc_meta/{name}")

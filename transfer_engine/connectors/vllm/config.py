@@ -132,21 +132,6 @@ class TEConnectorConfig:
                    store_timeout_s=float(extra.get("store_timeout_s", cls.store_timeout_s)),
                    secret_file=extra.get("secret_file"))
 
-    def engine_transports(self) -> list[Any] | None:
-        """The engine's transports: the names given (or the default), with tcp and shm
-        built for ``serve`` when it is set."""
-        if self.serve is None:
-            return list(self.transports) if self.transports else None
-        from transfer_engine.engine import DEFAULT_TRANSPORTS
-        from transfer_engine.transport.shm import ShmTransport
-        from transfer_engine.transport.tcp import TcpTransport
-
-        env = [t.strip() for t in os.environ.get("TE_TRANSPORTS", "").split(",") if t.strip()]
-        names = list(self.transports or env or DEFAULT_TRANSPORTS)
-        built = {"tcp": lambda: TcpTransport(host=self.host, serve=self.serve),
-                 "shm": lambda: ShmTransport(serve=self.serve)}
-        return [built[n]() if n in built else n for n in names]
-
 
 def _check_store_address(address: str) -> None:
     """Raises ValueError unless ``address`` is ``tcp://host:port`` (the master's ZeroMQ

@@ -133,7 +133,8 @@ class TEConnectorWorker:
             with unpinned():  # the engine's threads start here
                 self.engine = Engine(self.engine_name, host=self.config.host,
                                      port=self.config.port,
-                                     transports=self.config.engine_transports(),
+                                     transports=self.config.transports,
+                                     serve=self.config.serve,
                                      timeout=self.config.timeout_s,
                                      auth=self.config.auth())
         seen: dict[int, Segment] = {}
