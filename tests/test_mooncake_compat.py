@@ -426,3 +426,19 @@ def test_concurrent_first_contact_lands_every_byte() -> None:
     """10 threads of batch_transfer_sync_write into a never-contacted peer, 20 times."""
     for rep in range(20):
         _first_contact_round(rep)
+
+
+def test_the_drop_in_serves_from_a_serving_process_unless_told(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mooncake's engine moves bytes without the caller's Python; so does the drop-in,
+    by default (a busy target thread: `python -m bench.mooncake_busy`)."""
+    monkeypatch.delenv("TE_SERVE", raising=False)
+    with TransferEngine() as engine:
+        assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        inner = engine.get_engine()
+        assert inner is not None and inner._transports["tcp"].info("serve") == "process"
+    monkeypatch.setenv("TE_SERVE", "thread")
+    with TransferEngine() as engine:
+        assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        inner = engine.get_engine()
+        assert inner is not None and inner._transports["tcp"].info("serve") == "thread"
