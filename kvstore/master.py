@@ -12,8 +12,13 @@ Protocol (messages in :mod:`kvstore.protocol`, signed as every control message):
   released (piggybacked on the client's next request) or ``lease_s`` passes, the space
   of those objects is not reused, even if they are removed, replaced or evicted.
 * **Space** comes back to a pool only once the node has acknowledged the free in its
-  journal (see below), and eviction (CLOCK over the index, as in the local store) runs
-  when a put finds no room; that put answers RETRY and the client asks again.
+  journal (see below). Eviction runs when a put finds no room; that put answers RETRY and
+  the client asks again. It evicts the least recently used objects no lease holds, the
+  deepest blocks of a chain before their prefix (see :mod:`kvstore.objects`): a get, a
+  query or an ``if_absent`` put refreshes every key it finds. It evicts only what the
+  frees already on their way back do not cover, plus a slack of 1/256 of the pools that
+  spares most puts the round trip, so a put retried while the nodes acknowledge does not
+  evict again.
 * **Nodes** register their pools, heartbeat every ``node_interval`` seconds, and are
   dropped after ``node_max_missed`` silent intervals: their replicas are forgotten, and
   objects left with none are gone.
@@ -122,6 +127,7 @@ class _Pool:
     space: Space
     usable_after: float
     alive: bool = True
+    coming: int = 0  # bytes freed through the journal, not yet acknowledged
 
 
 @dataclass(eq=False)
@@ -316,7 +322,7 @@ class Master(Closeable):
     def _get(self, msg: KvGet) -> KvLocated:
         keys = self._keys(msg.keys)
         t = self.table
-        rows = t.lookup(keys)
+        rows = t.lookup(keys, touch=True)
         found = rows >= 0
         status = np.where(found, Status.OK, Status.MISSING).astype(np.int8)
         hit = rows[found]
@@ -344,7 +350,7 @@ class Master(Closeable):
                          offsets=offsets.tobytes())
 
     def _query(self, msg: KvQuery) -> KvFound:
-        rows = self.table.lookup(self._keys(msg.keys), touch=False)
+        rows = self.table.lookup(self._keys(msg.keys), touch=True)
         return KvFound(status=np.where(rows >= 0, Status.OK, Status.MISSING)
                        .astype(np.int8).tobytes())
 
@@ -371,7 +377,7 @@ class Master(Closeable):
         now = self._clock()
         status = np.zeros(n, dtype=np.int8)
         if msg.if_absent:
-            status[self.table.lookup(keys) >= 0] = Status.EXISTS
+            status[self.table.lookup(keys, touch=True, new_turn=False) >= 0] = Status.EXISTS
         pools = np.full((n, self.max_replicas), -1, dtype=np.int32)
         offsets = np.zeros((n, self.max_replicas), dtype=np.int64)
         todo = np.flatnonzero(status == Status.OK)
@@ -401,8 +407,9 @@ class Master(Closeable):
                 pools[i, r] = p
                 offsets[i, r] = off
         if evict_bytes:
-            evicted = self._evict(evict_bytes + sum(p.space.capacity for p in ready) // 64)
-            coming = any(n.frees or n.quarantine for n in self._nodes.values())
+            coming = sum(p.coming for p in ready)
+            slack = sum(p.space.capacity for p in ready) // 256
+            evicted = self._evict(evict_bytes + slack - coming)
             if not (evicted or coming):
                 status[status == Status.RETRY] = Status.NO_SPACE
         placed = np.flatnonzero(pools[:, 0] >= 0)
@@ -520,29 +527,27 @@ class Master(Closeable):
         for row in rows.tolist():
             length = int(t.length[row])
             for p, off in t.replicas(row):
-                pool = self._pools[p]
-                if pool.alive:
-                    pool.node.frees.append((p, off, length))
+                self._queue_free(p, off, length)
         t.drop_rows(rows)
 
+    def _queue_free(self, p: int, off: int, length: int) -> None:
+        """Frees ``length`` bytes at ``off`` of pool ``p`` through its node's journal: the
+        space is reused once the node acknowledges."""
+        pool = self._pools[p]
+        if pool.alive:
+            pool.node.frees.append((p, off, length))
+            pool.coming += pool.space.unit(length)
+
     def _evict(self, nbytes: int) -> bool:
-        """Evicts LIVE objects (CLOCK) until ``nbytes`` of space are on their way back;
-        False when nothing could be evicted."""
-        t = self.table
-        freed = 0
-        rounds = 0
-        while freed < nbytes and len(t) and rounds < 64:
-            rounds += 1
-            avg = max(1, int(t.length[: t.capacity][t.state[: t.capacity] == State.LIVE]
-                             .mean()) if len(t) else 1)
-            rows = t.victims(max(1, min(len(t), -(-(nbytes - freed) // avg))))
-            if rows.size == 0:
-                break
-            self.counters["evictions"] += int(rows.size)
-            unheld = rows[t.leases[rows] == 0]
-            freed += int((t.length[unheld] * t.nrep[unheld]).sum())
-            self._retire(rows)
-        return freed > 0
+        """Evicts the least recently used LIVE objects no lease holds until ``nbytes`` of
+        space are on their way back; False when nothing was evicted (``nbytes <= 0``
+        evicts nothing)."""
+        rows = self.table.victims(nbytes)
+        if rows.size == 0:
+            return False
+        self.counters["evictions"] += int(rows.size)
+        self._retire(rows)
+        return True
 
     def _drop_replicas(self, rows: I64, dead: np.ndarray, *, free: bool) -> np.ndarray:
         """Removes replicas on pools ``dead`` from ``rows``; returns a mask of rows left
@@ -552,10 +557,8 @@ class Master(Closeable):
         gone = np.isin(pools, dead) & (pools >= 0)
         if free:
             for i, r in zip(*np.nonzero(gone), strict=True):
-                pool = self._pools[int(pools[i, r])]
-                if pool.alive:
-                    pool.node.frees.append((pool.index, int(t.offset[rows[i], r]),
-                                            int(t.length[rows[i]])))
+                self._queue_free(int(pools[i, r]), int(t.offset[rows[i], r]),
+                                 int(t.length[rows[i]]))
         keep = (pools >= 0) & ~gone
         order = np.argsort(~keep, axis=1, kind="stable")
         newp = np.take_along_axis(pools, order, axis=1)
@@ -634,6 +637,7 @@ class Master(Closeable):
                 pool = self._pools[p]
                 if pool.alive:
                     pool.space.free(off, length)
+                    pool.coming -= pool.space.unit(length)
 
     # -- nodes -------------------------------------------------------------------------
 
@@ -731,7 +735,7 @@ class Master(Closeable):
                 t.offset[winner, n] = off
                 t.nrep[winner] = n + 1
             else:
-                node.frees.append((p, off, length))
+                self._queue_free(p, off, length)
         self._version = max(self._version, int(entries["version"].max()) + 1)
         if new_rows:
             rows = np.array(new_rows, dtype=np.int64)
