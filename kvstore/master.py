@@ -16,9 +16,10 @@ Protocol (messages in :mod:`kvstore.protocol`, signed as every control message):
   the client asks again. It evicts the least recently used objects no lease holds, the
   deepest blocks of a chain before their prefix (see :mod:`kvstore.objects`): a get, a
   query or an ``if_absent`` put refreshes every key it finds. It evicts only what the
-  frees already on their way back do not cover, plus a slack of 1/256 of the pools that
-  spares most puts the round trip, so a put retried while the nodes acknowledge does not
-  evict again.
+  frees already on their way back do not cover, plus a slack of 1/1024 of the pools (so
+  the next few puts find room at once), and a put that waits for evicted space is parked
+  at the master and answered when the nodes acknowledge the frees (after two heartbeat
+  intervals at most, then with RETRY), not polled for by the client.
 * **Nodes** register their pools, heartbeat every ``node_interval`` seconds, and are
   dropped after ``node_max_missed`` silent intervals: their replicas are forgotten, and
   objects left with none are gone.
@@ -185,6 +186,7 @@ class Master(Closeable):
         self._leases: dict[int, tuple[float, I64]] = {}
         self._lease_heap: list[tuple[float, int]] = []
         self._lease_ids = itertools.count(1)
+        self._parked: list[tuple[bytes, KvPut, float]] = []  # puts waiting for frees
         self._version = time.time_ns()
         self.counters: collections.Counter[str] = collections.Counter()
         self._lock = threading.RLock()
@@ -283,7 +285,7 @@ class Master(Closeable):
         if isinstance(msg, KvGet):
             return self._get(msg)
         if isinstance(msg, KvPut):
-            return self._put(msg)
+            return self._put(msg, ident)
         if isinstance(msg, KvCommit):
             return self._commit(msg)
         if isinstance(msg, KvQuery):
@@ -362,7 +364,11 @@ class Master(Closeable):
         return KvFound(status=np.where(rows >= 0, Status.OK, Status.MISSING)
                        .astype(np.int8).tobytes())
 
-    def _put(self, msg: KvPut) -> KvPlaced:
+    def _put(self, msg: KvPut, ident: bytes | None = None, until: float | None = None
+             ) -> KvPlaced | None:
+        """Places a put's keys. A put that must wait for evicted space is parked (None:
+        no answer yet) when ``ident`` is given, until ``until`` (default: two heartbeat
+        intervals from now); else those keys are answered RETRY."""
         keys = self._keys(msg.keys)
         n = keys.shape[0]
         lengths = column(msg.lengths, "<i8", n, "lengths")
@@ -407,11 +413,20 @@ class Master(Closeable):
                 pools[i, r] = p
                 offsets[i, r] = off
         if evict_bytes:
-            coming = sum(p.coming for p in ready)
-            slack = sum(p.space.capacity for p in ready) // 256
-            evicted = self._evict(evict_bytes + slack - coming)
-            if not (evicted or coming):
+            slack = sum(p.space.capacity for p in ready) // 1024
+            self._evict(evict_bytes + slack - sum(p.coming for p in ready))
+            if not any(p.coming for p in ready):
                 status[status == Status.RETRY] = Status.NO_SPACE
+            elif ident is not None:  # answered once the frees land: give back its space
+                for i in np.flatnonzero(pools[:, 0] >= 0).tolist():
+                    for r in range(self.max_replicas):
+                        if pools[i, r] >= 0:
+                            self._pools[int(pools[i, r])].space.free(int(offsets[i, r]),
+                                                                      int(lengths[i]))
+                self._parked.append((ident, msg, now + 2 * self.node_interval
+                                     if until is None else until))
+                self.counters["puts_parked"] += 1
+                return None
         placed = np.flatnonzero(pools[:, 0] >= 0)
         put_id = start
         if placed.size:
@@ -629,6 +644,7 @@ class Master(Closeable):
             pass  # resent after the next heartbeat
 
     def _acked(self, node: _Node, seq: int) -> None:
+        freed = False
         node.acked = max(node.acked, seq)
         while node.unacked and node.unacked[0][0] <= node.acked:
             node.unacked.popleft()
@@ -638,6 +654,22 @@ class Master(Closeable):
                 if pool.alive:
                     pool.space.free(off, length)
                     pool.coming -= pool.space.unit(length)
+                    freed = True
+        if freed and self._parked:
+            self._unpark(self._clock())
+
+    def _unpark(self, now: float) -> None:
+        """Runs the parked puts again, in arrival order; those past their wait are
+        answered whatever they get (RETRY where there is still no room)."""
+        parked, self._parked = self._parked, []
+        for ident, msg, until in parked:
+            try:
+                reply: Message | None = self._put(msg, ident if now < until else None,
+                                                  until)
+            except (ProtocolError, StoreError, ValueError) as exc:
+                reply = ErrorReply(message=str(exc))
+            if reply is not None:
+                self._reply(ident, reply)
 
     # -- nodes -------------------------------------------------------------------------
 
@@ -773,6 +805,8 @@ class Master(Closeable):
     # -- time --------------------------------------------------------------------------
 
     def _tick(self, now: float) -> None:
+        if any(until <= now for _, _, until in self._parked):
+            self._unpark(now)
         while self._lease_heap and self._lease_heap[0][0] <= now:
             _, lease = heapq.heappop(self._lease_heap)
             entry = self._leases.pop(lease, None)

@@ -18,9 +18,11 @@ still serves shorter requests. Objects published by a commit rank in the current
 *below* every key of that turn's get: a client that got a chain's prefix and then put the
 missing tail keeps the prefix longer than the tail. Victims are the lowest stamps among
 LIVE rows no lease holds (their space could not be reused anyway; PENDING rows, being
-written by a put, are never in the index), found with one ``argpartition`` over the
-table per eviction, so an eviction costs O(rows) and the master evicts a slack of space
-at once to amortise it.
+written by a put, are never in the index). One ``argpartition`` over the table queues
+the 1/64 of rows with the lowest stamps, and evictions pop the queue: stamps only grow,
+so every row outside the queue ranks above all of it, and a queued row whose stamp,
+state or lease changed since is skipped (it ranks higher now and comes back with the next
+queue). An eviction thus costs O(rows evicted), and O(rows) once per 1/64 of the table.
 
 States: FREE (row unused), PENDING (space allocated, bytes being written, not in the
 index), LIVE (committed, in the index), RETIRED (removed, overwritten, evicted or expired
@@ -81,6 +83,9 @@ class ObjectTable:
         self.offset = np.zeros((0, max_replicas), dtype=np.int64)
         self.stamp = np.zeros(0, dtype=np.uint64)  # recency; see the module docstring
         self.turn = 0
+        self._queue = np.zeros(0, dtype=np.int64)  # eviction candidates, oldest first
+        self._queued = np.zeros(0, dtype=np.uint64)  # their stamps when queued
+        self._head = 0
         self._free = np.zeros(0, dtype=np.int64)  # stack of free row ids
         self._nfree = 0
         self.expiry = ExpiryLayers(ttl_granularity)
@@ -227,27 +232,57 @@ class ObjectTable:
     def victims(self, nbytes: int) -> I64:
         """LIVE rows no lease holds, least recently used first, whose space (length
         times replicas) adds up to ``nbytes`` (all of them when they hold less); removed
-        from the index. Empty when ``nbytes <= 0`` or there is nothing to evict."""
-        cap = self.capacity
-        cand = np.flatnonzero((self.state[:cap] == State.LIVE) & (self.leases[:cap] == 0))
-        if nbytes <= 0 or cand.size == 0:
-            return np.zeros(0, dtype=np.int64)
-        cost = np.maximum(self.length[cand], 1) * self.nrep[cand]
-        k = min(cand.size, -(-nbytes // max(1, int(cost.mean()))) + 1)
-        while True:
-            if k < cand.size:
-                part = np.argpartition(self.stamp[cand], k - 1)[:k]
-            else:
-                part = np.arange(cand.size)
-            part = part[np.argsort(self.stamp[cand[part]], kind="stable")]
-            total = np.cumsum(cost[part])
-            if total[-1] >= nbytes or k == cand.size:
-                take = int(np.searchsorted(total, nbytes)) + 1
-                rows = cand[part[:take]]
+        from the index and RETIRED (the caller frees them). Empty when ``nbytes <= 0`` or
+        there is nothing to evict."""
+        out: list[I64] = []
+        while nbytes > 0:
+            if self._head >= self._queue.size and not self._refill(nbytes):
                 break
-            k = min(cand.size, 2 * k)
+            q = self._queue[self._head:self._head + 4096]
+            ok = ((self.stamp[q] == self._queued[self._head:self._head + q.size])
+                  & (self.state[q] == State.LIVE) & (self.leases[q] == 0))
+            rows = q[ok]
+            if rows.size == 0:
+                self._head += q.size
+                continue
+            total = np.cumsum(np.maximum(self.length[rows], 1) * self.nrep[rows])
+            if total[-1] >= nbytes:  # stop at the row that reaches nbytes
+                take = int(np.searchsorted(total, nbytes)) + 1
+                rows = rows[:take]
+                self._head += int(np.flatnonzero(ok)[take - 1]) + 1
+                nbytes = 0
+            else:
+                self._head += q.size
+                nbytes -= int(total[-1])
+            self.state[rows] = State.RETIRED  # not queued again by a refill below
+            out.append(rows)
+        if not out:
+            return np.zeros(0, dtype=np.int64)
+        rows = np.concatenate(out)
         self.unpublish_rows(rows)
         return rows
+
+    def _refill(self, nbytes: int) -> bool:
+        """Queues the evictable rows with the lowest stamps: at least enough for
+        ``nbytes`` at the mean size, and 1/64 of the table. False when none."""
+        cap = self.capacity
+        cand = np.flatnonzero((self.state[:cap] == State.LIVE) & (self.leases[:cap] == 0))
+        if cand.size == 0:
+            self._queue = np.zeros(0, dtype=np.int64)
+            self._head = 0
+            return False
+        mean = max(1, int(self.length[cand].mean()))
+        k = min(cand.size, max(cap // 64, 2 * (nbytes // mean) + 1))
+        stamps = self.stamp[cand]
+        if k < cand.size:
+            part = np.argpartition(stamps, k - 1)[:k]
+        else:
+            part = np.arange(cand.size)
+        part = part[np.argsort(stamps[part], kind="stable")]
+        self._queue = cand[part]
+        self._queued = stamps[part]
+        self._head = 0
+        return True
 
     def expired(self, now: float) -> I64:
         """LIVE rows whose TTL passed, removed from the index."""
