@@ -120,7 +120,7 @@ def replay(args: argparse.Namespace, trace: list[list[int]]) -> dict[str, Any]:
             for node in nodes:
                 node.close()
     return {"hit_rate": hits / max(1, total), "seconds": seconds,
-            "evictions": stats.get("evictions", 0)}
+            "evictions": stats.get("evictions", 0), "puts_parked": stats.get("puts_parked", 0)}
 
 
 def main(argv: list[str] | None = None) -> None:

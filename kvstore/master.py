@@ -15,11 +15,12 @@ Protocol (messages in :mod:`kvstore.protocol`, signed as every control message):
   journal (see below). Eviction runs when a put finds no room; that put answers RETRY and
   the client asks again. It evicts the least recently used objects no lease holds, the
   deepest blocks of a chain before their prefix (see :mod:`kvstore.objects`): a get, a
-  query or an ``if_absent`` put refreshes every key it finds. It evicts only what the
-  frees already on their way back do not cover, plus a slack of 1/1024 of the pools (so
-  the next few puts find room at once), and a put that waits for evicted space is parked
-  at the master and answered when the nodes acknowledge the frees (after two heartbeat
-  intervals at most, then with RETRY), not polled for by the client.
+  query or an ``if_absent`` put refreshes every key it finds. A put that leaves less than
+  1/1024 of the pools free (or on its way back) evicts that much ahead, so the next puts
+  find room without waiting; a put that finds no room evicts what it needs, less the
+  frees already on their way back, plus that slack, and is parked at the master and
+  answered when the nodes acknowledge the frees (after two heartbeat intervals at most,
+  then with RETRY), not polled for by the client.
 * **Nodes** register their pools, heartbeat every ``node_interval`` seconds, and are
   dropped after ``node_max_missed`` silent intervals: their replicas are forgotten, and
   objects left with none are gone.
@@ -427,6 +428,11 @@ class Master(Closeable):
                                      if until is None else until))
                 self.counters["puts_parked"] += 1
                 return None
+        elif ready and todo.size:
+            # keep 1/1024 of the pools free or on its way back: the next puts find room
+            # without waiting for the nodes to acknowledge an eviction
+            have = sum(p.space.free_bytes + p.coming for p in ready)
+            self._evict(sum(p.space.capacity for p in ready) // 1024 - have)
         placed = np.flatnonzero(pools[:, 0] >= 0)
         put_id = start
         if placed.size:
