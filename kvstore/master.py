@@ -393,6 +393,14 @@ class Master(Closeable):
         ready.sort(key=lambda p: (p.tier != "dram", p.index))
         biggest = max((p.space.capacity for p in usable), default=0)
         want = min(msg.replicas, len({p.node.name for p in ready}))
+        until = now + 2 * self.node_interval if until is None else until
+        if ident is not None and ready and todo.size:
+            # clearly short of room: evict and park before placing anything
+            fits = lengths[todo][lengths[todo] <= biggest]
+            short = (int(ready[0].space.round(fits).sum()) * want
+                     - sum(p.space.free_bytes for p in ready))
+            if short > 0 and self._park(ident, msg, until, short, ready):
+                return None
         evict_bytes = 0
         start = next(self._put_ids)
         for i in todo.tolist():
@@ -414,20 +422,19 @@ class Master(Closeable):
                 pools[i, r] = p
                 offsets[i, r] = off
         if evict_bytes:
-            slack = sum(p.space.capacity for p in ready) // 1024
-            self._evict(evict_bytes + slack - sum(p.coming for p in ready))
-            if not any(p.coming for p in ready):
-                status[status == Status.RETRY] = Status.NO_SPACE
-            elif ident is not None:  # answered once the frees land: give back its space
+            if ident is not None and self._park(ident, msg, until, evict_bytes, ready):
+                # answered once the frees land: give back the space placed so far
                 for i in np.flatnonzero(pools[:, 0] >= 0).tolist():
                     for r in range(self.max_replicas):
                         if pools[i, r] >= 0:
                             self._pools[int(pools[i, r])].space.free(int(offsets[i, r]),
                                                                       int(lengths[i]))
-                self._parked.append((ident, msg, now + 2 * self.node_interval
-                                     if until is None else until))
-                self.counters["puts_parked"] += 1
                 return None
+            if ident is None:
+                self._evict(evict_bytes + sum(p.space.capacity for p in ready) // 1024
+                            - sum(p.coming for p in ready))
+            if not any(p.coming for p in ready):
+                status[status == Status.RETRY] = Status.NO_SPACE
         elif ready and todo.size:
             # keep 1/1024 of the pools free or on its way back: the next puts find room
             # without waiting for the nodes to acknowledge an eviction
@@ -454,6 +461,18 @@ class Master(Closeable):
         return KvPlaced(put_id=put_id if placed.size else 0, status=status.tobytes(),
                         replicas=self.max_replicas, nodes=nodes, pools=wire_pools.tobytes(),
                         offsets=offsets.tobytes(), deadline_s=self.put_timeout_s)
+
+    def _park(self, ident: bytes, msg: KvPut, until: float, short: int,
+              ready: list[_Pool]) -> bool:
+        """Evicts what a put is ``short`` of, less the frees on their way back, plus the
+        slack; parks the put until they land. False when nothing is on its way."""
+        slack = sum(p.space.capacity for p in ready) // 1024
+        self._evict(short + slack - sum(p.coming for p in ready))
+        if not any(p.coming for p in ready):
+            return False
+        self._parked.append((ident, msg, until))
+        self.counters["puts_parked"] += 1
+        return True
 
     def _place(self, ready: list[_Pool], length: int, want: int, spin: int
                ) -> list[tuple[int, int]]:
