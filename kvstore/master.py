@@ -187,7 +187,8 @@ class Master(Closeable):
         self._leases: dict[int, tuple[float, I64]] = {}
         self._lease_heap: list[tuple[float, int]] = []
         self._lease_ids = itertools.count(1)
-        self._parked: list[tuple[bytes, KvPut, float]] = []  # puts waiting for frees
+        # puts waiting for frees: (client, put, answer by, parked at)
+        self._parked: list[tuple[bytes, KvPut, float, float]] = []
         self._version = time.time_ns()
         self.counters: collections.Counter[str] = collections.Counter()
         self._lock = threading.RLock()
@@ -365,8 +366,8 @@ class Master(Closeable):
         return KvFound(status=np.where(rows >= 0, Status.OK, Status.MISSING)
                        .astype(np.int8).tobytes())
 
-    def _put(self, msg: KvPut, ident: bytes | None = None, until: float | None = None
-             ) -> KvPlaced | None:
+    def _put(self, msg: KvPut, ident: bytes | None = None, until: float | None = None,
+             since: float | None = None) -> KvPlaced | None:
         """Places a put's keys. A put that must wait for evicted space is parked (None:
         no answer yet) when ``ident`` is given, until ``until`` (default: two heartbeat
         intervals from now); else those keys are answered RETRY."""
@@ -394,12 +395,15 @@ class Master(Closeable):
         biggest = max((p.space.capacity for p in usable), default=0)
         want = min(msg.replicas, len({p.node.name for p in ready}))
         until = now + 2 * self.node_interval if until is None else until
+        first = since is None
+        since = now if since is None else since
         if ident is not None and ready and todo.size:
             # clearly short of room: evict and park before placing anything
             fits = lengths[todo][lengths[todo] <= biggest]
             short = (int(ready[0].space.round(fits).sum()) * want
                      - sum(p.space.free_bytes for p in ready))
-            if short > 0 and self._park(ident, msg, until, short, ready):
+            if short > 0 and self._park(ident, msg, until, since, short, ready):
+                self.counters["puts_parked"] += first
                 return None
         evict_bytes = 0
         start = next(self._put_ids)
@@ -422,13 +426,15 @@ class Master(Closeable):
                 pools[i, r] = p
                 offsets[i, r] = off
         if evict_bytes:
-            if ident is not None and self._park(ident, msg, until, evict_bytes, ready):
+            if ident is not None and self._park(ident, msg, until, since, evict_bytes,
+                                                ready):
                 # answered once the frees land: give back the space placed so far
                 for i in np.flatnonzero(pools[:, 0] >= 0).tolist():
                     for r in range(self.max_replicas):
                         if pools[i, r] >= 0:
                             self._pools[int(pools[i, r])].space.free(int(offsets[i, r]),
                                                                       int(lengths[i]))
+                self.counters["puts_parked"] += first
                 return None
             if ident is None:
                 self._evict(evict_bytes + sum(p.space.capacity for p in ready) // 1024
@@ -462,7 +468,7 @@ class Master(Closeable):
                         replicas=self.max_replicas, nodes=nodes, pools=wire_pools.tobytes(),
                         offsets=offsets.tobytes(), deadline_s=self.put_timeout_s)
 
-    def _park(self, ident: bytes, msg: KvPut, until: float, short: int,
+    def _park(self, ident: bytes, msg: KvPut, until: float, since: float, short: int,
               ready: list[_Pool]) -> bool:
         """Evicts what a put is ``short`` of, less the frees on their way back, plus the
         slack; parks the put until they land. False when nothing is on its way."""
@@ -470,8 +476,7 @@ class Master(Closeable):
         self._evict(short + slack - sum(p.coming for p in ready))
         if not any(p.coming for p in ready):
             return False
-        self._parked.append((ident, msg, until))
-        self.counters["puts_parked"] += 1
+        self._parked.append((ident, msg, until, since))
         return True
 
     def _place(self, ready: list[_Pool], length: int, want: int, spin: int
@@ -687,13 +692,14 @@ class Master(Closeable):
         """Runs the parked puts again, in arrival order; those past their wait are
         answered whatever they get (RETRY where there is still no room)."""
         parked, self._parked = self._parked, []
-        for ident, msg, until in parked:
+        for ident, msg, until, since in parked:
             try:
                 reply: Message | None = self._put(msg, ident if now < until else None,
-                                                  until)
+                                                  until, since)
             except (ProtocolError, StoreError, ValueError) as exc:
                 reply = ErrorReply(message=str(exc))
             if reply is not None:
+                self.counters["parked_us"] += int(1e6 * (self._clock() - since))
                 self._reply(ident, reply)
 
     # -- nodes -------------------------------------------------------------------------
@@ -830,7 +836,7 @@ class Master(Closeable):
     # -- time --------------------------------------------------------------------------
 
     def _tick(self, now: float) -> None:
-        if any(until <= now for _, _, until in self._parked):
+        if any(p[2] <= now for p in self._parked):
             self._unpark(now)
         while self._lease_heap and self._lease_heap[0][0] <= now:
             _, lease = heapq.heappop(self._lease_heap)
