@@ -15,9 +15,9 @@ Protocol (messages in :mod:`kvstore.protocol`, signed as every control message):
   journal (see below). Eviction runs when a put finds no room; that put answers RETRY and
   the client asks again. It evicts the least recently used objects no lease holds, the
   deepest blocks of a chain before their prefix (see :mod:`kvstore.objects`): a get, a
-  query or an ``if_absent`` put refreshes every key it finds. A put that leaves less than
-  1/1024 of the pools free (or on its way back) evicts that much ahead, so the next puts
-  find room without waiting; a put that finds no room evicts what it needs, less the
+  query or an ``if_absent`` put refreshes every key it finds. A commit that leaves less
+  than 1/1024 of the pools free (or on its way back) evicts that much ahead, so the next
+  puts find room without waiting; a put that finds no room evicts what it needs, less the
   frees already on their way back, plus that slack, and is parked at the master and
   answered when the nodes acknowledge the frees (after two heartbeat intervals at most,
   then with RETRY), not polled for by the client.
@@ -441,11 +441,6 @@ class Master(Closeable):
                             - sum(p.coming for p in ready))
             if not any(p.coming for p in ready):
                 status[status == Status.RETRY] = Status.NO_SPACE
-        elif ready and todo.size:
-            # keep 1/1024 of the pools free or on its way back: the next puts find room
-            # without waiting for the nodes to acknowledge an eviction
-            have = sum(p.space.free_bytes + p.coming for p in ready)
-            self._evict(sum(p.space.capacity for p in ready) // 1024 - have)
         placed = np.flatnonzero(pools[:, 0] >= 0)
         put_id = start
         if placed.size:
@@ -540,6 +535,14 @@ class Master(Closeable):
         self._journal_commits(rows)
         status[put.keys_placed[keep][alive]] = Status.OK
         self.counters["commits"] += int(rows.size)
+        # keep 1/1024 of the pools free or on its way back, so the next puts find room
+        # without waiting for the nodes to acknowledge an eviction; evicting here sends
+        # the frees in the same journal message as the commits
+        now = self._clock()
+        ready = [p for p in self._pools if p.alive and p.node.active and p.usable_after <= now]
+        if ready:
+            have = sum(p.space.free_bytes + p.coming for p in ready)
+            self._evict(sum(p.space.capacity for p in ready) // 1024 - have)
         return KvCommitted(status=status.tobytes())
 
     # -- space -------------------------------------------------------------------------
