@@ -12,15 +12,15 @@ Protocol (messages in :mod:`kvstore.protocol`, signed as every control message):
   released (piggybacked on the client's next request) or ``lease_s`` passes, the space
   of those objects is not reused, even if they are removed, replaced or evicted.
 * **Space** comes back to a pool only once the node has acknowledged the free in its
-  journal (see below). Eviction runs when a put finds no room; that put answers RETRY and
-  the client asks again. It evicts the least recently used objects no lease holds, the
-  deepest blocks of a chain before their prefix (see :mod:`kvstore.objects`): a get, a
-  query or an ``if_absent`` put refreshes every key it finds. A commit that leaves less
-  than 1/1024 of the pools free (or on its way back) evicts that much ahead, so the next
-  puts find room without waiting; a put that finds no room evicts what it needs, less the
-  frees already on their way back, plus that slack, and is parked at the master and
-  answered when the nodes acknowledge the frees (after two heartbeat intervals at most,
-  then with RETRY), not polled for by the client.
+  journal (see below). Eviction takes the least recently used objects no lease holds,
+  the deepest blocks of a chain before their prefix (see :mod:`kvstore.objects`); a
+  get, a query or an ``if_absent`` put refreshes every key it finds. A commit that
+  leaves less than 1/1024 of the pools free (or on its way back) evicts that much
+  ahead, so the next puts find room without waiting. A put that finds no room evicts
+  what it needs, less the frees already on their way back, plus that 1/1024, and is
+  parked at the master: it is answered when the nodes acknowledge the frees, or with
+  RETRY for the keys without room after two heartbeat intervals (the client then asks
+  again).
 * **Nodes** register their pools, heartbeat every ``node_interval`` seconds, and are
   dropped after ``node_max_missed`` silent intervals: their replicas are forgotten, and
   objects left with none are gone.
