@@ -14,13 +14,14 @@ Protocol (messages in :mod:`kvstore.protocol`, signed as every control message):
 * **Space** comes back to a pool only once the node has acknowledged the free in its
   journal (see below). Eviction takes the least recently used objects no lease holds,
   the deepest blocks of a chain before their prefix (see :mod:`kvstore.objects`); a
-  get, a query or an ``if_absent`` put refreshes every key it finds. A commit that
-  leaves less than 1/1024 of the pools free (or on its way back) evicts that much
-  ahead, so the next puts find room without waiting. A put that finds no room evicts
-  what it needs, less the frees already on their way back, plus that 1/1024, and is
-  parked at the master: it is answered when the nodes acknowledge the frees, or with
-  RETRY for the keys without room after two heartbeat intervals (the client then asks
-  again).
+  get, a query or an ``if_absent`` put refreshes every key it finds. A get that misses
+  keys makes room for them at once (as many keys as the latest put's, each), since a
+  prefix cache puts what it missed once it has computed it: the frees land while it
+  reads and computes, and its put finds room. A put that still finds none evicts what
+  it lacks, less the frees already on their way back, and as much again (up to 1/1024
+  of the pools) for the puts that follow, and is parked at the master: it is answered
+  when the nodes acknowledge the frees, or with RETRY for the keys without room after
+  two heartbeat intervals (the client then asks again).
 * **Nodes** register their pools, heartbeat every ``node_interval`` seconds, and are
   dropped after ``node_max_missed`` silent intervals: their replicas are forgotten, and
   objects left with none are gone.
@@ -187,6 +188,7 @@ class Master(Closeable):
         self._leases: dict[int, tuple[float, I64]] = {}
         self._lease_heap: list[tuple[float, int]] = []
         self._lease_ids = itertools.count(1)
+        self._key_bytes = 0  # space a key of the latest put took, replicas included
         # puts waiting for frees: (client, put, answer by, parked at)
         self._parked: list[tuple[bytes, KvPut, float, float]] = []
         self._version = time.time_ns()
@@ -339,6 +341,12 @@ class Master(Closeable):
             expiry = self._clock() + self.lease_s
             self._leases[lease] = (expiry, hit)
             heapq.heappush(self._lease_heap, (expiry, lease))
+        miss = keys.shape[0] - int(hit.size)
+        if miss and self._key_bytes:
+            # a prefix cache puts the blocks it missed once it has computed them: make
+            # room for them now (the hits are leased: never evicted), so the frees land
+            # while it reads and computes
+            self._room(miss * self._key_bytes)
         pools = np.full((keys.shape[0], self.max_replicas), -1, dtype=np.int32)
         offsets = np.zeros((keys.shape[0], self.max_replicas), dtype=np.int64)
         pools[found] = t.pool[hit]
@@ -397,6 +405,8 @@ class Master(Closeable):
         until = now + 2 * self.node_interval if until is None else until
         first = since is None
         since = now if since is None else since
+        if ready and todo.size:
+            self._key_bytes = int(ready[0].space.round(lengths[todo]).mean()) * max(1, want)
         if ident is not None and ready and todo.size:
             # clearly short of room: evict and park before placing anything
             fits = lengths[todo][lengths[todo] <= biggest]
@@ -437,8 +447,7 @@ class Master(Closeable):
                 self.counters["puts_parked"] += first
                 return None
             if ident is None:
-                self._evict(evict_bytes + sum(p.space.capacity for p in ready) // 1024
-                            - sum(p.coming for p in ready))
+                self._evict(evict_bytes - sum(p.coming for p in ready))
             if not any(p.coming for p in ready):
                 status[status == Status.RETRY] = Status.NO_SPACE
         placed = np.flatnonzero(pools[:, 0] >= 0)
@@ -463,11 +472,20 @@ class Master(Closeable):
                         replicas=self.max_replicas, nodes=nodes, pools=wire_pools.tobytes(),
                         offsets=offsets.tobytes(), deadline_s=self.put_timeout_s)
 
+    def _room(self, nbytes: int) -> None:
+        """Evicts what the ready pools lack of ``nbytes`` free, counting the frees on
+        their way back."""
+        now = self._clock()
+        ready = [p for p in self._pools if p.alive and p.node.active and p.usable_after <= now]
+        if ready:
+            self._evict(nbytes - sum(p.space.free_bytes + p.coming for p in ready))
+
     def _park(self, ident: bytes, msg: KvPut, until: float, since: float, short: int,
               ready: list[_Pool]) -> bool:
-        """Evicts what a put is ``short`` of, less the frees on their way back, plus the
-        slack; parks the put until they land. False when nothing is on its way."""
-        slack = sum(p.space.capacity for p in ready) // 1024
+        """Evicts what a put is ``short`` of, less the frees on their way back, and as
+        much again (up to 1/1024 of the pools) for the puts that follow; parks the put
+        until they land. False when nothing is on its way."""
+        slack = min(short, sum(p.space.capacity for p in ready) // 1024)
         self._evict(short + slack - sum(p.coming for p in ready))
         if not any(p.coming for p in ready):
             return False
@@ -535,14 +553,6 @@ class Master(Closeable):
         self._journal_commits(rows)
         status[put.keys_placed[keep][alive]] = Status.OK
         self.counters["commits"] += int(rows.size)
-        # keep 1/1024 of the pools free or on its way back, so the next puts find room
-        # without waiting for the nodes to acknowledge an eviction; evicting here sends
-        # the frees in the same journal message as the commits
-        now = self._clock()
-        ready = [p for p in self._pools if p.alive and p.node.active and p.usable_after <= now]
-        if ready:
-            have = sum(p.space.free_bytes + p.coming for p in ready)
-            self._evict(sum(p.space.capacity for p in ready) // 1024 - have)
         return KvCommitted(status=status.tobytes())
 
     # -- space -------------------------------------------------------------------------

@@ -18,8 +18,7 @@ from kvstore.objects import ObjectTable, State
 from kvstore.protocol import KvCommit, KvGet, KvPlaced, KvPut, pack
 
 BLOCK = 4096
-SLOTS = 64  # blocks a one-node test pool holds; the master keeps 1/1024 of it (one block)
-# free or on its way back, so 63 stay stored
+SLOTS = 64  # blocks a one-node test pool holds
 
 
 def _publish(t: ObjectTable, keys: list[int], length: int = 100) -> np.ndarray:
@@ -104,7 +103,7 @@ def test_table_memory_per_object() -> None:
 def one_node() -> Iterator[Master]:
     """A master with one node of exactly ``SLOTS`` 4 KiB blocks; leases and puts last
     long enough that only the test decides when they end."""
-    with Master(lease_s=60.0, put_timeout_s=60.0, node_interval=0.1) as master:
+    with Master(lease_s=60.0, put_timeout_s=60.0, node_interval=0.25) as master:
         node = StorageNode(master.endpoint, SLOTS * BLOCK, name="n0")
         try:
             master.wait_nodes(1)
@@ -134,7 +133,8 @@ def test_hits_refresh_recency(one_node: Master) -> None:
         assert client.get(0) == vals[0]  # a get refreshes
         assert client.exists(1)  # and so does a query
         assert client.longest_prefix([2]) == 1
-        client.put(100, rng.bytes(BLOCK))  # each evicts the least recent: 3, then 4
+        client.put(100, rng.bytes(BLOCK))  # the last free block
+        # no room: evicts the least recent, 3, and as much again for the next put, 4
         client.put(101, rng.bytes(BLOCK))
         assert _present(master, list(range(6))) == [True, True, True, False, False, True]
         assert master.stats()["evictions"] == 2
@@ -152,16 +152,17 @@ def test_tails_go_before_their_prefix(one_node: Master) -> None:
     with Client(master.endpoint) as client:
         client.batch_put(chain[:4], [vals[k] for k in chain[:4]])
         client.batch_put(f1, [vals[k] for k in f1])
-        client.batch_put(f2, [vals[k] for k in f2])  # 57 of 63 blocks
+        client.batch_put(f2, [vals[k] for k in f2])  # 57 of 64 blocks
         # a prefix-cache request: the first 4 blocks are stored, the rest computed and put
         got = client.batch_get(chain)
         assert got[:4] == [vals[k] for k in chain[:4]] and got[4:] == [None] * 6
         tail = _blocks(rng, 6)
         vals.update(zip(chain[4:], tail, strict=True))
-        client.batch_put(chain[4:], tail, if_absent=True)  # 63 of 63
+        client.batch_put(chain[4:], tail, if_absent=True)  # 63 of 64
         # later requests use the other entries: the chain is the least recent now
         assert None not in client.batch_get(f1 + f2)
-        client.batch_put(list(range(300, 306)), _blocks(rng, 6))  # evicts 6
+        # one block free: evicts 5, and 1 more (at most 1/1024 of the pool) for what follows
+        client.batch_put(list(range(300, 306)), _blocks(rng, 6))
         # its tail went first, deepest first, though committed after its prefix was got
         assert _present(master, chain) == [True] * 4 + [False] * 6
         client.batch_put([306, 307], _blocks(rng, 2))  # 2 more: the deepest left
@@ -213,7 +214,7 @@ def test_leased_and_in_flight_objects_are_never_evicted(one_node: Master) -> Non
 def test_nothing_half_evicted() -> None:
     """Three nodes, two replicas, chains of random length and random sizes through many
     times the pools: every object is whole or gone, byte for byte."""
-    with Master(lease_s=5.0, put_timeout_s=10.0, node_interval=0.1) as master:
+    with Master(lease_s=5.0, put_timeout_s=10.0, node_interval=0.25) as master:
         nodes = [StorageNode(master.endpoint, 1 << 20, name=f"n{i}", zone=f"z{i}")
                  for i in range(3)]
         try:
