@@ -251,3 +251,22 @@ def test_nothing_half_evicted() -> None:
         finally:
             for node in nodes:
                 node.close()
+
+
+def test_a_miss_makes_room_for_the_put_that_follows(one_node: Master) -> None:
+    master = one_node
+    rng = np.random.default_rng(15)
+    with Client(master.endpoint) as client:
+        client.batch_put(list(range(SLOTS)), _blocks(rng, SLOTS))  # full
+        assert master.stats().get("evictions", 0) == 0
+        got = client.batch_get([0, 1, 1000, 1001])  # two blocks computed next
+        assert got[2:] == [None, None] and master.stats()["evictions"] == 2
+        # the deepest blocks of the oldest chain went, not the two just got
+        assert _present(master, [0, 1, SLOTS - 2, SLOTS - 1]) == [True, True, False, False]
+        deadline = time.monotonic() + 10  # the node acknowledges the frees
+        while master.stats()["pools"][0]["free"] < 2 * BLOCK and time.monotonic() < deadline:
+            time.sleep(0.01)
+        new = _blocks(rng, 2)
+        client.batch_put([1000, 1001], new)
+        assert master.stats().get("puts_parked", 0) == 0  # the room was there
+        assert client.batch_get([1000, 1001]) == new
