@@ -53,6 +53,26 @@ def test_table_order_is_lru_deepest_first() -> None:
     assert len(t) == 0 and _evicted(t, 100) == []
 
 
+def test_table_victims_of_some_pools_and_put_back() -> None:
+    t = ObjectTable()
+    _publish(t, [1, 2])
+    disk = _publish(t, [3])
+    t.pool[disk, 0] = 1  # on another pool (a disk)
+    _publish(t, [4])
+    dram = np.array([True, False])
+    # the object on pool 1 is passed over, whatever its age
+    rows = t.victims(200, pools=dram)
+    assert [int(k) for k in t.keys[rows, 0]] == [2, 1]
+    t.publish(rows, schedule=False)  # put back (a demotion): readable, same place
+    assert (t.lookup(key_rows([1, 2])) >= 0).all()
+    # the queue moved past the rows put back (moving: not picked again meanwhile)
+    rows = t.victims(100, pools=dram)
+    t.drop_rows(rows)
+    assert [int(k) for k in t.keys[rows, 0]] == [4]
+    assert _evicted(t, 1000) == [2, 1, 3]  # all pools: queued again, in their order
+    assert len(t) == 0
+
+
 def test_table_commit_after_get_ranks_below_that_prefix() -> None:
     t = ObjectTable()
     _publish(t, [1, 2])
