@@ -120,7 +120,8 @@ def replay(args: argparse.Namespace, trace: list[list[int]]) -> dict[str, Any]:
             for node in nodes:
                 node.close()
     return {"hit_rate": hits / max(1, total), "seconds": seconds,
-            "evictions": stats.get("evictions", 0)}
+            "evictions": stats.get("evictions", 0), "puts_parked": stats.get("puts_parked", 0),
+            "parked_s": stats.get("parked_us", 0) / 1e6}
 
 
 def main(argv: list[str] | None = None) -> None:

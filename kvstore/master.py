@@ -12,8 +12,16 @@ Protocol (messages in :mod:`kvstore.protocol`, signed as every control message):
   released (piggybacked on the client's next request) or ``lease_s`` passes, the space
   of those objects is not reused, even if they are removed, replaced or evicted.
 * **Space** comes back to a pool only once the node has acknowledged the free in its
-  journal (see below), and eviction (CLOCK over the index, as in the local store) runs
-  when a put finds no room; that put answers RETRY and the client asks again.
+  journal (see below). Eviction takes the least recently used objects no lease holds,
+  the deepest blocks of a chain before their prefix (see :mod:`kvstore.objects`); a
+  get, a query or an ``if_absent`` put refreshes every key it finds. A get that misses
+  keys makes room for them at once (as many keys as the latest put's, each), since a
+  prefix cache puts what it missed once it has computed it: the frees land while it
+  reads and computes, and its put finds room. A put that still finds none evicts what
+  it lacks, less the frees already on their way back, and as much again (up to 1/1024
+  of the pools) for the puts that follow, and is parked at the master: it is answered
+  when the nodes acknowledge the frees, or with RETRY for the keys without room after
+  two heartbeat intervals (the client then asks again).
 * **Nodes** register their pools, heartbeat every ``node_interval`` seconds, and are
   dropped after ``node_max_missed`` silent intervals: their replicas are forgotten, and
   objects left with none are gone.
@@ -127,6 +135,7 @@ class _Pool:
     usable_after: float
     alive: bool = True
     pressure: bool = False  # disk: a demotion found no room (eviction may drop from it)
+    coming: int = 0  # bytes freed through the journal, not yet acknowledged
 
 
 @dataclass(eq=False)
@@ -184,6 +193,9 @@ class Master(TierMoves, Closeable):
         self._leases: dict[int, tuple[float, I64]] = {}
         self._lease_heap: list[tuple[float, int]] = []
         self._lease_ids = itertools.count(1)
+        self._key_bytes = 0  # space a key of the latest put took, replicas included
+        # puts waiting for frees: (client, put, answer by, parked at)
+        self._parked: list[tuple[bytes, KvPut, float, float]] = []
         self._version = time.time_ns()
         self._moves: dict[int, Move] = {}
         self._moving: dict[int, int] = {}
@@ -284,7 +296,7 @@ class Master(TierMoves, Closeable):
         if isinstance(msg, KvGet):
             return self._get(msg)
         if isinstance(msg, KvPut):
-            return self._put(msg)
+            return self._put(msg, ident)
         if isinstance(msg, KvCommit):
             return self._commit(msg)
         if isinstance(msg, KvQuery):
@@ -323,7 +335,7 @@ class Master(TierMoves, Closeable):
     def _get(self, msg: KvGet) -> KvLocated:
         keys = self._keys(msg.keys)
         t = self.table
-        rows = t.lookup(keys)
+        rows = t.lookup(keys, touch=True)
         found = rows >= 0
         status = np.where(found, Status.OK, Status.MISSING).astype(np.int8)
         hit = rows[found]
@@ -336,6 +348,12 @@ class Master(TierMoves, Closeable):
             expiry = self._clock() + self.lease_s
             self._leases[lease] = (expiry, hit)
             heapq.heappush(self._lease_heap, (expiry, lease))
+        miss = keys.shape[0] - int(hit.size)
+        if miss and self._key_bytes:
+            # a prefix cache puts the blocks it missed once it has computed them: make
+            # room for them now (the hits are leased: never evicted), so the frees land
+            # while it reads and computes
+            self._room(miss * self._key_bytes)
         pools = np.full((keys.shape[0], self.max_replicas), -1, dtype=np.int32)
         offsets = np.zeros((keys.shape[0], self.max_replicas), dtype=np.int64)
         pools[found] = t.pool[hit]
@@ -366,7 +384,7 @@ class Master(TierMoves, Closeable):
             self._start_moves(only, "dram")
 
     def _query(self, msg: KvQuery) -> KvFound:
-        rows = self.table.lookup(self._keys(msg.keys), touch=False)
+        rows = self.table.lookup(self._keys(msg.keys), touch=True)
         return KvFound(status=np.where(rows >= 0, Status.OK, Status.MISSING)
                        .astype(np.int8).tobytes())
 
@@ -378,7 +396,11 @@ class Master(TierMoves, Closeable):
         return KvFound(status=np.where(rows >= 0, Status.OK, Status.MISSING)
                        .astype(np.int8).tobytes())
 
-    def _put(self, msg: KvPut) -> KvPlaced:
+    def _put(self, msg: KvPut, ident: bytes | None = None, until: float | None = None,
+             since: float | None = None) -> KvPlaced | None:
+        """Places a put's keys. A put that must wait for evicted space is parked (None:
+        no answer yet) when ``ident`` is given, until ``until`` (default: two heartbeat
+        intervals from now); else those keys are answered RETRY."""
         keys = self._keys(msg.keys)
         n = keys.shape[0]
         lengths = column(msg.lengths, "<i8", n, "lengths")
@@ -393,7 +415,7 @@ class Master(TierMoves, Closeable):
         now = self._clock()
         status = np.zeros(n, dtype=np.int8)
         if msg.if_absent:
-            status[self.table.lookup(keys) >= 0] = Status.EXISTS
+            status[self.table.lookup(keys, touch=True, new_turn=False) >= 0] = Status.EXISTS
         pools = np.full((n, self.max_replicas), -1, dtype=np.int32)
         offsets = np.zeros((n, self.max_replicas), dtype=np.int64)
         todo = np.flatnonzero(status == Status.OK)
@@ -403,6 +425,19 @@ class Master(TierMoves, Closeable):
         ready.sort(key=lambda p: p.index)
         biggest = max((p.space.capacity for p in usable), default=0)
         want = min(msg.replicas, len({p.node.name for p in ready}))
+        until = now + 2 * self.node_interval if until is None else until
+        first = since is None
+        since = now if since is None else since
+        if ready and todo.size:
+            self._key_bytes = int(ready[0].space.round(lengths[todo]).mean()) * max(1, want)
+        if ident is not None and ready and todo.size:
+            # clearly short of room: evict and park before placing anything
+            fits = lengths[todo][lengths[todo] <= biggest]
+            short = (int(ready[0].space.round(fits).sum()) * want
+                     - sum(p.space.free_bytes for p in ready))
+            if short > 0 and self._park(ident, msg, until, since, short, ready):
+                self.counters["puts_parked"] += first
+                return None
         evict_bytes = 0
         start = next(self._put_ids)
         for i in todo.tolist():
@@ -424,10 +459,20 @@ class Master(TierMoves, Closeable):
                 pools[i, r] = p
                 offsets[i, r] = off
         if evict_bytes:
-            evicted = self._evict(evict_bytes + sum(p.space.capacity for p in ready) // 64)
-            coming = any(n.frees or n.quarantine or n.moving or n.copies
-                         for n in self._nodes.values())
-            if not (evicted or coming):
+            if ident is not None and self._park(ident, msg, until, since, evict_bytes,
+                                                ready):
+                # answered once the frees land: give back the space placed so far
+                for i in np.flatnonzero(pools[:, 0] >= 0).tolist():
+                    for r in range(self.max_replicas):
+                        if pools[i, r] >= 0:
+                            self._pools[int(pools[i, r])].space.free(int(offsets[i, r]),
+                                                                      int(lengths[i]))
+                self.counters["puts_parked"] += first
+                return None
+            if ident is None:
+                self._evict(evict_bytes - self._coming(ready))
+            if not self._on_way(ready):
+                # nothing to evict or demote, nothing coming back: the rest goes to disk
                 self._spill(status, lengths, pools, offsets, msg.replicas, start)
                 status[status == Status.RETRY] = Status.NO_SPACE
         placed = np.flatnonzero(pools[:, 0] >= 0)
@@ -458,7 +503,7 @@ class Master(TierMoves, Closeable):
     def _spill(self, status: np.ndarray, lengths: np.ndarray, pools: np.ndarray,
                offsets: np.ndarray, replicas: int, start: int) -> None:
         """Places the RETRY keys of a put on disk pools, when DRAM has nothing left to
-        evict or demote (a batch larger than the free DRAM)."""
+        evict or demote and no space on its way back (a batch larger than the DRAM)."""
         now = self._clock()
         disk = [p for p in self._pools if p.alive and p.node.active and p.tier == DISK
                 and p.usable_after <= now]
@@ -476,6 +521,39 @@ class Master(TierMoves, Closeable):
             for r, (p, off) in enumerate(got):
                 pools[i, r] = p
                 offsets[i, r] = off
+
+    def _coming(self, ready: list[_Pool]) -> int:
+        """Bytes on their way back to the ``ready`` pools: frees not yet acknowledged,
+        and the DRAM that pending demotions free once they complete."""
+        return sum(p.coming for p in ready) + (self._demoting() if self._moves else 0)
+
+    def _on_way(self, ready: list[_Pool]) -> bool:
+        """Whether space is on its way back to the ``ready`` pools, or to a disk pool
+        (which lets the next eviction demote)."""
+        return self._coming(ready) > 0 or any(p.coming for p in self._pools
+                                              if p.tier == DISK and p.alive)
+
+    def _room(self, nbytes: int) -> None:
+        """Evicts what the ready pools lack of ``nbytes`` free, counting the space on its
+        way back."""
+        now = self._clock()
+        ready = [p for p in self._pools if p.alive and p.node.active and p.tier != DISK
+                 and p.usable_after <= now]
+        if ready:
+            self._evict(nbytes - sum(p.space.free_bytes for p in ready)
+                        - self._coming(ready))
+
+    def _park(self, ident: bytes, msg: KvPut, until: float, since: float, short: int,
+              ready: list[_Pool]) -> bool:
+        """Evicts what a put is ``short`` of, less the space on its way back, and as
+        much again (up to 1/1024 of the pools) for the puts that follow; parks the put
+        until it lands. False when nothing is on its way."""
+        slack = min(short, sum(p.space.capacity for p in ready) // 1024)
+        self._evict(short + slack - self._coming(ready))
+        if not self._on_way(ready):
+            return False
+        self._parked.append((ident, msg, until, since))
+        return True
 
     def _place(self, ready: list[_Pool], length: int, want: int, spin: int
                ) -> list[tuple[int, int]]:
@@ -570,35 +648,75 @@ class Master(TierMoves, Closeable):
         for row in rows.tolist():
             length = int(t.length[row])
             for p, off in t.replicas(row):
-                pool = self._pools[p]
-                if pool.alive:
-                    pool.node.frees.append((p, off, length))
+                self._queue_free(p, off, length)
         t.drop_rows(rows)
 
+    def _queue_free(self, p: int, off: int, length: int) -> None:
+        """Frees ``length`` bytes at ``off`` of pool ``p`` through its node's journal: the
+        space is reused once the node acknowledges."""
+        pool = self._pools[p]
+        if pool.alive:
+            pool.node.frees.append((p, off, length))
+            pool.coming += pool.space.unit(length)
+
     def _evict(self, nbytes: int) -> bool:
-        """Evicts LIVE objects (CLOCK) until ``nbytes`` of space are on their way back,
-        demoting to disk what a node's disk pool has room for (:mod:`kvstore.moves`);
-        False when nothing could be evicted."""
+        """Evicts the least recently used LIVE objects no lease holds until ``nbytes`` of
+        DRAM are on their way back; False when nothing was evicted (``nbytes <= 0``
+        evicts nothing). With disk pools, victims with a DRAM replica are demoted to
+        their node's disk pool where it has room (:mod:`kvstore.moves`): they stay
+        readable, and their DRAM comes back once the move completes; the rest are
+        dropped. Objects only on disk are passed over unless their pool is under
+        pressure, and then only as much as the demotions lack (:meth:`_shed`)."""
         t = self.table
-        freed = 0
-        rounds = 0
-        while freed < nbytes and len(t) and rounds < 64:
-            rounds += 1
-            avg = max(1, int(t.length[: t.capacity][t.state[: t.capacity] == State.LIVE]
-                             .mean()) if len(t) else 1)
-            rows = t.victims(max(1, min(len(t), -(-(nbytes - freed) // avg))))
+        if not self._tiered:
+            rows = t.victims(nbytes)
+            if rows.size == 0:
+                return False
+            self.counters["evictions"] += int(rows.size)
+            self._retire(rows)
+            return True
+        evicted = False
+        dram = np.array([p.tier != DISK for p in self._pools] + [False])
+        for _ in range(64):
+            if nbytes <= 0:
+                break
+            rows = t.victims(nbytes, pools=dram[:-1])
             if rows.size == 0:
                 break
+            t.state[rows] = State.LIVE  # still theirs until dropped
             keep, moving = self._spare(rows)
             if keep.any():
-                t.publish(rows[keep], schedule=False)  # demoted or kept: still readable
-                freed += moving
+                t.publish(rows[keep], schedule=False)  # demoted or moving: still readable
                 rows = rows[~keep]
-            self.counters["evictions"] += int(rows.size)
-            unheld = rows[t.leases[rows] == 0]
-            freed += int((t.length[unheld] * t.nrep[unheld]).sum())
-            self._retire(rows)
-        return freed > 0
+            nbytes -= moving + int((np.maximum(t.length[rows], 1)
+                                    * dram[t.pool[rows]].sum(axis=1)).sum())
+            if rows.size:
+                self.counters["evictions"] += int(rows.size)
+                self._shed(rows)
+                self._retire(rows)
+            evicted = evicted or moving > 0 or rows.size > 0
+        return evicted
+
+    def _shed(self, dropped: I64) -> None:
+        """A disk pool under pressure (a demotion found no room) drops its least
+        recently used objects, as many bytes as the DRAM victims ``dropped`` of its node
+        hold, less what it has free or on its way: the next demotions fit."""
+        t = self.table
+        for disk in self._pools:
+            if disk.tier != DISK or not disk.pressure or not disk.alive:
+                continue
+            mine = np.array([p in disk.node.pools and p != disk.index
+                             for p in range(len(self._pools))] + [False])
+            lost = int((t.length[dropped] * mine[t.pool[dropped]].sum(axis=1)).sum())
+            need = lost - disk.space.free_bytes - disk.coming
+            if need <= 0:
+                continue
+            only = np.zeros(len(self._pools), dtype=bool)
+            only[disk.index] = True
+            rows = t.victims(need, pools=only)
+            if rows.size:
+                self.counters["evictions"] += int(rows.size)
+                self._retire(rows)
 
     def _drop_replicas(self, rows: I64, dead: np.ndarray, *, free: bool) -> np.ndarray:
         """Removes replicas on pools ``dead`` from ``rows``; returns a mask of rows left
@@ -608,10 +726,8 @@ class Master(TierMoves, Closeable):
         gone = np.isin(pools, dead) & (pools >= 0)
         if free:
             for i, r in zip(*np.nonzero(gone), strict=True):
-                pool = self._pools[int(pools[i, r])]
-                if pool.alive:
-                    pool.node.frees.append((pool.index, int(t.offset[rows[i], r]),
-                                            int(t.length[rows[i]])))
+                self._queue_free(int(pools[i, r]), int(t.offset[rows[i], r]),
+                                 int(t.length[rows[i]]))
         keep = (pools >= 0) & ~gone
         order = np.argsort(~keep, axis=1, kind="stable")
         newp = np.take_along_axis(pools, order, axis=1)
@@ -685,6 +801,7 @@ class Master(TierMoves, Closeable):
             pass  # resent after the next heartbeat
 
     def _acked(self, node: _Node, seq: int) -> None:
+        freed = False
         node.acked = max(node.acked, seq)
         while node.unacked and node.unacked[0][0] <= node.acked:
             node.unacked.popleft()
@@ -693,7 +810,25 @@ class Master(TierMoves, Closeable):
                 pool = self._pools[p]
                 if pool.alive:
                     pool.space.free(off, length)
-        self._moves_acked(node)
+                    pool.coming -= pool.space.unit(length)
+                    freed = True
+        self._moves_acked(node)  # demoted sources retire: their frees follow
+        if freed and self._parked:
+            self._unpark(self._clock())
+
+    def _unpark(self, now: float) -> None:
+        """Runs the parked puts again, in arrival order; those past their wait are
+        answered whatever they get (RETRY where there is still no room)."""
+        parked, self._parked = self._parked, []
+        for ident, msg, until, since in parked:
+            try:
+                reply: Message | None = self._put(msg, ident if now < until else None,
+                                                  until, since)
+            except (ProtocolError, StoreError, ValueError) as exc:
+                reply = ErrorReply(message=str(exc))
+            if reply is not None:
+                self.counters["parked_us"] += int(1e6 * (self._clock() - since))
+                self._reply(ident, reply)
 
     # -- nodes -------------------------------------------------------------------------
 
@@ -791,7 +926,7 @@ class Master(TierMoves, Closeable):
                 t.offset[winner, n] = off
                 t.nrep[winner] = n + 1
             else:
-                node.frees.append((p, off, length))
+                self._queue_free(p, off, length)
         self._version = max(self._version, int(entries["version"].max()) + 1)
         if new_rows:
             rows = np.array(new_rows, dtype=np.int64)
@@ -829,6 +964,8 @@ class Master(TierMoves, Closeable):
     # -- time --------------------------------------------------------------------------
 
     def _tick(self, now: float) -> None:
+        if any(p[2] <= now for p in self._parked):
+            self._unpark(now)
         while self._lease_heap and self._lease_heap[0][0] <= now:
             _, lease = heapq.heappop(self._lease_heap)
             entry = self._leases.pop(lease, None)

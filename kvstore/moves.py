@@ -1,11 +1,12 @@
 """Moves of objects between a storage node's DRAM and disk pools (the master's side).
 
 A node that lends a disk file has two tiers. New objects go to DRAM; when a put finds
-no DRAM room, the eviction CLOCK picks victims as before, but a victim whose node has
-disk space is *demoted* instead of dropped (only a put that finds nothing in DRAM to
-evict or demote, e.g. one batch larger than the free DRAM, is placed on disk directly,
-by the master's ``_spill``); a get of an object that lives only on disk
-*promotes* it back when its node's DRAM has room (without evicting anything for it).
+no DRAM room, eviction picks the least recently used objects with a DRAM replica as
+before, but a victim whose node has disk space is *demoted* instead of dropped (only a
+put that finds nothing in DRAM to evict or demote, and no space on its way back, e.g.
+one batch larger than the DRAM, is placed on disk directly, by the master's
+``_spill``); a get of an object that lives only on disk *promotes* it back when its
+node's DRAM has room (without evicting anything for it).
 
 A move never changes what a reader sees. The master keeps the object's row LIVE and
 makes a second, PENDING row for the same key and version on the target pool, then
@@ -13,14 +14,16 @@ journals ``Op.COPY`` to the node, which copies the bytes between its own pools (
 network) and adds the copy to its directory. Once the node acknowledges that journal
 push, the new row is published if the old one is still the key's current object (same
 row, same version); the old row then retires like any replaced object, so its space
-comes back only when the leases of readers still reading it end. If the key was
-removed, replaced or expired meanwhile, the copy is freed instead. The journal is
+comes back only when the leases of readers still reading it end (a parked put waits
+for that free like any other). A demoted row keeps the object's recency. If the key
+was removed, replaced or expired meanwhile, the copy is freed instead. The journal is
 ordered, so the node copies before it applies any free of the source range.
 
 The disk tier is bounded by its file: when a demotion finds no disk room the pool is
-marked under pressure, and from then on eviction drops disk-resident victims of that
-pool (CLOCK) until a demotion fits again; while a disk pool has room, its objects are
-passed over by eviction, since dropping them frees no DRAM.
+marked under pressure, and until a demotion fits again, eviction also drops that
+pool's least recently used objects, as many bytes as the victims it could not take
+(the master's ``_shed``); otherwise objects only on disk are passed over by eviction,
+since dropping them frees no DRAM.
 """
 
 from __future__ import annotations
@@ -163,6 +166,8 @@ class TierMoves:
             self._free_rows(rows)
             return
         old = t.publish(rows)
+        if move.tier == DISK:  # demoted, not used: it keeps its place in the eviction order
+            t.stamp[dst] = t.stamp[src]
         self._retire(old[old >= 0])
         self.counters["demotions" if move.tier == DISK else "disk_promotions"] += 1
 
@@ -181,7 +186,7 @@ class TierMoves:
 
     def _spare(self, rows: I64) -> tuple[npt.NDArray[np.bool_], int]:
         """Of eviction victims ``rows``: which to keep (demoted, already moving, or on a
-        disk pool with room), and the DRAM bytes their moves will free."""
+        disk pool with room), and the DRAM bytes the moves started here will free."""
         t = self.table
         keep = np.zeros(rows.size, dtype=bool)
         if rows.size == 0 or not self._tiered:
@@ -196,7 +201,19 @@ class TierMoves:
         disk_only = (dram == 0) & (on_disk > 0)
         keep[disk_only & ~(pressure[pools] & has).any(axis=1)] = True
         cand = np.flatnonzero(dram > 0)
+        before = np.fromiter((r in self._moving for r in rows[cand].tolist()), dtype=bool,
+                             count=cand.size)
         moved = self._start_moves(rows[cand], DISK)
         keep[cand[moved]] = True
-        freed = int((t.length[rows[cand[moved]]] * dram[cand[moved]]).sum())
+        new = cand[moved & ~before]
+        freed = int((t.length[rows[new]] * dram[new]).sum())
         return keep, freed
+
+    def _demoting(self) -> int:
+        """DRAM bytes that the pending demotions free once they complete."""
+        t = self.table
+        total = 0
+        for move in self._moves.values():
+            if move.tier == DISK and t.state[move.src] == State.LIVE:
+                total += int(t.length[move.src]) * int(t.nrep[move.src])
+        return total

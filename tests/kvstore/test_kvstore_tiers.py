@@ -252,6 +252,26 @@ def test_full_disk_evicts_but_never_returns_wrong_bytes(master: Master,
         assert node.copy_failures == 0
 
 
+def test_demotion_takes_least_recently_used_and_answers_parked_put(
+        master: Master, tmp_path: Path) -> None:
+    rng = np.random.default_rng(29)
+    vals = [rng.integers(1, 256, 50_000, dtype=np.uint8).tobytes() for _ in range(11)]
+    with _disk_node(master, tmp_path, 512 << 10, 1 << 20) as node, \
+            Client(master.endpoint) as c:
+        for i in range(10):  # DRAM full
+            c.put(i, vals[i])
+        assert c.get(0) == vals[0] and c.get(1) == vals[1]  # the oldest, used again
+        c.put(10, vals[10])  # parked until a demotion frees DRAM
+        _wait(lambda: c.stats()["pending_moves"] == 0)
+        st = c.stats()
+        assert st["puts_parked"] >= 1 and st["demotions"] >= 1
+        assert "disk" in node.object_pool(2)  # least recently used: demoted, not dropped
+        assert node.object_pool(0) == ["dram"] and node.object_pool(1) == ["dram"]
+        _wait(lambda: node.object_pool(10) == ["dram"])
+        assert st.get("evictions", 0) == 0
+        assert c.batch_get(range(11)) == vals
+
+
 def test_remove_and_overwrite_of_demoted_objects(master: Master, tmp_path: Path) -> None:
     rng = np.random.default_rng(24)
     vals = [rng.integers(1, 256, 60_000, dtype=np.uint8).tobytes() for _ in range(30)]
