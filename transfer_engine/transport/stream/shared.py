@@ -41,6 +41,7 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                        ctypes.c_int, ctypes.c_long]
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +173,9 @@ def share_body(address: int, length: int) -> Body | None:
                                  fd, at)
                 if got in (None, _MAP_FAILED) or got != start + at:
                     raise OSError(ctypes.get_errno(), "mmap over the segment failed")
+                # huge pages where the host lets shared memory have them
+                # (/sys/kernel/mm/transparent_hugepage/shmem_enabled: advise or more)
+                _libc.madvise(ctypes.c_void_p(start + at), ctypes.c_size_t(n), _MADV_HUGEPAGE)
         except OSError:
             # chunks moved so far stay moved (same bytes, same addresses), unrecorded:
             # a later registration may move them again

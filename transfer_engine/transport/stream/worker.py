@@ -72,6 +72,11 @@ class ServedSegment(Segment):
     def attach(self, fd: int, start: int, end: int, fd_offset: int) -> None:
         self._map = mmap.mmap(fd, end - start, mmap.MAP_SHARED,
                               mmap.PROT_READ | mmap.PROT_WRITE, offset=fd_offset)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)  # as the application's side
+            except OSError:
+                pass
         here = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self.lo, self.hi, self.delta = start, end, here - start
 
