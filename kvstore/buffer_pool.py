@@ -156,7 +156,7 @@ class BufferLeaseView:
 
     @property
     def buffer(self) -> memoryview:
-        return memoryview(np.asarray(self))  # the array's base is this view
+        return memoryview(np.asarray(self))  # type: ignore[arg-type]  # base: this view
 
 
 class BufferLease:
