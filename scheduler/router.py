@@ -164,10 +164,12 @@ class Router:
 
     # --- routing --------------------------------------------------------------------
 
-    def route(self, req: Request, now: float, *, exclude: Collection[str] = ()) -> Decision:
+    def route(self, req: Request, now: float, *, exclude: Collection[str] = (),
+              local: bool = False) -> Decision:
         """Chooses instances for ``req`` at clock time ``now`` (seconds) and records the
         dispatch in the fleet. ``exclude`` names instances this request already failed
-        on. Raises :class:`NoInstanceError` when a role has no usable instance."""
+        on; ``local`` has decode prefill it (no prefill server could). Raises
+        :class:`NoInstanceError` when a role has no usable instance."""
         fleet = self.fleet
         with fleet.lock:
             fleet.traffic.breakers.poll()
@@ -180,7 +182,7 @@ class Router:
             cost = self.cost
             local_tokens = req.input_tokens - store * cost.block_tokens
             if (self.policy == "cache_aware" and local_tokens <= self.local_prefill_tokens) \
-                    or pmask is None:
+                    or pmask is None or local:
                 return self._local(req, now, dmask, store)
             if self.policy == "round_robin":
                 p = self._pick("prefill", np.zeros(n_pre), pmask)
