@@ -51,6 +51,8 @@ def unsupported(body: dict[str, Any]) -> str | None:
     if body.get("spaces_between_special_tokens") is False and \
             body.get("skip_special_tokens") is False:
         return "spaces_between_special_tokens"
+    if body.get("stream_options") is not None and not body.get("stream"):
+        return "stream_options without stream"  # the server's error to give
     max_tokens = body.get("max_tokens")
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         return "max_tokens"

@@ -550,15 +550,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--registry", help="find servers in this registry (tcp://HOST:PORT)")
     ap.add_argument("--policy", default=DEFAULT_POLICY,
                     help="round_robin, least_loaded, prefix_only or cache_aware (default)")
-    ap.add_argument("--local-prefill-tokens", type=int, default=0,
-                    help="send prompts of at most this many tokens straight to decode")
+    ap.add_argument("--local-below", "--local-prefill-tokens", type=int, default=0,
+                    dest="local_below", metavar="TOKENS",
+                    help="send prompts of at most this many uncached tokens straight to "
+                         "decode (policy cache_aware; see the README for the break-even)")
+    ap.add_argument("--handoff", choices=("first", "sequential"), default="first",
+                    help="first (default): prefill's first token goes to the client at "
+                         "once and decode continues after it; sequential: decode "
+                         "answers the whole request after prefill")
+    ap.add_argument("--tokenizer", help="the served model's tokenizer (a path or hub "
+                    "name; default: the model path decode's /v1/models names)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream call")
     args = ap.parse_args(argv)
     if not (args.prefill or args.decode or args.registry):
         ap.error("give --prefill/--decode URLs or --registry")
     Proxy.router = make_router(args.prefill, args.decode, policy=args.policy,
-                               local_prefill_tokens=args.local_prefill_tokens)
+                               local_prefill_tokens=args.local_below)
     Proxy.timeout = args.timeout
+    Proxy.handoff = args.handoff
+    Proxy.tokenizers = Tokenizers(args.tokenizer)
     store = subscription = None
     try:
         if args.registry:

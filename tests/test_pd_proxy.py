@@ -237,3 +237,75 @@ def test_router_over_registry_survives_a_prefill_dying_mid_run() -> None:
             assert {'"by": "d0"' in body for _, body in results} == {True, False}
         finally:
             _stop(procs)
+
+
+def _byte_tokenizer() -> Any:
+    """A byte-level BPE tokenizer, built offline: multi-byte characters split over
+    several tokens."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(["the cache block of the engine"] * 10, trainer)
+    return tok
+
+
+def test_router_text_survives_a_first_token_inside_a_utf8_character() -> None:
+    """The router's text of the joined tokens is the text of the whole sequence, wherever
+    prefill's first token ends: inside a character its bytes wait for the next."""
+    from scheduler.handoff import TextAssembler  # noqa: PLC0415
+
+    tok = _byte_tokenizer()
+    prompt = tok.encode("the cache block").ids
+    gen = tok.encode(" héllo 日本 wörld").ids
+    assert len(gen) > len(" héllo 日本 wörld".split())  # characters split over tokens
+    want = tok.decode(prompt + gen)[len(tok.decode(prompt)):]
+    for cut in range(1, len(gen)):
+        asm = TextAssembler(tok, prompt)
+        pieces = []
+        for t in gen[:cut]:
+            asm.add(t)
+        pieces.append(asm.delta(False))
+        for t in gen[cut:]:
+            asm.add(t)
+            pieces.append(asm.delta(False))
+        pieces.append(asm.delta(True))
+        assert asm.text == want and "".join(pieces) == want and "\ufffd" not in want
+
+
+def test_router_stop_strings_across_the_join_never_leak() -> None:
+    """A stop string is found across prefill's and decode's tokens; streamed text holds
+    back what could start one, so no part of it reaches the client; a stop token stays
+    out of the text."""
+    from scheduler.handoff import TextAssembler, unsupported  # noqa: PLC0415
+
+    tok = _byte_tokenizer()
+    prompt = tok.encode("the").ids
+    gen = tok.encode(" cache blöck of").ids
+    asm = TextAssembler(tok, prompt, stop=["e bl"])
+    pieces, stopped = [], False
+    for t in gen:
+        stopped = asm.add(t)
+        pieces.append(asm.delta(stopped))
+        if stopped:
+            break
+    assert stopped and asm.stop_reason == "e bl" and asm.text == " cach"
+    assert "".join(pieces) == " cach"
+    asm = TextAssembler(tok, prompt, stop=["ca"], include_stop_str_in_output=True)
+    assert not asm.add(gen[0]) or asm.text.endswith("ca")
+    eos = tok.token_to_id("</s>")
+    asm = TextAssembler(tok, prompt)
+    asm.add(gen[0])
+    asm.add(eos, stop_terminated=True)
+    assert asm.text == tok.decode(gen[:1]) and asm.token_ids == [gen[0], eos]
+    assert unsupported({"prompt": "x", "max_tokens": 3}) is None
+    assert unsupported({"prompt": "x", "n": 2}) == "n > 1"
+    assert unsupported({"prompt": ["a", "b"]}) == "not one prompt"
+    assert unsupported({"prompt": "x", "logprobs": 1}) is not None
+    assert unsupported({"prompt": "x", "seed": 3, "temperature": 0.7}) is not None
+    assert unsupported({"prompt": "x", "response_format": {}}) is not None
