@@ -530,3 +530,52 @@ def test_figures_ttft_and_kv_share(engines: dict[str, EngineProcess]) -> None:
     print(f"\nvLLM P/D figures (medians of {FIGURE_ROUNDS} rounds):")
     for row in rows:
         print(" ", json.dumps(row))
+
+
+def stream_ttft(port: int, body: dict[str, Any]) -> float:
+    """Seconds from sending a streamed request to its first data line."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/completions", json.dumps(dict(body, stream=True)).encode(),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        for line in iter(resp.readline, b""):
+            if line.startswith(b"data: "):
+                ttft = time.perf_counter() - t0
+                resp.read()
+                return ttft
+        raise AssertionError("no data line")
+    finally:
+        conn.close()
+
+
+def test_figures_first_token_break_even(pd_servers: dict[str, Any]) -> None:
+    """TTFT of fresh prompts (nothing cached) sent straight to decode (it prefills
+    them itself), through the router's first-token hand-off and through its sequential
+    one, by prompt length: where disaggregating stops costing first-token time."""
+    ports, model = pd_servers["ports"], pd_servers["model"]
+    rng = random.Random(3)
+    rows = []
+    for words in (8, 32, 64, 128, 256):
+        times: dict[str, list[float]] = {"local": [], "first": [], "sequential": []}
+        tokens = 0
+        for _ in range(FIGURE_ROUNDS):
+            for route, port in (("local", ports["decode"]), ("first", ports["first"]),
+                                ("sequential", ports["sequential"])):
+                prompt = " ".join(rng.choice(WORDS) for _ in range(words))
+                body = {"model": model, "prompt": prompt, "max_tokens": 4,
+                        "temperature": 0}
+                times[route].append(stream_ttft(port, body))
+                if route == "local":
+                    tokens = completion(ports["prefill"], dict(
+                        body, max_tokens=1))["usage"]["prompt_tokens"]
+        med = {k: statistics.median(v) for k, v in times.items()}
+        rows.append({"prompt_tokens": tokens,
+                     **{f"{k}_ttft_ms": round(v * 1e3, 1) for k, v in med.items()},
+                     "first_over_local": round(med["first"] / med["local"], 2),
+                     "sequential_over_local": round(med["sequential"] / med["local"], 2)})
+    print(f"\nfirst-token break-even (idle servers, medians of {FIGURE_ROUNDS}):")
+    for row in rows:
+        print(" ", json.dumps(row))
