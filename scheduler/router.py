@@ -176,7 +176,7 @@ class Router:
             pre, dec = fleet.prefill, fleet.decode
             dmask = self._mask(dec, exclude)
             n_pre = len(pre)
-            pmask = self._mask(pre, exclude) if n_pre else None
+            pmask = self._mask(pre, exclude) if n_pre and not local else None
             depth = fleet.prefix.overlaps(req.keys) if n_pre else {}
             store = fleet.store_prefix(req.keys) if fleet.store_prefix else 0
             cost = self.cost

@@ -213,11 +213,12 @@ class Proxy(BaseHTTPRequestHandler):
             try:
                 decision = router.route(req, time.monotonic(), exclude=failed, local=local)
             except NoInstanceError as exc:
-                if local or not any(n in failed for n in fleet.prefill.names):
+                if local or getattr(exc, "role", None) != "prefill":
                     errors.append(str(exc))
                     break
-                # no prefill server could take it: decode prefills it itself
-                sys.stderr.write(f"pd_proxy: prefill unavailable ({errors[-1]:.200}); "
+                # no prefill server can take it: decode prefills it itself
+                why = errors[-1] if errors else str(exc)
+                sys.stderr.write(f"pd_proxy: no prefill server ({why:.200}); "
                                  "prefilling on decode\n")
                 local = True
                 continue

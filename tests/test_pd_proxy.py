@@ -309,3 +309,31 @@ def test_router_stop_strings_across_the_join_never_leak() -> None:
     assert unsupported({"prompt": "x", "logprobs": 1}) is not None
     assert unsupported({"prompt": "x", "seed": 3, "temperature": 0.7}) is not None
     assert unsupported({"prompt": "x", "response_format": {}}) is not None
+
+
+def test_unreachable_prefill_falls_back_to_decode_prefilling() -> None:
+    """No prefill server answers: decode prefills the request itself (no
+    kv_transfer_params), and the client sees a normal answer."""
+    dec = type("Dec", (Upstream,), {"role": "decode"})
+    servers = [_serve(dec)]
+    dead = f"http://127.0.0.1:{_free_port()}"
+    router = pd_proxy.make_router([dead], [f"http://127.0.0.1:{servers[0][0].server_port}"],
+                                  threshold=1, cooldown=60.0)
+    pd_proxy.Proxy.router = router
+    pd_proxy.Proxy.log_message = lambda *a: None  # type: ignore[method-assign]
+    servers.append(_serve(pd_proxy.Proxy))
+    try:
+        for i in range(3):
+            SEEN.clear()
+            status, body = _post(servers[1][0].server_port,
+                                 {"model": "m", "prompt": f"p{i}", "max_tokens": 4})
+            assert status == 200 and body.endswith("[DONE]\n\n")
+            assert [role for role, _ in SEEN] == ["decode"]
+            assert "kv_transfer_params" not in SEEN[0][1]
+        assert int(router.fleet.decode.queue.sum()) == 0
+        assert int(router.fleet.prefill.queue.sum()) == 0
+    finally:
+        for server, thread in servers:
+            server.shutdown()
+            server.server_close()
+            thread.join(5)
