@@ -5,9 +5,19 @@ For each request the scheduler (:mod:`scheduler.router`, policy ``--policy``) pi
 prefill server (the one caching the longest prefix of the prompt, weighed against its
 queue) and a decode server (room for the KV, nearest to the prefill server). The proxy
 asks the prefill server for one token with ``kv_transfer_params={"do_remote_decode":
-true}``, passes the ``kv_transfer_params`` it answers to the decode server with the
-original request, and relays the decode server's answer (streamed chunk by chunk when
-``"stream": true``).
+true}``. With the default hand-off (``--handoff first``) that token goes to the client
+at once and decode continues from the prompt's token ids plus that token, so decode's
+first step samples the second token instead of recomputing the prompt's last; the
+proxy detokenizes the joined tokens with the model's tokenizer
+(:mod:`scheduler.handoff`) and applies stop strings, so text, usage and finish reasons
+are one server's. Requests it cannot reproduce exactly (chat, ``n`` > 1, logprobs,
+echo, presence/frequency penalties, a seeded sampler, structured output or any other
+field it does not know), and every request when the tokenizer cannot be loaded, take
+the sequential hand-off (``--handoff sequential`` for all): decode gets the original
+request with prefill's ``kv_transfer_params`` and its answer is relayed.
+
+Prompts of at most ``--local-below`` uncached tokens go straight to decode, and so does
+every request while no prefill server can take it (one log line each).
 
 Servers come from the command line (``--prefill URL ... --decode URL ...``) and/or from
 the registry (``--registry tcp://HOST:PORT``: members announced with
