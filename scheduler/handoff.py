@@ -29,19 +29,34 @@ FIRST_TOKEN_FIELDS = frozenset({
 })
 
 
-def unsupported(body: dict[str, Any]) -> str | None:
+CHAT_FIELDS = (FIRST_TOKEN_FIELDS - {"prompt", "best_of"}) | {
+    "messages", "max_completion_tokens", "chat_template", "chat_template_kwargs",
+    "add_generation_prompt", "continue_final_message", "top_logprobs"}
+
+# the sampling fields decode's completions request keeps
+SAMPLING_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "stop_token_ids",
+                   "ignore_eos", "repetition_penalty", "seed", "skip_special_tokens",
+                   "spaces_between_special_tokens", "user")
+
+
+def unsupported(body: dict[str, Any], chat: bool = False) -> str | None:
     """Why the first-token hand-off cannot give exactly a single server's answer to
-    this completions request, or ``None`` when it can."""
-    extra = sorted(set(body) - FIRST_TOKEN_FIELDS)
+    this completions (or chat completions) request, or ``None`` when it can."""
+    extra = sorted(set(body) - (CHAT_FIELDS if chat else FIRST_TOKEN_FIELDS))
     if extra:
         return f"fields {extra}"
-    prompt = body.get("prompt")
-    if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                        and all(isinstance(t, int) for t in prompt))):
-        return "not one prompt"
+    if chat:
+        if not isinstance(body.get("messages"), list):
+            return "no messages"
+    else:
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                            and all(isinstance(t, int) for t in prompt))):
+            return "not one prompt"
     if body.get("n", 1) != 1 or body.get("best_of") not in (None, 1):
         return "n > 1"
-    if body.get("echo") or body.get("logprobs") is not None:
+    if body.get("echo") or body.get("top_logprobs") or \
+            body.get("logprobs") not in (None, False):
         return "echo or logprobs"
     if body.get("presence_penalty") or body.get("frequency_penalty"):
         return "penalties over output tokens"  # the first token would count as prompt
@@ -53,7 +68,7 @@ def unsupported(body: dict[str, Any]) -> str | None:
         return "spaces_between_special_tokens"
     if body.get("stream_options") is not None and not body.get("stream"):
         return "stream_options without stream"  # the server's error to give
-    max_tokens = body.get("max_tokens")
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         return "max_tokens"
     return None

@@ -64,14 +64,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scheduler.errors import NoInstanceError  # noqa: E402
 from scheduler.fleet import Fleet  # noqa: E402
-from scheduler.handoff import TextAssembler, load_tokenizer, unsupported  # noqa: E402
+from scheduler.handoff import (  # noqa: E402
+    SAMPLING_FIELDS,
+    TextAssembler,
+    load_tokenizer,
+    unsupported,
+)
 from scheduler.policy import BreakerBoard, TrafficPolicy  # noqa: E402
 from scheduler.prefix import text_keys  # noqa: E402
 from scheduler.router import DEFAULT_POLICY, Decision, Request, Router  # noqa: E402
 from transfer_engine.control.client import RegistryStore  # noqa: E402
 
 MAX_BODY = 16 << 20
-CHARS_PER_TOKEN = 4  # the proxy sees text, not tokens: a rough, model-free estimate
+CHARS_PER_TOKEN = 4  # without the model's tokenizer: a rough, model-free estimate
+LOCAL_BELOW = 64  # prompts this short prefill on decode: measured cheaper (README)
 
 
 class UpstreamError(Exception):
@@ -139,6 +145,12 @@ def _get_json(base: str, path: str, timeout: float) -> Any:
         return json.loads(data)
     finally:
         conn.close()
+
+
+def _first_ended(answer: dict[str, Any]) -> bool:
+    """Prefill's first token ended the request (EOS or a stop token): it hands no KV
+    over, and decode prefills the prompt itself in the sequential hand-off."""
+    return bool((answer.get("choices") or [{}])[0].get("finish_reason") == "stop")
 
 
 class Tokenizers:
@@ -209,10 +221,10 @@ class Proxy(BaseHTTPRequestHandler):
             return
         router = self.router
         fleet = router.fleet
-        first = self.handoff == "first" and self.path == "/v1/completions" \
-            and unsupported(request) is None
+        first = self.handoff == "first" and unsupported(
+            request, chat=self.path == "/v1/chat/completions") is None
         tok = None
-        if first and fleet.decode.urls:
+        if (first or router.local_prefill_tokens > 0) and fleet.decode.urls:
             tok = self.tokenizers.get(fleet.decode.urls[0])
         req = _request_of(request, router.cost.block_tokens * CHARS_PER_TOKEN, tok)
         failed: set[str] = set()
@@ -321,11 +333,7 @@ class Proxy(BaseHTTPRequestHandler):
                        kv_transfer_params={"do_remote_decode": True})
             pre.pop("max_completion_tokens", None)
             pre.pop("stream_options", None)
-            first_ended = None
-            if self.path == "/v1/completions":  # an EOS first token: no params to hand
-                first_ended = lambda a: (a.get("choices") or [{}])[0].get(  # noqa: E731
-                    "finish_reason") == "stop"
-            answer = self._prefill(pre, d, failed, errors, ended=first_ended)
+            answer = self._prefill(pre, d, failed, errors, ended=_first_ended)
             if answer is None:
                 return None, None
             params = answer.get("kv_transfer_params")
@@ -358,22 +366,25 @@ class Proxy(BaseHTTPRequestHandler):
         the joined tokens itself so that the text is exactly one server's. Raises
         :class:`UpstreamError` (nothing sent yet) when a retry may help."""
         fleet = self.router.fleet
-        max_tokens = request.get("max_tokens")
+        chat = self.path == "/v1/chat/completions"
+        max_tokens = request.get("max_completion_tokens") or request.get("max_tokens")
         min_tokens = int(request.get("min_tokens") or 0)
         stream = bool(request.get("stream"))
         pre = {k: v for k, v in request.items()
-               if k not in ("stop", "stream_options", "include_stop_str_in_output")}
+               if k not in ("stop", "stream_options", "include_stop_str_in_output",
+                            "max_completion_tokens")}
         pre.update(max_tokens=1, stream=False, return_token_ids=True,
                    min_tokens=min(1, min_tokens))
         if max_tokens != 1:  # the whole answer otherwise: nothing to hand over
             pre["kv_transfer_params"] = {"do_remote_decode": True}
         answer = self._prefill(pre, d, failed, errors, need_params=max_tokens != 1,
-                               ended=lambda a: (a.get("choices") or [{}])[0].get(
-                                   "finish_reason") == "stop")
+                               ended=_first_ended)
         if answer is None:
             return
         choice = (answer.get("choices") or [{}])[0]
-        prompt_ids, first = choice.get("prompt_token_ids"), choice.get("token_ids")
+        prompt_ids = answer.get("prompt_token_ids") if chat else choice.get(
+            "prompt_token_ids")
+        first = choice.get("token_ids")
         if not prompt_ids or not first:
             self._release(d, False)
             self._error(502, "prefill server returned no token ids")
@@ -398,13 +409,23 @@ class Proxy(BaseHTTPRequestHandler):
         sent_ids = 0
         started = False
 
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
         def emit(text: str, fin: str | None, reason: Any) -> None:
             nonlocal sent_ids, started
-            c: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
-                                 "finish_reason": fin, "stop_reason": reason}
+            c: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": fin,
+                                 "stop_reason": reason}
+            chunk = dict(head, object=obj, choices=[c])
+            if chat:
+                delta = {"role": "assistant"} if not started else {}
+                if text or not started:
+                    delta["content"] = text
+                c["delta"] = delta
+            else:
+                c["text"] = text
             if want_ids:
                 if not started:
-                    c["prompt_token_ids"] = prompt_ids
+                    (chunk if chat else c)["prompt_token_ids"] = prompt_ids
                 c["token_ids"] = asm.token_ids[sent_ids:]
                 sent_ids = len(asm.token_ids)
             if not started:
@@ -413,15 +434,13 @@ class Proxy(BaseHTTPRequestHandler):
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
                 started = True
-            chunk = dict(head, object="text_completion", choices=[c])
             self._write_chunk(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
         conn: http.client.HTTPConnection | None = None
         try:
             if finish is None:
                 params = answer.get("kv_transfer_params")
-                dec = {k: v for k, v in request.items()
-                       if k not in ("stop", "stream_options", "min_tokens", "max_tokens")}
+                dec = {k: request[k] for k in SAMPLING_FIELDS if k in request}
                 dec.update(prompt=list(prompt_ids) + [int(first[0])], stream=True,
                            return_token_ids=True, kv_transfer_params=params)
                 if max_tokens is not None:
@@ -450,18 +469,22 @@ class Proxy(BaseHTTPRequestHandler):
             if stream:
                 emit(asm.delta(True), finish, stop_reason)
                 if (request.get("stream_options") or {}).get("include_usage"):
-                    chunk = dict(head, object="text_completion", choices=[],
+                    chunk = dict(head, object=obj, choices=[],
                                  usage=self._usage(prompt_ids, asm))
                     self._write_chunk(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                 self._write_chunk(b"data: [DONE]\n\n")
                 self.wfile.write(b"0\r\n\r\n")
                 return
-            c = {"index": 0, "text": asm.text, "logprobs": None, "finish_reason": finish,
-                 "stop_reason": stop_reason, "prompt_logprobs": None,
-                 "prompt_token_ids": prompt_ids if want_ids else None,
-                 "token_ids": asm.token_ids if want_ids else None}
+            c = dict(choice, finish_reason=finish, stop_reason=stop_reason,
+                     token_ids=asm.token_ids if want_ids else None)
             body = dict(answer, choices=[c], usage=self._usage(prompt_ids, asm),
                         kv_transfer_params=None)
+            if chat:
+                c["message"] = dict(choice.get("message") or {"role": "assistant"},
+                                    content=asm.text)
+                body["prompt_token_ids"] = prompt_ids if want_ids else None
+            else:
+                c.update(text=asm.text, prompt_token_ids=prompt_ids if want_ids else None)
             data = json.dumps(body).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -561,7 +584,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--registry", help="find servers in this registry (tcp://HOST:PORT)")
     ap.add_argument("--policy", default=DEFAULT_POLICY,
                     help="round_robin, least_loaded, prefix_only or cache_aware (default)")
-    ap.add_argument("--local-below", "--local-prefill-tokens", type=int, default=0,
+    ap.add_argument("--local-below", "--local-prefill-tokens", type=int,
+                    default=LOCAL_BELOW,
                     dest="local_below", metavar="TOKENS",
                     help="send prompts of at most this many uncached tokens straight to "
                          "decode (policy cache_aware; see the README for the break-even)")

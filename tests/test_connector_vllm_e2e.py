@@ -166,6 +166,9 @@ def sse_text(body: str) -> str:
     return "".join(text)
 
 
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+
 def build_byte_model(path: Path) -> None:
     """Like :func:`build_model`, with a byte-level BPE tokenizer: most of its tokens
     are single bytes, so a random model's tokens often end inside a UTF-8 character."""
@@ -181,8 +184,10 @@ def build_byte_model(path: Path) -> None:
                                   show_progress=False)
     tok.train_from_iterator([" ".join(WORDS)] * 20 + ["héllo wörld 日本語 ünïcode"] * 5,
                             trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
     torch.manual_seed(1)
     config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=128,
                          intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
@@ -194,8 +199,9 @@ def build_byte_model(path: Path) -> None:
 @pytest.fixture(scope="module")
 def pd_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The README's deployment as written: prefill and decode vLLM API servers and
-    ``scripts/pd_proxy.py`` in front, once with the default (first-token) hand-off
-    and once with ``--handoff sequential``. The prefill server answers plain requests
+    ``scripts/pd_proxy.py`` in front, as the README gives it (the first-token
+    hand-off), with ``--handoff sequential`` and with ``--local-below 0`` (short
+    prompts disaggregated too, for the figures). The prefill server answers plain requests
     as a single server does: it is the reference."""
     tmp_path = tmp_path_factory.mktemp("pd")
     model = tmp_path / "model"
@@ -216,8 +222,9 @@ def pd_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
     proxies = {handoff: [sys.executable, str(ROOT / "scripts" / "pd_proxy.py"), "--port",
                          "0", "--prefill", f"http://127.0.0.1:{ports['prefill']}",
                          "--decode", f"http://127.0.0.1:{ports['decode']}"]
-               + ([] if handoff == "first" else ["--handoff", handoff])
-               for handoff in ("first", "sequential")}
+               + {"first": [], "sequential": ["--handoff", "sequential", "--local-below", "0"],
+                  "first-all": ["--local-below", "0"]}[handoff]
+               for handoff in ("first", "sequential", "first-all")}
     with contextlib.ExitStack() as stack:
         procs = {role: stack.enter_context(launched(
                      cmd, tmp_path / f"{role}.log",
@@ -306,6 +313,17 @@ def test_proxy_between_vllm_servers(pd_servers: dict[str, Any]) -> None:
         computed = after.get("local_compute", 0) - before.get("local_compute", 0)
         assert loaded == prompt_tokens, (handoff, before, after)
         assert computed == (requests if handoff == "first" else 0), (handoff, before, after)
+
+    # a prompt under --local-below (default 64 tokens) is prefilled on decode
+    body = {"model": model, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
+            "temperature": 0}
+    ref = completion(ports["prefill"], body)
+    assert ref["usage"]["prompt_tokens"] < 64
+    before = by_source(ports["decode"])
+    assert completion(ports["first"], body) == ref
+    after = by_source(ports["decode"])
+    assert after["local_compute"] - before["local_compute"] == ref["usage"]["prompt_tokens"]
+    assert after["external_kv_transfer"] == before["external_kv_transfer"]
 
 
 def test_first_token_handoff_is_the_single_servers_answer(pd_servers: dict[str, Any]
@@ -532,6 +550,55 @@ def test_figures_ttft_and_kv_share(engines: dict[str, EngineProcess]) -> None:
         print(" ", json.dumps(row))
 
 
+def chat(port: int, body: dict[str, Any]) -> dict[str, Any]:
+    """One chat completion, streamed or not: its content, finish and stop reason and
+    usage (when given)."""
+    status, raw = http_json(port, "POST", "/v1/chat/completions", body, timeout=120)
+    assert status == 200, raw
+    if not body.get("stream"):
+        answer = json.loads(raw)
+        c = answer["choices"][0]
+        return {"text": c["message"]["content"], "finish_reason": c["finish_reason"],
+                "stop_reason": c["stop_reason"],
+                "usage": {k: answer["usage"][k] for k in ("prompt_tokens",
+                                                          "completion_tokens")}}
+    out: dict[str, Any] = {"text": "", "finish_reason": None, "stop_reason": None,
+                           "usage": None}
+    for line in raw.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            out["usage"] = {k: chunk["usage"][k] for k in ("prompt_tokens",
+                                                           "completion_tokens")}
+        for c in chunk["choices"]:
+            out["text"] += c["delta"].get("content") or ""
+            if c.get("finish_reason") is not None:
+                out["finish_reason"], out["stop_reason"] = c["finish_reason"], \
+                    c.get("stop_reason")
+    return out
+
+
+def test_first_token_handoff_chat(pd_servers: dict[str, Any]) -> None:
+    """Chat completions through the first-token hand-off: prefill applies the chat
+    template, decode continues from its token ids; the content is one server's."""
+    ports, model = pd_servers["ports"], pd_servers["model"]
+    before = by_source(ports["decode"])
+    for i, stream in enumerate((False, True, False)):
+        body = {"model": model, "temperature": 0,
+                "max_completion_tokens": MAX_TOKENS, "messages": [
+                    {"role": "user", "content": f"chat {i} " + PROMPTS[1]}]}
+        want = chat(ports["prefill"], body)
+        if i == 2:
+            body["stop"] = [want["text"][3:5]]
+            want = chat(ports["prefill"], body)
+        if stream:
+            body = dict(body, stream=True, stream_options={"include_usage": True})
+        assert chat(ports["first"], body) == want, body
+    after = by_source(ports["decode"])
+    assert after["local_compute"] - before["local_compute"] == 3  # the first tokens
+
+
 def stream_ttft(port: int, body: dict[str, Any]) -> float:
     """Seconds from sending a streamed request to its first data line."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
@@ -554,28 +621,53 @@ def stream_ttft(port: int, body: dict[str, Any]) -> float:
 def test_figures_first_token_break_even(pd_servers: dict[str, Any]) -> None:
     """TTFT of fresh prompts (nothing cached) sent straight to decode (it prefills
     them itself), through the router's first-token hand-off and through its sequential
-    one, by prompt length: where disaggregating stops costing first-token time."""
+    one, by prompt length, on an idle decode server and on one decoding 8 streams:
+    where disaggregating stops costing first-token time."""
+    import threading
+
     ports, model = pd_servers["ports"], pd_servers["model"]
     rng = random.Random(3)
-    rows = []
-    for words in (8, 32, 64, 128, 256):
-        times: dict[str, list[float]] = {"local": [], "first": [], "sequential": []}
-        tokens = 0
-        for _ in range(FIGURE_ROUNDS):
-            for route, port in (("local", ports["decode"]), ("first", ports["first"]),
-                                ("sequential", ports["sequential"])):
-                prompt = " ".join(rng.choice(WORDS) for _ in range(words))
-                body = {"model": model, "prompt": prompt, "max_tokens": 4,
-                        "temperature": 0}
-                times[route].append(stream_ttft(port, body))
-                if route == "local":
-                    tokens = completion(ports["prefill"], dict(
-                        body, max_tokens=1))["usage"]["prompt_tokens"]
-        med = {k: statistics.median(v) for k, v in times.items()}
-        rows.append({"prompt_tokens": tokens,
-                     **{f"{k}_ttft_ms": round(v * 1e3, 1) for k, v in med.items()},
-                     "first_over_local": round(med["first"] / med["local"], 2),
-                     "sequential_over_local": round(med["sequential"] / med["local"], 2)})
-    print(f"\nfirst-token break-even (idle servers, medians of {FIGURE_ROUNDS}):")
-    for row in rows:
-        print(" ", json.dumps(row))
+    for streams in (0, 8):
+        stop = threading.Event()
+
+        def load(k: int, stop: threading.Event = stop) -> None:
+            body = {"model": model, "prompt": " ".join(WORDS[k:k + 20]), "max_tokens": 64,
+                    "temperature": 0, "ignore_eos": True}
+            while not stop.is_set():
+                http_json(ports["decode"], "POST", "/v1/completions", body, timeout=300)
+
+        threads = [threading.Thread(target=load, args=(k,), daemon=True)
+                   for k in range(streams)]
+        for t in threads:
+            t.start()
+        time.sleep(2 if streams else 0)
+        rows = []
+        try:
+            for words in (8, 32, 64, 128, 256):
+                times: dict[str, list[float]] = {"local": [], "first": [], "sequential": []}
+                tokens = 0
+                for _ in range(FIGURE_ROUNDS):
+                    for route in ("local", "first", "sequential"):
+                        prompt = " ".join(rng.choice(WORDS) for _ in range(words))
+                        body = {"model": model, "prompt": prompt, "max_tokens": 4,
+                                "temperature": 0}
+                        port = ports[{"local": "decode", "first": "first-all"}.get(
+                            route, route)]
+                        times[route].append(stream_ttft(port, body))
+                        if route == "local":
+                            tokens = completion(ports["prefill"], dict(
+                                body, max_tokens=1))["usage"]["prompt_tokens"]
+                med = {k: statistics.median(v) for k, v in times.items()}
+                rows.append({"prompt_tokens": tokens,
+                             **{f"{k}_ttft_ms": round(v * 1e3, 1) for k, v in med.items()},
+                             "first_over_local": round(med["first"] / med["local"], 2),
+                             "sequential_over_local": round(med["sequential"] / med["local"],
+                                                            2)})
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(120)
+        print(f"\nfirst-token break-even, decode running {streams} other streams "
+              f"(medians of {FIGURE_ROUNDS}):")
+        for row in rows:
+            print(" ", json.dumps(row))
