@@ -10,7 +10,8 @@ at once and decode continues from the prompt's token ids plus that token, so dec
 first step samples the second token instead of recomputing the prompt's last; the
 proxy detokenizes the joined tokens with the model's tokenizer
 (:mod:`scheduler.handoff`) and applies stop strings, so text, usage and finish reasons
-are one server's. Requests it cannot reproduce exactly (chat, ``n`` > 1, logprobs,
+are one server's (chat too: decode continues from the templated prompt's token ids
+on its completions endpoint). Requests it cannot reproduce exactly (``n`` > 1, logprobs,
 echo, presence/frequency penalties, a seeded sampler, structured output or any other
 field it does not know), and every request when the tokenizer cannot be loaded, take
 the sequential hand-off (``--handoff sequential`` for all): decode gets the original
