@@ -337,3 +337,131 @@ def test_unreachable_prefill_falls_back_to_decode_prefilling() -> None:
             server.shutdown()
             server.server_close()
             thread.join(5)
+
+
+class Scripted(BaseHTTPRequestHandler):
+    """Prefill and decode speaking vLLM's token-id fields, generating ``gen``: prefill
+    its first token, decode the rest after the prompt plus that token."""
+
+    role = ""
+    tok: Any = None
+    gen: list[int] = []
+    eos = 2
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        SEEN.append((self.role, body))
+        if self.role == "prefill":
+            prompt = self.tok.encode(body["prompt"]).ids
+            t = self.gen[0]
+            c = {"index": 0, "text": "?", "finish_reason": "stop" if t == self.eos
+                 else "length", "stop_reason": None, "prompt_token_ids": prompt,
+                 "token_ids": [t]}
+            held = body.get("kv_transfer_params") and t != self.eos
+            data = json.dumps({"id": "cmpl-1", "created": 1, "model": "m", "choices": [c],
+                               "usage": {}, "kv_transfer_params": {"p": 1} if held
+                               else None}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        rest = self.gen[1:1 + body.get("max_tokens", 99)]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for i, t in enumerate(rest):
+            last = i == len(rest) - 1
+            fin = "stop" if t == self.eos else ("length" if last else None)
+            chunk = {"choices": [{"index": 0, "text": "?", "token_ids": [t],
+                                  "finish_reason": fin, "stop_reason": None}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+            if fin:
+                break
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_first_token_handoff_joins_prefill_and_decode_tokens() -> None:
+    """The router's first-token hand-off over scripted servers: decode gets the prompt's
+    ids plus the first token and one token fewer; the client's text is that of the
+    whole sequence (characters split across the join included), cut at a stop string
+    spanning the join; max_tokens=1 and an EOS first token never reach decode."""
+    tok = _byte_tokenizer()
+    gen = tok.encode("é日 wörld of the cache").ids
+    assert "\ufffd" in tok.decode(gen[:1])  # the first token ends inside a character
+    pre = type("Pre", (Scripted,), {"role": "prefill", "tok": tok, "gen": gen})
+    dec = type("Dec", (Scripted,), {"role": "decode", "tok": tok, "gen": gen})
+    servers = [_serve(pre), _serve(dec)]
+    urls = [f"http://127.0.0.1:{s.server_port}" for s, _ in servers]
+    pd_proxy.Proxy.router = pd_proxy.make_router([urls[0]], [urls[1]])
+    pd_proxy.Proxy.handoff = "first"
+    tokenizers = pd_proxy.Tokenizers()
+    tokenizers._by_url[urls[1]] = (0.0, tok)
+    pd_proxy.Proxy.tokenizers = tokenizers
+    pd_proxy.Proxy.log_message = lambda *a: None  # type: ignore[method-assign]
+    servers.append(_serve(pd_proxy.Proxy))
+    port = servers[2][0].server_port
+    prompt = "the cache block"
+    pids = tok.encode(prompt).ids
+
+    def text(n: int) -> str:
+        return tok.decode(pids + gen[:n])[len(tok.decode(pids)):]
+
+    try:
+        SEEN.clear()
+        status, body = _post(port, {"model": "m", "prompt": prompt, "max_tokens": 6,
+                                    "stream": True, "stream_options": {"include_usage": True}})
+        assert status == 200 and body.endswith("data: [DONE]\n\n")
+        chunks = [json.loads(line[6:]) for line in body.splitlines()
+                  if line.startswith("data: {")]
+        assert "".join(c["text"] for ch in chunks for c in ch["choices"]) == text(6)
+        assert chunks[-1]["usage"]["completion_tokens"] == 6
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+        (r1, p), (r2, d) = SEEN
+        assert p["max_tokens"] == 1 and p["kv_transfer_params"] == {"do_remote_decode": True}
+        assert d["prompt"] == pids + gen[:1] and d["max_tokens"] == 5
+        assert d["kv_transfer_params"] == {"p": 1}
+
+        full = text(8)
+        stop = full[:2]  # its first character spans prefill's and decode's tokens
+        upto = next(k for k in range(1, 9) if stop in text(k))
+        assert upto > 1
+        status, body = _post(port, {"model": "m", "prompt": prompt, "max_tokens": 8,
+                                    "stop": [stop], "include_stop_str_in_output": True})
+        answer = json.loads(body)
+        assert answer["choices"][0]["text"] == stop
+        assert answer["choices"][0]["stop_reason"] == stop
+        assert answer["usage"]["completion_tokens"] == upto
+        stop = full[2:4]
+        status, body = _post(port, {"model": "m", "prompt": prompt, "max_tokens": 8,
+                                    "stop": stop, "stream": True})
+        assert "".join(json.loads(line[6:])["choices"][0]["text"]
+                       for line in body.splitlines() if line.startswith("data: {")
+                       ) == full[:2]
+
+        SEEN.clear()
+        status, body = _post(port, {"model": "m", "prompt": prompt, "max_tokens": 1})
+        # a lone first byte of a character: held back, as vLLM's detokenizer does
+        assert json.loads(body)["choices"][0]["text"] == ""
+        assert [r for r, _ in SEEN] == ["prefill"]
+        assert "kv_transfer_params" not in SEEN[0][1]
+
+        pre.gen = dec.gen = [Scripted.eos]
+        SEEN.clear()
+        status, body = _post(port, {"model": "m", "prompt": prompt, "max_tokens": 5})
+        answer = json.loads(body)
+        assert answer["choices"][0]["finish_reason"] == "stop"
+        assert answer["choices"][0]["text"] == ""
+        assert answer["usage"]["completion_tokens"] == 1
+        assert [r for r, _ in SEEN] == ["prefill"]
+        assert int(pd_proxy.Proxy.router.fleet.decode.queue.sum()) == 0
+    finally:
+        pd_proxy.Proxy.tokenizers = pd_proxy.Tokenizers()
+        for server, thread in servers:
+            server.shutdown()
+            server.server_close()
+            thread.join(5)
