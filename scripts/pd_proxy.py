@@ -474,6 +474,8 @@ class Proxy(BaseHTTPRequestHandler):
                                  usage=self._usage(prompt_ids, asm))
                     self._write_chunk(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                 self._write_chunk(b"data: [DONE]\n\n")
+                self._release(d, False)  # before the client can see the end
+                d = None  # type: ignore[assignment]
                 self.wfile.write(b"0\r\n\r\n")
                 return
             c = dict(choice, finish_reason=finish, stop_reason=stop_reason,
@@ -487,12 +489,17 @@ class Proxy(BaseHTTPRequestHandler):
             else:
                 c.update(text=asm.text, prompt_token_ids=prompt_ids if want_ids else None)
             data = json.dumps(body).encode()
+            self._release(d, False)  # before the client can see the answer
+            d = None  # type: ignore[assignment]
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
         except (OSError, http.client.HTTPException, ValueError) as exc:
+            if d is None:  # the client went away while the answer was written
+                self.close_connection = True
+                return
             name = fleet.decode.names[d.decode]
             if not started and conn is not None:
                 self._fail(name, f"decode failed: {exc!r}", failed, errors)
