@@ -173,23 +173,25 @@ class Router:
 
     # --- routing --------------------------------------------------------------------
 
-    def route(self, req: Request, now: float, *, exclude: Collection[str] = ()) -> Decision:
+    def route(self, req: Request, now: float, *, exclude: Collection[str] = (),
+              local: bool = False) -> Decision:
         """Chooses instances for ``req`` at clock time ``now`` (seconds) and records the
         dispatch in the fleet. ``exclude`` names instances this request already failed
-        on. Raises :class:`NoInstanceError` when a role has no usable instance."""
+        on; ``local`` has decode prefill it (no prefill server could). Raises
+        :class:`NoInstanceError` when a role has no usable instance."""
         fleet = self.fleet
         with fleet.lock:
             fleet.traffic.breakers.poll()
             pre, dec = fleet.prefill, fleet.decode
             dmask = self._mask(dec, exclude)
             n_pre = len(pre)
-            pmask = self._mask(pre, exclude) if n_pre else None
+            pmask = self._mask(pre, exclude) if n_pre and not local else None
             depth = fleet.prefix.overlaps(req.keys) if n_pre else {}
             store = fleet.store_prefix(req.keys) if fleet.store_prefix else 0
             cost = self.cost
             local_tokens = req.input_tokens - store * cost.block_tokens
             if (self.policy == "cache_aware" and local_tokens <= self.local_prefill_tokens) \
-                    or pmask is None:
+                    or pmask is None or local:
                 return self._local(req, now, dmask, store)
             if self.policy == "round_robin":
                 p = self._pick("prefill", np.zeros(n_pre), pmask)

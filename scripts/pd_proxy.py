@@ -5,9 +5,20 @@ For each request the scheduler (:mod:`scheduler.router`, policy ``--policy``) pi
 prefill server (the one caching the longest prefix of the prompt, weighed against its
 queue) and a decode server (room for the KV, nearest to the prefill server). The proxy
 asks the prefill server for one token with ``kv_transfer_params={"do_remote_decode":
-true}``, passes the ``kv_transfer_params`` it answers to the decode server with the
-original request, and relays the decode server's answer (streamed chunk by chunk when
-``"stream": true``).
+true}``. With the default hand-off (``--handoff first``) that token goes to the client
+at once and decode continues from the prompt's token ids plus that token, so decode's
+first step samples the second token instead of recomputing the prompt's last; the
+proxy detokenizes the joined tokens with the model's tokenizer
+(:mod:`scheduler.handoff`) and applies stop strings, so text, usage and finish reasons
+are one server's (chat too: decode continues from the templated prompt's token ids
+on its completions endpoint). Requests it cannot reproduce exactly (``n`` > 1, logprobs,
+echo, presence/frequency penalties, a seeded sampler, structured output or any other
+field it does not know), and every request when the tokenizer cannot be loaded, take
+the sequential hand-off (``--handoff sequential`` for all): decode gets the original
+request with prefill's ``kv_transfer_params`` and its answer is relayed.
+
+Prompts of at most ``--local-below`` uncached tokens go straight to decode, and so does
+every request while no prefill server can take it (one log line each).
 
 Servers come from the command line (``--prefill URL ... --decode URL ...``) and/or from
 the registry (``--registry tcp://HOST:PORT``: members announced with
@@ -42,6 +53,7 @@ import argparse
 import http.client
 import json
 import sys
+import threading
 import time
 import urllib.parse
 from collections.abc import Sequence
@@ -53,13 +65,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scheduler.errors import NoInstanceError  # noqa: E402
 from scheduler.fleet import Fleet  # noqa: E402
+from scheduler.handoff import (  # noqa: E402
+    SAMPLING_FIELDS,
+    TextAssembler,
+    load_tokenizer,
+    unsupported,
+)
 from scheduler.policy import BreakerBoard, TrafficPolicy  # noqa: E402
 from scheduler.prefix import text_keys  # noqa: E402
 from scheduler.router import DEFAULT_POLICY, Decision, Request, Router  # noqa: E402
 from transfer_engine.control.client import RegistryStore  # noqa: E402
 
 MAX_BODY = 16 << 20
-CHARS_PER_TOKEN = 4  # the proxy sees text, not tokens: a rough, model-free estimate
+CHARS_PER_TOKEN = 4  # without the model's tokenizer: a rough, model-free estimate
+LOCAL_BELOW = 64  # prompts this short prefill on decode: measured cheaper (README)
 
 
 class UpstreamError(Exception):
@@ -97,12 +116,77 @@ def make_router(prefill: Sequence[str] = (), decode: Sequence[str] = (), *,
     return Router(fleet, policy, local_prefill_tokens=local_prefill_tokens)
 
 
-def _request_of(body: dict[str, Any], block_chars: int) -> Request:
+def _request_of(body: dict[str, Any], block_chars: int, tokenizer: Any = None) -> Request:
+    """The scheduler's view of a request: prefix keys and its prompt's length in
+    tokens (counted with the model's tokenizer when the router has it, else
+    estimated from the characters)."""
     prompt = body.get("prompt", body.get("messages", ""))
     text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
     out = body.get("max_completion_tokens") or body.get("max_tokens") or 256
-    return Request(text_keys(text, block_chars), max(1, len(text) // CHARS_PER_TOKEN),
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        tokens = len(prompt)
+    elif isinstance(prompt, str) and tokenizer is not None:
+        tokens = len(tokenizer.encode(prompt).ids)
+    else:
+        tokens = len(text) // CHARS_PER_TOKEN
+    return Request(text_keys(text, block_chars), max(1, tokens),
                    int(out) if isinstance(out, int) and out > 0 else 256)
+
+
+def _get_json(base: str, path: str, timeout: float) -> Any:
+    url = urllib.parse.urlsplit(base)
+    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80,
+                                      timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise OSError(f"GET {path} answered {resp.status}")
+        return json.loads(data)
+    finally:
+        conn.close()
+
+
+def _first_ended(answer: dict[str, Any]) -> bool:
+    """Prefill's first token ended the request (EOS or a stop token): it hands no KV
+    over, and decode prefills the prompt itself in the sequential hand-off."""
+    return bool((answer.get("choices") or [{}])[0].get("finish_reason") == "stop")
+
+
+class Tokenizers:
+    """The served model's tokenizer, per decode server: from ``--tokenizer`` or the
+    model path its ``/v1/models`` names; a server without one is asked again a minute
+    later (until then its requests take the sequential hand-off)."""
+
+    RETRY_S = 60.0
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path
+        self._by_path: dict[str, Any] = {}
+        self._by_url: dict[str, tuple[float, Any]] = {}
+        self._lock = threading.Lock()
+
+    def _load(self, path: str) -> Any:
+        if path not in self._by_path:
+            self._by_path[path] = load_tokenizer(path)
+        return self._by_path[path]
+
+    def get(self, url: str) -> Any:
+        with self._lock:
+            now = time.monotonic()
+            known = self._by_url.get(url)
+            if known is not None and (known[1] is not None or now < known[0]):
+                return known[1]
+            tok = None
+            try:
+                path = self.path or _get_json(url, "/v1/models", 10.0)["data"][0]["root"]
+                tok = self._load(str(path))
+            except Exception as exc:  # noqa: BLE001 - no tokenizer: sequential hand-off
+                sys.stderr.write(f"pd_proxy: no tokenizer for {url} ({exc!r:.200}); "
+                                 "its requests take the sequential hand-off\n")
+            self._by_url[url] = (now + self.RETRY_S, tok)
+            return tok
 
 
 class Proxy(BaseHTTPRequestHandler):
@@ -110,6 +194,8 @@ class Proxy(BaseHTTPRequestHandler):
     timeout = 600.0
     connect_timeout = 10.0
     protocol_version = "HTTP/1.1"
+    handoff = "first"  # or "sequential"
+    tokenizers = Tokenizers()
 
     def _error(self, code: int, message: str) -> None:
         data = json.dumps({"error": {"message": message, "code": code}}).encode()
@@ -136,17 +222,35 @@ class Proxy(BaseHTTPRequestHandler):
             return
         router = self.router
         fleet = router.fleet
-        req = _request_of(request, router.cost.block_tokens * CHARS_PER_TOKEN)
+        first = self.handoff == "first" and unsupported(
+            request, chat=self.path == "/v1/chat/completions") is None
+        tok = None
+        if (first or router.local_prefill_tokens > 0) and fleet.decode.urls:
+            tok = self.tokenizers.get(fleet.decode.urls[0])
+        req = _request_of(request, router.cost.block_tokens * CHARS_PER_TOKEN, tok)
         failed: set[str] = set()
         errors: list[str] = []
+        local = False
         attempts = 2 + len(fleet.prefill) + len(fleet.decode)
         for _ in range(attempts):
             try:
-                decision = router.route(req, time.monotonic(), exclude=failed)
+                decision = router.route(req, time.monotonic(), exclude=failed, local=local)
             except NoInstanceError as exc:
-                errors.append(str(exc))
-                break
+                if local or getattr(exc, "role", None) != "prefill":
+                    errors.append(str(exc))
+                    break
+                # no prefill server can take it: decode prefills it itself
+                why = errors[-1] if errors else str(exc)
+                sys.stderr.write(f"pd_proxy: no prefill server ({why:.200}); "
+                                 "prefilling on decode\n")
+                local = True
+                continue
             try:
+                if first and not decision.local:
+                    tok = self.tokenizers.get(fleet.decode.urls[decision.decode])
+                    if tok is not None:
+                        self._first_token(request, decision, failed, errors, tok)
+                        return
                 conn, resp = self._attempt(request, decision, failed, errors)
             except UpstreamError:
                 continue
@@ -173,53 +277,68 @@ class Proxy(BaseHTTPRequestHandler):
             fleet.prefill_done(d.prefill, d.decode, now)
         fleet.decode_done(d.decode, d.kv_tokens, now, local_prefill=d.local)
 
+    def _prefill(self, pre: dict[str, Any], d: Decision, failed: set[str],
+                 errors: list[str], need_params: bool = True,
+                 ended: Any = None) -> dict[str, Any] | None:
+        """Prefill's answer to ``pre``; ``None`` once an error was answered to the
+        client. An answer without kv_transfer_params is an error unless
+        ``ended(answer)`` (its first token ended it, so prefill hands nothing over).
+        Raises :class:`UpstreamError` when a retry may help."""
+        fleet = self.router.fleet
+        assert d.prefill is not None
+        name = fleet.prefill.names[d.prefill]
+        try:
+            conn, resp = _post(fleet.prefill.urls[d.prefill], self.path, pre, self.timeout)
+            try:
+                raw = resp.read()
+            finally:
+                conn.close()
+        except (OSError, http.client.HTTPException) as exc:
+            self._fail(name, f"prefill failed: {exc!r}", failed, errors)
+            self._release(d, True)
+            raise UpstreamError from exc
+        fleet.prefill_done(d.prefill, d.decode, time.monotonic())
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            answer = raw[:200].decode("utf-8", "replace")
+        if resp.status >= 500 or not isinstance(answer, dict):
+            self._fail(name, f"prefill answered {resp.status}", failed, errors)
+            self._release(d, False)
+            raise UpstreamError
+        if resp.status != 200:
+            self._release(d, False)
+            self._error(502, f"prefill server answered {resp.status}: {answer}")
+            return None
+        if need_params and not answer.get("kv_transfer_params") and not (
+                ended is not None and ended(answer)):
+            self._release(d, False)
+            self._error(502, "prefill server returned no kv_transfer_params: is the "
+                        "connector mounted with kv_role kv_producer?")
+            return None
+        self._ok(name)
+        return answer
+
     def _attempt(self, request: dict[str, Any], d: Decision, failed: set[str],
                  errors: list[str]
                  ) -> tuple[http.client.HTTPConnection | None, http.client.HTTPResponse | None]:
-        """Prefill (unless local) then start decode. Returns the decode connection and
-        response with the status line read; ``(None, None)`` once a client error was
-        answered. Raises :class:`UpstreamError` when a retry may help."""
+        """The sequential hand-off: prefill (unless local), then start decode with the
+        original request. Returns the decode connection and response with the status
+        line read; ``(None, None)`` once a client error was answered. Raises
+        :class:`UpstreamError` when a retry may help."""
         fleet = self.router.fleet
         dec_url = fleet.decode.urls[d.decode]
         decode_body = request
         if d.prefill is not None:
-            name = fleet.prefill.names[d.prefill]
             pre = dict(request, max_tokens=1, stream=False,
                        kv_transfer_params={"do_remote_decode": True})
             pre.pop("max_completion_tokens", None)
             pre.pop("stream_options", None)
-            try:
-                conn, resp = _post(fleet.prefill.urls[d.prefill], self.path, pre,
-                                   self.timeout)
-                try:
-                    raw = resp.read()
-                finally:
-                    conn.close()
-            except (OSError, http.client.HTTPException) as exc:
-                self._fail(name, f"prefill failed: {exc!r}", failed, errors)
-                self._release(d, True)
-                raise UpstreamError from exc
-            fleet.prefill_done(d.prefill, d.decode, time.monotonic())
-            try:
-                answer = json.loads(raw)
-            except ValueError:
-                answer = raw[:200].decode("utf-8", "replace")
-            if resp.status >= 500 or not isinstance(answer, dict):
-                self._fail(name, f"prefill answered {resp.status}", failed, errors)
-                self._release(d, False)
-                raise UpstreamError
-            if resp.status != 200:
-                self._release(d, False)
-                self._error(502, f"prefill server answered {resp.status}: {answer}")
+            answer = self._prefill(pre, d, failed, errors, ended=_first_ended)
+            if answer is None:
                 return None, None
             params = answer.get("kv_transfer_params")
-            if not params:
-                self._release(d, False)
-                self._error(502, "prefill server returned no kv_transfer_params: is the "
-                            "connector mounted with kv_role kv_producer?")
-                return None, None
-            self._ok(name)
-            decode_body = dict(request, kv_transfer_params=params)
+            decode_body = dict(request, kv_transfer_params=params) if params else request
         name = fleet.decode.names[d.decode]
         try:
             conn, resp = _post(dec_url, self.path, decode_body, self.timeout)
@@ -233,6 +352,202 @@ class Proxy(BaseHTTPRequestHandler):
             self._release(d, False)
             raise UpstreamError
         return conn, resp
+
+    # --- the first-token hand-off ---------------------------------------------------
+
+    def _write_chunk(self, data: bytes) -> None:
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+    def _first_token(self, request: dict[str, Any], d: Decision, failed: set[str],
+                     errors: list[str], tok: Any) -> None:
+        """Prefill samples the first token, which goes to the client at once; decode
+        continues from the prompt plus that token (its first step samples the second
+        token instead of recomputing the prompt's last), and the router detokenizes
+        the joined tokens itself so that the text is exactly one server's. Raises
+        :class:`UpstreamError` (nothing sent yet) when a retry may help."""
+        fleet = self.router.fleet
+        chat = self.path == "/v1/chat/completions"
+        max_tokens = request.get("max_completion_tokens") or request.get("max_tokens")
+        min_tokens = int(request.get("min_tokens") or 0)
+        stream = bool(request.get("stream"))
+        pre = {k: v for k, v in request.items()
+               if k not in ("stop", "stream_options", "include_stop_str_in_output",
+                            "max_completion_tokens")}
+        pre.update(max_tokens=1, stream=False, return_token_ids=True,
+                   min_tokens=min(1, min_tokens))
+        if max_tokens != 1:  # the whole answer otherwise: nothing to hand over
+            pre["kv_transfer_params"] = {"do_remote_decode": True}
+        answer = self._prefill(pre, d, failed, errors, need_params=max_tokens != 1,
+                               ended=_first_ended)
+        if answer is None:
+            return
+        choice = (answer.get("choices") or [{}])[0]
+        prompt_ids = answer.get("prompt_token_ids") if chat else choice.get(
+            "prompt_token_ids")
+        first = choice.get("token_ids")
+        if not prompt_ids or not first:
+            self._release(d, False)
+            self._error(502, "prefill server returned no token ids")
+            return
+        asm = TextAssembler(tok, prompt_ids,
+                            skip_special_tokens=request.get("skip_special_tokens", True),
+                            stop=request.get("stop"), min_tokens=min_tokens,
+                            include_stop_str_in_output=bool(
+                                request.get("include_stop_str_in_output")))
+        head = {"id": answer.get("id", "cmpl-pd"), "created": answer.get("created",
+                int(time.time())), "model": answer.get("model", request.get("model"))}
+        want_ids = bool(request.get("return_token_ids"))
+        finish: str | None = None
+        stop_reason: Any = None
+        stopped_by_token = choice.get("finish_reason") == "stop"  # no stop strings there
+        if asm.add(int(first[0]), stopped_by_token):
+            finish, stop_reason = "stop", asm.stop_reason
+        elif stopped_by_token:
+            finish, stop_reason = "stop", choice.get("stop_reason")
+        elif max_tokens == 1:
+            finish = choice.get("finish_reason") or "length"
+        sent_ids = 0
+        started = False
+
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def emit(text: str, fin: str | None, reason: Any) -> None:
+            nonlocal sent_ids, started
+            c: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": fin,
+                                 "stop_reason": reason}
+            chunk = dict(head, object=obj, choices=[c])
+            if chat:
+                delta = {"role": "assistant"} if not started else {}
+                if text or not started:
+                    delta["content"] = text
+                c["delta"] = delta
+            else:
+                c["text"] = text
+            if want_ids:
+                if not started:
+                    (chunk if chat else c)["prompt_token_ids"] = prompt_ids
+                c["token_ids"] = asm.token_ids[sent_ids:]
+                sent_ids = len(asm.token_ids)
+            if not started:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                started = True
+            self._write_chunk(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+        conn: http.client.HTTPConnection | None = None
+        try:
+            if finish is None:
+                params = answer.get("kv_transfer_params")
+                dec = {k: request[k] for k in SAMPLING_FIELDS if k in request}
+                dec.update(prompt=list(prompt_ids) + [int(first[0])], stream=True,
+                           return_token_ids=True, kv_transfer_params=params)
+                if max_tokens is not None:
+                    dec["max_tokens"] = max_tokens - 1
+                if min_tokens > 1:
+                    dec["min_tokens"] = min_tokens - 1
+                url = urllib.parse.urlsplit(fleet.decode.urls[d.decode])
+                conn = http.client.HTTPConnection(url.hostname or "127.0.0.1",
+                                                  url.port or 80, timeout=self.timeout)
+                conn.request("POST", "/v1/completions", json.dumps(dec).encode(),
+                             {"Content-Type": "application/json"})
+                if stream:  # the first token goes out while decode starts
+                    emit(asm.delta(False), None, None)
+                resp = conn.getresponse()
+                if resp.status != 200:
+                    raise http.client.HTTPException(
+                        f"decode answered {resp.status}: {resp.read()[:300]!r}")
+                finish, stop_reason = self._follow(resp, asm, emit if stream else None)
+                self._ok(fleet.decode.names[d.decode])
+            elif max_tokens != 1 and isinstance(stop_reason, str) and \
+                    answer.get("kv_transfer_params"):
+                # a stop string at once: prefill holds blocks nobody reads (an EOS or
+                # stop token first held none); they are free when its lease runs out
+                self.log_message("first token ended %s; prefill's lease frees its blocks",
+                                 head["id"])
+            if stream:
+                emit(asm.delta(True), finish, stop_reason)
+                if (request.get("stream_options") or {}).get("include_usage"):
+                    chunk = dict(head, object=obj, choices=[],
+                                 usage=self._usage(prompt_ids, asm))
+                    self._write_chunk(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                self._write_chunk(b"data: [DONE]\n\n")
+                self._release(d, False)  # before the client can see the end
+                d = None  # type: ignore[assignment]
+                self.wfile.write(b"0\r\n\r\n")
+                return
+            c = dict(choice, finish_reason=finish, stop_reason=stop_reason,
+                     token_ids=asm.token_ids if want_ids else None)
+            body = dict(answer, choices=[c], usage=self._usage(prompt_ids, asm),
+                        kv_transfer_params=None)
+            if chat:
+                c["message"] = dict(choice.get("message") or {"role": "assistant"},
+                                    content=asm.text)
+                body["prompt_token_ids"] = prompt_ids if want_ids else None
+            else:
+                c.update(text=asm.text, prompt_token_ids=prompt_ids if want_ids else None)
+            data = json.dumps(body).encode()
+            self._release(d, False)  # before the client can see the answer
+            d = None  # type: ignore[assignment]
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            if d is None:  # the client went away while the answer was written
+                self.close_connection = True
+                return
+            name = fleet.decode.names[d.decode]
+            if not started and conn is not None:
+                self._fail(name, f"decode failed: {exc!r}", failed, errors)
+                self._release(d, False)
+                d = None  # type: ignore[assignment]
+                raise UpstreamError from exc
+            self.log_message("decode stream from %s ended: %r", name, exc)
+            self.close_connection = True  # the client sees a cut-off response
+        finally:
+            if conn is not None:
+                conn.close()  # before its end: decode aborts the request
+            if d is not None:
+                self._release(d, False)
+
+    @staticmethod
+    def _usage(prompt_ids: list[int], asm: TextAssembler) -> dict[str, Any]:
+        n = len(asm.token_ids)
+        return {"prompt_tokens": len(prompt_ids), "total_tokens": len(prompt_ids) + n,
+                "completion_tokens": n, "prompt_tokens_details": None}
+
+    @staticmethod
+    def _follow(resp: http.client.HTTPResponse, asm: TextAssembler,
+                emit: Any) -> tuple[str | None, Any]:
+        """Reads decode's stream into ``asm`` until it ends or a stop string ends the
+        completion first; streams each piece of text through ``emit`` (unless None).
+        Returns the finish reason and stop reason."""
+        for raw in iter(resp.readline, b""):
+            line = raw.strip()
+            if not line.startswith(b"data: "):
+                continue
+            if line == b"data: [DONE]":
+                break
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise ValueError(f"decode stream error: {chunk['error']}")
+            for c in chunk.get("choices") or []:
+                ids = c.get("token_ids") or []
+                fin = c.get("finish_reason")
+                for i, t in enumerate(ids):
+                    if asm.add(int(t), fin == "stop" and i == len(ids) - 1):
+                        return "stop", asm.stop_reason
+                if fin is not None:
+                    return fin, c.get("stop_reason")
+            if emit is not None:
+                text = asm.delta(False)
+                if text:
+                    emit(text, None, None)
+        return None, None
 
     def _relay(self, d: Decision, conn: http.client.HTTPConnection,
                resp: http.client.HTTPResponse) -> None:
@@ -277,15 +592,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--registry", help="find servers in this registry (tcp://HOST:PORT)")
     ap.add_argument("--policy", default=DEFAULT_POLICY,
                     help="round_robin, least_loaded, prefix_only or cache_aware (default)")
-    ap.add_argument("--local-prefill-tokens", type=int, default=0,
-                    help="send prompts of at most this many tokens straight to decode")
+    ap.add_argument("--local-below", "--local-prefill-tokens", type=int,
+                    default=LOCAL_BELOW,
+                    dest="local_below", metavar="TOKENS",
+                    help="send prompts of at most this many uncached tokens straight to "
+                         "decode (policy cache_aware; see the README for the break-even)")
+    ap.add_argument("--handoff", choices=("first", "sequential"), default="first",
+                    help="first (default): prefill's first token goes to the client at "
+                         "once and decode continues after it; sequential: decode "
+                         "answers the whole request after prefill")
+    ap.add_argument("--tokenizer", help="the served model's tokenizer (a path or hub "
+                    "name; default: the model path decode's /v1/models names)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream call")
     args = ap.parse_args(argv)
     if not (args.prefill or args.decode or args.registry):
         ap.error("give --prefill/--decode URLs or --registry")
     Proxy.router = make_router(args.prefill, args.decode, policy=args.policy,
-                               local_prefill_tokens=args.local_prefill_tokens)
+                               local_prefill_tokens=args.local_below)
     Proxy.timeout = args.timeout
+    Proxy.handoff = args.handoff
+    Proxy.tokenizers = Tokenizers(args.tokenizer)
     store = subscription = None
     try:
         if args.registry:

@@ -420,6 +420,11 @@ def test_scheduler_hands_over_and_holds() -> None:
     aborted = request("x", {"do_remote_decode": True}, status=RequestStatus.FINISHED_ABORTED)
     assert prefill.request_finished(aborted, [1]) == (False, None)
     assert prefill.request_finished(request("y", None), [1]) == (False, None)
+    # a first token that ended the request (EOS, a stop token): nothing to decode, so
+    # its blocks are free at once instead of at the lease's end
+    eos = request("e", {"do_remote_decode": True}, status=RequestStatus.FINISHED_STOPPED)
+    assert prefill.request_finished(eos, [1]) == (False, None)
+    assert prefill.build_connector_meta().reqs_to_send == {}
 
     decode = TEConnectorScheduler("d-engine", BLOCK, wall_clock=wall)
     req = request("d1", dict(params), prompt=40)

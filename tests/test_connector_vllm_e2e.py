@@ -166,9 +166,46 @@ def sse_text(body: str) -> str:
     return "".join(text)
 
 
-def test_proxy_between_vllm_servers(tmp_path: Path) -> None:
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+
+def build_byte_model(path: Path) -> None:
+    """Like :func:`build_model`, with a byte-level BPE tokenizer: most of its tokens
+    are single bytes, so a random model's tokens often end inside a UTF-8 character."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([" ".join(WORDS)] * 20 + ["héllo wörld 日本語 ünïcode"] * 5,
+                            trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=128,
+                         intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=1024,
+                         bos_token_id=1, eos_token_id=2, initializer_range=0.2)
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def pd_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The README's deployment as written: prefill and decode vLLM API servers and
+    ``scripts/pd_proxy.py`` in front, as the README gives it (the first-token
+    hand-off), with ``--handoff sequential`` and with ``--local-below 0`` (short
+    prompts disaggregated too, for the figures). The prefill server answers plain requests
+    as a single server does: it is the reference."""
+    tmp_path = tmp_path_factory.mktemp("pd")
     model = tmp_path / "model"
-    build_model(model)
+    build_byte_model(model)
     binds = dict(zip(("prefill", "decode"), core_halves(), strict=True))
     cfg = {"kv_connector": "TransferEngineConnector",
            "kv_connector_module_path": "transfer_engine.connectors.vllm",
@@ -179,51 +216,145 @@ def test_proxy_between_vllm_servers(tmp_path: Path) -> None:
     servers = {role: [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                       "--model", str(model), "--port", str(ports[role]),
                       "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
-                      "--max-model-len", "512", "--enforce-eager",
+                      "--max-model-len", "1024", "--enforce-eager",
                       "--kv-transfer-config", json.dumps(dict(cfg, kv_role=kv_role))]
                for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer"))}
-    proxy_cmd = [sys.executable, str(ROOT / "scripts" / "pd_proxy.py"), "--port", "0",
-                 "--prefill", f"http://127.0.0.1:{ports['prefill']}",
-                 "--decode", f"http://127.0.0.1:{ports['decode']}"]
+    proxies = {handoff: [sys.executable, str(ROOT / "scripts" / "pd_proxy.py"), "--port",
+                         "0", "--prefill", f"http://127.0.0.1:{ports['prefill']}",
+                         "--decode", f"http://127.0.0.1:{ports['decode']}"]
+               + {"first": [], "sequential": ["--handoff", "sequential", "--local-below", "0"],
+                  "first-all": ["--local-below", "0"]}[handoff]
+               for handoff in ("first", "sequential", "first-all")}
     with contextlib.ExitStack() as stack:
         procs = {role: stack.enter_context(launched(
                      cmd, tmp_path / f"{role}.log",
                      dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT),
                           VLLM_CPU_OMP_THREADS_BIND=binds[role])))
                  for role, cmd in servers.items()}
-        proxy_log = tmp_path / "proxy.log"
-        stack.enter_context(launched(proxy_cmd, proxy_log, dict(os.environ)))
+        logs = {h: tmp_path / f"proxy-{h}.log" for h in proxies}
+        for handoff, cmd in proxies.items():
+            stack.enter_context(launched(cmd, logs[handoff], dict(os.environ)))
         for role, proc in procs.items():
             wait_healthy(ports[role], proc, tmp_path / f"{role}.log")
-        deadline = time.monotonic() + 30
-        while not (found := re.search(r"pd_proxy on http://[\d.]+:(\d+)",
-                                      proxy_log.read_text())):
-            assert time.monotonic() < deadline, proxy_log.read_text()
-            time.sleep(0.1)
-        proxy_port = int(found.group(1))
+        for handoff, log in logs.items():
+            deadline = time.monotonic() + 30
+            while not (found := re.search(r"pd_proxy on http://[\d.]+:(\d+)",
+                                          log.read_text())):
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+            ports[handoff] = int(found.group(1))
+        from transformers import AutoTokenizer
 
-        prompt_tokens = 0
+        yield {"ports": ports, "model": str(model), "logs": logs,
+               "tokenizer": AutoTokenizer.from_pretrained(model)}
+
+
+def by_source(port: int) -> dict[str, float]:
+    """vLLM's own accounting of prompt tokens on a server: loaded or computed."""
+    metrics = http_json(port, "GET", "/metrics")[1]
+    return {k: float(v) for k, v in re.findall(
+        r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} ([\d.]+)$',
+        metrics, re.M)}
+
+
+def completion(port: int, body: dict[str, Any]) -> dict[str, Any]:
+    """One completion, streamed or not, as the fields a client sees in the end: text,
+    finish and stop reason, token ids (when asked) and usage (when given)."""
+    status, raw = http_json(port, "POST", "/v1/completions", body, timeout=120)
+    assert status == 200, raw
+    if not body.get("stream"):
+        answer = json.loads(raw)
+        c = answer["choices"][0]
+        return {"text": c["text"], "finish_reason": c["finish_reason"],
+                "stop_reason": c["stop_reason"], "token_ids": c.get("token_ids"),
+                "usage": {k: answer["usage"][k] for k in ("prompt_tokens",
+                                                          "completion_tokens")}}
+    assert raw.rstrip().endswith("data: [DONE]"), raw[-300:]
+    out: dict[str, Any] = {"text": "", "finish_reason": None, "stop_reason": None,
+                           "token_ids": None, "usage": None}
+    for line in raw.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            out["usage"] = {k: chunk["usage"][k] for k in ("prompt_tokens",
+                                                           "completion_tokens")}
+        for c in chunk["choices"]:
+            out["text"] += c["text"]
+            if c.get("token_ids") is not None:
+                out["token_ids"] = (out["token_ids"] or []) + c["token_ids"]
+            if c.get("finish_reason") is not None:
+                out["finish_reason"], out["stop_reason"] = c["finish_reason"], \
+                    c.get("stop_reason")
+    return out
+
+
+def test_proxy_between_vllm_servers(pd_servers: dict[str, Any]) -> None:
+    """Both hand-offs give the single server's text, and vLLM's metrics on the decode
+    server count the prompt as loaded over the connector: all of it in the sequential
+    hand-off, all but the first generated token (which decode computes) in the
+    first-token one."""
+    ports, model = pd_servers["ports"], pd_servers["model"]
+    for handoff in ("sequential", "first"):
+        before = by_source(ports["decode"])
+        prompt_tokens = requests = 0
         for prompt, stream in ((PROMPTS[1], True), (PROMPTS[2], False)):
-            body = {"model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS,
+            prompt = f"{handoff} {prompt}"  # nothing cached on decode from the last round
+            body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
                     "temperature": 0}
-            status, ref = http_json(ports["prefill"], "POST", "/v1/completions", body)
-            assert status == 200, ref
-            answer = json.loads(ref)
-            prompt_tokens += answer["usage"]["prompt_tokens"]
-            status, got = http_json(proxy_port, "POST", "/v1/completions",
-                                    dict(body, stream=stream))
-            assert status == 200, got
-            text = sse_text(got) if stream else json.loads(got)["choices"][0]["text"]
-            assert text == answer["choices"][0]["text"]
+            ref = completion(ports["prefill"], body)
+            prompt_tokens += ref["usage"]["prompt_tokens"]
+            requests += 1
+            got = completion(ports[handoff], dict(body, stream=True, stream_options={
+                "include_usage": True}) if stream else body)
+            assert got == ref, handoff
+        after = by_source(ports["decode"])
+        loaded = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
+        computed = after.get("local_compute", 0) - before.get("local_compute", 0)
+        assert loaded == prompt_tokens, (handoff, before, after)
+        assert computed == (requests if handoff == "first" else 0), (handoff, before, after)
 
-        # vLLM's own accounting on the decode server: every prompt token was loaded
-        # over the connector, none computed there
-        metrics = http_json(ports["decode"], "GET", "/metrics")[1]
-        by_source = dict(re.findall(
-            r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} ([\d.]+)$',
-            metrics, re.M))
-        assert float(by_source["external_kv_transfer"]) == prompt_tokens, by_source
-        assert float(by_source["local_compute"]) == 0, by_source
+    # a prompt under --local-below (default 64 tokens) is prefilled on decode
+    body = {"model": model, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
+            "temperature": 0}
+    ref = completion(ports["prefill"], body)
+    assert ref["usage"]["prompt_tokens"] < 64
+    before = by_source(ports["decode"])
+    assert completion(ports["first"], body) == ref
+    after = by_source(ports["decode"])
+    assert after["local_compute"] - before["local_compute"] == ref["usage"]["prompt_tokens"]
+    assert after["external_kv_transfer"] == before["external_kv_transfer"]
+
+
+def test_first_token_handoff_is_the_single_servers_answer(pd_servers: dict[str, Any]
+                                                          ) -> None:
+    """The first-token hand-off answers exactly as one server: streamed or not,
+    max_tokens=1, stop strings (inside decode's part and across the join), a first
+    token that is a stop token, first tokens ending inside a UTF-8 character, usage
+    and token ids."""
+    ports, model, tok = pd_servers["ports"], pd_servers["model"], pd_servers["tokenizer"]
+    rng = random.Random(11)
+    split_chars = 0
+    for i in range(8):
+        prompt = " ".join(rng.choice(WORDS) for _ in range(40 + 37 * i))
+        base = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                "temperature": 0, "return_token_ids": True}
+        ref = completion(ports["prefill"], base)
+        first = ref["token_ids"][0]
+        split_chars += "\ufffd" in tok.decode([first])
+        cases = [base, dict(base, stream=True, stream_options={"include_usage": True}),
+                 dict(base, max_tokens=1), dict(base, max_tokens=1, stream=True),
+                 dict(base, stop_token_ids=[first]), dict(base, ignore_eos=True),
+                 dict(base, stream=True, stop_token_ids=[ref["token_ids"][3]])]
+        text = ref["text"]
+        if len(text) > 6:
+            cases += [dict(base, stop=[text[4:6]]), dict(base, stream=True, stop=text[4:6]),
+                      dict(base, stop=[text[:2]], include_stop_str_in_output=True)]
+        for body in cases:
+            want = completion(ports["prefill"], body)
+            got = completion(ports["first"], body)
+            assert got == want, body
+    assert split_chars, "no first token ended inside a UTF-8 character"
 
 
 class EngineProcess:
@@ -420,3 +551,126 @@ def test_figures_ttft_and_kv_share(engines: dict[str, EngineProcess]) -> None:
     print(f"\nvLLM P/D figures (medians of {FIGURE_ROUNDS} rounds):")
     for row in rows:
         print(" ", json.dumps(row))
+
+
+def chat(port: int, body: dict[str, Any]) -> dict[str, Any]:
+    """One chat completion, streamed or not: its content, finish and stop reason and
+    usage (when given)."""
+    status, raw = http_json(port, "POST", "/v1/chat/completions", body, timeout=120)
+    assert status == 200, raw
+    if not body.get("stream"):
+        answer = json.loads(raw)
+        c = answer["choices"][0]
+        return {"text": c["message"]["content"], "finish_reason": c["finish_reason"],
+                "stop_reason": c["stop_reason"],
+                "usage": {k: answer["usage"][k] for k in ("prompt_tokens",
+                                                          "completion_tokens")}}
+    out: dict[str, Any] = {"text": "", "finish_reason": None, "stop_reason": None,
+                           "usage": None}
+    for line in raw.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            out["usage"] = {k: chunk["usage"][k] for k in ("prompt_tokens",
+                                                           "completion_tokens")}
+        for c in chunk["choices"]:
+            out["text"] += c["delta"].get("content") or ""
+            if c.get("finish_reason") is not None:
+                out["finish_reason"], out["stop_reason"] = c["finish_reason"], \
+                    c.get("stop_reason")
+    return out
+
+
+def test_first_token_handoff_chat(pd_servers: dict[str, Any]) -> None:
+    """Chat completions through the first-token hand-off: prefill applies the chat
+    template, decode continues from its token ids; the content is one server's."""
+    ports, model = pd_servers["ports"], pd_servers["model"]
+    before = by_source(ports["decode"])
+    for i, stream in enumerate((False, True, False)):
+        body = {"model": model, "temperature": 0,
+                "max_completion_tokens": MAX_TOKENS, "messages": [
+                    {"role": "user", "content": f"chat {i} " + PROMPTS[1]}]}
+        want = chat(ports["prefill"], body)
+        if i == 2:
+            body["stop"] = [want["text"][3:5]]
+            want = chat(ports["prefill"], body)
+        if stream:
+            body = dict(body, stream=True, stream_options={"include_usage": True})
+        assert chat(ports["first"], body) == want, body
+    after = by_source(ports["decode"])
+    assert after["local_compute"] - before["local_compute"] == 3  # the first tokens
+
+
+def stream_ttft(port: int, body: dict[str, Any]) -> float:
+    """Seconds from sending a streamed request to its first data line."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/completions", json.dumps(dict(body, stream=True)).encode(),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        for line in iter(resp.readline, b""):
+            if line.startswith(b"data: "):
+                ttft = time.perf_counter() - t0
+                resp.read()
+                return ttft
+        raise AssertionError("no data line")
+    finally:
+        conn.close()
+
+
+def test_figures_first_token_break_even(pd_servers: dict[str, Any]) -> None:
+    """TTFT of fresh prompts (nothing cached) sent straight to decode (it prefills
+    them itself), through the router's first-token hand-off and through its sequential
+    one, by prompt length, on an idle decode server and on one decoding 8 streams:
+    where disaggregating stops costing first-token time."""
+    import threading
+
+    ports, model = pd_servers["ports"], pd_servers["model"]
+    rng = random.Random(3)
+    for streams in (0, 8):
+        stop = threading.Event()
+
+        def load(k: int, stop: threading.Event = stop) -> None:
+            body = {"model": model, "prompt": " ".join(WORDS[k:k + 20]), "max_tokens": 64,
+                    "temperature": 0, "ignore_eos": True}
+            while not stop.is_set():
+                http_json(ports["decode"], "POST", "/v1/completions", body, timeout=300)
+
+        threads = [threading.Thread(target=load, args=(k,), daemon=True)
+                   for k in range(streams)]
+        for t in threads:
+            t.start()
+        time.sleep(2 if streams else 0)
+        rows = []
+        try:
+            for words in (8, 32, 64, 128, 256):
+                times: dict[str, list[float]] = {"local": [], "first": [], "sequential": []}
+                tokens = 0
+                for _ in range(FIGURE_ROUNDS):
+                    for route in ("local", "first", "sequential"):
+                        prompt = " ".join(rng.choice(WORDS) for _ in range(words))
+                        body = {"model": model, "prompt": prompt, "max_tokens": 4,
+                                "temperature": 0}
+                        port = ports[{"local": "decode", "first": "first-all"}.get(
+                            route, route)]
+                        times[route].append(stream_ttft(port, body))
+                        if route == "local":
+                            tokens = completion(ports["prefill"], dict(
+                                body, max_tokens=1))["usage"]["prompt_tokens"]
+                med = {k: statistics.median(v) for k, v in times.items()}
+                rows.append({"prompt_tokens": tokens,
+                             **{f"{k}_ttft_ms": round(v * 1e3, 1) for k, v in med.items()},
+                             "first_over_local": round(med["first"] / med["local"], 2),
+                             "sequential_over_local": round(med["sequential"] / med["local"],
+                                                            2)})
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(120)
+        print(f"\nfirst-token break-even, decode running {streams} other streams "
+              f"(medians of {FIGURE_ROUNDS}):")
+        for row in rows:
+            print(" ", json.dumps(row))

@@ -237,3 +237,231 @@ def test_router_over_registry_survives_a_prefill_dying_mid_run() -> None:
             assert {'"by": "d0"' in body for _, body in results} == {True, False}
         finally:
             _stop(procs)
+
+
+def _byte_tokenizer() -> Any:
+    """A byte-level BPE tokenizer, built offline: multi-byte characters split over
+    several tokens."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(["the cache block of the engine"] * 10, trainer)
+    return tok
+
+
+def test_router_text_survives_a_first_token_inside_a_utf8_character() -> None:
+    """The router's text of the joined tokens is the text of the whole sequence, wherever
+    prefill's first token ends: inside a character its bytes wait for the next."""
+    from scheduler.handoff import TextAssembler  # noqa: PLC0415
+
+    tok = _byte_tokenizer()
+    prompt = tok.encode("the cache block").ids
+    gen = tok.encode(" héllo 日本 wörld").ids
+    assert len(gen) > len(" héllo 日本 wörld".split())  # characters split over tokens
+    want = tok.decode(prompt + gen)[len(tok.decode(prompt)):]
+    for cut in range(1, len(gen)):
+        asm = TextAssembler(tok, prompt)
+        pieces = []
+        for t in gen[:cut]:
+            asm.add(t)
+        pieces.append(asm.delta(False))
+        for t in gen[cut:]:
+            asm.add(t)
+            pieces.append(asm.delta(False))
+        pieces.append(asm.delta(True))
+        assert asm.text == want and "".join(pieces) == want and "\ufffd" not in want
+
+
+def test_router_stop_strings_across_the_join_never_leak() -> None:
+    """A stop string is found across prefill's and decode's tokens; streamed text holds
+    back what could start one, so no part of it reaches the client; a stop token stays
+    out of the text."""
+    from scheduler.handoff import TextAssembler, unsupported  # noqa: PLC0415
+
+    tok = _byte_tokenizer()
+    prompt = tok.encode("the").ids
+    gen = tok.encode(" cache blöck of").ids
+    asm = TextAssembler(tok, prompt, stop=["e bl"])
+    pieces, stopped = [], False
+    for t in gen:
+        stopped = asm.add(t)
+        pieces.append(asm.delta(stopped))
+        if stopped:
+            break
+    assert stopped and asm.stop_reason == "e bl" and asm.text == " cach"
+    assert "".join(pieces) == " cach"
+    asm = TextAssembler(tok, prompt, stop=["ca"], include_stop_str_in_output=True)
+    assert not asm.add(gen[0]) or asm.text.endswith("ca")
+    eos = tok.token_to_id("</s>")
+    asm = TextAssembler(tok, prompt)
+    asm.add(gen[0])
+    asm.add(eos, stop_terminated=True)
+    assert asm.text == tok.decode(gen[:1]) and asm.token_ids == [gen[0], eos]
+    assert unsupported({"prompt": "x", "max_tokens": 3}) is None
+    assert unsupported({"prompt": "x", "n": 2}) == "n > 1"
+    assert unsupported({"prompt": ["a", "b"]}) == "not one prompt"
+    assert unsupported({"prompt": "x", "logprobs": 1}) is not None
+    assert unsupported({"prompt": "x", "seed": 3, "temperature": 0.7}) is not None
+    assert unsupported({"prompt": "x", "response_format": {}}) is not None
+
+
+def test_unreachable_prefill_falls_back_to_decode_prefilling() -> None:
+    """No prefill server answers: decode prefills the request itself (no
+    kv_transfer_params), and the client sees a normal answer."""
+    dec = type("Dec", (Upstream,), {"role": "decode"})
+    servers = [_serve(dec)]
+    dead = f"http://127.0.0.1:{_free_port()}"
+    router = pd_proxy.make_router([dead], [f"http://127.0.0.1:{servers[0][0].server_port}"],
+                                  threshold=1, cooldown=60.0)
+    pd_proxy.Proxy.router = router
+    pd_proxy.Proxy.log_message = lambda *a: None  # type: ignore[method-assign]
+    servers.append(_serve(pd_proxy.Proxy))
+    try:
+        for i in range(3):
+            SEEN.clear()
+            status, body = _post(servers[1][0].server_port,
+                                 {"model": "m", "prompt": f"p{i}", "max_tokens": 4})
+            assert status == 200 and body.endswith("[DONE]\n\n")
+            assert [role for role, _ in SEEN] == ["decode"]
+            assert "kv_transfer_params" not in SEEN[0][1]
+        assert int(router.fleet.decode.queue.sum()) == 0
+        assert int(router.fleet.prefill.queue.sum()) == 0
+    finally:
+        for server, thread in servers:
+            server.shutdown()
+            server.server_close()
+            thread.join(5)
+
+
+class Scripted(BaseHTTPRequestHandler):
+    """Prefill and decode speaking vLLM's token-id fields, generating ``gen``: prefill
+    its first token, decode the rest after the prompt plus that token."""
+
+    role = ""
+    tok: Any = None
+    gen: list[int] = []
+    eos = 2
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        SEEN.append((self.role, body))
+        if self.role == "prefill":
+            prompt = self.tok.encode(body["prompt"]).ids
+            t = self.gen[0]
+            c = {"index": 0, "text": "?", "finish_reason": "stop" if t == self.eos
+                 else "length", "stop_reason": None, "prompt_token_ids": prompt,
+                 "token_ids": [t]}
+            held = body.get("kv_transfer_params") and t != self.eos
+            data = json.dumps({"id": "cmpl-1", "created": 1, "model": "m", "choices": [c],
+                               "usage": {}, "kv_transfer_params": {"p": 1} if held
+                               else None}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        rest = self.gen[1:1 + body.get("max_tokens", 99)]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for i, t in enumerate(rest):
+            last = i == len(rest) - 1
+            fin = "stop" if t == self.eos else ("length" if last else None)
+            chunk = {"choices": [{"index": 0, "text": "?", "token_ids": [t],
+                                  "finish_reason": fin, "stop_reason": None}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+            if fin:
+                break
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_first_token_handoff_joins_prefill_and_decode_tokens() -> None:
+    """The router's first-token hand-off over scripted servers: decode gets the prompt's
+    ids plus the first token and one token fewer; the client's text is that of the
+    whole sequence (characters split across the join included), cut at a stop string
+    spanning the join; max_tokens=1 and an EOS first token never reach decode."""
+    tok = _byte_tokenizer()
+    gen = tok.encode("é日 wörld of the cache").ids
+    assert "\ufffd" in tok.decode(gen[:1])  # the first token ends inside a character
+    pre = type("Pre", (Scripted,), {"role": "prefill", "tok": tok, "gen": gen})
+    dec = type("Dec", (Scripted,), {"role": "decode", "tok": tok, "gen": gen})
+    servers = [_serve(pre), _serve(dec)]
+    urls = [f"http://127.0.0.1:{s.server_port}" for s, _ in servers]
+    pd_proxy.Proxy.router = pd_proxy.make_router([urls[0]], [urls[1]])
+    pd_proxy.Proxy.handoff = "first"
+    tokenizers = pd_proxy.Tokenizers()
+    tokenizers._by_url[urls[1]] = (0.0, tok)
+    pd_proxy.Proxy.tokenizers = tokenizers
+    pd_proxy.Proxy.log_message = lambda *a: None  # type: ignore[method-assign]
+    servers.append(_serve(pd_proxy.Proxy))
+    port = servers[2][0].server_port
+    prompt = "the cache block"
+    pids = tok.encode(prompt).ids
+
+    def text(n: int) -> str:
+        return tok.decode(pids + gen[:n])[len(tok.decode(pids)):]
+
+    try:
+        SEEN.clear()
+        status, body = _post(port, {"model": "m", "prompt": prompt, "max_tokens": 6,
+                                    "stream": True, "stream_options": {"include_usage": True}})
+        assert status == 200 and body.endswith("data: [DONE]\n\n")
+        chunks = [json.loads(line[6:]) for line in body.splitlines()
+                  if line.startswith("data: {")]
+        assert "".join(c["text"] for ch in chunks for c in ch["choices"]) == text(6)
+        assert chunks[-1]["usage"]["completion_tokens"] == 6
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+        (r1, p), (r2, d) = SEEN
+        assert p["max_tokens"] == 1 and p["kv_transfer_params"] == {"do_remote_decode": True}
+        assert d["prompt"] == pids + gen[:1] and d["max_tokens"] == 5
+        assert d["kv_transfer_params"] == {"p": 1}
+
+        full = text(8)
+        stop = full[:2]  # its first character spans prefill's and decode's tokens
+        upto = next(k for k in range(1, 9) if stop in text(k))
+        assert upto > 1
+        status, body = _post(port, {"model": "m", "prompt": prompt, "max_tokens": 8,
+                                    "stop": [stop], "include_stop_str_in_output": True})
+        answer = json.loads(body)
+        assert answer["choices"][0]["text"] == stop
+        assert answer["choices"][0]["stop_reason"] == stop
+        assert answer["usage"]["completion_tokens"] == upto
+        stop = full[2:4]
+        status, body = _post(port, {"model": "m", "prompt": prompt, "max_tokens": 8,
+                                    "stop": stop, "stream": True})
+        assert "".join(json.loads(line[6:])["choices"][0]["text"]
+                       for line in body.splitlines() if line.startswith("data: {")
+                       ) == full[:2]
+
+        SEEN.clear()
+        status, body = _post(port, {"model": "m", "prompt": prompt, "max_tokens": 1})
+        # a lone first byte of a character: held back, as vLLM's detokenizer does
+        assert json.loads(body)["choices"][0]["text"] == ""
+        assert [r for r, _ in SEEN] == ["prefill"]
+        assert "kv_transfer_params" not in SEEN[0][1]
+
+        pre.gen = dec.gen = [Scripted.eos]
+        SEEN.clear()
+        status, body = _post(port, {"model": "m", "prompt": prompt, "max_tokens": 5})
+        answer = json.loads(body)
+        assert answer["choices"][0]["finish_reason"] == "stop"
+        assert answer["choices"][0]["text"] == ""
+        assert answer["usage"]["completion_tokens"] == 1
+        assert [r for r, _ in SEEN] == ["prefill"]
+        assert int(pd_proxy.Proxy.router.fleet.decode.queue.sum()) == 0
+    finally:
+        pd_proxy.Proxy.tokenizers = pd_proxy.Tokenizers()
+        for server, thread in servers:
+            server.shutdown()
+            server.server_close()
+            thread.join(5)

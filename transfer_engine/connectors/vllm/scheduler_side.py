@@ -238,9 +238,10 @@ class TEConnectorScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode"):
             return False, None
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
-                                  RequestStatus.FINISHED_STOPPED):
-            return False, None  # aborted: nothing to hand over
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+            # aborted, or its first token ended it (EOS, a stop token): nothing to
+            # hand over, so the blocks are free at once instead of at the lease's end
+            return False, None
         if not block_ids or self.endpoint is None:
             return False, None
         prompt = request.prompt_token_ids or ()
