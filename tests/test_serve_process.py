@@ -27,6 +27,10 @@ from transfer_engine.transport.shm import ShmTransport
 from transfer_engine.transport.stream import KIND_WRITE, shared
 from transfer_engine.transport.tcp import TcpTransport
 
+# Large enough that malloc maps it for itself (above glibc's largest mmap threshold, and
+# beyond any free chunk a long test run may have left in the heap)
+MAPPED = 160 * MiB
+
 
 class TestServeProcessContract(TransportContract):
     """The whole transport contract, served by the serving process."""
@@ -206,7 +210,7 @@ def test_shared_pages_cannot_be_opened_by_another_user(
     """The memfd has no name in any file system; through /proc it takes the owner's
     rights (another user's process is refused)."""
     t = _target(make_engine)
-    t.register(torch.zeros(48 * MiB, dtype=torch.uint8), name="kv")  # malloc maps it
+    t.register(torch.empty(MAPPED, dtype=torch.uint8), name="kv")
     fds = [fd for fd in os.listdir("/proc/self/fd") if "te-serve" in _link(fd)]
     assert fds, "the registered pages are shared through a memfd"
     path = f"/proc/{os.getpid()}/fd/{fds[0]}"
@@ -258,7 +262,8 @@ def test_rails_still_need_a_ticket(make_engine: Callable[..., Engine]) -> None:
 
 
 def test_share_body_moves_only_whole_private_pages() -> None:
-    buf = np.frombuffer(bytearray(random_bytes(40 * MiB, 8).tobytes()), np.uint8)
+    buf = np.empty(MAPPED, dtype=np.uint8)
+    buf[:] = np.resize(random_bytes(MiB, 8), MAPPED)
     want = buf.copy()
     body = shared.share_body(buf.ctypes.data + 10, buf.size - 20)
     assert body is not None
@@ -326,7 +331,8 @@ def test_share_body_moves_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """A segment larger than a chunk is moved a chunk at a time, bytes intact, and
     shared again as one body."""
     monkeypatch.setattr(shared, "MOVE_CHUNK", 4 * MiB)
-    buf = np.frombuffer(bytearray(random_bytes(40 * MiB + 12345, 4).tobytes()), np.uint8)
+    buf = np.empty(MAPPED + 12345, dtype=np.uint8)
+    buf[:] = np.resize(random_bytes(MiB, 4), buf.size)
     want = buf.copy()
     body = shared.share_body(buf.ctypes.data, buf.size)
     assert body is not None
@@ -420,7 +426,7 @@ def test_heap_memory_is_never_moved() -> None:
     would otherwise share, and overwrite, the parent's later allocations."""
     small = np.zeros(100 << 10, dtype=np.uint8)  # from the heap
     assert shared.share_body(small.ctypes.data, small.nbytes) is None
-    big = np.zeros(48 * MiB, dtype=np.uint8)  # above glibc's largest mmap threshold
+    big = np.empty(MAPPED, dtype=np.uint8)
     body = shared.share_body(big.ctypes.data, big.nbytes)
     assert body is not None
     os.close(body.fd)
