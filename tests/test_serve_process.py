@@ -431,3 +431,24 @@ def test_heap_memory_is_never_moved() -> None:
     assert body is not None
     os.close(body.fd)
     shared.release(body)
+
+
+def test_a_serving_process_that_cannot_start_leaves_threads_serving(
+        make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Where the serving process cannot run, the transport serves from threads, says so
+    once, and moves the same bytes."""
+    from transfer_engine.transport.stream import process
+
+    monkeypatch.setattr(process, "_BOOT", "import sys; sys.exit(3)")
+    t = make_engine("t", transports=[TcpTransport(serve="process")])
+    assert t._transports["tcp"].info("serve") == "thread"
+    assert "serving tcp from threads" in caplog.text
+    dst = np.zeros(MiB, dtype=np.uint8)
+    t.register(dst, name="kv")
+    a = make_engine("a", transports=["tcp"])
+    src = random_bytes(MiB, 12)
+    peer = a.connect(t.endpoint)
+    a.write(peer, [(Descriptor(a.register(src), 0, MiB),
+                    Descriptor(peer.segment("kv"), 0, MiB))]).wait(10)
+    assert np.array_equal(dst, src)

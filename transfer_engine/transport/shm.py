@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import select
 import shutil
@@ -80,6 +81,8 @@ from transfer_engine.transport.stream import (
 from transfer_engine.transport.stream.process import ServeProcess, serve_mode
 
 __all__ = ["ShmTransport", "host_id"]
+
+log = logging.getLogger(__name__)
 
 _PR_SET_PTRACER = 0x59616D61
 _SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5+
@@ -374,9 +377,14 @@ class ShmTransport(Transport):
         try:
             listener.bind(self._path)
             if self._serve == "process":
-                self._process = ServeProcess("shm", listener, host,
-                                             stall_timeout=self._stall)
-            else:
+                try:
+                    self._process = ServeProcess("shm", listener, host,
+                                                 stall_timeout=self._stall)
+                except ClosedError as exc:
+                    log.warning("%s; serving shm from threads of this process instead",
+                                exc)
+                    self._serve = "thread"
+            if self._process is None:
                 listener.listen(128)
         except (OSError, TransferError):
             listener.close()

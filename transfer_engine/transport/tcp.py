@@ -352,10 +352,15 @@ class TcpTransport(Transport):
         listener.bind(addr[4])
         bound = listener.getsockname()
         if self._serve == "process":
-            self._process = ServeProcess("tcp", listener, host, stall_timeout=self._stall,
-                                         buffer_bytes=self._buffer_bytes,
-                                         congestion=self._congestion)
-            return {"host": bound[0], "port": bound[1]}
+            try:
+                self._process = ServeProcess("tcp", listener, host,
+                                             stall_timeout=self._stall,
+                                             buffer_bytes=self._buffer_bytes,
+                                             congestion=self._congestion)
+                return {"host": bound[0], "port": bound[1]}
+            except ClosedError as exc:
+                log.warning("%s; serving tcp from threads of this process instead", exc)
+                self._serve = "thread"
         listener.listen(128)
         self._server = TcpServer(listener, host, self._buffer_bytes, self._congestion,
                                  self._stall)

@@ -53,7 +53,8 @@ class ServeProcess:
     """Starts the serving process of transport ``kind`` (``"tcp"`` or ``"shm"``) on
     ``listener``, bound and not yet listening: the serving process listens, so that a
     unix socket's peers see its credentials (shm initiators let that process copy).
-    The serving process owns the listener from then on. Relays what it asks of
+    The serving process owns the listener from then on (if it cannot start, raises
+    ``ClosedError`` and the listener stays the caller's). Relays what it asks of
     ``host``; closed by its transport."""
 
     def __init__(self, kind: str, listener: socket.socket, host: Host, *,
@@ -67,18 +68,23 @@ class ServeProcess:
         self._lock = threading.Lock()
         self._dead = False
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        mem = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
+        mem: int | None = None
         try:
+            mem = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
             fds = (theirs.fileno(), listener.fileno(), mem)
             env = {**os.environ, "TE_SERVE_FDS": ",".join(map(str, fds)),
                    "TE_SERVE_PARENT": str(os.getpid())}
             self._proc = subprocess.Popen([sys.executable, "-c", _BOOT, _ROOT], env=env,
                                           pass_fds=fds, stdin=subprocess.DEVNULL,
                                           start_new_session=False)
+        except OSError as exc:
+            ours.close()
+            raise ClosedError(f"{kind} serving process did not start: {exc}",
+                              transport=kind) from None
         finally:
             theirs.close()
-            os.close(mem)
-            listener.close()  # the serving process holds it now
+            if mem is not None:
+                os.close(mem)
         self._chan = Channel(ours)
         try:
             self._chan.send({"kind": kind, "name": host.name, "host_id": host.host_id,
@@ -91,8 +97,10 @@ class ServeProcess:
                 raise ChannelClosed(f"unexpected {ready!r}")
         except (ChannelClosed, OSError) as exc:
             self._kill()
+            self._chan.close()
             raise ClosedError(f"{kind} serving process did not start: {exc}",
                               transport=kind) from None
+        listener.close()  # the serving process holds it now; on failure it stays ours
         self.pid = int(ready["pid"])
         # immediates go to the engine from a thread of their own, in order: a
         # notification callback may call back here (register, close a segment), which
