@@ -124,3 +124,21 @@ def spawn_peer() -> Iterator[Callable[..., tuple[subprocess.Popen[str], str]]]:
         for stream in (proc.stdin, proc.stdout):
             if stream is not None and not stream.closed:
                 stream.close()
+
+
+@pytest.fixture
+def busy_python() -> Iterator[None]:
+    """A thread that runs pure bytecode (holding the GIL) for the whole test."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        n = 0
+        while not stop.is_set():
+            for _ in range(10000):
+                n += 1
+
+    thread = threading.Thread(target=spin, daemon=True, name="busy-python")
+    thread.start()
+    yield
+    stop.set()
+    thread.join(5)

@@ -28,24 +28,6 @@ from transfer_engine.transport.iovec import (
 MiB = 1 << 20
 
 
-@pytest.fixture
-def busy_python() -> Iterator[None]:
-    """A thread that runs pure bytecode (holding the GIL) for the whole test."""
-    stop = threading.Event()
-
-    def spin() -> None:
-        n = 0
-        while not stop.is_set():
-            for _ in range(10000):
-                n += 1
-
-    thread = threading.Thread(target=spin, daemon=True, name="busy-python")
-    thread.start()
-    yield
-    stop.set()
-    thread.join(5)
-
-
 @pytest.mark.parametrize("protocol", ["tcp", "shm"])
 @pytest.mark.parametrize("block,count", [(4096, 128), (MiB, 16), (3 * MiB + 5, 7)])
 def test_writes_and_reads_are_exact_with_a_busy_thread(

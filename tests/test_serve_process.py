@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,24 +39,6 @@ class TestServeProcessContract(TransportContract):
 
     def transports_for(self, role: str) -> list[TcpTransport]:
         return [TcpTransport(rails=2, spread=2, serve="process")]
-
-
-@pytest.fixture
-def busy_python() -> Iterator[None]:
-    """A thread of this process that runs pure bytecode for the whole test."""
-    stop = threading.Event()
-
-    def spin() -> None:
-        n = 0
-        while not stop.is_set():
-            for _ in range(10000):
-                n += 1
-
-    thread = threading.Thread(target=spin, daemon=True, name="busy-python")
-    thread.start()
-    yield
-    stop.set()
-    thread.join(5)
 
 
 def _target(make_engine: Callable[..., Engine], name: str = "t") -> Engine:
