@@ -60,6 +60,7 @@ from transfer_engine.transfer import Transfers, _Transfer
 from transfer_engine.transport import load_transport
 from transfer_engine.transport.base import Immediate, Transport
 from transfer_engine.transport.shm import host_id
+from transfer_engine.transport.stream.process import serve_mode
 from transfer_engine.validate import Pairs
 from transfer_engine.watchdog import Watchdog
 
@@ -129,9 +130,7 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
                  peer_timeout: float | None = 10.0,
                  traffic: TrafficPolicy | None = None,
                  serve: str | None = None) -> None:
-        if serve not in (None, "thread", "process"):
-            raise ValueError(f"serve must be 'thread' or 'process', not {serve!r}")
-        self.serve = serve
+        self.serve = None if serve is None else serve_mode(serve)  # checked here, once
         self.name = name
         self.traffic = traffic
         self.transfer_timeout = transfer_timeout

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from transfer_engine.control.auth import AuthConfig
+from transfer_engine.transport.stream.process import serve_mode
 
 # Protocol versions (kv_transfer_params and the manifest):
 #   1: pull over Engine.read; manifest segment "te-vllm/manifest"; lease in params.
@@ -87,9 +88,8 @@ class TEConnectorConfig:
     secret_file: str | None = None
 
     def __post_init__(self) -> None:
-        if self.serve not in (None, "thread", "process"):
-            raise ValueError(f"serve must be 'thread' or 'process', not "
-                             f"{self.serve!r}")
+        if self.serve is not None:
+            serve_mode(self.serve)  # raises ValueError for an unknown mode
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.lease_s <= 0 or self.timeout_s <= 0:
