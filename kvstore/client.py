@@ -63,6 +63,7 @@ from kvstore.protocol import (
     column,
     pack,
 )
+from kvstore.index import has_duplicates
 from kvstore.tiers import LocalTier
 from transfer_engine import Blocks, Engine
 from transfer_engine.closeable import Closeable
@@ -431,7 +432,7 @@ class Client(Closeable):
                 self._put(rows[s:e], addrs[s:e], lens[s:e], ttl=ttl, if_absent=if_absent,
                           replicas=replicas, checks=None if checks is None else checks[s:e])
             return
-        if n > 1 and np.unique(rows, axis=0).shape[0] != n:
+        if has_duplicates(rows):
             raise InvalidArgumentError("keys in one put must be distinct")
         if checks is None:
             checks = np.zeros(n, dtype=np.uint64)

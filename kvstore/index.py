@@ -55,7 +55,7 @@ import numpy.typing as npt
 
 from kvstore.errors import CapacityError, InvalidArgumentError, KeyFormatError
 
-__all__ = ["CuckooIndex", "SLOTS", "ABSENT", "KeysAt", "hash_keys"]
+__all__ = ["CuckooIndex", "SLOTS", "ABSENT", "KeysAt", "hash_keys", "has_duplicates"]
 
 SLOTS = 12
 """Slots per bucket."""
@@ -292,7 +292,7 @@ class CuckooIndex:
         n = k.shape[0]
         if loc.shape[0] != n:
             raise InvalidArgumentError(f"{n} keys but {loc.shape[0]} locations")
-        if n > 1 and _has_duplicates(k):
+        if has_duplicates(k):
             raise InvalidArgumentError("keys in one batch must be distinct")
         old, pos = self._find(k)
         exists = pos != ABSENT
@@ -479,8 +479,15 @@ class CuckooIndex:
         self._stash_count = 0
 
 
-def _has_duplicates(keys: U64) -> bool:
+def has_duplicates(keys: U64) -> bool:
+    """Whether two rows of ``uint64[n, w]`` are equal. Sorts one 64-bit word per row (equal
+    rows give equal words); only when words collide are whole rows compared."""
+    if keys.shape[0] < 2:
+        return False
+    w = keys[:, 0] if keys.shape[1] == 1 else hash_keys(keys)
+    s = np.sort(w)
+    if not (s[1:] == s[:-1]).any():
+        return False
     if keys.shape[1] == 1:
-        s = np.sort(keys[:, 0])
-        return bool((s[1:] == s[:-1]).any())
+        return True
     return bool(np.unique(keys, axis=0).shape[0] != keys.shape[0])

@@ -59,6 +59,7 @@ import numpy.typing as npt
 import zmq
 
 from kvstore.errors import StoreError
+from kvstore.index import has_duplicates
 from kvstore.moves import DISK, Move, TierMoves
 from kvstore.objects import ObjectTable, State
 from kvstore.protocol import (
@@ -97,6 +98,8 @@ log = logging.getLogger(__name__)
 
 I64 = npt.NDArray[np.int64]
 _JOURNAL_CHUNK = 50_000  # ops per journal message (64 bytes each, under the 4 MiB limit)
+SPREAD_BYTES = 8 << 20
+"""A put batch of at least this many bytes (all replicas) is spread over the nodes."""
 
 
 @dataclass(eq=False)
@@ -321,16 +324,16 @@ class Master(TierMoves, Closeable):
 
     def _node_table(self, pools: np.ndarray) -> tuple[list[Any], np.ndarray]:
         """Rows of the nodes ``pools`` refer to, and ``pools`` renumbered into them."""
-        used = np.unique(pools[pools >= 0])
+        flat = pools.ravel()
+        used = sorted(set(flat[flat >= 0].tolist()))  # a batch touches few pools
         rows = []
-        for p in used.tolist():
+        for p in used:
             pool = self._pools[p]
             rows.append([pool.node.name, pool.node.incarnation, pool.node.control,
                          pool.segment])
-        out = np.full(pools.shape, -1, dtype=np.int32)
-        mask = pools >= 0
-        out[mask] = np.searchsorted(used, pools[mask])
-        return rows, out
+        renumber = np.full(len(self._pools) + 1, -1, dtype=np.int32)  # [-1] stays -1
+        renumber[used] = np.arange(len(used), dtype=np.int32)
+        return rows, renumber[pools]
 
     def _get(self, msg: KvGet) -> KvLocated:
         keys = self._keys(msg.keys)
@@ -440,24 +443,31 @@ class Master(TierMoves, Closeable):
                 return None
         evict_bytes = 0
         start = next(self._put_ids)
+        # a small batch is latency-bound: all on one node, one transfer (batches take
+        # turns); a large one is bandwidth-bound: spread key by key over the nodes
+        spread = int(lengths[todo].sum()) * max(1, want) >= SPREAD_BYTES
+        sizes = lengths.tolist()
         for i in todo.tolist():
-            length = int(lengths[i])
+            length = sizes[i]
             if not ready:
                 status[i] = Status.RECOVERING if usable else Status.NO_SPACE
                 continue
             if length > biggest:
                 status[i] = Status.TOO_LARGE
                 continue
-            got = self._place(ready, length, want, start + i)
+            got = self._place(ready, length, want, start + i if spread else start)
             if len(got) < want:
                 for p, off in got:
                     self._pools[p].space.free(off, length)
                 status[i] = Status.RETRY
                 evict_bytes += length * want
                 continue
-            for r, (p, off) in enumerate(got):
-                pools[i, r] = p
-                offsets[i, r] = off
+            if want == 1:
+                pools[i, 0], offsets[i, 0] = got[0]
+            else:
+                for r, (p, off) in enumerate(got):
+                    pools[i, r] = p
+                    offsets[i, r] = off
         if evict_bytes:
             if ident is not None and self._park(ident, msg, until, since, evict_bytes,
                                                 ready):
@@ -557,13 +567,23 @@ class Master(TierMoves, Closeable):
 
     def _place(self, ready: list[_Pool], length: int, want: int, spin: int
                ) -> list[tuple[int, int]]:
-        """Space for ``want`` replicas on distinct nodes, preferring zones and pods not
-        used yet; ``spin`` rotates the starting pool so a batch spreads over nodes."""
+        """Space for ``want`` replicas on distinct nodes, preferring DRAM, then zones and
+        pods not used yet; ``spin`` rotates the starting pool so puts spread over nodes."""
+        count = len(ready)
+        if want == 1:  # the common case: the first DRAM pool from ``spin`` with room
+            for dram in (True, False):
+                for j in range(count):
+                    pool = ready[(spin + j) % count]
+                    if (pool.tier == "dram") != dram or pool.space.free_bytes < length:
+                        continue
+                    off = pool.space.alloc(length)
+                    if off >= 0:
+                        return [(pool.index, off)]
+            return []
         got: list[tuple[int, int]] = []
         used_nodes: set[str] = set()
         used_zones: set[str] = set()
         used_pods: set[str] = set()
-        count = len(ready)
         for _ in range(want):
             cands: list[tuple[int, int, _Pool]] = []
             for j in range(count):
@@ -1028,7 +1048,7 @@ class Master(TierMoves, Closeable):
 
 
 def _check_distinct(keys: np.ndarray) -> None:
-    if keys.shape[0] > 1 and np.unique(keys, axis=0).shape[0] != keys.shape[0]:
+    if has_duplicates(keys):
         raise ProtocolError("keys in one request must be distinct")
 
 
