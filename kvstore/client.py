@@ -82,6 +82,7 @@ I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
 _M64 = (1 << 64) - 1
 _HAS_CRC = 1 << 32  # a recorded checksum: CRC32 with this bit set (0: none recorded)
+_PUT_ATTEMPTS = 3  # rewrites of keys whose nodes all failed or left during the write
 
 
 def crc(data: Any) -> int:
@@ -441,6 +442,7 @@ class Client(Closeable):
         failed_keys: list[int] = []
         reasons: list[str] = []
         delay = 0.0005
+        rewrites = 0
         while todo.size:
             placed = self._request(KvPut(
                 keys=rows[todo].tobytes(), lengths=pack(lens[todo], "<i8"),
@@ -473,15 +475,33 @@ class Client(Closeable):
                     self._tier.fill(rows[js], versions[kept],
                                     [_memory(int(addrs[j]), int(lens[j])) for j in js],
                                     promotion=False)
-                for i in ok[st[ok] != Status.OK].tolist():
-                    failed_keys.append(int(todo[i]))
+                # every replica's node failed or left during the write: placed again
+                # (on the nodes still up) a few times, then given up
+                lost = ok[st[ok] == Status.FAILED]
+                if lost.size and rewrites < _PUT_ATTEMPTS:
+                    again = todo[lost]
+                    rewrites += 1
+                else:
+                    again = todo[:0]
+                    if lost.size:
+                        failed_keys += todo[lost].tolist()
+                        reasons.append(f"{lost.size} keys: every node holding them failed "
+                                       f"or left during {_PUT_ATTEMPTS + 1} writes")
+                other = ok[(st[ok] != Status.OK) & (st[ok] != Status.FAILED)]
+                failed_keys += todo[other].tolist()
+                if other.size:
+                    reasons.append(f"{other.size} keys: commit refused")
                 reasons += [f"{where.nodes[b][0]}: {e}" for b, e in bad.items()]
+            else:
+                again = todo[:0]
             for code in (Status.NO_SPACE, Status.TOO_LARGE, Status.RECOVERING):
                 hit = todo[where.status == code]
                 if hit.size:
                     failed_keys += hit.tolist()
                     reasons.append(f"{hit.size} keys: {code.name}")
-            todo = todo[where.status == Status.RETRY]
+            todo = np.concatenate((todo[where.status == Status.RETRY], again))
+            if again.size and todo.size == again.size:
+                continue  # nothing waits for space: place the lost keys again now
             if todo.size:
                 if time.monotonic() + delay > deadline:
                     failed_keys += todo.tolist()

@@ -4,6 +4,7 @@ engines moving random bytes, checked byte for byte."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -227,6 +228,38 @@ def test_node_killed_mid_get_reads_other_replica_or_fails_precisely() -> None:
                 client.put(500, b"after", replicas=2)
                 assert client.get(500) == b"after"
             assert p1.proc.poll() is None
+
+
+def test_node_paused_past_its_drop_during_a_put_is_written_again_elsewhere() -> None:
+    """A node stalls (SIGSTOP) while a put writes to it; the master drops it for silence
+    before the write completes. The put places those keys again on the node still up
+    and succeeds; every value reads back byte for byte; the node rejoins on SIGCONT."""
+    rng = np.random.default_rng(16)
+    with Master(lease_s=5.0, node_interval=0.1, node_max_missed=4) as master:
+        with NodeProcess(master.endpoint, "s0", 32 << 20) as s0, \
+                NodeProcess(master.endpoint, "s1", 32 << 20):
+            master.wait_nodes(2)
+            with Client(master.endpoint, timeout=10.0) as client:
+                client.put(1, b"warm")  # connect to both nodes before one stalls
+                client.put(2, b"warm")
+                batches = [(list(range(100 * b, 100 * b + 8)), _values(rng, 8, 8192))
+                           for b in range(1, 3)]
+                os.kill(s0.proc.pid, signal.SIGSTOP)
+                timer = threading.Timer(1.0, os.kill, (s0.proc.pid, signal.SIGCONT))
+                timer.start()
+                try:
+                    for keys, vals in batches:  # puts take turns: one of them goes to s0
+                        client.batch_put(keys, vals)
+                finally:
+                    timer.join()
+                    os.kill(s0.proc.pid, signal.SIGCONT)
+                assert master.counters["nodes_dropped"] >= 1
+                for keys, vals in batches:
+                    assert client.batch_get(keys) == vals
+                deadline = time.monotonic() + 10
+                while "s0" not in master.stats()["nodes"] and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert "s0" in master.stats()["nodes"], "the stalled node rejoins"
 
 
 def test_master_restart_rebuilds_from_nodes() -> None:
