@@ -444,8 +444,10 @@ class Master(TierMoves, Closeable):
         evict_bytes = 0
         start = next(self._put_ids)
         # a small batch is latency-bound: all on one node, one transfer (batches take
-        # turns); a large one is bandwidth-bound: spread key by key over the nodes
-        spread = int(lengths[todo].sum()) * max(1, want) >= SPREAD_BYTES
+        # turns); a large one is bandwidth-bound: cut into one run of consecutive keys
+        # per pool, so each node's share is one range on both sides when the caller's
+        # buffers are consecutive (merged into one copy)
+        spread = len(ready) if int(lengths[todo].sum()) * max(1, want) >= SPREAD_BYTES else 0
         sizes = lengths.tolist()
         for i in todo.tolist():
             length = sizes[i]
@@ -455,7 +457,7 @@ class Master(TierMoves, Closeable):
             if length > biggest:
                 status[i] = Status.TOO_LARGE
                 continue
-            got = self._place(ready, length, want, start + i if spread else start)
+            got = self._place(ready, length, want, start + i * spread // n)
             if len(got) < want:
                 for p, off in got:
                     self._pools[p].space.free(off, length)
