@@ -46,6 +46,7 @@ from kvstore.errors import (
     PutError,
     StoreError,
 )
+from kvstore.index import has_duplicates
 from kvstore.protocol import (
     MAX_BATCH,
     KvCommit,
@@ -63,7 +64,6 @@ from kvstore.protocol import (
     column,
     pack,
 )
-from kvstore.index import has_duplicates
 from kvstore.tiers import LocalTier
 from transfer_engine import Blocks, Engine
 from transfer_engine.closeable import Closeable
@@ -82,6 +82,7 @@ I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
 _M64 = (1 << 64) - 1
 _HAS_CRC = 1 << 32  # a recorded checksum: CRC32 with this bit set (0: none recorded)
+_GUESSES = 1 << 16  # remembered key locations (about 200 bytes each)
 _PUT_ATTEMPTS = 3  # rewrites of keys whose nodes all failed or left during the write
 
 
@@ -164,7 +165,14 @@ class _MasterLink:
         return sock
 
     def request(self, msg: Message, timeout: float) -> Message:
+        self.send(msg)
+        return self.answer(msg, timeout)
+
+    def send(self, msg: Message) -> None:
+        """Sends a request; :meth:`answer` waits for its reply (one at a time)."""
         self._sock.send(seal(msg, self._signer))
+
+    def answer(self, msg: Message, timeout: float) -> Message:
         if not self._sock.poll(int(timeout * 1000), zmq.POLLIN):
             self._sock.close(linger=0)  # a late answer would pair with the next request
             self._sock = self._open()
@@ -196,6 +204,18 @@ def _where(msg: KvPlaced | KvLocated, n: int) -> _Where:
     return _Where(column(msg.status, "<i1", n, "status"), msg.nodes,
                   column(msg.pools, "<i4", n * r, "pools").reshape(n, r),
                   column(msg.offsets, "<i8", n * r, "offsets").reshape(n, r))
+
+
+@dataclass
+class _Guess:
+    """Reads :meth:`Client._speculate` started: ``jobs`` as for ``_move``, keyed by
+    index into ``nodes`` (node rows); ``picked[i]``: the location guessed for key i."""
+
+    picked: dict[int, tuple[int, tuple[str, ...], int, int]]
+    jobs: dict[int, list[tuple[int, int, int, int]]]
+    nodes: list[tuple[str, ...]]
+    handles: list[tuple[int, TransferHandle]]
+    failed: dict[int, BaseException]
 
 
 class Client(Closeable):
@@ -256,7 +276,11 @@ class Client(Closeable):
         self._staging: np.ndarray | None = None
         self._staging_seg: Segment | None = None
         self._staging_min = staging_bytes
+        # key -> (version, node row, offset, length) of a replica seen lately: a get_into
+        # starts reading there while the master confirms it (see _speculate)
+        self._guesses: dict[tuple[int, int], tuple[int, tuple[str, ...], int, int]] = {}
         self.remote_hits = 0
+        self.guessed_reads = 0
         self._closed = False
 
     def __repr__(self) -> str:
@@ -361,6 +385,15 @@ class Client(Closeable):
               nodes: list[Any], deadline: float) -> dict[int, BaseException]:
         """Runs one engine WRITE/READ per node: ``jobs[node]`` rows are ``(local addr,
         remote offset, length, tag)``. Returns the nodes that failed, with why."""
+        handles, failed = self._post_moves(write, jobs, nodes)
+        failed.update(self._wait_moves(handles, nodes, deadline))
+        return failed
+
+    def _post_moves(self, write: bool, jobs: dict[int, list[tuple[int, int, int, int]]],
+                    nodes: list[Any]
+                    ) -> tuple[list[tuple[int, TransferHandle]], dict[int, BaseException]]:
+        """Starts :meth:`_move`'s transfers (copies to a node on our own engine happen
+        now); returns their handles and the nodes that failed already."""
         failed: dict[int, BaseException] = {}
         handles: list[tuple[int, TransferHandle]] = []
         for node, items in jobs.items():
@@ -394,13 +427,112 @@ class Client(Closeable):
             except TransferEngineError as exc:
                 failed[node] = exc
                 self._node_failed(name, exc)
+        return handles, failed
+
+    def _wait_moves(self, handles: list[tuple[int, TransferHandle]], nodes: list[Any],
+                    deadline: float) -> dict[int, BaseException]:
+        failed: dict[int, BaseException] = {}
         for node, handle in handles:
             try:
                 handle.wait(max(0.001, deadline - time.monotonic()))
             except TransferEngineError as exc:
+                handle.cancel()  # a late transfer must not touch buffers given back
                 failed[node] = exc
                 self._node_failed(str(nodes[node][0]), exc)
         return failed
+
+    # -- reads started before the master answers -----------------------------------------
+
+    def _remember(self, rows: U64, idx: npt.NDArray[np.int64], versions: U64,
+                  where: _Where, lengths: I64) -> None:
+        """Notes where keys ``idx`` live (their first replica), for :meth:`_speculate`."""
+        if idx.size == 0:
+            return
+        guesses = self._guesses
+        node_rows = [tuple(str(v) for v in row) for row in where.nodes]
+        for (k0, k1), version, p, off, length in zip(
+                rows[idx].tolist(), versions[idx].tolist(), where.pools[idx, 0].tolist(),
+                where.offsets[idx, 0].tolist(), lengths[idx].tolist(), strict=True):
+            if p >= 0:
+                guesses[(k0, k1)] = (version, node_rows[p], off, length)
+        while len(guesses) > _GUESSES:
+            del guesses[next(iter(guesses))]
+
+    def _speculate(self, rows: U64, dest: I64, caps: I64) -> _Guess | None:
+        """Starts reading the keys whose place we remember into ``dest``, before the
+        master confirms it. Sound because an object stays where it was put until it is
+        retired, and never comes back once retired: if the master then reports the same
+        version at the same place (and leases it), the bytes read were that version's
+        throughout. Keys it reports otherwise are read again (their buffers may hold
+        stale bytes meanwhile; a missing key's buffer is not defined)."""
+        guesses = self._guesses
+        nodes: list[tuple[str, ...]] = []
+        index: dict[tuple[str, ...], int] = {}
+        jobs: dict[int, list[tuple[int, int, int, int]]] = {}
+        picked: dict[int, tuple[int, tuple[str, ...], int, int]] = {}
+        for i, (key, addr, cap) in enumerate(zip(map(tuple, rows.tolist()), dest.tolist(),
+                                                  caps.tolist(), strict=True)):
+            g = guesses.get(key)
+            if g is None or not 0 < g[3] <= cap:
+                continue
+            row = g[1]
+            j = index.get(row)
+            if j is None:
+                cached = self._peers.get(row[0])
+                if (cached is None or cached[0] != row[1] or cached[1].lost is not None
+                        or not self._usable(row[0])):
+                    continue  # only nodes we hold a live connection to, same incarnation
+                j = index[row] = len(nodes)
+                nodes.append(row)
+            jobs.setdefault(j, []).append((addr, g[2], g[3], i))
+            picked[i] = g
+        if not picked:
+            return None
+        try:
+            handles, failed = self._post_moves(False, jobs, nodes)
+        except InvalidArgumentError:
+            return None  # not registered memory: the plain path says so precisely
+        return _Guess(picked, jobs, nodes, handles, failed)
+
+    def _confirm(self, guess: _Guess, found: npt.NDArray[np.bool_], versions: U64,
+                 where: _Where, lengths: I64) -> npt.NDArray[np.bool_]:
+        """Waits for :meth:`_speculate`'s reads; True for keys the master placed where
+        they were read (same version, length, node incarnation, segment and offset)."""
+        failed = guess.failed
+        failed.update(self._wait_moves(guess.handles, guess.nodes,
+                                       time.monotonic() + self.timeout))
+        guess.handles = []
+        ok = np.zeros(found.shape[0], dtype=bool)
+        node_rows = [tuple(str(v) for v in row) for row in where.nodes]
+        for node, items in guess.jobs.items():
+            if node in failed:
+                continue
+            for _, off, length, i in items:
+                version, row, _, _ = guess.picked[i]
+                if not found[i] or int(versions[i]) != version or int(lengths[i]) != length:
+                    continue
+                for r in range(where.pools.shape[1]):
+                    p = int(where.pools[i, r])
+                    if p < 0:
+                        break
+                    if int(where.offsets[i, r]) == off and node_rows[p] == row:
+                        ok[i] = True
+                        break
+        self.guessed_reads += int(ok.sum())
+        return ok
+
+    def _abandon(self, guess: _Guess) -> None:
+        """Stops :meth:`_speculate`'s reads still running (the get failed before it
+        could confirm them): nothing lands in the caller's buffers after it returns."""
+        for _, handle in guess.handles:
+            if not handle.done():
+                handle.cancel()
+        for _, handle in guess.handles:
+            try:
+                handle.wait(self.timeout)
+            except TransferEngineError:
+                pass
+        guess.handles = []
 
     def _copy_local(self, write: bool, segment: str,
                     items: list[tuple[int, int, int, int]]) -> None:
@@ -468,10 +600,11 @@ class Client(Closeable):
                     release=self._take_release()))
                 assert isinstance(done, KvCommitted)
                 st = column(done.status, "<i1", todo.size, "status")
+                kept = ok[st[ok] == Status.OK]
+                versions = column(placed.versions, "<u8", todo.size, "versions")
+                self._remember(rows[todo], kept, versions, where, lens[todo])
                 if self._tier is not None:
-                    kept = ok[st[ok] == Status.OK]
                     js = todo[kept]
-                    versions = column(placed.versions, "<u8", todo.size, "versions")
                     self._tier.fill(rows[js], versions[kept],
                                     [_memory(int(addrs[j]), int(lens[j])) for j in js],
                                     promotion=False)
@@ -578,10 +711,18 @@ class Client(Closeable):
 
     # -- get ---------------------------------------------------------------------------
 
-    def _locate(self, rows: U64) -> tuple[U64, _Where, I64, U64, float]:
-        """(versions, replicas, lengths, checksums, lease end) of each key."""
+    def _locate(self, rows: U64, between: Callable[[], None] | None = None
+                ) -> tuple[U64, _Where, I64, U64, float]:
+        """(versions, replicas, lengths, checksums, lease end) of each key; ``between``
+        runs while the master works on the request."""
+        if self._closed:
+            raise StoreError("the client is closed")
         started = time.monotonic()
-        reply = self._request(KvGet(keys=rows.tobytes(), release=self._take_release()))
+        msg = KvGet(keys=rows.tobytes(), release=self._take_release())
+        self._link.send(msg)
+        if between is not None:
+            between()
+        reply = self._link.answer(msg, self.timeout)
         assert isinstance(reply, KvLocated)
         n = rows.shape[0]
         if reply.lease_id:
@@ -596,41 +737,62 @@ class Client(Closeable):
         with ``dest`` None, into staging. Returns (lengths, -1 where missing; the
         staging offsets used)."""
         n = rows.shape[0]
-        for _attempt in range(2):
-            versions, where, lengths, checks, lease_end = self._locate(rows)
-            found = where.status == Status.OK
-            out = np.where(found, lengths, -1)
-            if dest is None:
-                padded = (lengths + 63) & ~63
-                offs = np.concatenate(([0], np.cumsum(padded)[:-1])) if n else padded
-                _, base = self._stage(int(padded.sum()) + 64)
-                addrs = offs + base
-            else:
-                assert caps is not None
-                small = found & (lengths > caps)
-                if small.any():
-                    i = int(np.flatnonzero(small)[0])
-                    raise InvalidArgumentError(f"key {i}: value of {int(lengths[i])} bytes "
-                                               f"does not fit its {int(caps[i])}-byte buffer")
-                offs = np.zeros(n, dtype=np.int64)
-                addrs = dest
-                self._local(addrs[found], lengths[found])
-            remote = found
-            if self._tier is not None:
-                remote = found & ~self._tier.serve(rows, versions, found, addrs,
-                                                   checks if verify else None, crc)
-            self._read(rows, remote, where, addrs, lengths, checks, verify)
-            self.remote_hits += int(remote.sum())
-            if self._tier is not None and remote.any():
-                got = np.flatnonzero(remote)
-                self._tier.fill(rows[got], versions[got],
-                                [_memory(int(addrs[i]), int(lengths[i])) for i in got],
-                                promotion=True)
-            if time.monotonic() < lease_end:
-                return out, offs
-            log.info("kvstore client: a read outlived its lease; reading again")
-        raise ObjectUnavailableError("reads keep outliving their leases (master lease_s "
-                                     "too short for these transfers?)")
+        guessed: list[_Guess] = []
+        between: Callable[[], None] | None = None
+        if dest is not None and caps is not None and not verify and self._tier is None \
+                and self._guesses:
+            def speculate() -> None:
+                assert dest is not None and caps is not None
+                g = self._speculate(rows, dest, caps)
+                if g is not None:
+                    guessed.append(g)
+            between = speculate
+        try:
+            for _attempt in range(2):
+                versions, where, lengths, checks, lease_end = self._locate(rows, between)
+                between = None
+                guess = guessed[0] if guessed and guessed[0].handles else None
+                found = where.status == Status.OK
+                out = np.where(found, lengths, -1)
+                if dest is None:
+                    padded = (lengths + 63) & ~63
+                    offs = np.concatenate(([0], np.cumsum(padded)[:-1])) if n else padded
+                    _, base = self._stage(int(padded.sum()) + 64)
+                    addrs = offs + base
+                else:
+                    assert caps is not None
+                    small = found & (lengths > caps)
+                    if small.any():
+                        i = int(np.flatnonzero(small)[0])
+                        raise InvalidArgumentError(
+                            f"key {i}: value of {int(lengths[i])} bytes does not fit its "
+                            f"{int(caps[i])}-byte buffer")
+                    offs = np.zeros(n, dtype=np.int64)
+                    addrs = dest
+                    self._local(addrs[found], lengths[found])
+                remote = found
+                if self._tier is not None:
+                    remote = found & ~self._tier.serve(rows, versions, found, addrs,
+                                                       checks if verify else None, crc)
+                if guess is not None:
+                    remote = found & ~self._confirm(guess, found, versions, where, lengths)
+                self._read(rows, remote, where, addrs, lengths, checks, verify)
+                self._remember(rows, np.flatnonzero(found), versions, where, lengths)
+                self.remote_hits += int(remote.sum())
+                if self._tier is not None and remote.any():
+                    got = np.flatnonzero(remote)
+                    self._tier.fill(rows[got], versions[got],
+                                    [_memory(int(addrs[i]), int(lengths[i])) for i in got],
+                                    promotion=True)
+                if time.monotonic() < lease_end:
+                    return out, offs
+                log.info("kvstore client: a read outlived its lease; reading again")
+            raise ObjectUnavailableError("reads keep outliving their leases (master lease_s "
+                                         "too short for these transfers?)")
+        finally:
+            for g in guessed:
+                if g.handles:
+                    self._abandon(g)
 
     def _read(self, rows: U64, found: npt.NDArray[np.bool_], where: _Where, addrs: I64,
               lengths: I64, checks: U64, verify: bool) -> None:

@@ -178,6 +178,83 @@ def test_readers_race_overwrites_byte_exact(cluster: tuple[Master, list[StorageN
     assert not errors, errors[:3]
 
 
+def test_get_into_reads_a_remembered_place_only_when_the_master_confirms_it(
+        cluster: tuple[Master, list[StorageNode]]) -> None:
+    """get_into starts reading where a key was last seen while the master answers; a key
+    overwritten (new version, new place), removed, or whose space went to another key
+    is read again or reported missing, never returned with other bytes."""
+    master, _ = cluster
+    rng = np.random.default_rng(17)
+    with Client(master.endpoint) as client:
+        dst = np.zeros(4 << 20, dtype=np.uint8)
+        client.register_buffer(dst)
+        cap = 1 << 20
+
+        def read(keys: list[str]) -> list[bytes | None]:
+            views = [dst[i * cap:(i + 1) * cap] for i in range(len(keys))]
+            got = client.get_into(keys, views)
+            return [None if n is None else views[i][:n].tobytes()
+                    for i, n in enumerate(got)]
+
+        a, b = rng.bytes(300_000), rng.bytes(200_000)
+        client.batch_put(["a", "b"], [a, b])
+        assert read(["a", "b"]) == [a, b]
+        before = client.guessed_reads
+        assert read(["a", "b"]) == [a, b]
+        assert client.guessed_reads == before + 2, "a second read starts at the place seen"
+        a2 = rng.bytes(300_000)  # same length: only the version tells them apart
+        filler = [rng.bytes(300_000) for _ in range(40)]  # takes the freed space again
+        with Client(master.endpoint) as other:  # changes our client does not see
+            other.put("a", a2)  # a new version in a new place
+            other.remove("b")
+            for i in range(0, 40, 8):
+                other.batch_put([f"f{j}" for j in range(i, i + 8)], filler[i:i + 8])
+        dst.fill(0)
+        assert read(["a", "b", "f3"]) == [a2, None, filler[3]]
+        assert read(["a", "f3"]) == [a2, filler[3]]
+
+
+def test_get_into_races_overwrites_and_removes_byte_exact(
+        cluster: tuple[Master, list[StorageNode]]) -> None:
+    master, _ = cluster
+    rng = np.random.default_rng(18)
+    versions = [rng.bytes(int(rng.integers(1000, 200_000))) for _ in range(30)]
+    allowed = set(versions)
+    errors: list[str] = []
+    stop = threading.Event()
+    guessed: list[int] = []
+
+    def reader() -> None:
+        with Client(master.endpoint) as c:
+            dst = np.zeros(2 * 200_000, dtype=np.uint8)
+            c.register_buffer(dst)
+            views = [dst[:200_000], dst[200_000:]]
+            deadline = time.monotonic() + 20
+            while not stop.is_set() and time.monotonic() < deadline:
+                for view, n in zip(views, c.get_into(["k0", "k1"], views), strict=True):
+                    if n is not None and view[:n].tobytes() not in allowed:
+                        errors.append(f"read {n} bytes never written")
+            guessed.append(c.guessed_reads)
+
+    with Client(master.endpoint) as writer:
+        threads = [threading.Thread(target=reader) for _ in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            for i in range(150):
+                writer.batch_put(["k0", "k1"], [versions[i % 30], versions[(i * 7) % 30]])
+                if i % 10 == 9:
+                    writer.remove("k1")
+                if i % 4 == 0:
+                    time.sleep(0.002)  # let the readers find their guesses still right
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+    assert not errors, errors[:3]
+    assert sum(guessed) > 0
+
+
 def test_node_killed_mid_get_reads_other_replica_or_fails_precisely() -> None:
     rng = np.random.default_rng(6)
     with Master(lease_s=5.0, node_interval=0.1, node_max_missed=5) as master:
