@@ -3,7 +3,10 @@
 A batch costs one round trip to the master to place or locate every key, then one
 engine WRITE or READ per storage node (all nodes at once, each a :class:`Blocks` of the
 batch's values on that node), then, for a put, one round trip to commit. Leases taken by
-gets are released on the next request, with no round trip of their own.
+gets are released on the next request, with no round trip of their own. A ``get_into``
+hides the locate: it starts reading where each key was last seen (by this client's puts
+and gets) while the master answers, and keeps a key's bytes only where the master
+reports the same version in the same place; the other keys are read after.
 
 Keys are 128-bit on the wire. An ``int`` key (e.g. a chained block hash from
 :func:`kvstore.block_hashes`) is used as it is; ``bytes`` of 8 or 16 bytes are read as a
@@ -16,7 +19,8 @@ uncommitted or reused range (the master's lease keeps the space; a read that com
 after its lease ran out is repeated). When a node dies during a get, the keys it held
 are read from another replica, or the get raises :class:`ObjectUnavailableError`
 naming the key. With ``verify=True`` a value whose CRC32 does not match is read from
-another replica, or fails the same way.
+another replica, or fails the same way. A ``get_into`` buffer whose key comes back
+missing may have been written (with bytes of an older value); its content is not defined.
 """
 
 from __future__ import annotations
