@@ -33,6 +33,7 @@ import threading
 import time
 import uuid
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -282,7 +283,9 @@ class Client(Closeable):
         self._staging_min = staging_bytes
         # key -> (version, node row, offset, length) of a replica seen lately: a get_into
         # starts reading there while the master confirms it (see _speculate)
-        self._guesses: dict[tuple[int, int], tuple[int, tuple[str, ...], int, int]] = {}
+        self._guesses: OrderedDict[tuple[int, int], tuple[int, tuple[str, ...], int, int]] = \
+            OrderedDict()
+        self._guessing = False  # from the first get_into on: only it can use them
         self.remote_hits = 0
         self.guessed_reads = 0
         self._closed = False
@@ -450,7 +453,7 @@ class Client(Closeable):
     def _remember(self, rows: U64, idx: npt.NDArray[np.int64], versions: U64,
                   where: _Where, lengths: I64) -> None:
         """Notes where keys ``idx`` live (their first replica), for :meth:`_speculate`."""
-        if idx.size == 0:
+        if idx.size == 0 or not self._guessing:
             return
         guesses = self._guesses
         node_rows = [tuple(str(v) for v in row) for row in where.nodes]
@@ -459,8 +462,8 @@ class Client(Closeable):
                 where.offsets[idx, 0].tolist(), lengths[idx].tolist(), strict=True):
             if p >= 0:
                 guesses[(k0, k1)] = (version, node_rows[p], off, length)
-        while len(guesses) > _GUESSES:
-            del guesses[next(iter(guesses))]
+        while len(guesses) > _GUESSES:  # the oldest noted go first
+            guesses.popitem(last=False)
 
     def _speculate(self, rows: U64, dest: I64, caps: I64) -> _Guess | None:
         """Starts reading the keys whose place we remember into ``dest``, before the
@@ -743,6 +746,7 @@ class Client(Closeable):
         n = rows.shape[0]
         guessed: list[_Guess] = []
         between: Callable[[], None] | None = None
+        self._guessing |= dest is not None
         if dest is not None and caps is not None and not verify and self._tier is None \
                 and self._guesses:
             def speculate() -> None:
