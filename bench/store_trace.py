@@ -6,7 +6,10 @@
 Each trace line's ``hash_ids`` are the chained block hashes of one request (one block per
 id). Per request the client gets the request's blocks (one round trip to locate them,
 then the reads), counts the stored prefix as hits (checked byte for byte: each block's
-bytes are derived from its id), and puts the blocks after it, which it had to compute. The store
+bytes are derived from its id), and puts the blocks after it, which it had to compute,
+the way a serving engine stores blocks off its critical path: the put returns once the
+bytes are written and the commit is sent (``wait=False``; the master takes it before the
+next request's lookup, and a put that fails is reported at the end). The store
 is a real master and ``--nodes`` storage nodes (processes on loopback) whose pools hold
 ``--capacity-blocks`` blocks in all. JSON: ``hit_rate`` (blocks loaded / blocks asked),
 ``bound`` (the hit rate of an unlimited cache on this trace), ``lru_hit_rate`` (an LRU
@@ -113,7 +116,9 @@ def replay(args: argparse.Namespace, trace: list[list[int]]) -> dict[str, Any]:
                     total += len(ids)
                     if n < len(ids):
                         client.batch_put(keys[n:], [block(h, args.block_bytes)
-                                                    for h in ids[n:]], if_absent=True)
+                                                    for h in ids[n:]], if_absent=True,
+                                         wait=False)
+                client.flush()  # raises if a put was not stored
                 seconds = time.perf_counter() - start
                 stats = client.stats()
         finally:

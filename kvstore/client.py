@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 import hashlib
 import logging
 import threading
 import time
 import uuid
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -154,13 +155,16 @@ def _address(obj: Any, writable: bool) -> tuple[int, int]:
 
 
 class _MasterLink:
-    """One DEALER socket to the master, one request at a time."""
+    """One DEALER socket to the master. Requests are answered in the order sent: one
+    waited for at a time, after those :meth:`post`-ed before it, whose answers go to
+    their callbacks first."""
 
     def __init__(self, address: str, signer: Signer | None) -> None:
         self.address = address
         self._signer = signer
         self._zctx: zmq.Context[Any] = zmq.Context()
         self._sock = self._open()
+        self._posted: deque[tuple[Message, Callable[[Message | Exception], None]]] = deque()
 
     def _open(self) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self._zctx.socket(zmq.DEALER)
@@ -177,12 +181,40 @@ class _MasterLink:
         """Sends a request; :meth:`answer` waits for its reply (one at a time)."""
         self._sock.send(seal(msg, self._signer))
 
+    def post(self, msg: Message, on_reply: Callable[[Message | Exception], None]) -> None:
+        """Sends a request without waiting: ``on_reply`` gets its answer (or the error
+        that stood for it) when a later request is answered, or at :meth:`drain`."""
+        self.send(msg)
+        self._posted.append((msg, on_reply))
+
+    def drain(self, timeout: float) -> None:
+        """Takes the answers of every posted request."""
+        while self._posted:
+            msg, on_reply = self._posted.popleft()
+            try:
+                reply: Message | Exception = self._receive(msg, timeout)
+            except MasterUnavailableError as exc:
+                on_reply(exc)
+                raise  # the socket was reset: nothing sent before comes back
+            except StoreError as exc:
+                reply = exc
+            on_reply(reply)
+
     def answer(self, msg: Message, timeout: float) -> Message:
+        self.drain(timeout)
+        return self._receive(msg, timeout)
+
+    def _receive(self, msg: Message, timeout: float) -> Message:
         if not self._sock.poll(int(timeout * 1000), zmq.POLLIN):
             self._sock.close(linger=0)  # a late answer would pair with the next request
             self._sock = self._open()
-            raise MasterUnavailableError(f"no answer from the master at {self.address} "
-                                         f"in {timeout}s to {msg.kind}")
+            lost = [p for p in self._posted]
+            self._posted.clear()
+            error = MasterUnavailableError(f"no answer from the master at {self.address} "
+                                           f"in {timeout}s to {msg.kind}")
+            for _, on_reply in lost:
+                on_reply(error)
+            raise error
         reply = open_reply(self._sock.recv(), self._signer, peer="kvstore-master",
                            op=msg.kind)
         if isinstance(reply, ErrorReply):
@@ -209,6 +241,18 @@ def _where(msg: KvPlaced | KvLocated, n: int) -> _Where:
     return _Where(column(msg.status, "<i1", n, "status"), msg.nodes,
                   column(msg.pools, "<i4", n * r, "pools").reshape(n, r),
                   column(msg.offsets, "<i8", n * r, "offsets").reshape(n, r))
+
+
+@dataclass
+class _Settle:
+    """What a put's commit answer is applied to: the keys it placed (``rows``), which
+    of them were written (``ok``, indices), their versions, places and lengths."""
+
+    rows: U64
+    ok: npt.NDArray[np.int64]
+    versions: U64
+    where: _Where
+    lengths: I64
 
 
 @dataclass
@@ -286,6 +330,8 @@ class Client(Closeable):
         self._guesses: OrderedDict[tuple[int, int], tuple[int, tuple[str, ...], int, int]] = \
             OrderedDict()
         self._guessing = False  # from the first get_into on: only it can use them
+        self._late_failed: list[int] = []  # keys of puts that did not wait, not stored
+        self._late_reasons: list[str] = []
         self.remote_hits = 0
         self.guessed_reads = 0
         self._closed = False
@@ -300,6 +346,13 @@ class Client(Closeable):
             if self._closed:
                 return
             self._closed = True
+            try:
+                self._link.drain(self.timeout)  # commits of puts that did not wait
+            except TransferEngineError:
+                pass
+            if self._late_failed:
+                log.warning("kvstore client: %d values of puts that did not wait were not "
+                            "stored (%s)", len(self._late_failed), "; ".join(self._late_reasons))
             if self._release:
                 try:
                     self._link.request(KvStats(release=self._take_release()), 1.0)
@@ -559,10 +612,52 @@ class Client(Closeable):
 
     # -- put ---------------------------------------------------------------------------
 
+    def _settled(self, settle: _Settle, done: Message) -> tuple[np.ndarray, np.ndarray]:
+        """Takes a commit's answer: notes where the stored keys are; returns (indices
+        into the put's keys) those whose every replica was lost, and those refused."""
+        assert isinstance(done, KvCommitted)
+        ok = settle.ok
+        st = column(done.status, "<i1", settle.rows.shape[0], "status")
+        self._remember(settle.rows, ok[st[ok] == Status.OK], settle.versions, settle.where,
+                       settle.lengths)
+        return (ok[st[ok] == Status.FAILED],
+                ok[(st[ok] != Status.OK) & (st[ok] != Status.FAILED)])
+
+    def _settled_late(self, settle: _Settle, done: Message | Exception) -> None:
+        """A commit posted by a put that did not wait: keys not stored are kept for
+        :meth:`flush` to report."""
+        if isinstance(done, Exception):
+            bad, why = settle.ok, str(done)
+        else:
+            lost, refused = self._settled(settle, done)
+            bad, why = np.concatenate((lost, refused)), "commit refused or replicas lost"
+        if bad.size:
+            rows = settle.rows[bad]
+            self._late_failed += [int(a) | int(b) << 64 for a, b in rows.tolist()]
+            self._late_reasons.append(f"{bad.size} keys: {why}")
+
+    def flush(self) -> None:
+        """Waits for the commits of puts made with ``wait=False``; raises
+        :class:`PutError` naming their keys that were not stored (once)."""
+        with self._lock:
+            if self._closed:
+                raise StoreError("the client is closed")
+            try:
+                self._link.drain(self.timeout)
+            finally:
+                failed, reasons = self._late_failed, self._late_reasons
+                self._late_failed, self._late_reasons = [], []
+            if failed:
+                raise PutError(f"{len(failed)} values of earlier puts not stored "
+                               f"({'; '.join(reasons)})", list[object](failed))
+
     def _put(self, rows: U64, addrs: I64, lens: I64, *, ttl: float | None,
-             if_absent: bool, replicas: int | None, checks: U64 | None) -> None:
+             if_absent: bool, replicas: int | None, checks: U64 | None,
+             wait: bool = True) -> None:
         """Stores each value ``[addrs[i], +lens[i])`` (registered memory) under key
-        ``rows[i]``; raises :class:`PutError` naming the keys that were not stored."""
+        ``rows[i]``; raises :class:`PutError` naming the keys that were not stored.
+        ``wait`` False: returns once the bytes are written and the commit is sent (see
+        :meth:`batch_put`)."""
         n = rows.shape[0]
         if n == 0:
             return
@@ -570,7 +665,8 @@ class Client(Closeable):
             for s in range(0, n, MAX_BATCH):
                 e = s + MAX_BATCH
                 self._put(rows[s:e], addrs[s:e], lens[s:e], ttl=ttl, if_absent=if_absent,
-                          replicas=replicas, checks=None if checks is None else checks[s:e])
+                          replicas=replicas, checks=None if checks is None else checks[s:e],
+                          wait=wait)
             return
         if has_duplicates(rows):
             raise InvalidArgumentError("keys in one put must be distinct")
@@ -602,36 +698,40 @@ class Client(Closeable):
                             (int(addrs[j]), int(where.offsets[i, r]), int(lens[j]), j))
                 limit = min(deadline, time.monotonic() + 0.8 * placed.deadline_s)
                 bad = self._move(True, jobs, where.nodes, limit)
-                done = self._request(KvCommit(
-                    put_id=placed.put_id, failed=[str(where.nodes[b][0]) for b in bad],
-                    release=self._take_release()))
-                assert isinstance(done, KvCommitted)
-                st = column(done.status, "<i1", todo.size, "status")
-                kept = ok[st[ok] == Status.OK]
+                reasons += [f"{where.nodes[b][0]}: {e}" for b, e in bad.items()]
                 versions = column(placed.versions, "<u8", todo.size, "versions")
-                self._remember(rows[todo], kept, versions, where, lens[todo])
                 if self._tier is not None:
-                    js = todo[kept]
-                    self._tier.fill(rows[js], versions[kept],
+                    # the tier serves a value only at the version the master holds, so
+                    # one whose commit fails is never served
+                    wrote = np.flatnonzero(~np.isin(where.pools[ok, 0], list(bad)))
+                    js = todo[ok[wrote]]
+                    self._tier.fill(rows[js], versions[ok[wrote]],
                                     [_memory(int(addrs[j]), int(lens[j])) for j in js],
                                     promotion=False)
-                # every replica's node failed or left during the write: placed again
-                # (on the nodes still up) a few times, then given up
-                lost = ok[st[ok] == Status.FAILED]
-                if lost.size and rewrites < _PUT_ATTEMPTS:
-                    again = todo[lost]
-                    rewrites += 1
-                else:
+                commit = KvCommit(put_id=placed.put_id,
+                                  failed=[str(where.nodes[b][0]) for b in bad],
+                                  release=self._take_release())
+                settle = _Settle(rows[todo], ok, versions, where, lens[todo])
+                if not wait:
+                    self._link.post(commit, functools.partial(self._settled_late, settle))
                     again = todo[:0]
-                    if lost.size:
-                        failed_keys += todo[lost].tolist()
-                        reasons.append(f"{lost.size} keys: every node holding them failed "
-                                       f"or left during {_PUT_ATTEMPTS + 1} writes")
-                other = ok[(st[ok] != Status.OK) & (st[ok] != Status.FAILED)]
-                failed_keys += todo[other].tolist()
-                if other.size:
-                    reasons.append(f"{other.size} keys: commit refused")
-                reasons += [f"{where.nodes[b][0]}: {e}" for b, e in bad.items()]
+                else:
+                    done = self._request(commit)
+                    lost, refused = self._settled(settle, done)
+                    failed_keys += todo[refused].tolist()
+                    if refused.size:
+                        reasons.append(f"{refused.size} keys: commit refused")
+                    # every replica's node failed or left during the write: placed
+                    # again (on the nodes still up) a few times, then given up
+                    if lost.size and rewrites < _PUT_ATTEMPTS:
+                        again = todo[lost]
+                        rewrites += 1
+                    else:
+                        again = todo[:0]
+                        if lost.size:
+                            failed_keys += todo[lost].tolist()
+                            reasons.append(f"{lost.size} keys: every node holding them "
+                                           f"failed or left during {_PUT_ATTEMPTS + 1} writes")
             else:
                 again = todo[:0]
             for code in (Status.NO_SPACE, Status.TOO_LARGE, Status.RECOVERING):
@@ -656,11 +756,20 @@ class Client(Closeable):
                            keys)
 
     def batch_put(self, keys: object, values: Sequence[Any], *, ttl: float | None = None,
-                  if_absent: bool = False, replicas: int | None = None) -> None:
+                  if_absent: bool = False, replicas: int | None = None,
+                  wait: bool = True) -> None:
         """Stores ``values`` (bytes-like) under ``keys``, replacing older values; readers
         see either the old or the whole new value. ``if_absent``: keys already stored
         are left as they are. ``ttl`` seconds (None: until evicted). Raises
-        :class:`PutError` (the keys it names keep their old values)."""
+        :class:`PutError` (the keys it names keep their old values).
+
+        ``wait=False`` (a cache storing what it computed, off its critical path): returns
+        once the bytes are written and the commit is sent, without waiting for the
+        master's answer. The master takes the commit before any later request of this
+        client (so this client's next get sees the values); other clients see them a
+        moment later. Keys the commit could not store are not written again: they are
+        counted, and :meth:`flush` names them. Values are still copied before return, and
+        space or placement problems are still raised here."""
         rows = key_rows(keys)
         views = [memoryview(v).cast("B") if not isinstance(v, np.ndarray) else
                  memoryview(np.ascontiguousarray(v).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
@@ -679,7 +788,7 @@ class Client(Closeable):
             checks = (np.array([crc(v) for v in views], dtype=np.uint64)
                       if self.checksum else None)
             self._put(rows, offs + base, lens, ttl=ttl, if_absent=if_absent,
-                      replicas=replicas, checks=checks)
+                      replicas=replicas, checks=checks, wait=wait)
 
     def put(self, key: object, value: Any, *, ttl: float | None = None,
             if_absent: bool = False, replicas: int | None = None) -> None:
@@ -687,19 +796,22 @@ class Client(Closeable):
         self.batch_put([key], [value], ttl=ttl, if_absent=if_absent, replicas=replicas)
 
     def put_from(self, keys: object, buffers: Sequence[Any], *, ttl: float | None = None,
-                 if_absent: bool = False, replicas: int | None = None) -> None:
+                 if_absent: bool = False, replicas: int | None = None,
+                 wait: bool = True) -> None:
         """Zero-copy put: each value is a buffer (numpy array, memoryview) lying inside
-        memory registered with :meth:`register_buffer`."""
+        memory registered with :meth:`register_buffer` (reusable once this returns, also
+        with ``wait=False``, see :meth:`batch_put`)."""
         rows = key_rows(keys)
         spans = [_address(b, writable=False) for b in buffers]
         if len(spans) != rows.shape[0]:
             raise InvalidArgumentError(f"{rows.shape[0]} keys but {len(spans)} buffers")
         self.put_from_addresses(rows, [a for a, _ in spans], [n for _, n in spans], ttl=ttl,
-                                if_absent=if_absent, replicas=replicas)
+                                if_absent=if_absent, replicas=replicas, wait=wait)
 
     def put_from_addresses(self, keys: object, addresses: Sequence[int],
                            sizes: Sequence[int], *, ttl: float | None = None,
-                           if_absent: bool = False, replicas: int | None = None) -> None:
+                           if_absent: bool = False, replicas: int | None = None,
+                           wait: bool = True) -> None:
         """As :meth:`put_from`, with raw addresses inside registered buffers."""
         rows = key_rows(keys)
         addrs = np.asarray(addresses, dtype=np.int64)
@@ -714,7 +826,7 @@ class Client(Closeable):
                                    zip(addrs.tolist(), lens.tolist(), strict=True)],
                                   dtype=np.uint64)
             self._put(rows, addrs, lens, ttl=ttl, if_absent=if_absent, replicas=replicas,
-                      checks=checks)
+                      checks=checks, wait=wait)
 
     # -- get ---------------------------------------------------------------------------
 
@@ -938,7 +1050,10 @@ class Client(Closeable):
     def stats(self) -> dict[str, Any]:
         """The master's view (objects, pools and free space, leases, counters such as
         ``demotions``, ``disk_hits``, ``disk_promotions``) and this client's:
-        ``remote_hits`` (values read from nodes), and with a local tier ``local_hits``,
+        ``remote_hits`` (values read from nodes), ``guessed_reads`` (values a
+        ``get_into`` read before the master answered), ``late_put_failures`` (values of
+        puts that did not wait, not stored, not yet reported by :meth:`flush`), and with
+        a local tier ``local_hits``,
         ``promotions`` (remote hits kept locally), ``local_writes``, ``local_stale``
         (copies dropped: another version, or the key is gone), ``local_evictions``,
         ``local_entries``."""
@@ -947,6 +1062,8 @@ class Client(Closeable):
             assert isinstance(reply, KvStatsReply)
             out = dict(reply.stats)
             out["remote_hits"] = self.remote_hits
+            out["guessed_reads"] = self.guessed_reads
+            out["late_put_failures"] = len(self._late_failed)
             if self._tier is not None:
                 out.update(self._tier.counters())
             return out

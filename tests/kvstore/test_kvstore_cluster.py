@@ -339,6 +339,37 @@ def test_node_paused_past_its_drop_during_a_put_is_written_again_elsewhere() -> 
                 assert "s0" in master.stats()["nodes"], "the stalled node rejoins"
 
 
+def test_put_without_waiting_is_seen_in_order_and_its_failures_come_at_flush() -> None:
+    rng = np.random.default_rng(19)
+    with Master(put_timeout_s=0.2, node_interval=0.1, node_max_missed=50) as master:
+        with NodeProcess(master.endpoint, "w0", 16 << 20) as w0:
+            master.wait_nodes(1)
+            with Client(master.endpoint) as client, Client(master.endpoint) as other:
+                vals = _values(rng, 8)
+                client.batch_put(range(8), vals, wait=False)
+                # the commit goes before this client's next request
+                assert client.batch_get(range(8)) == vals
+                client.flush()
+                assert other.batch_get(range(8)) == vals
+                # the node stalls past the put's deadline: the write is given up, and the
+                # commit stores nothing; the put returned, flush names the keys (once)
+                os.kill(w0.proc.pid, signal.SIGSTOP)
+                timer = threading.Timer(0.6, os.kill, (w0.proc.pid, signal.SIGCONT))
+                timer.start()
+                try:
+                    client.batch_put(range(100, 104), vals[:4], wait=False)
+                finally:
+                    timer.join()
+                    os.kill(w0.proc.pid, signal.SIGCONT)
+                with pytest.raises(PutError) as caught:
+                    client.flush()
+                assert sorted(caught.value.keys) == [100, 101, 102, 103]  # type: ignore[type-var]
+                client.flush()
+                assert client.stats()["late_put_failures"] == 0
+                assert other.batch_get(range(100, 104)) == [None] * 4
+                assert other.batch_get(range(8)) == vals
+
+
 def test_master_restart_rebuilds_from_nodes() -> None:
     port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
