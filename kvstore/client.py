@@ -450,10 +450,11 @@ class Client(Closeable):
         return failed
 
     def _post_moves(self, write: bool, jobs: dict[int, list[tuple[int, int, int, int]]],
-                    nodes: list[Any]
+                    nodes: list[Any], blame: bool = True
                     ) -> tuple[list[tuple[int, TransferHandle]], dict[int, BaseException]]:
         """Starts :meth:`_move`'s transfers (copies to a node on our own engine happen
-        now); returns their handles and the nodes that failed already."""
+        now); returns their handles and the nodes that failed already. ``blame``: a
+        failed node is skipped for a while (else only its connection is dropped)."""
         failed: dict[int, BaseException] = {}
         handles: list[tuple[int, TransferHandle]] = []
         for node, items in jobs.items():
@@ -486,11 +487,11 @@ class Client(Closeable):
                 raise
             except TransferEngineError as exc:
                 failed[node] = exc
-                self._node_failed(name, exc)
+                self._failed(name, exc, blame)
         return handles, failed
 
     def _wait_moves(self, handles: list[tuple[int, TransferHandle]], nodes: list[Any],
-                    deadline: float) -> dict[int, BaseException]:
+                    deadline: float, blame: bool = True) -> dict[int, BaseException]:
         failed: dict[int, BaseException] = {}
         for node, handle in handles:
             try:
@@ -498,8 +499,14 @@ class Client(Closeable):
             except TransferEngineError as exc:
                 handle.cancel()  # a late transfer must not touch buffers given back
                 failed[node] = exc
-                self._node_failed(str(nodes[node][0]), exc)
+                self._failed(str(nodes[node][0]), exc, blame)
         return failed
+
+    def _failed(self, name: str, exc: BaseException, blame: bool) -> None:
+        if blame:
+            self._node_failed(name, exc)
+        else:  # a guess gone wrong (e.g. the node restarted): reconnect when asked
+            self._peers.pop(name, None)
 
     # -- reads started before the master answers -----------------------------------------
 
@@ -549,7 +556,7 @@ class Client(Closeable):
         if not picked:
             return None
         try:
-            handles, failed = self._post_moves(False, jobs, nodes)
+            handles, failed = self._post_moves(False, jobs, nodes, blame=False)
         except InvalidArgumentError:
             return None  # not registered memory: the plain path says so precisely
         return _Guess(picked, jobs, nodes, handles, failed)
@@ -560,7 +567,7 @@ class Client(Closeable):
         they were read (same version, length, node incarnation, segment and offset)."""
         failed = guess.failed
         failed.update(self._wait_moves(guess.handles, guess.nodes,
-                                       time.monotonic() + self.timeout))
+                                       time.monotonic() + self.timeout, blame=False))
         guess.handles = []
         ok = np.zeros(found.shape[0], dtype=bool)
         node_rows = [tuple(str(v) for v in row) for row in where.nodes]

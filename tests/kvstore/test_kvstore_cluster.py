@@ -370,6 +370,27 @@ def test_put_without_waiting_is_seen_in_order_and_its_failures_come_at_flush() -
                 assert other.batch_get(range(8)) == vals
 
 
+def test_get_into_after_the_remembered_node_died_reads_the_other_replica() -> None:
+    rng = np.random.default_rng(20)
+    with Master(lease_s=5.0, node_interval=0.1, node_max_missed=50) as master:
+        with NodeProcess(master.endpoint, "g0", 32 << 20) as g0, \
+                NodeProcess(master.endpoint, "g1", 32 << 20):
+            master.wait_nodes(2)
+            with Client(master.endpoint, timeout=5.0) as client:
+                vals = _values(rng, 12, 100_000)
+                dst = np.zeros(12 * 100_000, dtype=np.uint8)
+                client.register_buffer(dst)
+                views = [dst[i * 100_000:(i + 1) * 100_000] for i in range(12)]
+                client.batch_put(range(12), vals, replicas=2)
+                assert client.get_into(range(12), views) == [len(v) for v in vals]
+                g0.kill()  # every key's first replica, or its second, was there
+                for _ in range(3):
+                    dst.fill(0)
+                    got = client.get_into(range(12), views)
+                    assert got == [len(v) for v in vals]
+                    assert [views[i][:n].tobytes() for i, n in enumerate(got)] == vals
+
+
 def test_master_restart_rebuilds_from_nodes() -> None:
     port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
