@@ -346,8 +346,8 @@ class Client(Closeable):
             if self._closed:
                 return
             self._closed = True
-            try:
-                self._link.drain(self.timeout)  # commits of puts that did not wait
+            try:  # commits of puts that did not wait: sent already, their answers read
+                self._link.drain(min(self.timeout, 5.0))
             except TransferEngineError:
                 pass
             if self._late_failed:
