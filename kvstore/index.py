@@ -285,13 +285,15 @@ class CuckooIndex:
 
     # -- insert ------------------------------------------------------------------------
 
-    def insert(self, keys: npt.ArrayLike, locs: npt.ArrayLike) -> I64:
+    def insert(self, keys: npt.ArrayLike, locs: npt.ArrayLike, *,
+               distinct: bool = False) -> I64:
         """Maps each key to its location; returns the previous locations (-1 for new
         keys). Keys in one batch must be distinct. The records at ``locs`` must already
         hold their keys (confirmation reads them).
 
         Raises :class:`CapacityError` when a key finds no slot; the batch is then rolled
-        back and the index holds exactly what it held before.
+        back and the index holds exactly what it held before. ``distinct``: the caller
+        checked already that the keys are distinct.
         """
         k = self.check_keys(keys)
         loc = np.ascontiguousarray(np.asarray(locs, dtype=np.int64).reshape(-1))
@@ -299,7 +301,7 @@ class CuckooIndex:
         if loc.shape[0] != n:
             raise InvalidArgumentError(f"{n} keys but {loc.shape[0]} locations")
         h = hash_keys(k)
-        if has_duplicates(k, h):
+        if not distinct and has_duplicates(k, h):
             raise InvalidArgumentError("keys in one batch must be distinct")
         b1, tag, b2 = hashed = self._hash(k, h)
         old, pos = self._find(k, hashed)

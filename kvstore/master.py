@@ -449,6 +449,7 @@ class Master(TierMoves, Closeable):
         # buffers are consecutive (merged into one copy)
         spread = len(ready) if int(lengths[todo].sum()) * max(1, want) >= SPREAD_BYTES else 0
         sizes = lengths.tolist()
+        order = self._order(ready, start) if want == 1 and not spread else None
         for i in todo.tolist():
             length = sizes[i]
             if not ready:
@@ -457,7 +458,8 @@ class Master(TierMoves, Closeable):
             if length > biggest:
                 status[i] = Status.TOO_LARGE
                 continue
-            got = self._place(ready, length, want, start + i * spread // n)
+            got = (self._place_one(order, length) if order is not None
+                   else self._place(ready, length, want, start + i * spread // n))
             if len(got) < want:
                 for p, off in got:
                     self._pools[p].space.free(off, length)
@@ -573,15 +575,7 @@ class Master(TierMoves, Closeable):
         pods not used yet; ``spin`` rotates the starting pool so puts spread over nodes."""
         count = len(ready)
         if want == 1:  # the common case: the first DRAM pool from ``spin`` with room
-            for dram in (True, False):
-                for j in range(count):
-                    pool = ready[(spin + j) % count]
-                    if (pool.tier == "dram") != dram or pool.space.free_bytes < length:
-                        continue
-                    off = pool.space.alloc(length)
-                    if off >= 0:
-                        return [(pool.index, off)]
-            return []
+            return self._place_one(self._order(ready, spin), length)
         got: list[tuple[int, int]] = []
         used_nodes: set[str] = set()
         used_zones: set[str] = set()
@@ -609,6 +603,22 @@ class Master(TierMoves, Closeable):
                 break
         return got
 
+    @staticmethod
+    def _order(ready: list[_Pool], spin: int) -> list[_Pool]:
+        """The pools one replica tries, in turn: from ``spin`` on, DRAM first."""
+        turned = ready[spin % len(ready):] + ready[:spin % len(ready)] if ready else []
+        return ([p for p in turned if p.tier == "dram"]
+                + [p for p in turned if p.tier != "dram"])
+
+    @staticmethod
+    def _place_one(order: list[_Pool], length: int) -> list[tuple[int, int]]:
+        for pool in order:
+            if pool.space.free_bytes >= length:
+                off = pool.space.alloc(length)
+                if off >= 0:
+                    return [(pool.index, off)]
+        return []
+
     def _commit(self, msg: KvCommit) -> KvCommitted:
         put = self._puts.pop(msg.put_id, None)
         if put is None:
@@ -633,7 +643,7 @@ class Master(TierMoves, Closeable):
         if not alive.all():
             self._free_rows(rows[~alive])
             rows = rows[alive]
-        old = t.publish(rows)
+        old = t.publish(rows, distinct=True)  # one put's keys: checked at placement
         self._retire(old[old >= 0])
         self._journal_commits(rows)
         status[put.keys_placed[keep][alive]] = Status.OK

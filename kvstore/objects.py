@@ -191,16 +191,17 @@ class ObjectTable:
         hit = rows[pos]
         self.stamp[hit] = np.maximum(self.stamp[hit], stamp)
 
-    def publish(self, rows: I64, *, schedule: bool = True) -> I64:
+    def publish(self, rows: I64, *, schedule: bool = True, distinct: bool = False) -> I64:
         """Makes ``rows`` (distinct keys) the LIVE objects of their keys; returns the rows
         they replace (-1 where none). Schedules their TTLs and refreshes their recency
         (``schedule`` False: rows put back after :meth:`victims`, whose TTLs are still
-        scheduled and whose recency stands)."""
+        scheduled and whose recency stands). ``distinct``: the caller checked that the
+        rows' keys are distinct."""
         keys = self.keys[rows]
         if len(self.index) + rows.size > 0.9 * self.index.slots:
             self._rebuild(len(self.index) + rows.size)
         try:
-            old = self.index.insert(keys, rows)
+            old = self.index.insert(keys, rows, distinct=distinct)
         except CapacityError:  # displacement failed: a bigger table always has room
             self._rebuild(2 * (len(self.index) + rows.size))
             old = self.index.insert(keys, rows)
