@@ -484,6 +484,8 @@ class Client(Closeable):
                 op = self.engine.write if write else self.engine.read
                 handles.append((node, op(peer, blocks)))
             except InvalidArgumentError:
+                for _, handle in handles:  # nothing started may outlive the error
+                    handle.cancel()
                 raise
             except TransferEngineError as exc:
                 failed[node] = exc
@@ -846,9 +848,15 @@ class Client(Closeable):
         started = time.monotonic()
         msg = KvGet(keys=rows.tobytes(), release=self._take_release())
         self._link.send(msg)
+        error: BaseException | None = None
         if between is not None:
-            between()
+            try:
+                between()
+            except BaseException as exc:  # the answer is read first: it pairs with msg
+                error = exc
         reply = self._link.answer(msg, self.timeout)
+        if error is not None:
+            raise error
         assert isinstance(reply, KvLocated)
         n = rows.shape[0]
         if reply.lease_id:

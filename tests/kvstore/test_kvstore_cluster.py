@@ -212,6 +212,11 @@ def test_get_into_reads_a_remembered_place_only_when_the_master_confirms_it(
         dst.fill(0)
         assert read(["a", "b", "f3"]) == [a2, None, filler[3]]
         assert read(["a", "f3"]) == [a2, filler[3]]
+        loose = np.zeros(cap, dtype=np.uint8)  # not registered: refused, nothing left over
+        with pytest.raises(InvalidArgumentError):
+            client.get_into(["a"], [loose])
+        assert not loose.any()
+        assert read(["a", "f3"]) == [a2, filler[3]]
 
 
 def test_get_into_races_overwrites_and_removes_byte_exact(
