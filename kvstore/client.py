@@ -173,18 +173,30 @@ class _MasterLink:
         sock.connect(self.address)
         return sock
 
-    def request(self, msg: Message, timeout: float) -> Message:
-        self.send(msg)
-        return self.answer(msg, timeout)
+    def request(self, msg: Message, timeout: float,
+                between: Callable[[], None] | None = None) -> Message:
+        """Sends ``msg`` and returns its answer; ``between`` runs while the master works
+        on it (its exception is raised once the answer is read, which would otherwise
+        pair with the next request)."""
+        self._send(msg)
+        error: BaseException | None = None
+        if between is not None:
+            try:
+                between()
+            except BaseException as exc:
+                error = exc
+        reply = self._answer(msg, timeout)
+        if error is not None:
+            raise error
+        return reply
 
-    def send(self, msg: Message) -> None:
-        """Sends a request; :meth:`answer` waits for its reply (one at a time)."""
+    def _send(self, msg: Message) -> None:
         self._sock.send(seal(msg, self._signer))
 
     def post(self, msg: Message, on_reply: Callable[[Message | Exception], None]) -> None:
         """Sends a request without waiting: ``on_reply`` gets its answer (or the error
         that stood for it) when a later request is answered, or at :meth:`drain`."""
-        self.send(msg)
+        self._send(msg)
         self._posted.append((msg, on_reply))
 
     def drain(self, timeout: float) -> None:
@@ -200,7 +212,7 @@ class _MasterLink:
                 reply = exc
             on_reply(reply)
 
-    def answer(self, msg: Message, timeout: float) -> Message:
+    def _answer(self, msg: Message, timeout: float) -> Message:
         self.drain(timeout)
         return self._receive(msg, timeout)
 
@@ -208,7 +220,7 @@ class _MasterLink:
         if not self._sock.poll(int(timeout * 1000), zmq.POLLIN):
             self._sock.close(linger=0)  # a late answer would pair with the next request
             self._sock = self._open()
-            lost = [p for p in self._posted]
+            lost = list(self._posted)
             self._posted.clear()
             error = MasterUnavailableError(f"no answer from the master at {self.address} "
                                            f"in {timeout}s to {msg.kind}")
@@ -241,6 +253,11 @@ def _where(msg: KvPlaced | KvLocated, n: int) -> _Where:
     return _Where(column(msg.status, "<i1", n, "status"), msg.nodes,
                   column(msg.pools, "<i4", n * r, "pools").reshape(n, r),
                   column(msg.offsets, "<i8", n * r, "offsets").reshape(n, r))
+
+
+def _node_rows(where: _Where) -> list[tuple[str, ...]]:
+    """The node rows of an answer, comparable with each other and usable as keys."""
+    return [tuple(str(v) for v in row) for row in where.nodes]
 
 
 @dataclass
@@ -369,10 +386,10 @@ class Client(Closeable):
         self._release = []
         return out
 
-    def _request(self, msg: Message) -> Message:
+    def _request(self, msg: Message, between: Callable[[], None] | None = None) -> Message:
         if self._closed:
             raise StoreError("the client is closed")
-        return self._link.request(msg, self.timeout)
+        return self._link.request(msg, self.timeout, between)
 
     def _peer(self, row: list[Any]) -> tuple[Peer, RemoteSegment]:
         name, incarnation, control, segment = (str(v) for v in row)
@@ -518,7 +535,7 @@ class Client(Closeable):
         if idx.size == 0 or not self._guessing:
             return
         guesses = self._guesses
-        node_rows = [tuple(str(v) for v in row) for row in where.nodes]
+        node_rows = _node_rows(where)
         for (k0, k1), version, p, off, length in zip(
                 rows[idx].tolist(), versions[idx].tolist(), where.pools[idx, 0].tolist(),
                 where.offsets[idx, 0].tolist(), lengths[idx].tolist(), strict=True):
@@ -572,7 +589,7 @@ class Client(Closeable):
                                        time.monotonic() + self.timeout, blame=False))
         guess.handles = []
         ok = np.zeros(found.shape[0], dtype=bool)
-        node_rows = [tuple(str(v) for v in row) for row in where.nodes]
+        node_rows = _node_rows(where)
         for node, items in guess.jobs.items():
             if node in failed:
                 continue
@@ -594,8 +611,7 @@ class Client(Closeable):
         """Stops :meth:`_speculate`'s reads still running (the get failed before it
         could confirm them): nothing lands in the caller's buffers after it returns."""
         for _, handle in guess.handles:
-            if not handle.done():
-                handle.cancel()
+            handle.cancel()  # no-op on one that finished
         for _, handle in guess.handles:
             try:
                 handle.wait(self.timeout)
@@ -843,20 +859,9 @@ class Client(Closeable):
                 ) -> tuple[U64, _Where, I64, U64, float]:
         """(versions, replicas, lengths, checksums, lease end) of each key; ``between``
         runs while the master works on the request."""
-        if self._closed:
-            raise StoreError("the client is closed")
         started = time.monotonic()
-        msg = KvGet(keys=rows.tobytes(), release=self._take_release())
-        self._link.send(msg)
-        error: BaseException | None = None
-        if between is not None:
-            try:
-                between()
-            except BaseException as exc:  # the answer is read first: it pairs with msg
-                error = exc
-        reply = self._link.answer(msg, self.timeout)
-        if error is not None:
-            raise error
+        reply = self._request(KvGet(keys=rows.tobytes(), release=self._take_release()),
+                              between)
         assert isinstance(reply, KvLocated)
         n = rows.shape[0]
         if reply.lease_id:
