@@ -449,7 +449,6 @@ class Master(TierMoves, Closeable):
         # buffers are consecutive (merged into one copy)
         spread = len(ready) if int(lengths[todo].sum()) * max(1, want) >= SPREAD_BYTES else 0
         sizes = lengths.tolist()
-        order = self._order(ready, start) if want == 1 and not spread else None
         for i in todo.tolist():
             length = sizes[i]
             if not ready:
@@ -458,8 +457,7 @@ class Master(TierMoves, Closeable):
             if length > biggest:
                 status[i] = Status.TOO_LARGE
                 continue
-            got = (self._place_one(order, length) if order is not None
-                   else self._place(ready, length, want, start + i * spread // n))
+            got = self._place(ready, length, want, start + i * spread // n)
             if len(got) < want:
                 for p, off in got:
                     self._pools[p].space.free(off, length)
@@ -574,8 +572,15 @@ class Master(TierMoves, Closeable):
         """Space for ``want`` replicas on distinct nodes, preferring DRAM, then zones and
         pods not used yet; ``spin`` rotates the starting pool so puts spread over nodes."""
         count = len(ready)
-        if want == 1:  # the common case: the first DRAM pool from ``spin`` with room
-            return self._place_one(self._order(ready, spin), length)
+        if want == 1:  # the common case: the first pool from ``spin`` with room, DRAM first
+            for dram in (True, False):
+                for j in range(count):
+                    pool = ready[(spin + j) % count]
+                    if (pool.tier == "dram") == dram and pool.space.free_bytes >= length:
+                        off = pool.space.alloc(length)
+                        if off >= 0:
+                            return [(pool.index, off)]
+            return []
         got: list[tuple[int, int]] = []
         used_nodes: set[str] = set()
         used_zones: set[str] = set()
@@ -602,22 +607,6 @@ class Master(TierMoves, Closeable):
             else:
                 break
         return got
-
-    @staticmethod
-    def _order(ready: list[_Pool], spin: int) -> list[_Pool]:
-        """The pools one replica tries, in turn: from ``spin`` on, DRAM first."""
-        turned = ready[spin % len(ready):] + ready[:spin % len(ready)] if ready else []
-        return ([p for p in turned if p.tier == "dram"]
-                + [p for p in turned if p.tier != "dram"])
-
-    @staticmethod
-    def _place_one(order: list[_Pool], length: int) -> list[tuple[int, int]]:
-        for pool in order:
-            if pool.space.free_bytes >= length:
-                off = pool.space.alloc(length)
-                if off >= 0:
-                    return [(pool.index, off)]
-        return []
 
     def _commit(self, msg: KvCommit) -> KvCommitted:
         put = self._puts.pop(msg.put_id, None)
