@@ -7,7 +7,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -148,34 +148,54 @@ def test_lease_holds_space_until_released(cluster: tuple[Master, list[StorageNod
         assert master.stats()["leases"] == 0
 
 
-def test_readers_race_overwrites_byte_exact(cluster: tuple[Master, list[StorageNode]]) -> None:
-    master, _ = cluster
-    rng = np.random.default_rng(5)
-    versions = [rng.bytes(int(rng.integers(1000, 200000))) for _ in range(30)]
+def _race_overwrites(master: Master, seed: int,
+                     reader_for: Callable[[Client], Callable[[], list[bytes | None]]], *,
+                     puts: int, replicas: int = 1, remove_every: int = 0,
+                     pause_every: int = 0) -> int:
+    """Two readers read keys k0 and k1 (each through ``reader_for(its client)``) while a
+    writer overwrites them ``puts`` times (and removes k1 every ``remove_every`` puts);
+    asserts every value read is one that was written. Returns the readers'
+    ``guessed_reads``."""
+    rng = np.random.default_rng(seed)
+    versions = [rng.bytes(int(rng.integers(1000, 200_000))) for _ in range(30)]
     allowed = set(versions)
     errors: list[str] = []
+    guessed: list[int] = []
     stop = threading.Event()
 
     def reader() -> None:
         with Client(master.endpoint) as c:
+            read = reader_for(c)
             deadline = time.monotonic() + 20
             while not stop.is_set() and time.monotonic() < deadline:
-                for v in c.batch_get(["k0", "k1"]):
+                for v in read():
                     if v is not None and v not in allowed:
                         errors.append(f"read {len(v)} bytes never written")
+            guessed.append(c.guessed_reads)
 
-    with Client(master.endpoint, replicas=2) as writer:
+    with Client(master.endpoint, replicas=replicas) as writer:
         threads = [threading.Thread(target=reader) for _ in range(2)]
         for t in threads:
             t.start()
         try:
-            for i in range(120):
+            for i in range(puts):
                 writer.batch_put(["k0", "k1"], [versions[i % 30], versions[(i * 7) % 30]])
+                if remove_every and i % remove_every == remove_every - 1:
+                    writer.remove("k1")
+                if pause_every and i % pause_every == 0:
+                    time.sleep(0.002)  # let the readers find their guesses still right
         finally:
             stop.set()
             for t in threads:
                 t.join(30)
     assert not errors, errors[:3]
+    return sum(guessed)
+
+
+def test_readers_race_overwrites_byte_exact(cluster: tuple[Master, list[StorageNode]]) -> None:
+    master, _ = cluster
+    _race_overwrites(master, 5, lambda c: lambda: c.batch_get(["k0", "k1"]), puts=120,
+                     replicas=2)
 
 
 def test_get_into_reads_a_remembered_place_only_when_the_master_confirms_it(
@@ -222,42 +242,19 @@ def test_get_into_reads_a_remembered_place_only_when_the_master_confirms_it(
 def test_get_into_races_overwrites_and_removes_byte_exact(
         cluster: tuple[Master, list[StorageNode]]) -> None:
     master, _ = cluster
-    rng = np.random.default_rng(18)
-    versions = [rng.bytes(int(rng.integers(1000, 200_000))) for _ in range(30)]
-    allowed = set(versions)
-    errors: list[str] = []
-    stop = threading.Event()
-    guessed: list[int] = []
 
-    def reader() -> None:
-        with Client(master.endpoint) as c:
-            dst = np.zeros(2 * 200_000, dtype=np.uint8)
-            c.register_buffer(dst)
-            views = [dst[:200_000], dst[200_000:]]
-            deadline = time.monotonic() + 20
-            while not stop.is_set() and time.monotonic() < deadline:
-                for view, n in zip(views, c.get_into(["k0", "k1"], views), strict=True):
-                    if n is not None and view[:n].tobytes() not in allowed:
-                        errors.append(f"read {n} bytes never written")
-            guessed.append(c.guessed_reads)
+    def reader_for(c: Client) -> Callable[[], list[bytes | None]]:
+        dst = np.zeros(2 * 200_000, dtype=np.uint8)
+        c.register_buffer(dst)
+        views = [dst[:200_000], dst[200_000:]]
 
-    with Client(master.endpoint) as writer:
-        threads = [threading.Thread(target=reader) for _ in range(2)]
-        for t in threads:
-            t.start()
-        try:
-            for i in range(150):
-                writer.batch_put(["k0", "k1"], [versions[i % 30], versions[(i * 7) % 30]])
-                if i % 10 == 9:
-                    writer.remove("k1")
-                if i % 4 == 0:
-                    time.sleep(0.002)  # let the readers find their guesses still right
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(30)
-    assert not errors, errors[:3]
-    assert sum(guessed) > 0
+        def read() -> list[bytes | None]:
+            return [None if n is None else view[:n].tobytes()
+                    for view, n in zip(views, c.get_into(["k0", "k1"], views), strict=True)]
+        return read
+
+    assert _race_overwrites(master, 18, reader_for, puts=150, remove_every=10,
+                            pause_every=4) > 0
 
 
 def test_node_killed_mid_get_reads_other_replica_or_fails_precisely() -> None:
