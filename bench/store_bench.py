@@ -43,15 +43,10 @@ from typing import Any
 import numpy as np
 
 from bench.baselines import Child
+from bench.fleet import free_port
 from bench.stats import fill_random, percentile, timed_calls
 
 __all__ = ["main"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rss_mb(pid: int) -> float:
@@ -73,7 +68,7 @@ def bench_store(args: argparse.Namespace, src: np.ndarray, dst: np.ndarray
                 ) -> dict[str, Any]:
     from kvstore.client import Client
 
-    port = _free_port()
+    port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
     out: dict[str, Any] = {}
     size, batch = args.value_size, args.batch
@@ -149,7 +144,7 @@ def bench_redis(args: argparse.Namespace, src: np.ndarray) -> dict[str, Any]:
         print("redis baseline skipped: install it with `apt-get install redis-server` and "
               "`pip install redis`")
         return {"redis_put_gbps": None, "redis_get_gbps": None}
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--protected-mode", "yes"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -261,7 +256,7 @@ def bench_mooncake(args: argparse.Namespace) -> dict[str, Any]:
     sets = _sets(args)
     # room for every set twice over: Mooncake evicts from 90 % full
     segment_size = max(64 << 20, -(-2 * sets * batch * size // (1 << 20)) << 20)
-    rpc, metrics = _free_port(), _free_port()
+    rpc, metrics = free_port(), free_port()
     master_addr = f"127.0.0.1:{rpc}"
     logs = tempfile.mkdtemp(prefix="store-bench-mooncake-")
     master_log = os.path.join(logs, "master.log")

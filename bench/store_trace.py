@@ -22,21 +22,15 @@ import argparse
 import collections
 import json
 import os
-import socket
 import time
 from typing import Any
 
 import numpy as np
 
 from bench.baselines import Child
+from bench.fleet import free_port
 
 __all__ = ["main"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def load(path: str, limit: int | None) -> list[list[int]]:
@@ -92,7 +86,7 @@ def block(h: int, size: int) -> bytes:
 def replay(args: argparse.Namespace, trace: list[list[int]]) -> dict[str, Any]:
     from kvstore.client import Client
 
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     per_node = -(-args.capacity_blocks // args.nodes) * (-(-args.block_bytes // 64) * 64)
     hits = total = 0
     with Child(["-m", "kvstore.master", "--bind", endpoint]) as master:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import http.client
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from bench.fleet import free_port
 
 ETCD = "etcd"
 
@@ -19,13 +20,6 @@ def etcd_skip_reason() -> str | None:
         return ("etcd is not installed (Debian: apt-get install etcd-server; "
                 "scripts/setup_etcd.sh does it)")
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _healthy(port: int) -> bool:
@@ -43,7 +37,7 @@ def _healthy(port: int) -> bool:
 def etcd_server(data_dir: Path, start_timeout: float = 20.0) -> Iterator[str]:
     """Runs one etcd member on free loopback ports; yields ``etcd://127.0.0.1:PORT``
     and stops it (and removes its data) afterwards, pass or fail."""
-    client, peer = _free_port(), _free_port()
+    client, peer = free_port(), free_port()
     log = open(data_dir / "etcd.log", "wb")  # noqa: SIM115  (closed below)
     proc = subprocess.Popen(
         [ETCD, "--name", "te-test", "--data-dir", str(data_dir / "etcd"),

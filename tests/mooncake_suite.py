@@ -42,6 +42,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.fleet import free_port
 from tests.etcd_helpers import etcd_server
 from tests.redis_helpers import redis_server
 
@@ -57,12 +58,6 @@ class Result:
     name: str
     passed: bool
     detail: str = ""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Runner:

@@ -9,6 +9,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from bench.fleet import free_port
+
 REDIS = "redis-server"
 
 
@@ -16,13 +18,6 @@ def redis_skip_reason() -> str | None:
     if shutil.which(REDIS) is None:
         return "redis-server is not installed (Debian: apt-get install redis-server)"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _answers(port: int) -> bool:
@@ -39,7 +34,7 @@ def redis_server(password: str | None = None, start_timeout: float = 10.0
                  ) -> Iterator[str]:
     """Runs redis-server on a free loopback port; yields ``redis://127.0.0.1:PORT`` and
     kills it afterwards, pass or fail."""
-    port = _free_port()
+    port = free_port()
     argv = [REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no"]
     if password is not None:

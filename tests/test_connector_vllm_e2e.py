@@ -28,7 +28,6 @@ import os
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from bench.fleet import free_port
 
 pytestmark = [
     pytest.mark.slow,
@@ -101,13 +102,6 @@ def core_halves() -> tuple[str, str]:
     half = max(1, len(cpus) // 2)
     first, second = cpus[:half], cpus[half:] or cpus[:half]
     return ",".join(map(str, first)), ",".join(map(str, second))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def http_json(port: int, method: str, path: str, body: dict[str, Any] | None = None,

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from bench.fleet import free_port
 from transfer_engine.connectors.mooncake import TransferEngine
 from transfer_engine.connectors.mooncake import engine as mc_engine
 from transfer_engine.connectors.mooncake import metadata as mc_metadata
@@ -328,13 +329,6 @@ def store_url(request: pytest.FixtureRequest) -> str:
     return url
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _name(tag: str) -> str:
     return f"{tag}-{os.getpid()}-{time.monotonic_ns()}"
 
@@ -439,7 +433,7 @@ def test_initialize_takes_mooncakes_spellings_of_a_store(etcd_url: str, redis_ur
                  lambda e: e.initialize_ext(_name("x"), bare_etcd, "tcp", "", "etcd"),
                  lambda e: e.initialize_ext(_name("x"), redis_url.removeprefix(
                      "redis://"), "tcp", "", "redis"),
-                 lambda e: e.initialize(_name("x"), f"etcd://127.0.0.1:{_free_port()},"
+                 lambda e: e.initialize(_name("x"), f"etcd://127.0.0.1:{free_port()},"
                                         f"{bare_etcd}", "tcp", "")):  # a dead endpoint
         engine = TransferEngine()
         try:
@@ -449,8 +443,8 @@ def test_initialize_takes_mooncakes_spellings_of_a_store(etcd_url: str, redis_ur
 
 
 def test_an_unreachable_store_fails_at_once() -> None:
-    for url in (f"etcd://127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}",
-                f"redis://127.0.0.1:{_free_port()}", "redis://127.0.0.1:99999",
+    for url in (f"etcd://127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}",
+                f"redis://127.0.0.1:{free_port()}", "redis://127.0.0.1:99999",
                 "etcd://https://127.0.0.1:2379", "zookeeper://127.0.0.1:2181"):
         engine = TransferEngine()
         started = time.monotonic()

@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import pd_proxy  # noqa: E402
 
+from bench.fleet import free_port  # noqa: E402
+
 SEEN: list[tuple[str, dict[str, Any]]] = []
 
 
@@ -115,19 +117,11 @@ def _post(port: int, body: dict[str, Any], timeout: float = 10.0) -> tuple[int, 
         conn.close()
 
 
-def _free_port() -> int:
-    import socket  # noqa: PLC0415
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_proxy_routes_around_a_dead_decode_url() -> None:
     dec = type("Dec", (Upstream,), {"role": "decode"})
     pre = type("Pre", (Upstream,), {"role": "prefill"})
     servers = [_serve(pre), _serve(dec)]
-    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     router = pd_proxy.make_router([f"http://127.0.0.1:{servers[0][0].server_port}"],
                                   [dead, f"http://127.0.0.1:{servers[1][0].server_port}"],
                                   policy="round_robin", threshold=1, cooldown=60.0)
@@ -316,7 +310,7 @@ def test_unreachable_prefill_falls_back_to_decode_prefilling() -> None:
     kv_transfer_params), and the client sees a normal answer."""
     dec = type("Dec", (Upstream,), {"role": "decode"})
     servers = [_serve(dec)]
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     router = pd_proxy.make_router([dead], [f"http://127.0.0.1:{servers[0][0].server_port}"],
                                   threshold=1, cooldown=60.0)
     pd_proxy.Proxy.router = router
