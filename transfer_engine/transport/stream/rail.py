@@ -1,19 +1,22 @@
 """The initiator's side of a stream rail: one connection to a peer's stream server.
 
-It opens with the ticket's proof (:func:`open_rail`), then sends requests from a sender
-thread (or the caller's, for small work on an idle rail) and takes the answers, in
-order, on a reader thread.
+It opens with the ticket's proof (:func:`open_rail`), then sends requests from a pump
+worker (or the caller's thread, for small work on an idle rail) and takes the answers,
+in order, on the pump's poller (:mod:`.pump`).
 """
 
 from __future__ import annotations
 
+import array
 import collections
+import fcntl
 import logging
 import os
-import queue
 import socket
 import struct
+import termios
 import threading
+import time
 from collections.abc import Sequence
 
 import msgpack
@@ -33,6 +36,7 @@ from transfer_engine.errors import (
     TransferError,
 )
 from transfer_engine.transport.base import Completion, Host, OnComplete, Rail, Work
+from transfer_engine.transport.stream import pump
 from transfer_engine.transport.stream.io import (
     PeerClosed,
     recv_exact,
@@ -52,15 +56,33 @@ from transfer_engine.transport.stream.wire import (
 log = logging.getLogger(__name__)
 
 _LINGER_RESET = struct.pack("ii", 1, 0)
+_PEEK = socket.MSG_PEEK | socket.MSG_DONTWAIT
+_FIONREAD = getattr(termios, "FIONREAD", 0x541B)
+_INLINE_READ = 256 << 10  # largest READ payload the poller takes itself when all there
+_ANSWERS_PER_TURN = 64  # answers the poller takes from one rail before the others
+
+
+def _queued_bytes(sock: socket.socket) -> int:
+    """Bytes the kernel holds unread on ``sock`` (0 if it cannot tell)."""
+    buf = array.array("i", [0])
+    try:
+        fcntl.ioctl(sock.fileno(), _FIONREAD, buf, True)
+    except OSError:
+        return 0
+    return buf[0]
 
 
 class StreamRail(Rail):
     """One connection to a peer's stream server.
 
+    The rail has no thread of its own (:mod:`.pump`): small work on an idle rail is sent
+    in the caller's thread, other work by a pump worker, and answers are read by the
+    pump's poller (or a worker, where one must wait for the peer's bytes).
+
     A work completes only once no thread of ours touches its local memory any more:
     should the rail fail while a thread is sending a WRITE's payload or receiving a
     READ's bytes, that thread completes the work when its system call has returned
-    (the socket is shut down, so it returns at once). Work not yet taken by the sender
+    (the socket is shut down, so it returns at once). Work not yet taken by a sender
     can be withdrawn (:meth:`withdraw`).
     """
 
@@ -70,14 +92,16 @@ class StreamRail(Rail):
     def __init__(self, sock: socket.socket, peer: str, index: int, on_complete: OnComplete,
                  host: Host) -> None:
         self._sock = sock
+        self._fd = sock.fileno()
         self.peer = peer
         self.index = index
         self._on_complete = on_complete
         self._host = host
         self._lock = threading.Lock()
         self._pending: collections.deque[Work] = collections.deque()
-        self._queue: queue.SimpleQueue[Work | None] = queue.SimpleQueue()
-        # posted work the sender has not taken yet, by id(): whoever pops it owns it
+        self._sendq: collections.deque[Work] = collections.deque()
+        self._sending = False  # a pump worker is draining _sendq
+        # posted work no sender has taken yet, by id(): whoever pops it owns it
         self._queued: dict[int, Work] = {}
         # work whose memory a thread of ours is copying now (at most a sender's and the
         # reader's), and the error of those the rail failed meanwhile: their thread
@@ -89,12 +113,13 @@ class StreamRail(Rail):
         self._send_lock = threading.Lock()
         self._busy = 0  # work queued or being sent
         self.bytes_sent = 0
-        self._sender = threading.Thread(target=self._send_loop, daemon=True,
-                                        name=f"te-{self.transport_name}-send-{peer}#{index}")
-        self._reader = threading.Thread(target=self._read_loop, daemon=True,
-                                        name=f"te-{self.transport_name}-read-{peer}#{index}")
-        self._sender.start()
-        self._reader.start()
+        # threads inside a system call on the socket (thread id -> depth); the socket is
+        # closed by whoever leaves last once the rail failed
+        self._users: dict[int, int] = {}
+        self._idle = threading.Condition(self._lock)
+        self._released = False
+        self._pump = pump.acquire()
+        self._pump.watch(self._fd, self._on_readable)
 
     # hooks for subclasses
     def _payload(self, work: Work) -> int:
@@ -109,6 +134,10 @@ class StreamRail(Rail):
     def _take_read(self, work: Work) -> None:
         """Called after a successful READ answer; the bytes may follow on the stream."""
 
+    def _read_bytes(self, work: Work) -> int:
+        """Bytes that follow a successful READ answer on the stream."""
+        return 0
+
     # Rail API
     @property
     def closed(self) -> bool:
@@ -122,7 +151,8 @@ class StreamRail(Rail):
     def post(self, work: Work) -> None:
         # An idle rail sends small work in the caller's thread: a thread hand-off costs
         # more than sending a few hundred KiB (a READ's request is small whatever it
-        # reads). Busy rails queue, keeping order.
+        # reads). Busy rails queue, keeping order; the pump's own threads always queue
+        # (they must not wait on one peer while others' answers arrive).
         with self._lock:
             if self._closed:
                 raise ClosedError("rail is closed", peer=self.peer, op=str(work.op),
@@ -130,16 +160,22 @@ class StreamRail(Rail):
             if self._failure is not None:
                 raise self._failure
             payload = self._payload(work)
-            inline = self._busy == 0 and payload <= self.inline_bytes
+            inline = self._busy == 0 and payload <= self.inline_bytes and not pump.in_pump()
             self._busy += 1
+            schedule = False
             if inline:
                 self._send_lock.acquire()  # free: nothing queued or being sent
                 self._pending.append(work)
                 if payload:
                     self._touched[id(work)] = work
+                self._enter()
             else:
                 self._queued[id(work)] = work
-                self._queue.put(work)
+                self._sendq.append(work)
+                schedule = not self._sending
+                self._sending = True
+        if schedule:
+            self._pump.submit(self._drain_sends)
         if inline:
             try:
                 self._transmit(work, payload > 0)
@@ -147,6 +183,7 @@ class StreamRail(Rail):
                 self._send_lock.release()
                 with self._lock:
                     self._busy -= 1
+                self._leave()
 
     def withdraw(self, works: Sequence[Work]) -> tuple[list[Work], bool]:
         with self._lock:
@@ -161,16 +198,53 @@ class StreamRail(Rail):
         return exc_type(message, peer=self.peer, transport=self.transport_name,
                         op=str(work.op) if work else None)
 
-    def _send_loop(self) -> None:
+    # who touches the socket (call _enter holding self._lock)
+    def _enter(self) -> None:
+        me = threading.get_ident()
+        self._users[me] = self._users.get(me, 0) + 1
+
+    def _leave(self) -> None:
+        me = threading.get_ident()
+        with self._lock:
+            depth = self._users.pop(me) - 1
+            if depth:
+                self._users[me] = depth
+            last = not self._users
+            if last:
+                self._idle.notify_all()
+            finish = last and self._failure is not None and not self._released
+            if finish:
+                self._released = True
+        if finish:
+            self._finalize()
+
+    def _finalize(self) -> None:
+        """Closes the socket of a failed rail once no thread of ours uses it: a dead
+        peer's rail holds no descriptor until it is closed."""
+        self._pump.forget(self._fd)
+        try:
+            self._sock.close()
+        finally:
+            pump.release(self._pump)
+
+    # sending (a pump worker)
+    def _drain_sends(self) -> None:
         while True:
-            work = self._queue.get()
-            if work is None:
-                return
+            with self._lock:
+                work = None
+                while self._sendq:
+                    candidate = self._sendq.popleft()
+                    if self._queued.pop(id(candidate), None) is not None:
+                        work = candidate
+                        break
+                    self._busy -= 1  # withdrawn, or already failed by _fail_all
+                if work is None:
+                    self._sending = False
+                    return
+                self._enter()
             try:
                 with self._send_lock:
                     with self._lock:
-                        if self._queued.pop(id(work), None) is None:
-                            continue  # withdrawn, or already failed by _fail_all
                         failed = self._failure
                         touch = failed is None and self._payload(work) > 0
                         if failed is None:
@@ -184,6 +258,7 @@ class StreamRail(Rail):
             finally:
                 with self._lock:
                     self._busy -= 1
+                self._leave()
 
     def _transmit(self, work: Work, touched: bool) -> None:
         """Sends ``work`` (already pending), then lets go of its memory if ``touched``
@@ -214,41 +289,83 @@ class StreamRail(Rail):
         self._complete(work, error)
         return True
 
-    def _read_loop(self) -> None:
+    # reading answers (the poller, or a worker where one must wait)
+    def _on_readable(self) -> None:
+        """The poller's turn: answers already whole in the kernel are taken here;
+        anything that may wait for the peer goes to a worker."""
+        with self._lock:
+            if self._released:
+                return
+            self._enter()
+        rearm = False
         try:
-            while True:
-                kind, status, _, body_len, wr_id = ANSWER.unpack(
-                    recv_exact(self._sock, ANSWER.size))
-                if kind != KIND_ANSWER or body_len > MAX_BODY:
-                    raise ProtocolError("malformed answer", peer=self.peer,
-                                        transport=self.transport_name)
-                body = recv_exact(self._sock, body_len)
-                with self._lock:
-                    work = self._pending[0] if self._pending else None
-                    take = (work is not None and work.wr_id == wr_id and not status
-                            and work.op is Op.READ)
-                    if take and work is not None:
-                        self._touched[id(work)] = work
-                if work is None or work.wr_id != wr_id:
-                    raise ProtocolError(f"answer for unknown work request {wr_id}",
-                                        peer=self.peer, transport=self.transport_name)
-                error = None
-                if status:
-                    error = unpack_error(body, status, self.peer, str(work.op),
-                                         self.transport_name)
-                elif take:
-                    held = False
-                    try:
-                        self._take_read(work)
-                    finally:
-                        held = self._let_go(work)
-                    if held:
-                        continue  # the rail failed meanwhile; the next read ends us
-                with self._lock:
-                    if not self._pending or self._pending[0] is not work:
-                        continue  # failed meanwhile, and completed by _fail_all
-                    self._pending.popleft()
-                self._complete(work, error)
+            for _ in range(_ANSWERS_PER_TURN):
+                step = self._answer(wait=False)
+                if step == "worker":
+                    self._pump.submit(self._read_in_worker)
+                    return
+                if step != "more":
+                    rearm = step == "idle"
+                    return
+            rearm = True
+        finally:
+            if rearm:
+                self._pump.rearm(self._fd)
+            self._leave()
+
+    def _read_in_worker(self) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._enter()
+        try:
+            if self._answer(wait=True) == "more":
+                self._pump.rearm(self._fd)
+        finally:
+            self._leave()
+
+    def _answer(self, wait: bool) -> str:
+        """Takes one answer: ``"more"`` (taken; look again), ``"idle"`` (none there),
+        ``"worker"`` (one is there but may have to wait for the peer), ``"done"`` (the
+        rail failed)."""
+        try:
+            if not wait:
+                ready = self._ready_answer()
+                if ready != "take":
+                    return ready
+            kind, status, _, body_len, wr_id = ANSWER.unpack(
+                recv_exact(self._sock, ANSWER.size))
+            if kind != KIND_ANSWER or body_len > MAX_BODY:
+                raise ProtocolError("malformed answer", peer=self.peer,
+                                    transport=self.transport_name)
+            body = recv_exact(self._sock, body_len)
+            with self._lock:
+                work = self._pending[0] if self._pending else None
+                take = (work is not None and work.wr_id == wr_id and not status
+                        and work.op is Op.READ)
+                if take and work is not None:
+                    self._touched[id(work)] = work
+            if work is None or work.wr_id != wr_id:
+                raise ProtocolError(f"answer for unknown work request {wr_id}",
+                                    peer=self.peer, transport=self.transport_name)
+            error = None
+            if status:
+                error = unpack_error(body, status, self.peer, str(work.op),
+                                     self.transport_name)
+            elif take:
+                held = False
+                try:
+                    self._take_read(work)
+                finally:
+                    held = self._let_go(work)
+                if held:
+                    return "more"  # the rail failed meanwhile; the next read ends us
+            with self._lock:
+                if not self._pending or self._pending[0] is not work:
+                    return "more"  # failed meanwhile, and completed by _fail_all
+                self._pending.popleft()
+            self._complete(work, error)
+            return "more"
         except PeerClosed as exc:
             if not self._closed:
                 self._fail_all(self._error(PeerLostError, f"connection lost: {exc}"))
@@ -257,21 +374,44 @@ class StreamRail(Rail):
         except Exception as exc:
             log.exception("rail %s#%d reader failed", self.peer, self.index)
             self._fail_all(self._error(ProtocolError, f"reader failed: {exc!r}"))
-        finally:
-            if not self._closed:
-                self._fail_all(self._error(PeerLostError, "connection lost"))
-            self._release()
+        if not self._closed:
+            self._fail_all(self._error(PeerLostError, "connection lost"))
+        return "done"
 
-    def _release(self) -> None:
-        """Closes the socket of a rail that failed by itself, once no thread of ours can
-        still use it: a dead peer's rail holds no descriptor until it is closed."""
-        if self._sender is not threading.current_thread():
-            self._sender.join(timeout=5)
-        if self._send_lock.acquire(timeout=5):  # an inline send in a caller's thread
+    def _ready_answer(self) -> str:
+        """Whether the next answer (and a small READ's bytes) is whole in the kernel
+        (``"take"``), absent (``"idle"``), or partly there (``"worker"``); raises
+        :class:`PeerClosed` at the end of the stream."""
+        queued = _queued_bytes(self._sock)
+        if queued < ANSWER.size:
             try:
-                self._sock.close()
-            finally:
-                self._send_lock.release()
+                peeked = self._sock.recv(1, _PEEK)
+            except (BlockingIOError, InterruptedError):
+                return "idle"
+            except OSError as exc:
+                raise PeerClosed(str(exc)) from exc
+            if not peeked:
+                raise PeerClosed("connection closed by peer")
+            return "worker"
+        try:
+            head = self._sock.recv(ANSWER.size, _PEEK)
+        except (BlockingIOError, InterruptedError):
+            return "idle"
+        except OSError as exc:
+            raise PeerClosed(str(exc)) from exc
+        if len(head) < ANSWER.size:
+            return "worker"
+        kind, status, _, body_len, wr_id = ANSWER.unpack(head)
+        need = ANSWER.size + body_len
+        if not status and kind == KIND_ANSWER:
+            with self._lock:
+                work = self._pending[0] if self._pending else None
+            if work is not None and work.wr_id == wr_id and work.op is Op.READ:
+                extra = self._read_bytes(work)
+                if extra > _INLINE_READ:
+                    return "worker"
+                need += extra
+        return "take" if queued >= need or body_len > MAX_BODY else "worker"
 
     def _complete(self, work: Work, error: TransferError | None) -> None:
         try:
@@ -293,6 +433,9 @@ class StreamRail(Rail):
             self._pending.clear()
             queued = list(self._queued.values())
             self._queued.clear()
+            finish = not self._users and not self._released
+            if finish:
+                self._released = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # a thread in a system call returns
         except OSError:
@@ -301,7 +444,8 @@ class StreamRail(Rail):
             self._complete(work, error)
         for work in queued:
             self._complete(work, error)
-        self._queue.put(None)  # the sender skips what was queued, then ends
+        if finish:
+            self._finalize()
 
     def abort(self, error: TransferError) -> None:
         with self._lock:
@@ -319,10 +463,11 @@ class StreamRail(Rail):
                 return
             self._closed = True
         self._fail_all(self._error(ClosedError, "rail is closed"))
-        for thread in (self._sender, self._reader):
-            if thread is not threading.current_thread():
-                thread.join(timeout=5)
-        self._release()
+        me = threading.get_ident()
+        deadline = time.monotonic() + 5
+        with self._lock:  # other threads in a system call return (the socket is shut)
+            while set(self._users) - {me} and time.monotonic() < deadline:
+                self._idle.wait(0.05)
 
     def __repr__(self) -> str:
         state = "CLOSED" if self._closed else ("FAILED" if self._failure else "OPEN")

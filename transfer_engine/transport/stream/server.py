@@ -1,7 +1,8 @@
 """The target's side of the stream rails: accept, open, check, move, count, answer.
 
-One thread per open connection validates each request against the segment table
-*before* touching memory, moves the bytes (the subclass says how), counts the immediate
+A connection opens on a thread of its own; once open, the process's pump (:mod:`.pump`)
+watches it, and a pump worker serves each request as it arrives: it validates the
+request against the segment table *before* touching memory, moves the bytes (the subclass says how), counts the immediate
 after the bytes, and answers. Every resource a stranger can make it hold is bounded
 (see the bounds in :mod:`.wire`'s notes and the constants here).
 """
@@ -37,8 +38,8 @@ from transfer_engine.errors import (
 )
 from transfer_engine.segment import Segment
 from transfer_engine.transport.base import Host, Immediate
+from transfer_engine.transport.stream import pump
 from transfer_engine.transport.stream.io import (
-    _WAITALL,
     PeerClosed,
     recv_exact,
     send_bytes,
@@ -73,6 +74,17 @@ HELLO_TIMEOUT = 5.0  # seconds a new connection has to open
 STALL_TIMEOUT = 20.0  # longest pause inside a request or an answer
 MAX_OPENING = 64  # connections opening at once
 MAX_CONNECTIONS = 4096  # connections open at once, per server
+_REQUESTS_PER_TURN = 16  # requests a worker serves from one rail before the others
+
+
+def _has_bytes(sock: socket.socket) -> bool:
+    """Whether the next request has begun to arrive (or the stream ended)."""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)) or True
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True  # the next read reports it
 
 
 class Connection:
@@ -80,7 +92,7 @@ class Connection:
     its messages say), that peer's process, what the rail has pinned right now, and the
     initiator ranges it announced (shm)."""
 
-    __slots__ = ("sock", "peer", "pid", "ticket", "pinned", "ranges", "pidfd")
+    __slots__ = ("sock", "peer", "pid", "ticket", "pinned", "ranges", "pidfd", "pump", "busy")
 
     def __init__(self, sock: socket.socket, peer: str, pid: int,
                  ticket: Ticket | None = None) -> None:
@@ -91,6 +103,8 @@ class Connection:
         self.pinned: list[Any] = []
         self.ranges: np.ndarray | None = None  # (start, end, writable) rows, sorted
         self.pidfd: int | None = None
+        self.pump: pump.Pump | None = None  # serves the rail once it is open
+        self.busy = False  # a pump worker is serving it (else the poller watches it)
 
 
 class Refused(Exception):
@@ -177,7 +191,8 @@ class StreamServer:
         self._buffer_bytes = buffer_bytes
         self._stall = stall_timeout
         self._lock = threading.Lock()
-        self._conns: dict[socket.socket, threading.Thread] = {}
+        # connections by socket: the opening's thread, then None (served by the pump)
+        self._conns: dict[socket.socket, threading.Thread | None] = {}
         self._open: dict[socket.socket, Connection] = {}
         self._opening: collections.OrderedDict[socket.socket, None] = (
             collections.OrderedDict())  # oldest first
@@ -299,8 +314,10 @@ class StreamServer:
         return conn, proof
 
     def _serve_conn(self, sock: socket.socket) -> None:
+        """The opening, on a thread of its own (a stranger may take its time, up to
+        HELLO_TIMEOUT, and must not hold a pump worker); the open rail then goes to the
+        pump, and this thread ends."""
         conn: Connection | None = None
-        opening = True
         try:
             try:
                 conn, proof = self._admit(sock)
@@ -311,55 +328,85 @@ class StreamServer:
                     send_bytes(sock, self._answer(0, AuthenticationError("rail refused")))
                 except PeerClosed:
                     pass
+                self._drop(sock, None)
                 return
             sock.settimeout(None)
             set_stall_timeout(sock, self._stall)
             send_bytes(sock, ANSWER.pack(KIND_ANSWER, 0, 0, len(proof), 0) + proof)
             with self._lock:
                 self._opening.pop(sock, None)
-                opening = False
+                if self._closed:
+                    raise PeerClosed("server closed")
                 self._open[sock] = conn
-            while True:
-                head = self._next_header(conn)
-                if head is not None:
-                    self._serve_one(conn, head)
-        except (PeerClosed, TimeoutError):
-            pass
-        except TransferError as exc:
-            log.warning("%s rail from %s dropped: %s", self.transport_name,
-                        conn.peer if conn else "?", exc)
+                conn.pump = pump.acquire()
+                self._conns[sock] = None  # served by the pump from now on
+                conn.pump.watch(sock.fileno(), lambda: self._on_readable(conn))
+        except (PeerClosed, TimeoutError, OSError):
+            self._drop(sock, conn)
         except Exception:
             log.exception("%s server failed", self.transport_name)
-        finally:
-            with self._lock:
-                self._conns.pop(sock, None)
-                self._open.pop(sock, None)
-                if opening:
-                    self._opening.pop(sock, None)
-            if conn is not None:
-                if conn.ticket is not None:
-                    conn.ticket.release()
-                if conn.pidfd is not None:
-                    os.close(conn.pidfd)
-            sock.close()
+            self._drop(sock, conn)
 
-    def _next_header(self, conn: Connection) -> bytes | None:
-        """The next request's header; None when the rail stayed idle for a stall
-        timeout (an idle rail is fine; a request cut off midway is not)."""
+    def _drop(self, sock: socket.socket, conn: Connection | None) -> None:
+        """Forgets a connection and frees what it holds (once: later calls do nothing)."""
+        with self._lock:
+            if self._conns.pop(sock, False) is False:
+                return
+            self._open.pop(sock, None)
+            self._opening.pop(sock, None)
+        held = conn.pump if conn is not None else None
+        if held is not None:
+            held.forget(sock.fileno())
+        if conn is not None:
+            if conn.ticket is not None:
+                conn.ticket.release()
+            if conn.pidfd is not None:
+                os.close(conn.pidfd)
+        sock.close()
+        if held is not None:
+            pump.release(held)
+
+    def _on_readable(self, conn: Connection) -> None:
+        """The poller's turn: a request (or the end of the stream) is waiting; a worker
+        serves it, since serving may wait for the rest of its bytes."""
+        with self._lock:
+            if conn.busy or conn.sock not in self._open:
+                return
+            conn.busy = True
+        assert conn.pump is not None
+        conn.pump.submit(lambda: self._serve_ready(conn))
+
+    def _serve_ready(self, conn: Connection) -> None:
+        """Serves the requests already arriving on ``conn`` (a pump worker), then gives
+        the rail back to the poller."""
         sock = conn.sock
         try:
-            head = sock.recv(HEADER.size, _WAITALL)
-        except (BlockingIOError, TimeoutError):
-            if self._closed:
-                raise PeerClosed("server closed") from None
-            return None
-        except OSError as exc:
-            raise PeerClosed(str(exc)) from exc
-        if not head:
-            raise PeerClosed("connection closed by peer")
-        if len(head) < HEADER.size:
-            head += recv_exact(sock, HEADER.size - len(head))
-        return head
+            for _ in range(_REQUESTS_PER_TURN):
+                if self._closed:
+                    raise PeerClosed("server closed")
+                head = recv_exact(sock, HEADER.size)
+                self._serve_one(conn, head)
+                if not _has_bytes(sock):
+                    break
+        except (PeerClosed, TimeoutError):
+            self._drop(sock, conn)
+            return
+        except TransferError as exc:
+            log.warning("%s rail from %s dropped: %s", self.transport_name, conn.peer, exc)
+            self._drop(sock, conn)
+            return
+        except Exception:
+            log.exception("%s server failed", self.transport_name)
+            self._drop(sock, conn)
+            return
+        with self._lock:
+            conn.busy = False
+            live = sock in self._open and not self._closed
+        if live:
+            assert conn.pump is not None
+            conn.pump.rearm(sock.fileno())
+        else:
+            self._drop(sock, conn)
 
     def _serve_one(self, conn: Connection, head: bytes) -> None:
         sock = conn.sock
@@ -542,17 +589,24 @@ class StreamServer:
             if self._closed:
                 return
             self._closed = True
-            conns = list(self._conns.items())
+            conns = list(self._conns)
+            idle = [(sock, c) for sock, c in self._open.items() if not c.busy]
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._listener.close()
-        for sock, _ in conns:
+        for sock in conns:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        for sock, conn in idle:  # busy ones are dropped by their worker
+            self._drop(sock, conn)
         self._acceptor.join(timeout=5)
-        for _, thread in conns:
-            thread.join(timeout=5)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._conns:
+                    break
+            time.sleep(0.005)

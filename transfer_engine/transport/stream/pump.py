@@ -1,0 +1,203 @@
+"""The process's data-plane threads, shared by every stream rail of every engine in it.
+
+A thread per rail (a sender and a reader) made an engine connected to N peers run about
+4N threads, all contending for one GIL. Here the count is fixed whatever the peers:
+
+- one **poller** waits on every rail's socket at once (``epoll``, one-shot) and handles
+  the answers that are already whole in the kernel (a WRITE's answer is a few bytes) on
+  its own thread;
+- a bounded pool of **workers** takes what may have to wait for a peer: sending queued
+  requests, receiving a READ's payload, an answer that has only partly arrived.
+
+A socket is armed in the poller only while nobody reads it, so exactly one thread reads
+a rail at a time; sends are serialized by the rail itself. The pump starts with the
+first rail of the process and stops, leaving no thread or descriptor, when the last one
+closes; ``$TE_DATA_THREADS`` sets the worker count (default: cores + 2).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import select
+import threading
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Pump", "acquire", "release", "in_pump", "worker_count"]
+
+_EVENTS = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLONESHOT
+_local = threading.local()
+
+
+def in_pump() -> bool:
+    """Whether the calling thread is one of the pump's (they must never wait on a peer
+    for a caller: a rail posts their work to a worker instead of sending inline)."""
+    return getattr(_local, "pump", False)
+
+
+def worker_count() -> int:
+    value = os.environ.get("TE_DATA_THREADS", "").strip()
+    if value:
+        try:
+            count = int(value)
+        except ValueError:
+            raise ValueError(f"TE_DATA_THREADS must be a positive integer, not {value!r}"
+                             ) from None
+        if count < 1:
+            raise ValueError(f"TE_DATA_THREADS must be a positive integer, not {value!r}")
+        return count
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return cores + 2
+
+
+class Pump:
+    """One poller thread and up to ``workers`` worker threads (started on demand, on
+    the CPUs the pump was created with)."""
+
+    def __init__(self, workers: int) -> None:
+        self.pid = os.getpid()
+        self._max = workers
+        self._epoll = select.epoll()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._epoll.register(self._wake_r, select.EPOLLIN)
+        self._handlers: dict[int, Callable[[], None]] = {}
+        self._jobs: collections.deque[Callable[[], None]] = collections.deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._idle = 0
+        self._workers = 0
+        self._stopping = False
+        self.users = 0  # rails holding the pump (see acquire/release)
+        try:
+            self._cpus: set[int] | None = os.sched_getaffinity(0)
+        except (AttributeError, OSError):
+            self._cpus = None
+        self._poller = threading.Thread(target=self._poll_loop, daemon=True,
+                                        name="te-pump-poll")
+        self._poller.start()
+
+    # the poller
+    def watch(self, fd: int, handler: Callable[[], None]) -> None:
+        """Calls ``handler`` on the poller thread when ``fd`` turns readable; it is then
+        disarmed until :meth:`rearm`."""
+        self._handlers[fd] = handler
+        self._epoll.register(fd, _EVENTS)
+
+    def rearm(self, fd: int) -> None:
+        try:
+            self._epoll.modify(fd, _EVENTS)
+        except (OSError, ValueError):
+            pass  # forgotten meanwhile: the rail closed
+
+    def forget(self, fd: int) -> None:
+        """Stops watching ``fd`` (before it is closed: its number may come back)."""
+        if self._handlers.pop(fd, None) is not None:
+            try:
+                self._epoll.unregister(fd)
+            except (OSError, ValueError):
+                pass
+
+    def _poll_loop(self) -> None:
+        _local.pump = True
+        try:
+            while not self._stopping:
+                try:
+                    events = self._epoll.poll()
+                except InterruptedError:
+                    continue
+                for fd, _ in events:
+                    if fd == self._wake_r:
+                        try:
+                            os.read(self._wake_r, 4096)
+                        except BlockingIOError:
+                            pass
+                        continue
+                    handler = self._handlers.get(fd)
+                    if handler is None:
+                        continue
+                    try:
+                        handler()
+                    except Exception:  # a rail's bug must not stop every other rail
+                        log.exception("rail handler failed")
+        finally:
+            self._epoll.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    # the workers
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._cond:
+            self._jobs.append(job)
+            if self._idle:
+                self._cond.notify()
+                return
+            if self._workers >= self._max:
+                return  # a busy worker takes it next
+            self._workers += 1
+        threading.Thread(target=self._work_loop, daemon=True,
+                         name=f"te-pump-work{self._workers}").start()
+
+    def _work_loop(self) -> None:
+        _local.pump = True
+        if self._cpus is not None:  # not the CPUs of whichever caller started us
+            try:
+                os.sched_setaffinity(0, self._cpus)
+            except OSError:
+                pass
+        while True:
+            with self._cond:
+                while not self._jobs and not self._stopping:
+                    self._idle += 1
+                    self._cond.wait()
+                    self._idle -= 1
+                if self._stopping:
+                    self._workers -= 1
+                    return
+                job = self._jobs.popleft()
+            try:
+                job()
+            except Exception:
+                log.exception("data-plane job failed")
+
+    def stop(self) -> None:
+        """Ends every thread (without waiting: the caller may be one of them); jobs not
+        started are dropped (their rails are closed)."""
+        with self._cond:
+            self._stopping = True
+            self._jobs.clear()
+            self._cond.notify_all()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+
+_lock = threading.Lock()
+_current: Pump | None = None
+
+
+def acquire() -> Pump:
+    """The process's pump, started if needed; pair with :func:`release`."""
+    global _current
+    with _lock:
+        if _current is None or _current.pid != os.getpid():  # none yet, or forked
+            _current = Pump(worker_count())
+        _current.users += 1
+        return _current
+
+
+def release(pump: Pump) -> None:
+    """Gives back one :func:`acquire`; the last one stops the pump."""
+    global _current
+    with _lock:
+        pump.users -= 1
+        if pump.users > 0:
+            return
+        if _current is pump:
+            _current = None
+    pump.stop()
