@@ -224,9 +224,6 @@ class TcpRail(StreamRail):
     def _take_read(self, work: Work) -> None:
         recv_scatter(self._sock, _host_iov(work), work.nbytes)
 
-    def _read_bytes(self, work: Work) -> int:
-        return work.nbytes
-
 
 class TcpServer(StreamServer):
     transport_name = "tcp"

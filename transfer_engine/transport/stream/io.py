@@ -92,6 +92,17 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def has_bytes(sock: socket.socket) -> bool:
+    """Whether bytes (or the end of the stream, or an error) wait on ``sock`` now."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        pass  # the next read reports it
+    return True
+
+
 def send_views(sock: socket.socket, bufs: Sequence[Any], nbytes: int | None = None) -> None:
     """Sends every buffer in order, gathering with sendmsg (no concatenation copies).
 

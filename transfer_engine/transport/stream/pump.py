@@ -3,16 +3,19 @@
 A thread per rail (a sender and a reader) made an engine connected to N peers run about
 4N threads, all contending for one GIL. Here the count is fixed whatever the peers:
 
-- one **poller** waits on every rail's socket at once (``epoll``, one-shot) and handles
-  the answers that are already whole in the kernel (a WRITE's answer is a few bytes) on
-  its own thread;
-- a bounded pool of **workers** takes what may have to wait for a peer: sending queued
-  requests, receiving a READ's payload, an answer that has only partly arrived.
+- one **poller** waits on every watched socket at once (``epoll``, one-shot) and hands
+  each that turns readable to a worker;
+- a bounded pool of **workers** handles them (answers, requests, and work posted to a
+  busy rail, :meth:`Pump.submit`), each free to wait for the rest of its bytes.
 
-A socket is armed in the poller only while nobody reads it, so exactly one thread reads
-a rail at a time; sends are serialized by the rail itself. The pump starts with the
-first rail of the process and stops, leaving no thread or descriptor, when the last one
-closes; ``$TE_DATA_THREADS`` sets the worker count (default: cores + 2).
+A worker that has handled a socket stays with it for a short while (:meth:`Pump.linger`)
+when no other work is waiting: a rail that carries back-to-back requests keeps one
+thread, as it had before, and pays no hand-off per request; rails beyond the pool share
+the workers. A socket is armed only while nobody handles it, so exactly one thread reads
+it at a time; sends are serialized by the rail itself. The pump starts with the first
+rail or served connection of the process and stops, leaving no thread or descriptor,
+when the last one closes; ``$TE_DATA_THREADS`` sets the worker count (default: cores +
+2).
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ log = logging.getLogger(__name__)
 __all__ = ["Pump", "acquire", "release", "in_pump", "worker_count"]
 
 _EVENTS = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLONESHOT
+LINGER_MS = 2  # how long a worker waits on a socket it just served for the next bytes
 _local = threading.local()
 
 
 def in_pump() -> bool:
-    """Whether the calling thread is one of the pump's (they must never wait on a peer
-    for a caller: a rail posts their work to a worker instead of sending inline)."""
+    """Whether the calling thread is one of the pump's (a rail queues the work they post
+    rather than sending it inline: pump threads serve every rail of the process)."""
     return getattr(_local, "pump", False)
 
 
@@ -57,12 +61,12 @@ def worker_count() -> int:
 
 
 class Pump:
-    """One poller thread and up to ``workers`` worker threads (started on demand, on
-    the CPUs the pump was created with)."""
+    """A poller thread and up to ``workers`` worker threads (started on demand, on the
+    CPUs the pump was created with)."""
 
     def __init__(self, workers: int) -> None:
         self.pid = os.getpid()
-        self._max = workers
+        self._max = max(1, workers)
         self._epoll = select.epoll()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._epoll.register(self._wake_r, select.EPOLLIN)
@@ -72,7 +76,7 @@ class Pump:
         self._idle = 0
         self._workers = 0
         self._stopping = False
-        self.users = 0  # rails holding the pump (see acquire/release)
+        self.users = 0  # rails and connections holding the pump (see acquire/release)
         try:
             self._cpus: set[int] | None = os.sched_getaffinity(0)
         except (AttributeError, OSError):
@@ -83,8 +87,8 @@ class Pump:
 
     # the poller
     def watch(self, fd: int, handler: Callable[[], None]) -> None:
-        """Calls ``handler`` on the poller thread when ``fd`` turns readable; it is then
-        disarmed until :meth:`rearm`."""
+        """Runs ``handler`` on a worker when ``fd`` turns readable; it is then disarmed
+        until :meth:`rearm`."""
         self._handlers[fd] = handler
         self._epoll.register(fd, _EVENTS)
 
@@ -102,6 +106,21 @@ class Pump:
             except (OSError, ValueError):
                 pass
 
+    def linger(self, fd: int) -> bool:
+        """Called by a worker that just served ``fd``: True once its next bytes are
+        there (the caller goes on with them, still holding the socket), False when
+        none came within :data:`LINGER_MS` or other work waits for a worker (the
+        caller then rearms it)."""
+        if self._jobs or self._stopping:
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        try:
+            ready = poller.poll(LINGER_MS)
+        except OSError:
+            return False
+        return bool(ready) and not self._stopping
+
     def _poll_loop(self) -> None:
         _local.pump = True
         try:
@@ -114,33 +133,33 @@ class Pump:
                     if fd == self._wake_r:
                         try:
                             os.read(self._wake_r, 4096)
-                        except BlockingIOError:
+                        except OSError:
                             pass
                         continue
                     handler = self._handlers.get(fd)
-                    if handler is None:
-                        continue
-                    try:
-                        handler()
-                    except Exception:  # a rail's bug must not stop every other rail
-                        log.exception("rail handler failed")
+                    if handler is not None:
+                        self.submit(handler)
         finally:
-            self._epoll.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            with self._cond:  # under the lock: stop() writes the pipe under it
+                self._epoll.close()
+                os.close(self._wake_r)
+                os.close(self._wake_w)
 
     # the workers
     def submit(self, job: Callable[[], None]) -> None:
+        """Runs ``job`` on a worker (an idle one, else the first to come free)."""
         with self._cond:
+            if self._stopping:
+                return
             self._jobs.append(job)
             if self._idle:
                 self._cond.notify()
                 return
             if self._workers >= self._max:
-                return  # a busy worker takes it next
+                return
             self._workers += 1
-        threading.Thread(target=self._work_loop, daemon=True,
-                         name=f"te-pump-work{self._workers}").start()
+            name = f"te-pump-work{self._workers}"
+        threading.Thread(target=self._work_loop, daemon=True, name=name).start()
 
     def _work_loop(self) -> None:
         _local.pump = True
@@ -161,20 +180,22 @@ class Pump:
                 job = self._jobs.popleft()
             try:
                 job()
-            except Exception:
+            except Exception:  # one rail's bug must not stop the others
                 log.exception("data-plane job failed")
 
     def stop(self) -> None:
         """Ends every thread (without waiting: the caller may be one of them); jobs not
         started are dropped (their rails are closed)."""
         with self._cond:
+            if self._stopping:
+                return
             self._stopping = True
             self._jobs.clear()
             self._cond.notify_all()
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:
+                pass
 
 
 _lock = threading.Lock()

@@ -2,19 +2,16 @@
 
 It opens with the ticket's proof (:func:`open_rail`), then sends requests from a pump
 worker (or the caller's thread, for small work on an idle rail) and takes the answers,
-in order, on the pump's poller (:mod:`.pump`).
+in order, on a pump worker (:mod:`.pump`).
 """
 
 from __future__ import annotations
 
-import array
 import collections
-import fcntl
 import logging
 import os
 import socket
 import struct
-import termios
 import threading
 import time
 from collections.abc import Sequence
@@ -39,6 +36,7 @@ from transfer_engine.transport.base import Completion, Host, OnComplete, Rail, W
 from transfer_engine.transport.stream import pump
 from transfer_engine.transport.stream.io import (
     PeerClosed,
+    has_bytes,
     recv_exact,
     send_bytes,
 )
@@ -56,28 +54,12 @@ from transfer_engine.transport.stream.wire import (
 log = logging.getLogger(__name__)
 
 _LINGER_RESET = struct.pack("ii", 1, 0)
-_PEEK = socket.MSG_PEEK | socket.MSG_DONTWAIT
-_FIONREAD = getattr(termios, "FIONREAD", 0x541B)
-_INLINE_READ = 256 << 10  # largest READ payload the poller takes itself when all there
-_ANSWERS_PER_TURN = 64  # answers the poller takes from one rail before the others
-
-
-def _queued_bytes(sock: socket.socket) -> int:
-    """Bytes the kernel holds unread on ``sock`` (0 if it cannot tell)."""
-    buf = array.array("i", [0])
-    try:
-        fcntl.ioctl(sock.fileno(), _FIONREAD, buf, True)
-    except OSError:
-        return 0
-    return buf[0]
-
-
 class StreamRail(Rail):
     """One connection to a peer's stream server.
 
     The rail has no thread of its own (:mod:`.pump`): small work on an idle rail is sent
-    in the caller's thread, other work by a pump worker, and answers are read by the
-    pump's poller (or a worker, where one must wait for the peer's bytes).
+    in the caller's thread, other work by a pump worker, and answers are read by a pump
+    worker once the pump's poller saw them arrive.
 
     A work completes only once no thread of ours touches its local memory any more:
     should the rail fail while a thread is sending a WRITE's payload or receiving a
@@ -133,10 +115,6 @@ class StreamRail(Rail):
 
     def _take_read(self, work: Work) -> None:
         """Called after a successful READ answer; the bytes may follow on the stream."""
-
-    def _read_bytes(self, work: Work) -> int:
-        """Bytes that follow a successful READ answer on the stream."""
-        return 0
 
     # Rail API
     @property
@@ -289,50 +267,30 @@ class StreamRail(Rail):
         self._complete(work, error)
         return True
 
-    # reading answers (the poller, or a worker where one must wait)
+    # reading answers (a pump worker, once the socket turned readable)
     def _on_readable(self) -> None:
-        """The poller's turn: answers already whole in the kernel are taken here;
-        anything that may wait for the peer goes to a worker."""
         with self._lock:
             if self._released:
                 return
             self._enter()
         rearm = False
         try:
-            for _ in range(_ANSWERS_PER_TURN):
-                step = self._answer(wait=False)
-                if step == "worker":
-                    self._pump.submit(self._read_in_worker)
-                    return
-                if step != "more":
-                    rearm = step == "idle"
-                    return
+            if has_bytes(self._sock):
+                while self._answer():
+                    if not self._pump.linger(self._fd):
+                        break  # idle, or other rails wait for a worker
+                else:
+                    return  # the rail failed: nothing to watch
             rearm = True
         finally:
-            if rearm:
+            if rearm:  # before leaving: the socket is closed only once nobody uses it
                 self._pump.rearm(self._fd)
             self._leave()
 
-    def _read_in_worker(self) -> None:
-        with self._lock:
-            if self._released:
-                return
-            self._enter()
+    def _answer(self) -> bool:
+        """Takes one answer (its bytes have begun to arrive); False once the rail
+        failed."""
         try:
-            if self._answer(wait=True) == "more":
-                self._pump.rearm(self._fd)
-        finally:
-            self._leave()
-
-    def _answer(self, wait: bool) -> str:
-        """Takes one answer: ``"more"`` (taken; look again), ``"idle"`` (none there),
-        ``"worker"`` (one is there but may have to wait for the peer), ``"done"`` (the
-        rail failed)."""
-        try:
-            if not wait:
-                ready = self._ready_answer()
-                if ready != "take":
-                    return ready
             kind, status, _, body_len, wr_id = ANSWER.unpack(
                 recv_exact(self._sock, ANSWER.size))
             if kind != KIND_ANSWER or body_len > MAX_BODY:
@@ -359,13 +317,13 @@ class StreamRail(Rail):
                 finally:
                     held = self._let_go(work)
                 if held:
-                    return "more"  # the rail failed meanwhile; the next read ends us
+                    return True  # the rail failed meanwhile; the next read ends us
             with self._lock:
                 if not self._pending or self._pending[0] is not work:
-                    return "more"  # failed meanwhile, and completed by _fail_all
+                    return True  # failed meanwhile, and completed by _fail_all
                 self._pending.popleft()
             self._complete(work, error)
-            return "more"
+            return True
         except PeerClosed as exc:
             if not self._closed:
                 self._fail_all(self._error(PeerLostError, f"connection lost: {exc}"))
@@ -376,42 +334,7 @@ class StreamRail(Rail):
             self._fail_all(self._error(ProtocolError, f"reader failed: {exc!r}"))
         if not self._closed:
             self._fail_all(self._error(PeerLostError, "connection lost"))
-        return "done"
-
-    def _ready_answer(self) -> str:
-        """Whether the next answer (and a small READ's bytes) is whole in the kernel
-        (``"take"``), absent (``"idle"``), or partly there (``"worker"``); raises
-        :class:`PeerClosed` at the end of the stream."""
-        queued = _queued_bytes(self._sock)
-        if queued < ANSWER.size:
-            try:
-                peeked = self._sock.recv(1, _PEEK)
-            except (BlockingIOError, InterruptedError):
-                return "idle"
-            except OSError as exc:
-                raise PeerClosed(str(exc)) from exc
-            if not peeked:
-                raise PeerClosed("connection closed by peer")
-            return "worker"
-        try:
-            head = self._sock.recv(ANSWER.size, _PEEK)
-        except (BlockingIOError, InterruptedError):
-            return "idle"
-        except OSError as exc:
-            raise PeerClosed(str(exc)) from exc
-        if len(head) < ANSWER.size:
-            return "worker"
-        kind, status, _, body_len, wr_id = ANSWER.unpack(head)
-        need = ANSWER.size + body_len
-        if not status and kind == KIND_ANSWER:
-            with self._lock:
-                work = self._pending[0] if self._pending else None
-            if work is not None and work.wr_id == wr_id and work.op is Op.READ:
-                extra = self._read_bytes(work)
-                if extra > _INLINE_READ:
-                    return "worker"
-                need += extra
-        return "take" if queued >= need or body_len > MAX_BODY else "worker"
+        return False
 
     def _complete(self, work: Work, error: TransferError | None) -> None:
         try:

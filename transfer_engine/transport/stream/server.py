@@ -41,6 +41,7 @@ from transfer_engine.transport.base import Host, Immediate
 from transfer_engine.transport.stream import pump
 from transfer_engine.transport.stream.io import (
     PeerClosed,
+    has_bytes,
     recv_exact,
     send_bytes,
     set_stall_timeout,
@@ -74,17 +75,6 @@ HELLO_TIMEOUT = 5.0  # seconds a new connection has to open
 STALL_TIMEOUT = 20.0  # longest pause inside a request or an answer
 MAX_OPENING = 64  # connections opening at once
 MAX_CONNECTIONS = 4096  # connections open at once, per server
-_REQUESTS_PER_TURN = 16  # requests a worker serves from one rail before the others
-
-
-def _has_bytes(sock: socket.socket) -> bool:
-    """Whether the next request has begun to arrive (or the stream ended)."""
-    try:
-        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)) or True
-    except (BlockingIOError, InterruptedError):
-        return False
-    except OSError:
-        return True  # the next read reports it
 
 
 class Connection:
@@ -104,7 +94,7 @@ class Connection:
         self.ranges: np.ndarray | None = None  # (start, end, writable) rows, sorted
         self.pidfd: int | None = None
         self.pump: pump.Pump | None = None  # serves the rail once it is open
-        self.busy = False  # a pump worker is serving it (else the poller watches it)
+        self.busy = False  # a pump worker is serving it (else the pump watches it)
 
 
 class Refused(Exception):
@@ -315,7 +305,7 @@ class StreamServer:
 
     def _serve_conn(self, sock: socket.socket) -> None:
         """The opening, on a thread of its own (a stranger may take its time, up to
-        HELLO_TIMEOUT, and must not hold a pump worker); the open rail then goes to the
+        HELLO_TIMEOUT, and must not hold a pump thread); the open rail then goes to the
         pump, and this thread ends."""
         conn: Connection | None = None
         try:
@@ -367,27 +357,21 @@ class StreamServer:
             pump.release(held)
 
     def _on_readable(self, conn: Connection) -> None:
-        """The poller's turn: a request (or the end of the stream) is waiting; a worker
-        serves it, since serving may wait for the rest of its bytes."""
+        """Serves the requests arriving on ``conn`` (a pump worker), then has the pump
+        watch it again."""
         with self._lock:
             if conn.busy or conn.sock not in self._open:
                 return
             conn.busy = True
-        assert conn.pump is not None
-        conn.pump.submit(lambda: self._serve_ready(conn))
-
-    def _serve_ready(self, conn: Connection) -> None:
-        """Serves the requests already arriving on ``conn`` (a pump worker), then gives
-        the rail back to the poller."""
         sock = conn.sock
+        held = conn.pump
+        assert held is not None
         try:
-            for _ in range(_REQUESTS_PER_TURN):
-                if self._closed:
-                    raise PeerClosed("server closed")
-                head = recv_exact(sock, HEADER.size)
-                self._serve_one(conn, head)
-                if not _has_bytes(sock):
-                    break
+            if has_bytes(sock):
+                while not self._closed:
+                    self._serve_one(conn, recv_exact(sock, HEADER.size))
+                    if not held.linger(sock.fileno()):
+                        break  # idle, or other rails wait for a worker
         except (PeerClosed, TimeoutError):
             self._drop(sock, conn)
             return
@@ -399,13 +383,12 @@ class StreamServer:
             log.exception("%s server failed", self.transport_name)
             self._drop(sock, conn)
             return
-        with self._lock:
+        with self._lock:  # rearmed only while open: a dropped rail's number is reused
             conn.busy = False
             live = sock in self._open and not self._closed
-        if live:
-            assert conn.pump is not None
-            conn.pump.rearm(sock.fileno())
-        else:
+            if live:
+                held.rearm(sock.fileno())
+        if not live:
             self._drop(sock, conn)
 
     def _serve_one(self, conn: Connection, head: bytes) -> None:
