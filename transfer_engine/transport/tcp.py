@@ -222,7 +222,7 @@ class TcpRail(StreamRail):
             send_bytes(self._sock, encode_request(KIND_READ, work))
 
     def _take_read(self, work: Work) -> None:
-        recv_scatter(self._sock, _host_iov(work), work.nbytes)
+        recv_scatter(self._sock, _host_iov(work), work.nbytes, patient=True)
 
 
 class TcpServer(StreamServer):

@@ -35,9 +35,15 @@ class PeerClosed(Exception):
     """The stream ended (EOF or reset); translated where the peer's name is known."""
 
 
-def _recv_into(sock: socket.socket, bufs: Sequence[Any]) -> int:
+def _recv_into(sock: socket.socket, bufs: Sequence[Any], patient: bool = False) -> int:
+    """Bytes received into ``bufs`` (0: the socket's receive bound ran out and
+    ``patient`` says to wait on)."""
     try:
         n = sock.recvmsg_into(bufs, 0, _WAITALL)[0]
+    except (BlockingIOError, TimeoutError) as exc:
+        if patient:
+            return 0
+        raise PeerClosed(str(exc)) from exc
     except OSError as exc:
         raise PeerClosed(str(exc)) from exc
     if n == 0:
@@ -53,43 +59,76 @@ def _rest(bufs: Sequence[Any], ends: list[int], done: int) -> list[Any]:
 
 
 def recv_into_views(sock: socket.socket, views: Sequence[Any],
-                    nbytes: int | None = None) -> None:
+                    nbytes: int | None = None, patient: bool = False) -> None:
     """Fills ``views`` in order from ``sock``, scattering with recvmsg_into.
 
-    ``nbytes`` is their total size when the caller knows it.
+    ``nbytes`` is their total size when the caller knows it. With ``patient``, the
+    socket's receive bound running out is no error (see :func:`recv_head`).
     """
     if nbytes is None:
         nbytes = sum(map(len, views))
     if nbytes <= 0:
         return
-    got = _recv_into(sock, views[:_IOV_CHUNK] if len(views) > _IOV_CHUNK else views)
+    got = _recv_into(sock, views[:_IOV_CHUNK] if len(views) > _IOV_CHUNK else views,
+                     patient)
     if got == nbytes:
         return
     ends = list(accumulate(map(len, views)))
     while got < nbytes:
-        got += _recv_into(sock, _rest(views, ends, got))
+        got += _recv_into(sock, _rest(views, ends, got), patient)
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """The next ``n`` bytes of the stream.
-
-    Bytes already there are taken without giving up the GIL (see :mod:`..iovec`); only
-    a wait for the peer does.
-    """
+def recv_exact(sock: socket.socket, n: int, patient: bool = False) -> bytes:
+    """The next ``n`` bytes of the stream (``patient``: see :func:`recv_into_views`)."""
     if n <= 0:
         return b""
     try:
         data = sock.recv(n, _WAITALL)
+    except (BlockingIOError, TimeoutError) as exc:
+        if not patient:
+            raise PeerClosed(str(exc)) from exc
+        data = b""
     except OSError as exc:
         raise PeerClosed(str(exc)) from exc
+    else:
+        if not data:
+            raise PeerClosed("connection closed by peer")
     if len(data) == n:
         return data
-    if not data:
-        raise PeerClosed("connection closed by peer")
     buf = bytearray(n)
     buf[:len(data)] = data
-    recv_into_views(sock, [memoryview(buf)[len(data):]], n - len(data))
+    recv_into_views(sock, [memoryview(buf)[len(data):]], n - len(data), patient)
     return bytes(buf)
+
+
+def recv_head(sock: socket.socket, n: int, linger: float | None = None,
+              stall: float | None = None) -> bytes | None:
+    """The next ``n`` bytes (a request's or an answer's header) if they begin to come
+    within ``linger`` seconds, else None. One system call when they come, as a plain
+    blocking receive would be: a worker that lingers on a busy rail pays no more per
+    request than a thread of its own did.
+
+    Without ``linger`` the socket's own receive bound is the wait, and the rest of the
+    header is waited for patiently; with it, the bound is ``stall`` (None: unbounded)
+    again on return.
+    """
+    if linger is not None:
+        set_recv_timeout(sock, linger)
+    try:
+        try:
+            head = sock.recv(n, _WAITALL)
+        except (BlockingIOError, TimeoutError, InterruptedError):
+            return None
+        except OSError as exc:
+            raise PeerClosed(str(exc)) from exc
+    finally:
+        if linger is not None:
+            set_recv_timeout(sock, stall)
+    if not head:
+        raise PeerClosed("connection closed by peer")
+    if len(head) < n:
+        head += recv_exact(sock, n - len(head), patient=linger is None)
+    return head
 
 
 def has_bytes(sock: socket.socket) -> bool:
@@ -163,15 +202,17 @@ def send_gather(sock: socket.socket, head: bytes, iov: np.ndarray | None, nbytes
         raise PeerClosed(str(exc)) from exc
 
 
-def recv_scatter(sock: socket.socket, iov: np.ndarray, nbytes: int) -> None:
-    """Fills the ``nbytes`` bytes ``iov`` describes from ``sock``."""
+def recv_scatter(sock: socket.socket, iov: np.ndarray, nbytes: int,
+                 patient: bool = False) -> None:
+    """Fills the ``nbytes`` bytes ``iov`` describes from ``sock`` (``patient``: see
+    :func:`recv_into_views`)."""
     if not nbytes:
         return
     if not IOVEC_IO:
-        recv_into_views(sock, iov_views(iov), nbytes)
+        recv_into_views(sock, iov_views(iov), nbytes, patient)
         return
     try:
-        recv_iov(sock, iov, nbytes)
+        recv_iov(sock, iov, nbytes, patient=patient)
     except OSError as exc:
         raise PeerClosed(str(exc)) from exc
 
@@ -190,6 +231,13 @@ def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
     if buffer_bytes:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+
+
+def set_recv_timeout(sock: socket.socket, seconds: float | None) -> None:
+    """Bounds each pause of a blocking receive on ``sock`` (SO_RCVTIMEO; None: none)."""
+    sec = int(seconds or 0)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                    struct.pack("ll", sec, int(((seconds or 0) - sec) * 1e6)))
 
 
 def set_stall_timeout(sock: socket.socket, seconds: float | None) -> None:

@@ -8,14 +8,14 @@ A thread per rail (a sender and a reader) made an engine connected to N peers ru
 - a bounded pool of **workers** handles them (answers, requests, and work posted to a
   busy rail, :meth:`Pump.submit`), each free to wait for the rest of its bytes.
 
-A worker that has handled a socket stays with it for a short while (:meth:`Pump.linger`)
-when no other work is waiting: a rail that carries back-to-back requests keeps one
-thread, as it had before, and pays no hand-off per request; rails beyond the pool share
-the workers. A socket is armed only while nobody handles it, so exactly one thread reads
-it at a time; sends are serialized by the rail itself. The pump starts with the first
-rail or served connection of the process and stops, leaving no thread or descriptor,
-when the last one closes; ``$TE_DATA_THREADS`` sets the worker count (default: cores +
-2).
+A worker that has handled a socket waits on it for the next bytes for a short while
+(:data:`LINGER`) unless other work waits (:meth:`Pump.crowded`): a rail that carries
+back-to-back requests keeps one thread, as it had before, and pays no hand-off per
+request; rails beyond the pool share the workers. A socket is armed only while nobody
+handles it, so exactly one thread reads it at a time; sends are serialized by the rail
+itself. The pump starts with the first rail or served connection of the process and
+stops, leaving no thread or descriptor, when the last one closes; ``$TE_DATA_THREADS``
+sets the worker count (default: cores + 2).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Pump", "acquire", "release", "in_pump", "worker_count"]
 
 _EVENTS = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLONESHOT
-LINGER_MS = 2  # how long a worker waits on a socket it just served for the next bytes
+LINGER = 0.002  # seconds a worker waits on a socket it just served for its next bytes
 _local = threading.local()
 
 
@@ -106,20 +106,10 @@ class Pump:
             except (OSError, ValueError):
                 pass
 
-    def linger(self, fd: int) -> bool:
-        """Called by a worker that just served ``fd``: True once its next bytes are
-        there (the caller goes on with them, still holding the socket), False when
-        none came within :data:`LINGER_MS` or other work waits for a worker (the
-        caller then rearms it)."""
-        if self._jobs or self._stopping:
-            return False
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        try:
-            ready = poller.poll(LINGER_MS)
-        except OSError:
-            return False
-        return bool(ready) and not self._stopping
+    def crowded(self) -> bool:
+        """Whether work waits for a worker: one that lingers on its socket (see the
+        module's notes) should hand it back instead."""
+        return bool(self._jobs) or self._stopping
 
     def _poll_loop(self) -> None:
         _local.pump = True

@@ -37,6 +37,8 @@ from transfer_engine.transport.stream import pump
 from transfer_engine.transport.stream.io import (
     PeerClosed,
     has_bytes,
+    recv_head,
+    set_recv_timeout,
     recv_exact,
     send_bytes,
 )
@@ -100,6 +102,9 @@ class StreamRail(Rail):
         self._users: dict[int, int] = {}
         self._idle = threading.Condition(self._lock)
         self._released = False
+        # a pump worker that took an answer waits this long for the next (one system
+        # call: the receive bound), and every receive of ours waits on past it
+        set_recv_timeout(sock, pump.LINGER)
         self._pump = pump.acquire()
         self._pump.watch(self._fd, self._on_readable)
 
@@ -276,27 +281,32 @@ class StreamRail(Rail):
         rearm = False
         try:
             if has_bytes(self._sock):
-                while self._answer():
-                    if not self._pump.linger(self._fd):
-                        break  # idle, or other rails wait for a worker
-                else:
-                    return  # the rail failed: nothing to watch
+                while True:
+                    taken = self._answer()
+                    if taken is None:
+                        break  # none came within pump.LINGER: idle
+                    if not taken:
+                        return  # the rail failed: nothing to watch
+                    if self._pump.crowded():
+                        break  # other rails wait for a worker
             rearm = True
         finally:
             if rearm:  # before leaving: the socket is closed only once nobody uses it
                 self._pump.rearm(self._fd)
             self._leave()
 
-    def _answer(self) -> bool:
-        """Takes one answer (its bytes have begun to arrive); False once the rail
-        failed."""
+    def _answer(self) -> bool | None:
+        """Takes one answer, waiting up to :data:`pump.LINGER` (the socket's receive
+        bound) for it to begin: None if it did not. False once the rail failed."""
         try:
-            kind, status, _, body_len, wr_id = ANSWER.unpack(
-                recv_exact(self._sock, ANSWER.size))
+            head = recv_head(self._sock, ANSWER.size)
+            if head is None:
+                return None
+            kind, status, _, body_len, wr_id = ANSWER.unpack(head)
             if kind != KIND_ANSWER or body_len > MAX_BODY:
                 raise ProtocolError("malformed answer", peer=self.peer,
                                     transport=self.transport_name)
-            body = recv_exact(self._sock, body_len)
+            body = recv_exact(self._sock, body_len, patient=True)
             with self._lock:
                 work = self._pending[0] if self._pending else None
                 take = (work is not None and work.wr_id == wr_id and not status

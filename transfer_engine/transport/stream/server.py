@@ -43,6 +43,7 @@ from transfer_engine.transport.stream.io import (
     PeerClosed,
     has_bytes,
     recv_exact,
+    recv_head,
     send_bytes,
     set_stall_timeout,
     tune_socket,
@@ -367,11 +368,12 @@ class StreamServer:
         held = conn.pump
         assert held is not None
         try:
-            if has_bytes(sock):
-                while not self._closed:
-                    self._serve_one(conn, recv_exact(sock, HEADER.size))
-                    if not held.linger(sock.fileno()):
-                        break  # idle, or other rails wait for a worker
+            head = recv_exact(sock, HEADER.size) if has_bytes(sock) else None
+            while head is not None and not self._closed:
+                self._serve_one(conn, head)
+                if held.crowded():
+                    break  # other rails wait for a worker
+                head = recv_head(sock, HEADER.size, pump.LINGER, self._stall)
         except (PeerClosed, TimeoutError):
             self._drop(sock, conn)
             return
