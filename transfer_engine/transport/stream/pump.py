@@ -25,6 +25,7 @@ import logging
 import os
 import select
 import threading
+import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,8 @@ __all__ = ["Pump", "acquire", "release", "in_pump", "worker_count"]
 
 _EVENTS = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLONESHOT
 LINGER = 0.002  # seconds a worker waits on a socket it just served for its next bytes
+STARVED = 0.05  # seconds work may wait with every worker busy before one more starts
+SPARE_IDLE = 2.0  # seconds an extra worker stays idle before it ends
 _local = threading.local()
 
 
@@ -61,17 +64,27 @@ def worker_count() -> int:
 
 
 class Pump:
-    """A poller thread and up to ``workers`` worker threads (started on demand, on the
-    CPUs the pump was created with)."""
+    """A poller thread and ``workers`` worker threads (started on demand, on the CPUs
+    the pump was created with).
+
+    A worker may wait on a peer (a send into a full socket, a payload still arriving),
+    and that peer may be served by this very pump (two engines of one process): should
+    every worker wait so, the work that would free them waits for a worker. Work that
+    has waited :data:`STARVED` seconds with no worker free gets a worker more, up to
+    ``4 * workers``; those extra workers end once idle for :data:`SPARE_IDLE` seconds.
+    """
 
     def __init__(self, workers: int) -> None:
         self.pid = os.getpid()
         self._max = max(1, workers)
+        self._limit = 4 * self._max
+        self._starved = False  # work waits with every worker busy: the poller watches
         self._epoll = select.epoll()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._epoll.register(self._wake_r, select.EPOLLIN)
         self._handlers: dict[int, Callable[[], None]] = {}
-        self._jobs: collections.deque[Callable[[], None]] = collections.deque()
+        # (when queued, job)
+        self._jobs: collections.deque[tuple[float, Callable[[], None]]] = collections.deque()
         self._cond = threading.Condition(threading.Lock())
         self._idle = 0
         self._workers = 0
@@ -107,18 +120,20 @@ class Pump:
                 pass
 
     def crowded(self) -> bool:
-        """Whether work waits for a worker: one that lingers on its socket (see the
-        module's notes) should hand it back instead."""
-        return bool(self._jobs) or self._stopping
+        """Whether work waits that no idle worker is about to take: a worker lingering
+        on its socket (see the module's notes) should hand it back instead."""
+        return len(self._jobs) > self._idle or self._stopping
 
     def _poll_loop(self) -> None:
         _local.pump = True
         try:
             while not self._stopping:
                 try:
-                    events = self._epoll.poll()
+                    events = self._epoll.poll(STARVED if self._starved else -1)
                 except InterruptedError:
                     continue
+                if self._starved:
+                    self._relieve()
                 for fd, _ in events:
                     if fd == self._wake_r:
                         try:
@@ -135,21 +150,44 @@ class Pump:
                 os.close(self._wake_r)
                 os.close(self._wake_w)
 
+    def _relieve(self) -> None:
+        """Starts a worker more if the oldest work has waited too long for one."""
+        with self._cond:
+            if not self._jobs or self._idle:
+                self._starved = False
+                return
+            if (time.monotonic() - self._jobs[0][0] < STARVED
+                    or self._workers >= self._limit or self._stopping):
+                return
+            name = self._add_worker()
+        log.debug("data-plane work waited %.0f ms for a worker: %s started",
+                  STARVED * 1e3, name)
+        threading.Thread(target=self._work_loop, daemon=True, name=name).start()
+
     # the workers
     def submit(self, job: Callable[[], None]) -> None:
         """Runs ``job`` on a worker (an idle one, else the first to come free)."""
         with self._cond:
             if self._stopping:
                 return
-            self._jobs.append(job)
+            self._jobs.append((time.monotonic(), job))
             if self._idle:
                 self._cond.notify()
                 return
             if self._workers >= self._max:
+                if not self._starved:  # the poller times the wait from now on
+                    self._starved = True
+                    try:
+                        os.write(self._wake_w, b"x")
+                    except OSError:
+                        pass
                 return
-            self._workers += 1
-            name = f"te-pump-work{self._workers}"
+            name = self._add_worker()
         threading.Thread(target=self._work_loop, daemon=True, name=name).start()
+
+    def _add_worker(self) -> str:  # holding _cond
+        self._workers += 1
+        return f"te-pump-work{self._workers}"
 
     def _work_loop(self) -> None:
         _local.pump = True
@@ -162,12 +200,16 @@ class Pump:
             with self._cond:
                 while not self._jobs and not self._stopping:
                     self._idle += 1
-                    self._cond.wait()
+                    spare = self._workers > self._max
+                    woken = self._cond.wait(SPARE_IDLE if spare else None)
                     self._idle -= 1
+                    if not woken and not self._jobs and self._workers > self._max:
+                        self._workers -= 1  # a spare that is no longer needed
+                        return
                 if self._stopping:
                     self._workers -= 1
                     return
-                job = self._jobs.popleft()
+                _, job = self._jobs.popleft()
             try:
                 job()
             except Exception:  # one rail's bug must not stop the others
