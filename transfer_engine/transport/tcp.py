@@ -224,6 +224,9 @@ class TcpRail(StreamRail):
     def _take_read(self, work: Work) -> None:
         recv_scatter(self._sock, _host_iov(work), work.nbytes, patient=True)
 
+    def _payload_follows(self, work: Work) -> bool:
+        return work.nbytes > 0
+
 
 class TcpServer(StreamServer):
     transport_name = "tcp"

@@ -2,8 +2,10 @@
 
 - :mod:`.wire`: the format of requests, answers and the opening;
 - :mod:`.io`: moving bytes over a socket (scatter, gather, bounded stalls);
-- :mod:`.rail`: the initiator's rail (a sender and a reader per connection);
-- :mod:`.server`: the target's server (accept, open, check, move, count, answer).
+- :mod:`.rail`: the initiator's rail (one connection, no thread of its own);
+- :mod:`.server`: the target's server (accept, open, check, move, count, answer);
+- :mod:`.pump`: the process's data-plane threads, a poller and a bounded pool of
+  workers that every rail and served connection shares.
 
 The transports say only how the payload moves: :class:`StreamServer`'s ``land`` and
 ``serve`` on the target, :class:`StreamRail`'s ``_send_request`` and ``_take_read`` on

@@ -9,9 +9,12 @@ the kernel (:func:`set_stall_timeout`), so the calls keep their one-call receive
 
 from __future__ import annotations
 
+import array
 import ctypes
+import fcntl
 import socket
 import struct
+import termios
 from bisect import bisect_right
 from collections.abc import Sequence
 from itertools import accumulate
@@ -129,6 +132,16 @@ def recv_head(sock: socket.socket, n: int, linger: float | None = None,
     if len(head) < n:
         head += recv_exact(sock, n - len(head), patient=linger is None)
     return head
+
+
+def queued_bytes(sock: socket.socket) -> int:
+    """Bytes the kernel holds unread on ``sock`` (0 where it cannot tell)."""
+    buf = array.array("i", [0])
+    try:
+        fcntl.ioctl(sock.fileno(), termios.FIONREAD, buf, True)
+    except OSError:
+        return 0
+    return buf[0]
 
 
 def has_bytes(sock: socket.socket) -> bool:

@@ -3,8 +3,9 @@
 A thread per rail (a sender and a reader) made an engine connected to N peers run about
 4N threads, all contending for one GIL. Here the count is fixed whatever the peers:
 
-- one **poller** waits on every watched socket at once (``epoll``, one-shot) and hands
-  each that turns readable to a worker;
+- one **poller** waits on every watched socket at once (``epoll``, one-shot); what is
+  whole in the kernel and needs no wait (a WRITE's answer) it handles itself, the rest
+  it hands to a worker;
 - a bounded pool of **workers** handles them (answers, requests, and work posted to a
   busy rail, :meth:`Pump.submit`), each free to wait for the rest of its bytes.
 
@@ -33,7 +34,9 @@ log = logging.getLogger(__name__)
 __all__ = ["Pump", "acquire", "release", "in_pump", "worker_count"]
 
 _EVENTS = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLONESHOT
-LINGER = 0.002  # seconds a worker waits on a socket it just served for its next bytes
+# seconds a worker waits on a socket it just served for its next bytes (12 ms, which
+# would cover the gaps a busy Python thread makes, measured slower when idle)
+LINGER = 0.002
 STARVED = 0.05  # seconds work may wait with every worker busy before one more starts
 SPARE_IDLE = 2.0  # seconds an extra worker stays idle before it ends
 _local = threading.local()
@@ -82,7 +85,8 @@ class Pump:
         self._epoll = select.epoll()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._epoll.register(self._wake_r, select.EPOLLIN)
-        self._handlers: dict[int, Callable[[], None]] = {}
+        # fd -> (handler run on a worker, quick handler run on the poller or None)
+        self._handlers: dict[int, tuple[Callable[[], None], Callable[[], bool] | None]] = {}
         # (when queued, job)
         self._jobs: collections.deque[tuple[float, Callable[[], None]]] = collections.deque()
         self._cond = threading.Condition(threading.Lock())
@@ -99,10 +103,13 @@ class Pump:
         self._poller.start()
 
     # the poller
-    def watch(self, fd: int, handler: Callable[[], None]) -> None:
+    def watch(self, fd: int, handler: Callable[[], None],
+              quick: Callable[[], bool] | None = None) -> None:
         """Runs ``handler`` on a worker when ``fd`` turns readable; it is then disarmed
-        until :meth:`rearm`."""
-        self._handlers[fd] = handler
+        until :meth:`rearm`. ``quick``, if given, runs first on the poller itself and
+        must never wait: True if it dealt with the event (and rearmed), False to hand it
+        to ``handler``."""
+        self._handlers[fd] = (handler, quick)
         self._epoll.register(fd, _EVENTS)
 
     def rearm(self, fd: int) -> None:
@@ -141,9 +148,17 @@ class Pump:
                         except OSError:
                             pass
                         continue
-                    handler = self._handlers.get(fd)
-                    if handler is not None:
-                        self.submit(handler)
+                    entry = self._handlers.get(fd)
+                    if entry is None:
+                        continue
+                    handler, quick = entry
+                    try:
+                        if quick is not None and quick():
+                            continue
+                    except Exception:  # one rail's bug must not stop the others
+                        log.exception("data-plane handler failed")
+                        continue
+                    self.submit(handler)
         finally:
             with self._cond:  # under the lock: stop() writes the pipe under it
                 self._epoll.close()

@@ -37,6 +37,7 @@ from transfer_engine.transport.stream import pump
 from transfer_engine.transport.stream.io import (
     PeerClosed,
     has_bytes,
+    queued_bytes,
     recv_head,
     set_recv_timeout,
     recv_exact,
@@ -106,7 +107,7 @@ class StreamRail(Rail):
         # call: the receive bound), and every receive of ours waits on past it
         set_recv_timeout(sock, pump.LINGER)
         self._pump = pump.acquire()
-        self._pump.watch(self._fd, self._on_readable)
+        self._pump.watch(self._fd, self._on_readable, self._on_ready)
 
     # hooks for subclasses
     def _payload(self, work: Work) -> int:
@@ -273,6 +274,60 @@ class StreamRail(Rail):
         return True
 
     # reading answers (a pump worker, once the socket turned readable)
+    def _on_ready(self) -> bool:
+        """On the poller: takes the answers that are whole in the kernel already and
+        need no wait (a READ's bytes are a worker's), so that a quiet rail's answer
+        costs no hand-off to a worker; False when a worker must take over."""
+        with self._lock:
+            if self._released:
+                return True
+            self._enter()
+        handled = rearm = False
+        try:
+            while True:
+                ready = self._whole_answer()
+                if ready is None:
+                    break  # a worker's
+                if not ready:
+                    handled = rearm = True  # nothing more there
+                    break
+                if not self._answer():
+                    handled = True  # the rail failed: nothing to watch
+                    break
+        finally:
+            if rearm:
+                self._pump.rearm(self._fd)
+            self._leave()
+        return handled
+
+    def _whole_answer(self) -> bool | None:
+        """True if an answer is whole in the kernel and asks for nothing more, False if
+        no byte is there, None otherwise (partial, a READ's bytes, the stream's end)."""
+        queued = queued_bytes(self._sock)
+        if queued < ANSWER.size:
+            return None if queued or has_bytes(self._sock) else False
+        try:
+            head = self._sock.recv(ANSWER.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except OSError:
+            return None
+        if len(head) < ANSWER.size:
+            return None
+        kind, status, _, body_len, wr_id = ANSWER.unpack(head)
+        if queued < ANSWER.size + body_len:
+            return None
+        if status or kind != KIND_ANSWER:
+            return True
+        with self._lock:
+            work = self._pending[0] if self._pending else None
+        if (work is not None and work.wr_id == wr_id and work.op is Op.READ
+                and self._payload_follows(work)):
+            return None
+        return True
+
+    def _payload_follows(self, work: Work) -> bool:
+        """Whether a READ's bytes follow its answer on the stream."""
+        return False
+
     def _on_readable(self) -> None:
         with self._lock:
             if self._released:
