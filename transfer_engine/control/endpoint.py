@@ -26,11 +26,23 @@ from transfer_engine.state import EngineState
 log = logging.getLogger(__name__)
 
 
+def _descriptor_limit() -> int:
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return 1024
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if 0 < soft < (1 << 20) else 1 << 20
+
+
 class ControlEndpoint(EngineState):
     """The engine's control endpoint (a part of :class:`Engine`)."""
 
     def _start_control(self, host: str, port: int) -> None:
         self._zctx: zmq.Context[Any] = zmq.Context()
+        # a socket per connected peer: ZeroMQ's default cap (1023) would stop an engine
+        # short of a thousand peers; the process's descriptor limit is the real one
+        self._zctx.set(zmq.MAX_SOCKETS, max(1024, _descriptor_limit()))
         self._stack.callback(self._zctx.term)
         # exposure was checked by the engine, which knows whether it was opted in
         service = Service(self._zctx, host, port, self._handle_control,

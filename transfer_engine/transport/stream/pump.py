@@ -73,8 +73,9 @@ class Pump:
     A worker may wait on a peer (a send into a full socket, a payload still arriving),
     and that peer may be served by this very pump (two engines of one process): should
     every worker wait so, the work that would free them waits for a worker. Work that
-    has waited :data:`STARVED` seconds with no worker free gets a worker more, up to
-    ``4 * workers``; those extra workers end once idle for :data:`SPARE_IDLE` seconds.
+    has waited while no worker took up any work for :data:`STARVED` seconds gets a worker
+    more, up to ``4 * workers`` (a busy pool that keeps taking work gets none); those
+    extra workers end once idle for :data:`SPARE_IDLE` seconds.
     """
 
     def __init__(self, workers: int) -> None:
@@ -82,6 +83,7 @@ class Pump:
         self._max = max(1, workers)
         self._limit = 4 * self._max
         self._starved = False  # work waits with every worker busy: the poller watches
+        self._taken = time.monotonic()  # when a worker last took up work
         self._epoll = select.epoll()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._epoll.register(self._wake_r, select.EPOLLIN)
@@ -166,16 +168,18 @@ class Pump:
                 os.close(self._wake_w)
 
     def _relieve(self) -> None:
-        """Starts a worker more if the oldest work has waited too long for one."""
+        """Starts a worker more if work waits and no worker has taken up any for too
+        long (every one waits on a peer)."""
         with self._cond:
             if not self._jobs or self._idle:
                 self._starved = False
                 return
-            if (time.monotonic() - self._jobs[0][0] < STARVED
+            now = time.monotonic()
+            if (now - max(self._jobs[0][0], self._taken) < STARVED
                     or self._workers >= self._limit or self._stopping):
                 return
             name = self._add_worker()
-        log.debug("data-plane work waited %.0f ms for a worker: %s started",
+        log.debug("no data-plane worker took up work for %.0f ms: %s started",
                   STARVED * 1e3, name)
         threading.Thread(target=self._work_loop, daemon=True, name=name).start()
 
@@ -225,6 +229,7 @@ class Pump:
                     self._workers -= 1
                     return
                 _, job = self._jobs.popleft()
+                self._taken = time.monotonic()
             try:
                 job()
             except Exception:  # one rail's bug must not stop the others
