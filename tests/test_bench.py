@@ -107,3 +107,16 @@ def test_a_short_secret_file_is_a_usage_error(tmp_path: Path,
     secret.write_text("short")
     assert main(["--local", "--secret-file", str(secret)]) == 2
     assert "16 bytes" in capsys.readouterr().err
+
+
+def test_many_peers_bench_counts_threads_and_verifies(tmp_path: Path) -> None:
+    from bench.peers import main as peers_main
+    from transfer_engine.transport.stream.pump import worker_count
+
+    out = tmp_path / "peers.json"
+    assert peers_main(["--peers", "6", "--procs", "2", "--rounds", "1", "--block_size",
+                       "4096", "--batch_size", "4", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["verified"] and res["peers"] == 6
+    assert res["fanout_gbps"] > 0 and res["one_peer_gbps"] > 0 and res["fanout_vs_one"] > 0
+    assert res["data_plane_threads_after"] <= worker_count() + 1
