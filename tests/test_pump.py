@@ -8,12 +8,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 
+from tests.test_bounds import stopped
 from tests.transport_contract import random_bytes
-from transfer_engine import Descriptor, Engine
+from transfer_engine import Descriptor, Engine, PeerLostError
 from transfer_engine.transport.stream import pump
 
 MiB = 1 << 20
@@ -119,3 +121,34 @@ def test_work_that_waits_on_its_own_pump_gets_a_worker(
     h2.wait(30)
     assert time.monotonic() - started < 30
     assert np.array_equal(bufs["b"], src_a) and np.array_equal(bufs["a"], src_b)
+
+
+def test_a_stalled_peer_does_not_stop_the_others(
+        monkeypatch: pytest.MonkeyPatch, spawn_peer: Callable[..., tuple[Any, str]],
+        make_engine: Callable[..., Engine]) -> None:
+    """One worker, held by a WRITE into a frozen peer's full socket: a transfer to
+    another peer still lands (a worker more starts), and the frozen one fails once its
+    peer is declared lost."""
+    monkeypatch.setenv("TE_DATA_THREADS", "1")
+    size = 64 * MiB
+    frozen_proc, frozen_ep = spawn_peer("frozen", size, 4)
+    _, live_ep = spawn_peer("live", MiB, 5)
+    a = make_engine("stall-a", transports=["tcp"], peer_timeout=4.0)
+    src_buf = random_bytes(size, 6)
+    src = a.register(src_buf)
+    frozen, live = a.connect(frozen_ep), a.connect(live_ep)
+    with stopped(frozen_proc):
+        stuck = a.write(frozen, [(Descriptor(src, 0, size),
+                                  Descriptor(frozen.segment("dst"), 0, size))])
+        time.sleep(0.2)  # its worker is in the send now, the peer's buffers full
+        back = np.zeros(MiB, dtype=np.uint8)
+        seg = a.register(back)
+        started = time.monotonic()
+        a.write(live, [(Descriptor(src, 0, MiB), Descriptor(live.segment("dst"), 0, MiB))]
+                ).wait(10)
+        a.read(live, [(Descriptor(seg, 0, MiB), Descriptor(live.segment("dst"), 0, MiB))]
+               ).wait(10)
+        assert time.monotonic() - started < 2  # long before the frozen peer is lost
+        assert np.array_equal(back, src_buf[:MiB])
+        with pytest.raises(PeerLostError):
+            stuck.wait(15)
