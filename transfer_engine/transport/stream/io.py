@@ -246,19 +246,20 @@ def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
 
 
+def _timeval(seconds: float | None) -> bytes:
+    sec = int(seconds or 0)
+    return struct.pack("ll", sec, int(((seconds or 0) - sec) * 1e6))
+
+
 def set_recv_timeout(sock: socket.socket, seconds: float | None) -> None:
     """Bounds each pause of a blocking receive on ``sock`` (SO_RCVTIMEO; None: none)."""
-    sec = int(seconds or 0)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                    struct.pack("ll", sec, int(((seconds or 0) - sec) * 1e6)))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
 
 
 def set_stall_timeout(sock: socket.socket, seconds: float | None) -> None:
     """Bounds, in the kernel, every pause of a blocking call on ``sock`` (SO_RCVTIMEO,
     SO_SNDTIMEO): the data path keeps its one-call receives, and a stalled peer makes a
     call fail with EAGAIN instead of holding a thread forever."""
-    sec = int(seconds or 0)
-    usec = int(((seconds or 0) - sec) * 1e6)
-    tv = struct.pack("ll", sec, usec)
+    tv = _timeval(seconds)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
