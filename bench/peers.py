@@ -24,6 +24,7 @@ import json
 import os
 import resource
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -33,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from bench.baselines import Child
-from bench.stats import fill_random, median
+from bench.stats import fill_random
 
 __all__ = ["main"]
 
@@ -151,8 +152,8 @@ def measure(peers: int, procs: int, block_size: int, batch_size: int, rounds: in
                 fan_s.append(_round(eng, fan))
                 one_s.append(_round(eng, one))
             total = per_peer * len(conns)
-            out["fanout_gbps"] = round(total / median(fan_s) / 1e9, 3)
-            out["one_peer_gbps"] = round(total / median(one_s) / 1e9, 3)
+            out["fanout_gbps"] = round(total / statistics.median(fan_s) / 1e9, 3)
+            out["one_peer_gbps"] = round(total / statistics.median(one_s) / 1e9, 3)
             out["fanout_vs_one"] = round(out["fanout_gbps"] / out["one_peer_gbps"], 3)
             out["threads_after"], out["data_plane_threads_after"] = _threads()
             verified = True

@@ -38,10 +38,10 @@ from transfer_engine.transport.stream.io import (
     PeerClosed,
     has_bytes,
     queued_bytes,
-    recv_head,
-    set_recv_timeout,
     recv_exact,
+    recv_head,
     send_bytes,
+    set_recv_timeout,
 )
 from transfer_engine.transport.stream.wire import (
     ANSWER,

@@ -2,9 +2,10 @@
 
 A connection opens on a thread of its own; once open, the process's pump (:mod:`.pump`)
 watches it, and a pump worker serves each request as it arrives: it validates the
-request against the segment table *before* touching memory, moves the bytes (the subclass says how), counts the immediate
-after the bytes, and answers. Every resource a stranger can make it hold is bounded
-(see the bounds in :mod:`.wire`'s notes and the constants here).
+request against the segment table *before* touching memory, moves the bytes (the
+subclass says how), counts the immediate after the bytes, and answers. Every resource
+a stranger can make it hold is bounded (see the bounds in :mod:`.wire`'s notes and the
+constants here).
 """
 
 from __future__ import annotations
