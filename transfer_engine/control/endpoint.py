@@ -8,6 +8,7 @@ client sends stops it.
 from __future__ import annotations
 
 import logging
+import resource
 from typing import Any
 
 import zmq
@@ -27,10 +28,6 @@ log = logging.getLogger(__name__)
 
 
 def _descriptor_limit() -> int:
-    try:
-        import resource
-    except ImportError:  # not POSIX
-        return 1024
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return soft if 0 < soft < (1 << 20) else 1 << 20
 

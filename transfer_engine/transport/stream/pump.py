@@ -37,7 +37,7 @@ _EVENTS = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLONESHOT
 # seconds a worker waits on a socket it just served for its next bytes (12 ms, which
 # would cover the gaps a busy Python thread makes, measured slower when idle)
 LINGER = 0.002
-STARVED = 0.05  # seconds work may wait with every worker busy before one more starts
+STARVED = 0.05  # seconds no worker may take up waiting work before one more starts
 SPARE_IDLE = 2.0  # seconds an extra worker stays idle before it ends
 _local = threading.local()
 

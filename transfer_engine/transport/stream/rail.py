@@ -57,6 +57,8 @@ from transfer_engine.transport.stream.wire import (
 log = logging.getLogger(__name__)
 
 _LINGER_RESET = struct.pack("ii", 1, 0)
+
+
 class StreamRail(Rail):
     """One connection to a peer's stream server.
 
@@ -288,10 +290,11 @@ class StreamRail(Rail):
                 ready = self._whole_answer()
                 if ready is None:
                     break  # a worker's
-                if not ready:
+                taken = self._answer() if ready else None
+                if taken is None:
                     handled = rearm = True  # nothing more there
                     break
-                if not self._answer():
+                if not taken:
                     handled = True  # the rail failed: nothing to watch
                     break
         finally:
