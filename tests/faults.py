@@ -1,8 +1,15 @@
-"""Fault-injecting transports: subclasses of the real ones, shared by the fault tests."""
+"""Faults shared by the fault tests: transports that inject them (subclasses of the real
+ones) and a peer process frozen on demand."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -76,3 +83,20 @@ class BrokenPostTcpTransport(TcpTransport):
         rail = super().connect(*args, **kwargs)
         rail.__class__ = BrokenPostRail
         return rail
+
+
+@contextmanager
+def stopped(proc: subprocess.Popen[str]) -> Iterator[None]:
+    """The peer process frozen for the block (its kernel still accepts bytes until its
+    socket buffers fill)."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # the signal is delivered asynchronously
+            with open(f"/proc/{proc.pid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] in ("T", "t"):
+                    break
+            time.sleep(0.005)
+        yield
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)

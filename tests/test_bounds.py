@@ -6,17 +6,15 @@ answer nothing); every test resumes or kills what it stopped.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 
+from tests.faults import stopped
 from tests.transport_contract import random_bytes
 from transfer_engine import (
     ClosedError,
@@ -34,23 +32,6 @@ from transfer_engine.transport.tcp import TcpTransport
 
 MiB = 1 << 20
 Spawn = Callable[..., tuple[subprocess.Popen[str], str]]
-
-
-@contextmanager
-def stopped(proc: subprocess.Popen[str]) -> Iterator[None]:
-    """The peer process frozen for the block (its kernel still accepts bytes until its
-    socket buffers fill)."""
-    os.kill(proc.pid, signal.SIGSTOP)
-    try:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:  # the signal is delivered asynchronously
-            with open(f"/proc/{proc.pid}/stat") as f:
-                if f.read().rpartition(")")[2].split()[0] in ("T", "t"):
-                    break
-            time.sleep(0.005)
-        yield
-    finally:
-        os.kill(proc.pid, signal.SIGCONT)
 
 
 def open_sockets(peer: Any) -> list[Any]:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.test_bounds import stopped
+from tests.faults import stopped
 from tests.transport_contract import random_bytes
 from transfer_engine import Descriptor, Engine, PeerLostError
 from transfer_engine.transport.stream import pump
