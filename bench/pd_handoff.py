@@ -1,10 +1,11 @@
 """P/D hand-off benchmark on vLLM (CPU build): time to first token of fresh prompts sent
 straight to decode (it prefills them itself), through ``scripts/pd_proxy.py``'s
 first-token hand-off and through its sequential one, on an idle decode server and on
-one running other streams; prefill's own answer time is measured too, so the router's
-share shows. Two vLLM API servers with the connector (one core each) and two routers
-are started; the model is the e2e tests' random Llama with a byte-level tokenizer, with
-``--layers`` layers::
+one running other streams, with the time to the second token (decode's share of the
+hand-off); prefill's own answer time is measured too, so the router's share shows.
+Two vLLM API servers with the connector (one core each) and two routers are started;
+the model is the e2e tests' random Llama with a byte-level tokenizer, with ``--layers``
+layers::
 
     PYTHONPATH=. .venv-vllm/bin/python -m bench.pd_handoff --layers 16 --tokens 512 \\
         --streams 0 16 --rounds 8
@@ -32,6 +33,33 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def stream_times(port: int, body: dict[str, Any]) -> tuple[float, float]:
+    """Seconds from sending a streamed completion to its first and second data lines
+    (one per token, but for text a token leaves unfinished)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/completions", json.dumps(dict(body, stream=True)).encode(),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
+        seen: list[float] = []
+        for line in iter(resp.readline, b""):
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                seen.append(time.perf_counter() - t0)
+                if len(seen) == 2:
+                    resp.read()
+                    break
+        if not seen:
+            raise RuntimeError("no data line")
+        return seen[0], seen[-1]
+    finally:
+        conn.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=16)
@@ -39,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[0, 16],
                     help="other streams decode runs meanwhile, one run each")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--transports", default="",
+                    help="the connector's transports, best first (default: the engine's)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     import torch
@@ -58,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
         kv = {"kv_connector": "TransferEngineConnector",
               "kv_connector_module_path": "transfer_engine.connectors.vllm",
               "kv_load_failure_policy": "recompute"}
+        if args.transports:
+            kv["kv_connector_extra_config"] = {"transports": args.transports}
         procs = {}
         for (role, kv_role), cores in zip((("prefill", "kv_producer"),
                                            ("decode", "kv_consumer")), e2e.core_halves(),
@@ -110,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(3 if streams else 0)
             times: dict[str, list[float]] = {"local": [], "first": [], "sequential": [],
                                              "prefill_answer": []}
+            second: dict[str, list[float]] = {"local": [], "first": [], "sequential": []}
             try:
                 for _ in range(args.rounds):
                     for route in times:
@@ -123,18 +156,26 @@ def main(argv: list[str] | None = None) -> None:
                             times[route].append(time.perf_counter() - t0)
                         else:
                             port = ports["decode" if route == "local" else route]
-                            times[route].append(e2e.stream_ttft(port, body))
+                            t1, t2 = stream_times(port, body)
+                            times[route].append(t1)
+                            second[route].append(t2)
             finally:
                 stop.set()
                 for t in threads:
                     t.join(600)
             med = {k: statistics.median(v) for k, v in times.items()}
+            med2 = {k: statistics.median(v) for k, v in second.items()}
             print(json.dumps({"layers": args.layers, "prompt_tokens": args.tokens,
+                              "transports": args.transports or "default",
                               "decode_streams": streams,
                               **{f"{k}_ttft_ms": round(v * 1e3, 1) for k, v in med.items()},
                               "first_over_local": round(med["first"] / med["local"], 2),
                               "sequential_over_local": round(med["sequential"]
-                                                             / med["local"], 2)}),
+                                                             / med["local"], 2),
+                              **{f"{k}_second_ms": round(v * 1e3, 1)
+                                 for k, v in med2.items()},
+                              "first_second_over_local": round(med2["first"]
+                                                               / med2["local"], 2)}),
                   flush=True)
 
 

@@ -296,6 +296,66 @@ def test_dead_peer_stalls_neither_the_step_nor_other_loads(pair: Any) -> None:
     assert "handshakes=0" in repr(decode)
 
 
+def sync(spec: RecvSpec) -> RecvSpec:
+    spec.sync = True
+    return spec
+
+
+def test_sync_load_has_landed_when_it_returns(pair: Any) -> None:
+    """The default load: the blocks hold prefill's bytes once load_now returns (the
+    step's forward runs next), the first peer's handshake included; prefill's blocks
+    are released, and nothing is reported to vLLM's async bookkeeping."""
+    prefill, decode, pk, dk = pair
+    local, remote = [9, 10, 11, 30], [3, 4, 5, 22]
+    prefill.hold({"s": 30.0})
+    decode.load_now([sync(spec(prefill, "s", local, remote))])
+    for name in pk:
+        for lb, rb in zip(local, remote, strict=True):
+            assert torch.equal(block_of(dk[name], lb), block_of(pk[name], rb))
+    assert decode.take_failed_blocks() == set() and decode.stats["recv_bytes"] > 0
+    res = decode.results()
+    assert not res.finished_recving and not res.failed_recving
+    wait_results(prefill, "finished_sending", "s")
+    # a second one on the known peer, several in one step
+    prefill.hold({"s2": 30.0, "s3": 30.0})
+    decode.load_now([sync(spec(prefill, "s2", [1], [2])), sync(spec(prefill, "s3", [5], [6]))])
+    name = next(iter(pk))
+    assert torch.equal(block_of(dk[name], 1), block_of(pk[name], 2))
+    assert torch.equal(block_of(dk[name], 5), block_of(pk[name], 6))
+    assert decode.stats["recv_requests"] == 3 and decode.stats["recv_failed"] == 0
+
+
+def test_sync_load_failures_mark_their_blocks_within_the_timeout(pair: Any) -> None:
+    """A silent peer, a refused endpoint, block ids past the end, an expired lease: each
+    comes back as failed blocks (vLLM recomputes them) within timeout_s, the others in
+    the same step still load, and no block is half-written by a late read."""
+    prefill, decode, pk, dk = pair
+    before = {name: t.clone() for name, t in dk.items()}
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        dead = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
+        expired = sync(spec(prefill, "expired", [6], [6]))
+        expired.lease_expiry = time.time() - 1
+        prefill.hold({"live": 30.0})
+        started = time.monotonic()
+        decode.load_now([sync(RecvSpec("dead", [3], [1], dead, "x", "dead")),
+                         sync(RecvSpec("gone", [4], [1], "tcp://127.0.0.1:9", "x", "gone")),
+                         sync(spec(prefill, "far", [5], [NUM_BLOCKS + 1])),
+                         expired, sync(spec(prefill, "live", [8], [7]))])
+        elapsed = time.monotonic() - started
+    assert elapsed < 2.0 + 1.5, elapsed  # timeout_s is 2 s
+    assert decode.take_failed_blocks() == {3, 4, 5, 6}
+    name = next(iter(pk))
+    assert torch.equal(block_of(dk[name], 8), block_of(pk[name], 7))
+    for name, tensor in dk.items():
+        for b in (3, 4, 5, 6):
+            assert torch.equal(block_of(tensor, b), block_of(before[name], b))
+    assert decode.stats["recv_failed"] == 4
+    res = decode.results()
+    assert not res.finished_recving and not res.failed_recving
+
+
 def test_a_refused_endpoint_is_a_load_error_at_once(pair: Any) -> None:
     _, decode, _, _ = pair
     started = time.monotonic()
@@ -426,7 +486,7 @@ def test_scheduler_hands_over_and_holds() -> None:
     assert prefill.request_finished(eos, [1]) == (False, None)
     assert prefill.build_connector_meta().reqs_to_send == {}
 
-    decode = TEConnectorScheduler("d-engine", BLOCK, wall_clock=wall)
+    decode = TEConnectorScheduler("d-engine", BLOCK, wall_clock=wall, sync_load=False)
     req = request("d1", dict(params), prompt=40)
     # the decode engine already has the first block cached (16 tokens)
     assert decode.get_num_new_matched_tokens(req, 16) == (24, True)
@@ -434,9 +494,28 @@ def test_scheduler_hands_over_and_holds() -> None:
     meta = decode.build_connector_meta()
     recv = meta.reqs_to_recv["d1"]
     assert recv.local_block_ids == [4, 5] and recv.remote_block_ids == [8, 9]
-    assert recv.remote_endpoint == "tcp://p:1"
+    assert recv.remote_endpoint == "tcp://p:1" and not recv.sync
     # loaded once: a preempted request recomputes instead of loading again
     assert decode.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_scheduler_sync_load_leaves_the_last_prompt_token_to_compute() -> None:
+    """Loading in the admitting step (the default): vLLM must compute at least one
+    token there, so a hand-over of the whole prompt loads all but its last token; one
+    whose prompt goes on past prefill's (prefill's first token appended) loads all."""
+    wall = FakeClock()
+    params = _good_params(wall)  # 40 tokens of prefill's prompt
+    decode = TEConnectorScheduler("d-engine", BLOCK, wall_clock=wall)
+    same = request("same", dict(params), prompt=40)
+    assert decode.get_num_new_matched_tokens(same, 16) == (23, False)
+    # vLLM hashes a sync load's blocks as it allocates them: only the 16 tokens it had
+    # computed count as cached
+    decode.update_state_after_alloc(same, blocks([3, 4, 5], cached=3), 23)
+    recv = decode.build_connector_meta().reqs_to_recv["same"]
+    assert recv.sync and recv.local_block_ids == [4, 5] and recv.remote_block_ids == [8, 9]
+    longer = request("longer", dict(params), prompt=41)
+    longer.prompt_token_ids = list(range(40)) + [99]  # prefill's first token appended
+    assert decode.get_num_new_matched_tokens(longer, 0) == (40, False)
 
 
 def _good_params(wall: FakeClock, prompt: int = 40) -> dict[str, Any]:
@@ -459,7 +538,7 @@ def test_scheduler_refuses_expired_leases_and_other_versions() -> None:
     newer = dict(base, protocol_version=PROTOCOL_VERSION + 1)
     assert decode.get_num_new_matched_tokens(request("new", newer), 0) == (0, False)
     assert "protocol version" in decode.refused["new"]
-    assert decode.get_num_new_matched_tokens(request("ok", dict(base)), 0) == (40, True)
+    assert decode.get_num_new_matched_tokens(request("ok", dict(base)), 0) == (39, False)
 
 
 HOSTILE: list[tuple[str, Any]] = [

@@ -285,9 +285,9 @@ def completion(port: int, body: dict[str, Any]) -> dict[str, Any]:
 
 def test_proxy_between_vllm_servers(pd_servers: dict[str, Any]) -> None:
     """Both hand-offs give the single server's text, and vLLM's metrics on the decode
-    server count the prompt as loaded over the connector: all of it in the sequential
-    hand-off, all but the first generated token (which decode computes) in the
-    first-token one."""
+    server count the prompt as loaded over the connector: all of prefill's prompt in the
+    first-token hand-off (decode computes prefill's first token), all but its last
+    token in the sequential one (decode computes that token to sample the next)."""
     ports, model = pd_servers["ports"], pd_servers["model"]
     for handoff in ("sequential", "first"):
         before = by_source(ports["decode"])
@@ -305,8 +305,9 @@ def test_proxy_between_vllm_servers(pd_servers: dict[str, Any]) -> None:
         after = by_source(ports["decode"])
         loaded = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
         computed = after.get("local_compute", 0) - before.get("local_compute", 0)
-        assert loaded == prompt_tokens, (handoff, before, after)
-        assert computed == (requests if handoff == "first" else 0), (handoff, before, after)
+        assert loaded == prompt_tokens - (requests if handoff == "sequential" else 0), (
+            handoff, before, after)
+        assert computed == requests, (handoff, before, after)
 
     # a prompt under --local-below (default 64 tokens) is prefilled on decode
     body = {"model": model, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
@@ -406,21 +407,22 @@ class EngineProcess:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The three engines, started once for the module (about 50 s on two cores)."""
+    """The engines, started once for the module (about a minute on two cores); decode
+    loads in the admitting step (the default), decode-async beside the forward."""
     tmp_path = tmp_path_factory.mktemp("vllm")
     model = tmp_path / "model"
     build_model(model)
     # prefill serves decode's READs from a serving process: its model runner is the busy
     # Python thread of a P/D pull
     extra = {"prefill": {"lease_s": LEASE_S, "serve": "process"}, "decode": {"timeout_s": 3.0},
-             "single": {}}
+             "decode-async": {"timeout_s": 3.0, "load": "async"}, "single": {}}
     # prefill and decode on cores of their own, as on two hosts; the single engine on
     # prefill's (they never run at the same time): one engine's worth of CPU each
     first, second = core_halves()
-    cores = {"prefill": first, "decode": second, "single": first}
+    cores = {"prefill": first, "decode": second, "decode-async": second, "single": first}
     procs = {role: EngineProcess(role, model, tmp_path / f"{role}.log", extra[role],
                                  cores[role])
-             for role in ("prefill", "decode", "single")}
+             for role in ("prefill", "decode", "decode-async", "single")}
     try:
         for proc in procs.values():
             proc.recv()  # ready
@@ -439,9 +441,10 @@ def disaggregated(prefill: EngineProcess, decode: EngineProcess, prompt: str,
     return pre, decode.generate(prompt, max_tokens, params)
 
 
-def test_disaggregated_pair_matches_single_engine(engines: dict[str, EngineProcess]
-                                                  ) -> None:
-    single, prefill, decode = engines["single"], engines["prefill"], engines["decode"]
+@pytest.mark.parametrize("decoder", ["decode", "decode-async"])
+def test_disaggregated_pair_matches_single_engine(engines: dict[str, EngineProcess],
+                                                  decoder: str) -> None:
+    single, prefill, decode = engines["single"], engines["prefill"], engines[decoder]
     single.generate(WARM_UP, 2)
     disaggregated(prefill, decode, WARM_UP, 2)
     prefill.call(op="drain")  # a finished request's hold reaches its worker a step later
@@ -472,9 +475,10 @@ def test_disaggregated_pair_matches_single_engine(engines: dict[str, EngineProce
     assert pstats["lease_expired"] == base_pre["lease_expired"]
 
 
+@pytest.mark.parametrize("decoder", ["decode", "decode-async"])
 def test_dead_prefill_is_a_load_error_and_an_unread_lease_runs_out(
-        engines: dict[str, EngineProcess]) -> None:
-    single, prefill, decode = engines["single"], engines["prefill"], engines["decode"]
+        engines: dict[str, EngineProcess], decoder: str) -> None:
+    single, prefill, decode = engines["single"], engines["prefill"], engines[decoder]
     base = decode.call(op="stats")["connector"]
     base_pre = prefill.call(op="stats")["connector"]
     ref = single.generate(DEAD_PEER, MAX_TOKENS)

@@ -44,7 +44,7 @@ def _make_llm(role: str, model: str) -> Any:
             "kv_connector": "TransferEngineConnector",
             "kv_connector_module_path": "transfer_engine.connectors.vllm",
             "kv_role": {"prefill": "kv_producer", "decode": "kv_consumer",
-                        "both": "kv_both"}[role],
+                        "both": "kv_both"}[role.partition("-")[0]],  # decode-async...
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": json.loads(
                 os.environ.get("TE_VLLM_EXTRA", "{}")),

@@ -53,6 +53,9 @@ def unpinned() -> Iterator[None]:
             os.sched_setaffinity(0, pinned)
 
 
+LOAD_MODES = ("sync", "async")
+
+
 @dataclass(frozen=True)
 class TEConnectorConfig:
     """``kv_connector_extra_config`` of the connector.
@@ -75,6 +78,12 @@ class TEConnectorConfig:
     :param secret_file: a file holding the control secret of the worker's engine and
         of its store requests (``None``: ``TE_CONTROL_SECRET``/``TE_CONTROL_SECRET_FILE``,
         as every engine and the store's master read it).
+    :param load: how decode loads a remote prefill's KV, which is whole by the time
+        decode sees the request. ``"sync"`` (default): read before the step's forward,
+        so the request computes its next token in the very step that admitted it (the
+        step's forward waits for the read: milliseconds). ``"async"``: read beside
+        the forward; the request is admitted at the step after the read ends, which
+        costs it a step and never delays running streams.
     """
 
     host: str = "127.0.0.1"
@@ -86,6 +95,7 @@ class TEConnectorConfig:
     store: str | None = None
     store_timeout_s: float = 5.0
     secret_file: str | None = None
+    load: str = "sync"
 
     def __post_init__(self) -> None:
         if self.serve is not None:
@@ -98,6 +108,9 @@ class TEConnectorConfig:
             raise ValueError(f"store_timeout_s must be positive, got {self.store_timeout_s}")
         if self.store is not None:
             _check_store_address(self.store)
+        if self.load not in LOAD_MODES:
+            raise ValueError(f"load must be one of {', '.join(LOAD_MODES)}, got "
+                             f"{self.load!r:.40}")
         if self.secret_file is not None and not os.path.isfile(self.secret_file):
             raise ValueError(f"secret_file {self.secret_file!r} is not a readable file")
 
@@ -111,7 +124,7 @@ class TEConnectorConfig:
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> TEConnectorConfig:
         known = {"host", "port", "transports", "lease_s", "timeout_s", "serve", "store",
-                 "store_timeout_s", "secret_file"}
+                 "store_timeout_s", "secret_file", "load"}
         unknown = set(extra) - known
         if unknown:
             raise ValueError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
@@ -130,7 +143,8 @@ class TEConnectorConfig:
                    serve=extra.get("serve"),
                    store=extra.get("store"),
                    store_timeout_s=float(extra.get("store_timeout_s", cls.store_timeout_s)),
-                   secret_file=extra.get("secret_file"))
+                   secret_file=extra.get("secret_file"),
+                   load=str(extra.get("load", cls.load)))
 
 
 def _check_store_address(address: str) -> None:

@@ -72,7 +72,8 @@ class TransferEngineConnector(KVConnectorBase_V1):
             hash_block = getattr(kv_cache_config, "hash_block_size", None) or block_size
             self.scheduler = TEConnectorScheduler(self.engine_id, block_size,
                                                   self.config.lease_s, store=lookup,
-                                                  vllm_hashes=hash_block == block_size)
+                                                  vllm_hashes=hash_block == block_size,
+                                                  sync_load=self.config.load == "sync")
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -105,7 +106,9 @@ class TransferEngineConnector(KVConnectorBase_V1):
         if meta.reqs_to_send:
             self.worker.hold(meta.reqs_to_send)
         if meta.reqs_to_recv:
-            self.worker.start_load(meta.reqs_to_recv.values())
+            specs = meta.reqs_to_recv.values()
+            self.worker.start_load([s for s in specs if not s.sync])
+            self.worker.load_now([s for s in specs if s.sync])
         if meta.store_saves:
             self.worker.start_store_saves(meta.store_saves.values())
         if meta.store_loads:

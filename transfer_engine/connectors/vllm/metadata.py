@@ -33,6 +33,7 @@ class RecvSpec:
     remote_engine_id: str
     remote_request_id: str
     lease_expiry: float = math.inf  # wall clock: the blocks are the peer's after this
+    sync: bool = False  # loaded before this step's forward, which computes with it
 
 
 @dataclass

@@ -56,12 +56,15 @@ class TEConnectorScheduler:
     :param store: the cluster store's lookup (store mode), or ``None``.
     :param vllm_hashes: whether vLLM's block hashes are at ``block_size`` granularity
         (then they key the store; otherwise the token ids do).
+    :param sync_load: load a remote prefill's KV before the forward of the step that
+        admits the request (its KV is whole by then), not beside it.
     """
 
     def __init__(self, engine_id: str, block_size: int, lease_s: float = 30.0,
                  endpoint: str | None = None,
                  wall_clock: Callable[[], float] = time.time,
-                 store: Lookup | None = None, vllm_hashes: bool = True) -> None:
+                 store: Lookup | None = None, vllm_hashes: bool = True,
+                 sync_load: bool = True) -> None:
         self.engine_id = engine_id
         self.block_size = block_size
         self.lease_s = lease_s
@@ -69,10 +72,12 @@ class TEConnectorScheduler:
         self._wall = wall_clock
         self._recv: dict[str, RecvSpec] = {}
         self._send: dict[str, float] = {}
-        self._parsed: dict[str, RemoteParams] = {}  # matched, waiting for allocation
+        self._parsed: dict[str, tuple[RemoteParams, int]] = {}  # matched, waiting for
+        # allocation: the params and the tokens vLLM had computed locally
         self.refused: dict[str, str] = {}  # request id -> why a load was refused
         self.store = store
         self._vllm_hashes = vllm_hashes
+        self.sync_load = sync_load
         self.store_labels: tuple[str, ...] = ()  # every rank's pieces of a block
         self._store_hits: dict[str, tuple[int, int, list[int]]] = {}  # rid -> (computed
         # tokens asked with, blocks stored from the start, their keys)
@@ -194,7 +199,13 @@ class TEConnectorScheduler:
         if parsed is None:
             params["do_remote_prefill"] = False
             return 0, False
-        self._parsed[request.request_id] = parsed
+        self._parsed[request.request_id] = (parsed, num_computed_tokens)
+        if self.sync_load:
+            # the step that loads computes at least the prompt's last token (vLLM
+            # samples from it), so a load covering the whole prompt stops one short
+            last = len(request.prompt_token_ids or ()) - 1
+            count = min(parsed.num_tokens, last) - num_computed_tokens
+            return (count, False) if count > 0 else (0, False)
         count = parsed.num_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -206,16 +217,20 @@ class TEConnectorScheduler:
             return
         self._store_hits.pop(request.request_id, None)
         params["do_remote_prefill"] = False  # a preempted request recomputes
-        parsed = self._parsed.pop(request.request_id, None)
-        if num_external_tokens <= 0 or parsed is None:
+        matched = self._parsed.pop(request.request_id, None)
+        if num_external_tokens <= 0 or matched is None:
             return
+        parsed, local_tokens = matched
         group = blocks.blocks[0]
-        cached = sum(1 for b in group if b.block_hash is not None)
+        # blocks vLLM had cached (never their hashes: a sync load's blocks are hashed
+        # as they are allocated, before any byte is loaded into them)
+        cached = local_tokens // self.block_size
         remote = parsed.block_ids
         end = min(len(remote), len(group))
         self._recv[request.request_id] = RecvSpec(
             request.request_id, [b.block_id for b in group[cached:end]], remote[cached:end],
-            parsed.endpoint, parsed.engine_id, parsed.request_id, parsed.lease_expiry)
+            parsed.endpoint, parsed.engine_id, parsed.request_id, parsed.lease_expiry,
+            sync=self.sync_load)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None
                              ) -> TEConnectorMetadata:

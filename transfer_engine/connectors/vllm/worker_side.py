@@ -3,13 +3,15 @@ in store mode, loads from and saves to the cluster store."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,7 +227,7 @@ class TEConnectorWorker:
             if self._executor is None:
                 # unpinned, and so are the rails' threads a handshake starts
                 self._executor = ThreadPoolExecutor(
-                    max_workers=2, thread_name_prefix=f"te-vllm-handshake-{self.engine_name}",
+                    max_workers=4, thread_name_prefix=f"te-vllm-handshake-{self.engine_name}",
                     initializer=unpin_current_thread)
             fut = self._executor.submit(self._connect_peer, self.engine, endpoint)
             self._handshakes[endpoint] = fut
@@ -269,10 +271,7 @@ class TEConnectorWorker:
             self.stats["recv_requests"] += 1
             self._recving[spec.request_id] = recv
             try:
-                if not spec.local_block_ids:
-                    raise ProtocolError("no blocks to load")
-                if len(spec.local_block_ids) != len(spec.remote_block_ids):
-                    raise ProtocolError("local and remote block counts differ")
+                self._check_spec(spec)
                 info = self._peers.get(spec.remote_endpoint)
                 if info is None:
                     recv.handshake = self._handshake(spec.remote_endpoint)
@@ -281,7 +280,86 @@ class TEConnectorWorker:
             except (TransferEngineError, KeyError, ValueError) as exc:
                 self._fail(recv, exc)
 
-    def _issue(self, recv: _Recv, info: _RemoteInfo) -> None:
+    def load_now(self, specs: Iterable[RecvSpec]) -> None:
+        """Loads before this step's forward, which computes with the KV: every READ
+        (and each new peer's handshake) is started, then all are waited for, within
+        ``timeout_s`` in all. A load that fails marks its blocks, and vLLM recomputes
+        them."""
+        specs = list(specs)
+        if not specs:
+            return
+        deadline = time.monotonic() + self.config.timeout_s
+        recvs = []
+        for spec in specs:
+            recv = _Recv(spec, None, self._clock())
+            self.stats["recv_requests"] += 1
+            recvs.append(recv)
+            try:
+                self._check_spec(spec)
+                info = self._peers.get(spec.remote_endpoint)
+                if info is None:
+                    recv.handshake = self._handshake(spec.remote_endpoint)
+                else:
+                    self._issue(recv, info, timeout=self.config.timeout_s)
+            except (TransferEngineError, KeyError, ValueError) as exc:
+                self._fail(recv, exc)
+        shaking = [r for r in recvs if r.handshake is not None]
+        while shaking:  # each READ starts as soon as its peer's handshake is done
+            pending = {r.handshake for r in shaking if r.handshake is not None}
+            futures_wait(pending, timeout=max(0.0, deadline - time.monotonic()),
+                         return_when=FIRST_COMPLETED)
+            late = time.monotonic() >= deadline
+            for recv in list(shaking):
+                fut = recv.handshake
+                assert fut is not None
+                if fut.done():
+                    shaking.remove(recv)
+                    self._after_handshake(recv, fut, max(0.001, deadline - time.monotonic()))
+                elif late:  # its future stays for a later load to use
+                    shaking.remove(recv)
+                    recv.handshake = None
+                    self._fail(recv, TransferTimeout(
+                        f"handshake not done within {self.config.timeout_s} s",
+                        peer=recv.spec.remote_endpoint, op="load"))
+        for recv in recvs:
+            handle = recv.handle
+            if handle is not None:
+                with contextlib.suppress(TransferEngineError):
+                    # the READ's own deadline ends it; past that, the cancel
+                    # returns once nothing of ours writes into the blocks
+                    handle.wait(max(0.0, deadline - time.monotonic()) + 1.0)
+                if handle.cancel():
+                    log.error("request %s: KV read cancelled after %.1f s",
+                              recv.spec.request_id, self._clock() - recv.started)
+            if self._loaded(recv):
+                continue
+            self.stats["recv_failed"] += 1
+            self._failed_blocks.update(recv.spec.local_block_ids)
+
+    def _check_spec(self, spec: RecvSpec) -> None:
+        if not spec.local_block_ids:
+            raise ProtocolError("no blocks to load")
+        if len(spec.local_block_ids) != len(spec.remote_block_ids):
+            raise ProtocolError("local and remote block counts differ")
+
+    def _loaded(self, recv: _Recv) -> bool:
+        """Whether the request's READ ended well inside the prefill's lease (counted
+        in the stats); logs why not."""
+        handle = recv.handle
+        if handle is not None and handle.state is TransferState.DONE:
+            if self._wall() < recv.spec.lease_expiry:
+                self.stats["recv_bytes"] += handle.nbytes
+                self.stats["recv_seconds"].append(self._clock() - recv.started)
+                return True
+            # not shown to have finished inside the lease: the bytes may be another
+            # request's
+            log.error("request %s: KV read finished after the prefill engine's lease "
+                      "ran out; recomputing", recv.spec.request_id)
+        elif handle is not None:
+            log.error("request %s: KV read failed: %s", recv.spec.request_id, handle.error)
+        return False
+
+    def _issue(self, recv: _Recv, info: _RemoteInfo, timeout: float | None = None) -> None:
         assert self.engine is not None
         spec = recv.spec
         if self._wall() >= spec.lease_expiry:
@@ -289,7 +367,8 @@ class TEConnectorWorker:
                              "read could start; they may hold another request's KV by now")
             return
         recv.handle = self.engine.read(info.peer, self._pairs(info, spec),
-                                       notify=SENT_PREFIX + spec.remote_request_id.encode())
+                                       notify=SENT_PREFIX + spec.remote_request_id.encode(),
+                                       timeout=timeout)
 
     def _fail(self, recv: _Recv, why: BaseException | str) -> None:
         recv.error = str(why)
@@ -298,7 +377,8 @@ class TEConnectorWorker:
         log.error("request %s: KV load from %s failed: %s", recv.spec.request_id,
                   recv.spec.remote_endpoint, why)
 
-    def _after_handshake(self, recv: _Recv, fut: Future[_RemoteInfo]) -> None:
+    def _after_handshake(self, recv: _Recv, fut: Future[_RemoteInfo],
+                         timeout: float | None = None) -> None:
         endpoint = recv.spec.remote_endpoint
         recv.handshake = None
         if self._handshakes.get(endpoint) is fut:
@@ -306,7 +386,7 @@ class TEConnectorWorker:
         try:
             info = fut.result()
             info = self._peers.setdefault(endpoint, info)
-            self._issue(recv, info)
+            self._issue(recv, info, timeout)
         # Whatever broke the handshake (a refused peer, a timeout, the engine closing
         # under it), the request must come back as a load error, not end the engine.
         except Exception as exc:  # noqa: BLE001
@@ -441,18 +521,8 @@ class TEConnectorWorker:
                 continue
             del self._recving[rid]
             out.finished_recving.add(rid)
-            if handle is not None and handle.state is TransferState.DONE:
-                if self._wall() < recv.spec.lease_expiry:
-                    self.stats["recv_bytes"] += handle.nbytes
-                    self.stats["recv_seconds"].append(self._clock() - recv.started)
-                    continue
-                # not shown to have finished inside the lease: the bytes may be another
-                # request's
-                log.error("request %s: KV read finished after the prefill engine's lease "
-                          "ran out; recomputing", rid)
-                handle = None
-            if handle is not None:
-                log.error("request %s: KV read failed: %s", rid, handle.error)
+            if self._loaded(recv):
+                continue
             self.stats["recv_failed"] += 1
             out.failed_recving.add(rid)
             self._failed_blocks.update(recv.spec.local_block_ids)
