@@ -26,6 +26,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -52,6 +53,7 @@ with warnings.catch_warnings():  # vLLM and torch warn at import; not our concer
         block_layout,
         coalesce,
     )
+    from transfer_engine.connectors.vllm.stats import TEConnectorStats
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::DeprecationWarning", "ignore::FutureWarning")
@@ -122,6 +124,40 @@ def spec(prefill: TEConnectorWorker, rid: str, local: list[int], remote: list[in
          ) -> RecvSpec:
     assert prefill.engine is not None
     return RecvSpec(rid, local, remote, prefill.engine.endpoint, "prefill-engine", rid)
+
+
+# --- threads and CPUs ------------------------------------------------------------------
+
+_AFFINITY = """
+import os, sys, threading
+from transfer_engine.connectors.vllm.config import unpinned
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # as vLLM pins its compute thread
+seen = []
+with unpinned():
+    t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))
+    t.start()
+    t.join()
+print(seen[0], sorted(os.sched_getaffinity(0)))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_engine_threads_leave_the_pinned_core_but_keep_to_the_process_cpus() -> None:
+    """Threads the connector starts run off the core vLLM pinned its compute thread
+    to, on every CPU the server was given, and never outside a taskset around it."""
+    import subprocess
+    import sys
+
+    cpus = sorted(os.sched_getaffinity(0))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    free = subprocess.run([sys.executable, "-c", _AFFINITY], capture_output=True,
+                          text=True, env=env, timeout=120, check=True).stdout.split("\n")[0]
+    assert free == f"{cpus} {cpus[:1]}"  # the caller gets its one core back
+    given = cpus[-1:]  # a server given one core: all its threads stay there
+    boxed = subprocess.run(["taskset", "-c", ",".join(map(str, given)), sys.executable,
+                            "-c", _AFFINITY], capture_output=True, text=True, env=env,
+                           timeout=120, check=True).stdout.split("\n")[0]
+    assert boxed == f"{given} {given[:1]}"
 
 
 # --- layout from strides --------------------------------------------------------------
@@ -354,6 +390,36 @@ def test_sync_load_failures_mark_their_blocks_within_the_timeout(pair: Any) -> N
     assert decode.stats["recv_failed"] == 4
     res = decode.results()
     assert not res.finished_recving and not res.failed_recving
+
+
+def test_interval_stats_count_each_event_once(pair: Any) -> None:
+    """What vLLM's loggers and /metrics get: the change since the last step, summed
+    across workers; nothing to report is None."""
+    prefill, decode, _, _ = pair
+    assert decode.interval_stats() is None and prefill.interval_stats() is None
+    prefill.hold({"a": 30.0, "b": 30.0})
+    decode.load_now([sync(spec(prefill, "a", [1, 2], [3, 4]))])
+    decode.start_load([spec(prefill, "b", [5], [6])])
+    wait_results(decode, "finished_recving", "b")
+    decode.load_now([sync(spec(prefill, "c", [7], [NUM_BLOCKS + 9]))])  # fails
+    deadline = time.monotonic() + 5
+    while prefill.held and time.monotonic() < deadline:
+        prefill.results()
+        time.sleep(0.005)
+    d, p = decode.interval_stats(), prefill.interval_stats()
+    assert d is not None and p is not None
+    assert (d["loads"], d["sync_loads"], d["load_failures"]) == (3, 2, 1)
+    assert d["load_bytes"] == decode.stats["recv_bytes"] > 0
+    assert len(d["load_seconds"]) == 2 and p["sent"] == 2 and len(p["held_seconds"]) == 2
+    assert decode.interval_stats() is None and prefill.interval_stats() is None
+    total = TEConnectorStats(data=d).aggregate(TEConnectorStats(data=p))
+    assert isinstance(total, TEConnectorStats) and not total.is_empty()
+    summary = total.reduce()
+    assert summary["loads"] == 3 and summary["sent"] == 2
+    assert 0 < summary["load_ms_p50"] <= summary["load_ms_p99"]
+    assert TEConnectorStats().is_empty() and TEConnectorStats().reduce() == {}
+    # another version's keys are dropped, missing ones read as nothing
+    assert TEConnectorStats(data={"loads": 1, "future": [1]}).reduce() == {"loads": 1}
 
 
 def test_a_refused_endpoint_is_a_load_error_at_once(pair: Any) -> None:

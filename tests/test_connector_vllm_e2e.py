@@ -251,6 +251,17 @@ def by_source(port: int) -> dict[str, float]:
         metrics, re.M)}
 
 
+def te_metrics(port: int) -> dict[str, float]:
+    """The connector's own series on a server's /metrics (``vllm:te_kv_*``), summed
+    over their labels."""
+    out: dict[str, float] = {}
+    metrics = http_json(port, "GET", "/metrics")[1]
+    for name, value in re.findall(r"^vllm:(te_kv_\w+?)(?:\{[^}]*\})? ([\d.e+-]+)$",
+                                  metrics, re.M):
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
 def completion(port: int, body: dict[str, Any]) -> dict[str, Any]:
     """One completion, streamed or not, as the fields a client sees in the end: text,
     finish and stop reason, token ids (when asked) and usage (when given)."""
@@ -289,6 +300,7 @@ def test_proxy_between_vllm_servers(pd_servers: dict[str, Any]) -> None:
     first-token hand-off (decode computes prefill's first token), all but its last
     token in the sequential one (decode computes that token to sample the next)."""
     ports, model = pd_servers["ports"], pd_servers["model"]
+    te_before = te_metrics(ports["decode"]), te_metrics(ports["prefill"])
     for handoff in ("sequential", "first"):
         before = by_source(ports["decode"])
         prompt_tokens = requests = 0
@@ -308,6 +320,22 @@ def test_proxy_between_vllm_servers(pd_servers: dict[str, Any]) -> None:
         assert loaded == prompt_tokens - (requests if handoff == "sequential" else 0), (
             handoff, before, after)
         assert computed == requests, (handoff, before, after)
+    # the connector's stats reached vLLM's /metrics: four loads in the admitting step,
+    # their bytes and times on decode; four requests whose blocks were read on prefill
+    deadline = time.monotonic() + 30
+    while True:  # prefill learns of decode's read at a later step, /metrics after it
+        dec, pre = te_metrics(ports["decode"]), te_metrics(ports["prefill"])
+        sent = pre.get("te_kv_sent_requests_total", 0) - te_before[1].get(
+            "te_kv_sent_requests_total", 0)
+        if sent >= 4 or time.monotonic() > deadline:
+            break
+        completion(ports["prefill"], {"model": model, "prompt": "tick", "max_tokens": 1})
+        time.sleep(0.2)
+    grew = {k: v - te_before[0].get(k, 0) for k, v in dec.items()}
+    assert grew["te_kv_loads_total"] == grew["te_kv_sync_loads_total"] == 4, grew
+    assert grew.get("te_kv_load_failures_total", 0) == 0, grew
+    assert grew["te_kv_load_bytes_total"] > 0 and grew["te_kv_load_seconds_count"] == 4, grew
+    assert sent == 4, pre
 
     # a prompt under --local-below (default 64 tokens) is prefilled on decode
     body = {"model": model, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,

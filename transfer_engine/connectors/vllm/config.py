@@ -20,23 +20,31 @@ SENT_PREFIX = b"te-vllm/sent:"  # notification: the reader has every byte of a r
 
 
 def _all_cpus() -> set[int]:
-    return set(range(os.cpu_count() or 1))
+    """The CPUs this process was given: those any of its threads may run on. vLLM pins
+    only its compute threads; a ``taskset`` or cpuset around the server bounds them
+    all, and the engine's threads keep within it."""
+    cpus: set[int] = set()
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError, ValueError):
+                cpus |= os.sched_getaffinity(int(tid))
+    return cpus or set(range(os.cpu_count() or 1))
 
 
 def unpin_current_thread() -> None:
-    """Lets the calling thread run on every CPU (the kernel keeps it within the
-    process's cpuset)."""
+    """Lets the calling thread run on every CPU the process was given."""
     with contextlib.suppress(AttributeError, OSError):
         os.sched_setaffinity(0, _all_cpus())
 
 
 @contextlib.contextmanager
 def unpinned() -> Iterator[None]:
-    """Threads started inside run on every CPU, not on the one core vLLM's CPU worker
-    pins its compute thread to. A new thread inherits its creator's CPUs, so without
-    this the engine's transfer and control threads would share that core with vLLM's
-    busy-polling main loop (and, on one host, with the other engine's): they then
-    starve for seconds. The calling thread gets its own CPUs back on exit."""
+    """Threads started inside run on every CPU the process was given, not on the one
+    core vLLM's CPU worker pins its compute thread to. A new thread inherits its
+    creator's CPUs, so without this the engine's transfer and control threads would
+    share that core with vLLM's busy-polling main loop (and, on one host, with the
+    other engine's): they then starve for seconds. The calling thread gets its own
+    CPUs back on exit."""
     try:
         pinned = os.sched_getaffinity(0)
     except (AttributeError, OSError):  # not Linux: nothing is pinned this way

@@ -25,12 +25,19 @@ from transfer_engine.connectors.vllm.metadata import (
 from transfer_engine.connectors.vllm.scheduler_side import (
     TEConnectorScheduler,
 )
+from transfer_engine.connectors.vllm.stats import TEConnectorStats, TEPromMetrics
 from transfer_engine.connectors.vllm.worker_side import (
     TEConnectorWorker,
 )
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -99,10 +106,14 @@ class TransferEngineConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self.worker.handshake_metadata() if self.worker is not None else None
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        assert self.worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, TEConnectorMetadata)
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Starts the step's work as soon as its metadata arrives, before the forward:
+        vLLM calls ``start_load_kv`` only after the forward in steps without a sync
+        load, which would leave an async load (and prefill's hold) a step behind."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is None or not isinstance(connector_metadata, TEConnectorMetadata):
+            return
+        meta = connector_metadata
         if meta.reqs_to_send:
             self.worker.hold(meta.reqs_to_send)
         if meta.reqs_to_recv:
@@ -113,6 +124,9 @@ class TransferEngineConnector(KVConnectorBase_V1):
             self.worker.start_store_saves(meta.store_saves.values())
         if meta.store_loads:
             self.worker.start_store_loads(meta.store_loads.values())
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        return  # started by bind_connector_metadata
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -133,6 +147,23 @@ class TransferEngineConnector(KVConnectorBase_V1):
                      ) -> tuple[set[str] | None, set[str] | None]:
         res = self.get_transfer_results(finished_req_ids)
         return res.finished_sending, res.finished_recving
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        data = self.worker.interval_stats() if self.worker is not None else None
+        return TEConnectorStats(data=data) if data is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return TEConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return TEPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_failed_blocks() if self.worker is not None else set()

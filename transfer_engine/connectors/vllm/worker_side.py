@@ -59,6 +59,14 @@ log = logging.getLogger(__name__)
 
 
 _WORKERS: weakref.WeakSet[TEConnectorWorker] = weakref.WeakSet()
+# TEConnectorStats key -> the worker's cumulative stat it is the change of
+_INTERVAL_COUNTS = {"loads": "recv_requests", "sync_loads": "recv_sync",
+                    "load_failures": "recv_failed", "load_bytes": "recv_bytes",
+                    "sent": "sent_requests", "lease_expired": "lease_expired",
+                    "store_loads": "store_loads", "store_load_failures": "store_load_failed",
+                    "store_load_bytes": "store_load_bytes", "store_saves": "store_saves",
+                    "store_save_failures": "store_save_failed",
+                    "store_save_bytes": "store_save_bytes"}
 
 
 def live_workers() -> list[TEConnectorWorker]:
@@ -70,7 +78,7 @@ def live_workers() -> list[TEConnectorWorker]:
 class _Recv:
     spec: RecvSpec
     handle: TransferHandle | None
-    started: float
+    started: float  # time.monotonic(): durations are real even under a fake clock
     error: str | None = None
     handshake: Future[_RemoteInfo] | None = None  # the peer's, while it is under way
 
@@ -125,7 +133,13 @@ class TEConnectorWorker:
                                       "sent_requests": 0, "lease_expired": 0,
                                       "store_loads": 0, "store_load_failed": 0,
                                       "store_load_bytes": 0, "store_saves": 0,
-                                      "store_save_failed": 0, "store_save_bytes": 0}
+                                      "store_save_failed": 0, "store_save_bytes": 0,
+                                      "recv_sync": 0}
+        self._reported = {k: 0 for k in _INTERVAL_COUNTS.values()}  # by interval_stats
+        self._times: dict[str, deque[float]] = {  # since the last interval_stats
+            key: deque(maxlen=4096) for key in ("load_seconds", "held_seconds",
+                                                "store_load_seconds")}
+        self._held_at: dict[str, float] = {}  # request id -> when prefill held it
         _WORKERS.add(self)
 
     # set-up
@@ -267,7 +281,7 @@ class TEConnectorWorker:
         """Starts one READ per request, or the peer's handshake first; never waits on
         the network. Failures are reported by :meth:`results`."""
         for spec in specs:
-            recv = _Recv(spec, None, self._clock())
+            recv = _Recv(spec, None, time.monotonic())
             self.stats["recv_requests"] += 1
             self._recving[spec.request_id] = recv
             try:
@@ -291,8 +305,9 @@ class TEConnectorWorker:
         deadline = time.monotonic() + self.config.timeout_s
         recvs = []
         for spec in specs:
-            recv = _Recv(spec, None, self._clock())
+            recv = _Recv(spec, None, time.monotonic())
             self.stats["recv_requests"] += 1
+            self.stats["recv_sync"] += 1
             recvs.append(recv)
             try:
                 self._check_spec(spec)
@@ -330,7 +345,7 @@ class TEConnectorWorker:
                     handle.wait(max(0.0, deadline - time.monotonic()) + 1.0)
                 if handle.cancel():
                     log.error("request %s: KV read cancelled after %.1f s",
-                              recv.spec.request_id, self._clock() - recv.started)
+                              recv.spec.request_id, time.monotonic() - recv.started)
             if self._loaded(recv):
                 continue
             self.stats["recv_failed"] += 1
@@ -349,7 +364,9 @@ class TEConnectorWorker:
         if handle is not None and handle.state is TransferState.DONE:
             if self._wall() < recv.spec.lease_expiry:
                 self.stats["recv_bytes"] += handle.nbytes
-                self.stats["recv_seconds"].append(self._clock() - recv.started)
+                took = time.monotonic() - recv.started
+                self.stats["recv_seconds"].append(took)
+                self._times["load_seconds"].append(took)
                 return True
             # not shown to have finished inside the lease: the bytes may be another
             # request's
@@ -406,7 +423,7 @@ class TEConnectorWorker:
                 fut.set_exception(ProtocolError("no blocks to load from the store"))
             else:
                 fut = self._store_executor.submit(self.store.load, spec)
-            self._store_loads[spec.request_id] = (spec, fut, self._clock())
+            self._store_loads[spec.request_id] = (spec, fut, time.monotonic())
 
     def start_store_saves(self, specs: Iterable[StoreSave]) -> None:
         """Queues each finished request's put; vLLM frees its blocks once it is done
@@ -430,7 +447,9 @@ class TEConnectorWorker:
             out.finished_recving.add(rid)
             try:
                 self.stats["store_load_bytes"] += fut.result()
-                self.stats["recv_seconds"].append(self._clock() - started)
+                took = time.monotonic() - started
+                self.stats["recv_seconds"].append(took)
+                self._times["store_load_seconds"].append(took)
             # Whatever broke the load (a missing piece, a node or the master gone),
             # vLLM recomputes the blocks: never a failed request, never wrong KV.
             except Exception as exc:  # noqa: BLE001
@@ -464,6 +483,7 @@ class TEConnectorWorker:
         with self._lock:
             for rid, lease in reqs.items():
                 self._sending[rid] = now + lease
+                self._held_at[rid] = time.monotonic()
 
     def _on_notify(self, note: Any) -> None:
         payload: bytes = note.payload
@@ -490,9 +510,12 @@ class TEConnectorWorker:
                     self._sent_early.discard(rid)
                     released.add(rid)
                     self.stats["sent_requests"] += 1
+                    self._times["held_seconds"].append(
+                        time.monotonic() - self._held_at.pop(rid, time.monotonic()))
             for rid, deadline in list(self._sending.items()):
                 if deadline <= now:
                     del self._sending[rid]
+                    self._held_at.pop(rid, None)
                     released.add(rid)
                     self.stats["lease_expired"] += 1
                     log.warning("request %s: lease ran out before the decoder read its "
@@ -527,6 +550,20 @@ class TEConnectorWorker:
             out.failed_recving.add(rid)
             self._failed_blocks.update(recv.spec.local_block_ids)
         return out
+
+    def interval_stats(self) -> dict[str, Any] | None:
+        """What happened since the last call, as :class:`~.stats.TEConnectorStats`
+        data (vLLM asks once per step), or None when nothing did."""
+        out: dict[str, Any] = {}
+        for key, stat in _INTERVAL_COUNTS.items():
+            value = int(self.stats[stat])
+            out[key] = value - self._reported[stat]
+            self._reported[stat] = value
+        with self._lock:
+            for key, times in self._times.items():
+                out[key] = list(times)
+                times.clear()
+        return out if any(out.values()) else None
 
     def take_failed_blocks(self) -> set[int]:
         out, self._failed_blocks = self._failed_blocks, set()
