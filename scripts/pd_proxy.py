@@ -535,18 +535,20 @@ class Proxy(BaseHTTPRequestHandler):
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise ValueError(f"decode stream error: {chunk['error']}")
+            added = False
             for c in chunk.get("choices") or []:
                 ids = c.get("token_ids") or []
                 fin = c.get("finish_reason")
                 for i, t in enumerate(ids):
+                    added = True
                     if asm.add(int(t), fin == "stop" and i == len(ids) - 1):
                         return "stop", asm.stop_reason
                 if fin is not None:
                     return fin, c.get("stop_reason")
-            if emit is not None:
-                text = asm.delta(False)
-                if text:
-                    emit(text, None, None)
+            if emit is not None and added:
+                # a chunk per step, as vLLM streams: its text may be empty (a token
+                # that ends inside a character, text held back for a stop string)
+                emit(asm.delta(False), None, None)
         return None, None
 
     def _relay(self, d: Decision, conn: http.client.HTTPConnection,
