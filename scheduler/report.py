@@ -92,68 +92,12 @@ def table(rows: list[dict[str, Any]]) -> str:
 def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     """TTFT p50/p90/p99 per policy (one group per fleet size). Returns the file written:
     ``path`` as PNG with matplotlib, else beside it as SVG."""
-    try:
-        import matplotlib  # noqa: PLC0415
+    from bench.charts import bars  # noqa: PLC0415
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        print("matplotlib is not installed (pip install matplotlib); drawing an SVG")
-        return _svg(rows, path.with_suffix(".svg"))
-    fig, ax = plt.subplots(figsize=(8, 4))
-    labels = [f"{r['policy']}\n{r['nodes']} nodes x{r['time_scale']:g}" for r in rows]
-    for i, q in enumerate(("p50", "p90", "p99")):
-        ax.bar([x + 0.27 * i for x in range(len(rows))], [r[f"{q}_ttft_s"] for r in rows],
-               width=0.27, label=q)
-    ax.set_xticks([x + 0.27 for x in range(len(rows))], labels, fontsize=7)
-    ax.set_yscale("log")
-    ax.set_ylabel("TTFT (s)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def _svg(rows: list[dict[str, Any]], path: Path) -> Path:
-    import math  # noqa: PLC0415
-
-    width, height, left, bottom, top = 120 + 90 * len(rows), 360, 60, 80, 20
-    values = [r[f"{q}_ttft_s"] for r in rows for q in ("p50", "p90", "p99")]
-    lo = math.floor(math.log10(max(min(values), 1e-3)))
-    hi = math.ceil(math.log10(max(values)))
-    hi = hi if hi > lo else lo + 1
-
-    def y(v: float) -> float:
-        frac = (math.log10(max(v, 10 ** lo)) - lo) / (hi - lo)
-        return height - bottom - frac * (height - bottom - top)
-
-    colors = {"p50": "#4c72b0", "p90": "#dd8452", "p99": "#c44e52"}
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           'font-family="sans-serif" font-size="10">']
-    for e in range(lo, hi + 1):
-        out.append(f'<line x1="{left}" x2="{width - 10}" y1="{y(10 ** e):.1f}" '
-                   f'y2="{y(10 ** e):.1f}" stroke="#ddd"/>'
-                   f'<text x="{left - 5}" y="{y(10 ** e) + 3:.1f}" text-anchor="end">'
-                   f'{10 ** e:g}</text>')
-    for i, r in enumerate(rows):
-        x0 = left + 10 + 90 * i
-        for j, q in enumerate(("p50", "p90", "p99")):
-            v = r[f"{q}_ttft_s"]
-            out.append(f'<rect x="{x0 + 22 * j}" y="{y(v):.1f}" width="20" '
-                       f'height="{height - bottom - y(v):.1f}" fill="{colors[q]}">'
-                       f'<title>{q} {v}s</title></rect>')
-        out.append(f'<text x="{x0 + 33}" y="{height - bottom + 14}" text-anchor="middle">'
-                   f'{r["policy"]}</text><text x="{x0 + 33}" y="{height - bottom + 28}" '
-                   f'text-anchor="middle">{r["nodes"]} x{r["time_scale"]:g}</text>')
-    for j, q in enumerate(colors):
-        out.append(f'<rect x="{left + 70 * j}" y="{height - 30}" width="10" height="10" '
-                   f'fill="{colors[q]}"/><text x="{left + 70 * j + 14}" '
-                   f'y="{height - 21}">{q} TTFT</text>')
-    out.append(f'<text x="14" y="{(height - bottom) / 2}" transform="rotate(-90 14 '
-               f'{(height - bottom) / 2})" text-anchor="middle">TTFT (s, log)</text></svg>')
-    path.write_text("\n".join(out) + "\n")
-    return path
+    groups = [f"{r['policy']}\n{r['nodes']} x{r['time_scale']:g}" for r in rows]
+    return bars(groups, {f"{q} TTFT": [r[f"{q}_ttft_s"] for r in rows]
+                         for q in ("p50", "p90", "p99")}, path, ylabel="TTFT (s, log)",
+                log=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -120,3 +120,46 @@ def test_many_peers_bench_counts_threads_and_verifies(tmp_path: Path) -> None:
     assert res["verified"] and res["peers"] == 6
     assert res["fanout_gbps"] > 0 and res["one_peer_gbps"] > 0 and res["fanout_vs_one"] > 0
     assert res["data_plane_threads_after"] <= worker_count() + 1
+
+
+def test_charts_draw_without_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                        ) -> None:
+    """--plot needs no extra dependency: without matplotlib the chart is an SVG beside
+    the asked path, with one bar per value; mismatched series are refused."""
+    import builtins
+
+    from bench.charts import bars
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name: str, *args: object, **kwargs: object) -> object:
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    out = bars(["shm\n0 streams", "tcp\n16 streams"],
+               {"local TTFT": [60.0, 170.0], "first TTFT": [68.0, 100.0]},
+               tmp_path / "sub" / "chart.png", ylabel="ms (p50)")
+    assert out == tmp_path / "sub" / "chart.svg"
+    svg = out.read_text()
+    assert svg.startswith("<svg") and svg.count("<rect") == 4 + 2  # bars + legend
+    assert "first TTFT: 100" in svg
+    log = bars(["a"], {"x": [0.002]}, tmp_path / "log.png", ylabel="s", log=True)
+    assert log.read_text().count("<rect") == 2
+    with pytest.raises(ValueError, match="2 values for 1 groups"):
+        bars(["a"], {"x": [1.0, 2.0]}, tmp_path / "bad.png", ylabel="s")
+
+
+def test_pd_serving_gap_windows_and_quantiles() -> None:
+    """The serving bench's accounting: a running stream's gap belongs to a probe's
+    kind when it ends inside one of that kind's windows."""
+    from bench.pd_serving import gaps_in, quantile
+
+    windows = [(1.0, 2.0), (5.0, 6.0)]
+    gaps = [(0.5, 0.1), (1.5, 0.2), (2.0, 0.3), (3.0, 0.4), (5.5, 0.5), (7.0, 0.6)]
+    assert gaps_in(windows, gaps) == [0.2, 0.3, 0.5]
+    assert gaps_in([], gaps) == []
+    assert quantile([3.0], 0.99) == 3.0
+    assert quantile([1.0, 2.0, 3.0], 0.5) == 2.0
+    assert quantile([float(i) for i in range(101)], 0.99) == 99.0

@@ -1,0 +1,294 @@
+"""P/D serving benchmark on vLLM (CPU build): fresh prompts sent straight to decode
+(it prefills them itself: "local") and through ``scripts/pd_proxy.py``'s hand-offs, on
+an idle decode server and on one decoding other streams, per transport. Reports, per
+route, time to the first and to the second token (p50/p90), the running streams'
+inter-token gap p99 while each kind of request is in flight, and the hand-off's phases
+from the connector's own metrics (decode's load, prefill's wait for decode to read);
+``--plot`` draws the medians. Starts everything itself: a random Llama with a
+byte-level tokenizer built offline (``--layers``, ``--hidden``), two vLLM API servers
+with the connector, each on a core of its own (the whole server, under ``taskset``: two
+one-core hosts), and a router per hand-off::
+
+    PYTHONPATH=. .venv-vllm/bin/python -m bench.pd_serving --layers 16 --tokens 512 \\
+        --streams 0 16 --rounds 8 --transports shm tcp --plot results/pd_serving.png
+
+Routes are interleaved per round and one request is probed at a time, which keeps the
+ratios honest on a shared machine. Prints one JSON line per transport and load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import contextlib
+import http.client
+import json
+import os
+import random
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def stream_times(port: int, body: dict[str, Any], timeout: float = 120.0
+                 ) -> list[float]:
+    """Arrival times (``perf_counter``) of a streamed completion's data lines (one per
+    token, but for text a token leaves unfinished); the first entry is when it was
+    sent."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        seen = [time.perf_counter()]
+        conn.request("POST", "/v1/completions", json.dumps(dict(body, stream=True)).encode(),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
+        for line in iter(resp.readline, b""):
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                seen.append(time.perf_counter())
+        if len(seen) < 2:
+            raise RuntimeError("no data line")
+        return seen
+    finally:
+        conn.close()
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The q-quantile by linear interpolation (statistics' method, any length)."""
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def te_metrics(port: int) -> dict[str, float]:
+    """The connector's series (``vllm:te_kv_*``) on a server's /metrics, summed over
+    their labels."""
+    from tests.test_connector_vllm_e2e import http_json
+
+    out: dict[str, float] = {}
+    for name, value in re.findall(r"^vllm:(te_kv_\w+?)(?:\{[^}]*\})? ([\d.e+-]+)$",
+                                  http_json(port, "GET", "/metrics")[1], re.M):
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def gaps_in(windows: list[tuple[float, float]], gaps: list[tuple[float, float]]
+            ) -> list[float]:
+    """The gaps (end time, length) that end inside one of the windows (sorted, apart)."""
+    starts = [w[0] for w in windows]
+    out = []
+    for end, length in gaps:
+        i = bisect.bisect_right(starts, end) - 1
+        if i >= 0 and end <= windows[i][1]:
+            out.append(length)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=256,
+                    help="hidden size (heads of 64; 256: 32 KiB of KV per token with 16 "
+                         "layers, 16 MiB per 512-token prompt)")
+    ap.add_argument("--tokens", type=int, default=512, help="prompt tokens")
+    ap.add_argument("--streams", type=int, nargs="+", default=[0, 16],
+                    help="other streams decode runs meanwhile, one run each")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--transports", nargs="+", default=["shm", "tcp"],
+                    help="the connector's transport, one pair of servers each")
+    ap.add_argument("--handoffs", nargs="+", default=["first", "sequential"],
+                    choices=["first", "sequential"], help="the router's hand-offs")
+    ap.add_argument("--load", choices=("sync", "async"), default="sync",
+                    help="how decode's connector loads prefill's KV")
+    ap.add_argument("--prefill-serve", choices=("process", "thread"), default="process",
+                    help="where prefill serves decode's reads (the README's advice: a "
+                         "serving process, its model runner holds Python's lock)")
+    ap.add_argument("--no-taskset", action="store_true",
+                    help="pin only vLLM's compute threads, not each whole server, to its "
+                         "core (by default each server is a one-core host)")
+    ap.add_argument("--max-tokens", type=int, default=4, help="tokens per probe")
+    ap.add_argument("--plot", type=Path, help="draw the medians (PNG, else SVG)")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    rows = []
+    for transport in args.transports:
+        rows += run_transport(args, transport)
+    if args.plot:
+        from bench.charts import bars
+
+        groups = [f"{r['transport']}\n{r['decode_streams']} streams" for r in rows]
+        routes = ["local", *args.handoffs]
+        series = {f"{route} {what}": [r[f"{route}_{key}_ms_p50"] for r in rows]
+                  for route in routes for what, key in (("TTFT", "ttft"),
+                                                        ("2nd token", "second"))}
+        print(f"plot: {bars(groups, series, args.plot, ylabel='ms (p50)')}", flush=True)
+
+
+def run_transport(args: argparse.Namespace, transport: str) -> list[dict[str, Any]]:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from tests import test_connector_vllm_e2e as e2e
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp_dir, contextlib.ExitStack() as stack:
+        tmp = Path(tmp_dir)
+        model = tmp / "model"
+        e2e.build_byte_model(model)
+        cfg = json.loads((model / "config.json").read_text())
+        torch.manual_seed(1)
+        heads = max(1, args.hidden // 64)
+        LlamaForCausalLM(LlamaConfig(**{
+            **cfg, "num_hidden_layers": args.layers, "hidden_size": args.hidden,
+            "intermediate_size": 2 * args.hidden, "num_attention_heads": heads,
+            "num_key_value_heads": heads})).save_pretrained(model)
+        ports = {"prefill": e2e.free_port(), "decode": e2e.free_port()}
+        kv = {"kv_connector": "TransferEngineConnector",
+              "kv_connector_module_path": "transfer_engine.connectors.vllm",
+              "kv_load_failure_policy": "recompute"}
+        procs = {}
+        for (role, kv_role), cores in zip((("prefill", "kv_producer"),
+                                           ("decode", "kv_consumer")), e2e.core_halves(),
+                                          strict=True):
+            extra: dict[str, Any] = {"transports": transport}
+            if role == "decode":
+                extra["load"] = args.load
+            else:
+                extra["serve"] = args.prefill_serve
+            box = [] if args.no_taskset else ["taskset", "-c", cores]
+            cmd = [*box, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                   str(model), "--port", str(ports[role]), "--dtype", "float32",
+                   "--block-size", "32", "--max-model-len", str(2 * args.tokens),
+                   "--enforce-eager", "--kv-transfer-config",
+                   json.dumps(dict(kv, kv_role=kv_role, kv_connector_extra_config=extra))]
+            procs[role] = stack.enter_context(e2e.launched(cmd, tmp / f"{role}.log", dict(
+                os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT),
+                VLLM_CPU_OMP_THREADS_BIND=cores)))
+        for handoff in args.handoffs:
+            cmd = [sys.executable, str(ROOT / "scripts" / "pd_proxy.py"), "--port", "0",
+                   "--prefill", f"http://127.0.0.1:{ports['prefill']}", "--decode",
+                   f"http://127.0.0.1:{ports['decode']}", "--handoff", handoff,
+                   "--local-below", "0"]
+            stack.enter_context(e2e.launched(cmd, tmp / f"proxy-{handoff}.log",
+                                             dict(os.environ)))
+        for role, proc in procs.items():
+            e2e.wait_healthy(ports[role], proc, tmp / f"{role}.log")
+        for handoff in args.handoffs:
+            log = tmp / f"proxy-{handoff}.log"
+            while not (found := re.search(r"pd_proxy on http://[\d.]+:(\d+)",
+                                          log.read_text())):
+                time.sleep(0.1)
+            ports[handoff] = int(found.group(1))
+        tok = AutoTokenizer.from_pretrained(model)
+        rng = random.Random(7)
+        name = str(model)
+
+        def prompt() -> list[int]:  # fresh: nothing of it cached anywhere
+            text = " ".join(rng.choice(e2e.WORDS) for _ in range(args.tokens))
+            return list(tok(text)["input_ids"][:args.tokens])
+
+        for route in ("local", *args.handoffs):  # warm every path once
+            port = ports["decode" if route == "local" else route]
+            stream_times(port, {"model": name, "prompt": prompt(), "max_tokens": 2,
+                                "temperature": 0})
+        for streams in args.streams:
+            rows.append(one_load(args, transport, streams, ports, name, prompt))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def one_load(args: argparse.Namespace, transport: str, streams: int,
+             ports: dict[str, int], name: str, prompt: Any) -> dict[str, Any]:
+    from tests import test_connector_vllm_e2e as e2e
+
+    stop = threading.Event()
+    gaps: list[tuple[float, float]] = []  # (end, length) between a stream's tokens
+    lock = threading.Lock()
+
+    def load(k: int) -> None:
+        body = {"model": name, "prompt": " ".join(e2e.WORDS[k:k + 20]),
+                "max_tokens": 128, "temperature": 0, "ignore_eos": True}
+        while not stop.is_set():
+            seen = stream_times(ports["decode"], body, timeout=600)
+            with lock:
+                gaps.extend((b, b - a) for a, b in zip(seen[1:], seen[2:], strict=False))
+
+    threads = [threading.Thread(target=load, args=(k,), daemon=True)
+               for k in range(streams)]
+    for t in threads:
+        t.start()
+    time.sleep(3 if streams else 0)
+    routes = ["local", *args.handoffs]
+    first: dict[str, list[float]] = {r: [] for r in routes}
+    second: dict[str, list[float]] = {r: [] for r in routes}
+    windows: dict[str, list[tuple[float, float]]] = {r: [] for r in routes}
+    te_before = te_metrics(ports["decode"]), te_metrics(ports["prefill"])
+    try:
+        for _ in range(args.rounds):
+            for route in routes:
+                body = {"model": name, "prompt": prompt(), "max_tokens": args.max_tokens,
+                        "temperature": 0}
+                port = ports["decode" if route == "local" else route]
+                seen = stream_times(port, body)
+                first[route].append(seen[1] - seen[0])
+                second[route].append(seen[min(2, len(seen) - 1)] - seen[0])
+                windows[route].append((seen[0], seen[-1]))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(600)
+    time.sleep(1.5)  # prefill hears of decode's last read at a later step
+    te_after = te_metrics(ports["decode"]), te_metrics(ports["prefill"])
+    row: dict[str, Any] = {"transport": transport, "load": args.load,
+                           "prefill_serve": args.prefill_serve,
+                           "layers": args.layers, "hidden": args.hidden,
+                           "prompt_tokens": args.tokens,
+                           "decode_streams": streams, "rounds": args.rounds}
+    for route in routes:
+        for key, values in (("ttft", first[route]), ("second", second[route])):
+            for q in (50, 90):
+                row[f"{route}_{key}_ms_p{q}"] = round(quantile(values, q / 100) * 1e3, 1)
+    for route in args.handoffs:
+        for key in ("ttft", "second"):
+            row[f"{route}_{key}_over_local"] = round(
+                row[f"{route}_{key}_ms_p50"] / row[f"local_{key}_ms_p50"], 2)
+    if streams:
+        with lock:
+            all_gaps = sorted(gaps)
+        for route in routes:
+            inside = gaps_in(windows[route], all_gaps)
+            row[f"gap_p99_ms_during_{route}"] = round(quantile(inside, 0.99) * 1e3, 1) \
+                if inside else None
+        for route in args.handoffs:
+            pd, local = row[f"gap_p99_ms_during_{route}"], row["gap_p99_ms_during_local"]
+            row[f"gap_p99_{route}_over_local"] = round(pd / local, 2) if pd and local \
+                else None
+
+    def grew(side: int, key: str) -> float:
+        return te_after[side].get(key, 0.0) - te_before[side].get(key, 0.0)
+
+    loads = grew(0, "te_kv_load_seconds_count")
+    held = grew(1, "te_kv_held_seconds_count")
+    row["phases"] = {
+        "loads": int(grew(0, "te_kv_loads_total")),
+        "sync_loads": int(grew(0, "te_kv_sync_loads_total")),
+        "load_failures": int(grew(0, "te_kv_load_failures_total")),
+        "load_ms_mean": round(grew(0, "te_kv_load_seconds_sum") / loads * 1e3, 1)
+        if loads else None,
+        "load_mib_mean": round(grew(0, "te_kv_load_bytes_total") / loads / 2**20, 2)
+        if loads else None,
+        "prefill_held_ms_mean": round(grew(1, "te_kv_held_seconds_sum") / held * 1e3, 1)
+        if held else None,
+    }
+    return row
+
+
+if __name__ == "__main__":
+    main()
