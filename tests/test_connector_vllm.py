@@ -581,7 +581,8 @@ def test_scheduler_sync_load_leaves_the_last_prompt_token_to_compute() -> None:
     assert recv.sync and recv.local_block_ids == [4, 5] and recv.remote_block_ids == [8, 9]
     longer = request("longer", dict(params), prompt=41)
     longer.prompt_token_ids = list(range(40)) + [99]  # prefill's first token appended
-    assert decode.get_num_new_matched_tokens(longer, 0) == (40, False)
+    fresh = TEConnectorScheduler("d2-engine", BLOCK, wall_clock=wall)
+    assert fresh.get_num_new_matched_tokens(longer, 0) == (40, False)
 
 
 def _good_params(wall: FakeClock, prompt: int = 40) -> dict[str, Any]:
@@ -592,6 +593,30 @@ def _good_params(wall: FakeClock, prompt: int = 40) -> dict[str, Any]:
         list(range(7, 7 + prompt)))
     assert params is not None
     return params
+
+
+def test_scheduler_refuses_params_another_request_used() -> None:
+    """Prefill frees a hand-over's blocks once they are read: the same
+    kv_transfer_params replayed for another request (by the client or anyone who saw
+    them) would read whatever those blocks hold by then, so they are refused (vLLM
+    computes that prompt) until their lease ends; the request that used them may ask
+    again (vLLM asks each step until it can allocate)."""
+    wall = FakeClock()
+    decode = TEConnectorScheduler("d", BLOCK, wall_clock=wall)
+    params = _good_params(wall)
+    first = request("first", dict(params))
+    assert decode.get_num_new_matched_tokens(first, 0) == (39, False)
+    assert decode.get_num_new_matched_tokens(first, 0) == (39, False)  # no blocks yet
+    decode.update_state_after_alloc(first, blocks([1, 2, 3]), 39)
+    assert list(decode.build_connector_meta().reqs_to_recv) == ["first"]
+    again = request("again", dict(params))
+    assert decode.get_num_new_matched_tokens(again, 0) == (0, False)
+    assert "replayed" in decode.refused["again"]
+    assert again.kv_transfer_params["do_remote_prefill"] is False
+    # another hand-over from the same prefill is another key
+    other = _good_params(wall)
+    other["remote_request_id"] = "r2"
+    assert decode.get_num_new_matched_tokens(request("next", other), 0) == (39, False)
 
 
 def test_scheduler_refuses_expired_leases_and_other_versions() -> None:

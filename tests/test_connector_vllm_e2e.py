@@ -349,6 +349,30 @@ def test_proxy_between_vllm_servers(pd_servers: dict[str, Any]) -> None:
     assert after["external_kv_transfer"] == before["external_kv_transfer"]
 
 
+def test_replayed_params_are_computed_not_loaded(pd_servers: dict[str, Any]) -> None:
+    """The same kv_transfer_params sent to decode twice (a client replaying prefill's
+    answer): the first request loads the KV, the second is computed by decode (prefill
+    may have reused the blocks by then), both answers are the single server's."""
+    ports, model = pd_servers["ports"], pd_servers["model"]
+    prompt = "replay " + PROMPTS[1]
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    ref = completion(ports["prefill"], body)
+    status, raw = http_json(ports["prefill"], "POST", "/v1/completions", dict(
+        body, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    assert status == 200, raw
+    params = json.loads(raw)["kv_transfer_params"]
+    assert params and params["do_remote_prefill"], params
+    before = by_source(ports["decode"])
+    first = completion(ports["decode"], dict(body, kv_transfer_params=dict(params)))
+    mid = by_source(ports["decode"])
+    again = completion(ports["decode"], dict(body, kv_transfer_params=dict(params)))
+    after = by_source(ports["decode"])
+    assert first == ref and again == ref
+    tokens = ref["usage"]["prompt_tokens"]
+    assert mid["external_kv_transfer"] - before.get("external_kv_transfer", 0) == tokens - 1
+    assert after["external_kv_transfer"] == mid["external_kv_transfer"]  # not loaded
+
+
 def test_first_token_handoff_is_the_single_servers_answer(pd_servers: dict[str, Any]
                                                           ) -> None:
     """The first-token hand-off answers exactly as one server: streamed or not,

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STORE_RETRY_S = 10.0  # seconds without store lookups after one failed
+MAX_CONSUMED = 65536  # hand-overs remembered against replay (each until its lease ends)
 
 
 class TEConnectorScheduler:
@@ -75,6 +76,10 @@ class TEConnectorScheduler:
         self._parsed: dict[str, tuple[RemoteParams, int]] = {}  # matched, waiting for
         # allocation: the params and the tokens vLLM had computed locally
         self.refused: dict[str, str] = {}  # request id -> why a load was refused
+        # (prefill endpoint, its request id) -> (our request that loads it, lease end):
+        # prefill frees the blocks once read, so a second use would read another
+        # request's KV
+        self._consumed: dict[tuple[str, str], tuple[str, float]] = {}
         self.store = store
         self._vllm_hashes = vllm_hashes
         self.sync_load = sync_load
@@ -184,8 +189,16 @@ class TEConnectorScheduler:
     def _usable(self, request: Request, params: dict[str, Any]) -> RemoteParams | None:
         rid = request.request_id
         try:
+            now = self._wall()
             parsed = parse_remote_params(params, request.prompt_token_ids or (),
-                                         self.block_size, self._wall())
+                                         self.block_size, now)
+            key = (parsed.endpoint, parsed.request_id)
+            user = self._consumed.get(key)
+            if user is not None and user[0] != rid and user[1] > now:
+                raise ValueError(f"kv_transfer_params of prefill request "
+                                 f"{parsed.request_id!r:.80} were already used by request "
+                                 f"{user[0]!r:.80} (replayed); its blocks are not held "
+                                 "for this one")
         except ValueError as exc:
             self.refused[rid] = str(exc)
             log.warning("request %s: not loading remote KV: %s; computing locally", rid,
@@ -227,10 +240,24 @@ class TEConnectorScheduler:
         cached = local_tokens // self.block_size
         remote = parsed.block_ids
         end = min(len(remote), len(group))
+        self._consume((parsed.endpoint, parsed.request_id), request.request_id,
+                      parsed.lease_expiry)
         self._recv[request.request_id] = RecvSpec(
             request.request_id, [b.block_id for b in group[cached:end]], remote[cached:end],
             parsed.endpoint, parsed.engine_id, parsed.request_id, parsed.lease_expiry,
             sync=self.sync_load)
+
+    def _consume(self, key: tuple[str, str], rid: str, lease_expiry: float) -> None:
+        """Remembers a hand-over as used until its lease ends (bounded: the oldest go
+        first, and entries past their lease are dropped as new ones come)."""
+        consumed = self._consumed
+        if len(consumed) >= MAX_CONSUMED:
+            now = self._wall()
+            for k in [k for k, (_, end) in consumed.items() if end <= now]:
+                del consumed[k]
+            while len(consumed) >= MAX_CONSUMED:
+                del consumed[next(iter(consumed))]
+        consumed[key] = (rid, lease_expiry)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None
                              ) -> TEConnectorMetadata:
