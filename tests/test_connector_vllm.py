@@ -619,6 +619,22 @@ def test_scheduler_refuses_params_another_request_used() -> None:
     assert decode.get_num_new_matched_tokens(request("next", other), 0) == (39, False)
 
 
+def test_a_hybrid_kv_cache_hands_nothing_over() -> None:
+    """Several KV cache groups each have block ids of their own: rather than move one
+    group's blocks for all, prefill hands nothing over and decode computes."""
+    wall = FakeClock()
+    params = _good_params(wall)
+    decode = TEConnectorScheduler("d", BLOCK, wall_clock=wall, kv_groups=2)
+    req = request("h", dict(params))
+    assert decode.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert req.kv_transfer_params["do_remote_prefill"] is False and "hybrid" in \
+        decode.refused["h"]
+    prefill = TEConnectorScheduler("p", BLOCK, endpoint="tcp://p:1", wall_clock=wall,
+                                   kv_groups=2)
+    assert prefill.request_finished(request("r", {"do_remote_decode": True}, computed=40),
+                                    [1, 2, 3]) == (False, None)
+
+
 def test_scheduler_refuses_expired_leases_and_other_versions() -> None:
     wall = FakeClock()
     decode = TEConnectorScheduler("d", BLOCK, wall_clock=wall)

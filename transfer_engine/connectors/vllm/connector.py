@@ -80,7 +80,10 @@ class TransferEngineConnector(KVConnectorBase_V1):
             self.scheduler = TEConnectorScheduler(self.engine_id, block_size,
                                                   self.config.lease_s, store=lookup,
                                                   vllm_hashes=hash_block == block_size,
-                                                  sync_load=self.config.load == "sync")
+                                                  sync_load=self.config.load == "sync",
+                                                  kv_groups=len(getattr(
+                                                      kv_cache_config, "kv_cache_groups",
+                                                      None) or (0,)))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

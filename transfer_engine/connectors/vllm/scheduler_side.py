@@ -59,13 +59,16 @@ class TEConnectorScheduler:
         (then they key the store; otherwise the token ids do).
     :param sync_load: load a remote prefill's KV before the forward of the step that
         admits the request (its KV is whole by then), not beside it.
+    :param kv_groups: vLLM's KV cache groups; with more than one (a hybrid cache, each
+        group with block ids of its own) nothing is handed over or loaded: vLLM
+        computes every prompt, never with another group's blocks.
     """
 
     def __init__(self, engine_id: str, block_size: int, lease_s: float = 30.0,
                  endpoint: str | None = None,
                  wall_clock: Callable[[], float] = time.time,
                  store: Lookup | None = None, vllm_hashes: bool = True,
-                 sync_load: bool = True) -> None:
+                 sync_load: bool = True, kv_groups: int = 1) -> None:
         self.engine_id = engine_id
         self.block_size = block_size
         self.lease_s = lease_s
@@ -83,6 +86,11 @@ class TEConnectorScheduler:
         self.store = store
         self._vllm_hashes = vllm_hashes
         self.sync_load = sync_load
+        self.kv_groups = kv_groups
+        if kv_groups > 1:
+            log.warning("%d KV cache groups (a hybrid KV cache): this connector moves "
+                        "one group's blocks, so it hands over and loads nothing; every "
+                        "prompt is computed", kv_groups)
         self.store_labels: tuple[str, ...] = ()  # every rank's pieces of a block
         self._store_hits: dict[str, tuple[int, int, list[int]]] = {}  # rid -> (computed
         # tokens asked with, blocks stored from the start, their keys)
@@ -139,6 +147,11 @@ class TEConnectorScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
         params = request.kv_transfer_params
+        if self.kv_groups > 1:
+            if isinstance(params, dict) and params.get("do_remote_prefill"):
+                params["do_remote_prefill"] = False
+                self.refused[request.request_id] = "hybrid KV cache (several groups)"
+            return 0, False
         if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
             count = self._store_match(request, num_computed_tokens)
             return (count, True) if count > 0 else (0, False)
@@ -169,7 +182,7 @@ class TEConnectorScheduler:
         stored); True while the worker still reads them (their free waits for it)."""
         known = self._store_known.pop(request.request_id, 0)
         self._store_hits.pop(request.request_id, None)
-        if self.store is None or not self.store_labels:
+        if self.store is None or not self.store_labels or self.kv_groups > 1:
             return False
         from vllm.v1.request import RequestStatus
 
@@ -278,7 +291,7 @@ class TEConnectorScheduler:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_decode"):
+        if not params or not params.get("do_remote_decode") or self.kv_groups > 1:
             return False, None
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
             # aborted, or its first token ended it (EOS, a stop token): nothing to
