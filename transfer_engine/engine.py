@@ -51,6 +51,7 @@ from transfer_engine.errors import (
     TransferEngineError,
 )
 from transfer_engine.membership import Membership
+from transfer_engine.metrics import Latencies
 from transfer_engine.notify import ImmediateCounter, Notification
 from transfer_engine.peer import Peer
 from transfer_engine.peers import Peers
@@ -156,6 +157,7 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
         self._notes_cond = threading.Condition(self._lock)
         self._callbacks: list[Callable[[Notification], None]] = []
         self.stats = collections.Counter[str]()
+        self.latencies = Latencies()  # finished transfers', for transfer_engine.metrics
         self.incarnation = uuid.uuid4().hex[:16]
         self.role, self.pod, self.zone = role, pod, zone
         self._placement = {"name": name, "host_id": self.host_id, "pod": pod, "zone": zone}

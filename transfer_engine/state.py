@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from transfer_engine.control.auth import Signer
     from transfer_engine.control.metastore import MetadataStore
     from transfer_engine.control.tickets import TicketBook
+    from transfer_engine.metrics import Latencies
     from transfer_engine.notify import ImmediateCounter
     from transfer_engine.peer import Peer
     from transfer_engine.segment import Segment
@@ -68,6 +69,7 @@ class EngineState:
         _placement: dict[str, Any]
         peer_timeout: float | None
         stats: collections.Counter[str]
+        latencies: Latencies
         membership: MetadataStore | None
         _lock: threading.RLock
         _closed: bool

@@ -83,6 +83,11 @@ class Transfers(EngineState):
         """
         return self._submit(Op.WRITE, peer, pairs, notify, timeout)
 
+    @property
+    def in_flight(self) -> int:
+        """Transfers submitted and not finished."""
+        return len(self._live)
+
     def read(self, peer: Peer | str, pairs: Pairs, notify: bytes | None = None, *,
              timeout: float | None = None) -> TransferHandle:
         """Reads each remote descriptor's bytes into its local descriptor; ``notify``
@@ -310,6 +315,7 @@ class Transfers(EngineState):
             self.stats[_BYTES_STAT[xfer.op]] += xfer.handle.nbytes
             if xfer.transports:
                 latency = time.monotonic() - xfer.started
+                self.latencies.observe(str(xfer.op), xfer.transports[0], latency)
                 xfer.peer.succeeded(xfer.transports[0], latency)
                 if self.traffic is not None:
                     self.traffic.record(xfer.peer.name, xfer.transports[0], latency, True,
