@@ -70,7 +70,7 @@ def quantile(values: list[float], q: float) -> float:
 def te_metrics(port: int) -> dict[str, float]:
     """The connector's series (``vllm:te_kv_*``) on a server's /metrics, summed over
     their labels."""
-    from tests.test_connector_vllm_e2e import http_json
+    from bench.vllm_servers import http_json
 
     out: dict[str, float] = {}
     for name, value in re.findall(r"^vllm:(te_kv_\w+?)(?:\{[^}]*\})? ([\d.e+-]+)$",
@@ -135,13 +135,14 @@ def run_transport(args: argparse.Namespace, transport: str) -> list[dict[str, An
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from tests import test_connector_vllm_e2e as e2e
+    from bench import vllm_servers as servers
+    from bench.fleet import free_port
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp_dir, contextlib.ExitStack() as stack:
         tmp = Path(tmp_dir)
         model = tmp / "model"
-        e2e.build_byte_model(model)
+        servers.build_byte_model(model)
         cfg = json.loads((model / "config.json").read_text())
         torch.manual_seed(1)
         heads = max(1, args.hidden // 64)
@@ -149,13 +150,13 @@ def run_transport(args: argparse.Namespace, transport: str) -> list[dict[str, An
             **cfg, "num_hidden_layers": args.layers, "hidden_size": args.hidden,
             "intermediate_size": 2 * args.hidden, "num_attention_heads": heads,
             "num_key_value_heads": heads})).save_pretrained(model)
-        ports = {"prefill": e2e.free_port(), "decode": e2e.free_port()}
+        ports = {"prefill": free_port(), "decode": free_port()}
         kv = {"kv_connector": "TransferEngineConnector",
               "kv_connector_module_path": "transfer_engine.connectors.vllm",
               "kv_load_failure_policy": "recompute"}
         procs = {}
         for (role, kv_role), cores in zip((("prefill", "kv_producer"),
-                                           ("decode", "kv_consumer")), e2e.core_halves(),
+                                           ("decode", "kv_consumer")), servers.core_halves(),
                                           strict=True):
             extra: dict[str, Any] = {"transports": transport}
             if role == "decode":
@@ -168,7 +169,7 @@ def run_transport(args: argparse.Namespace, transport: str) -> list[dict[str, An
                    "--block-size", "32", "--max-model-len", str(2 * args.tokens),
                    "--enforce-eager", "--kv-transfer-config",
                    json.dumps(dict(kv, kv_role=kv_role, kv_connector_extra_config=extra))]
-            procs[role] = stack.enter_context(e2e.launched(cmd, tmp / f"{role}.log", dict(
+            procs[role] = stack.enter_context(servers.launched(cmd, tmp / f"{role}.log", dict(
                 os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT),
                 VLLM_CPU_OMP_THREADS_BIND=cores)))
         for handoff in args.handoffs:
@@ -176,10 +177,10 @@ def run_transport(args: argparse.Namespace, transport: str) -> list[dict[str, An
                    "--prefill", f"http://127.0.0.1:{ports['prefill']}", "--decode",
                    f"http://127.0.0.1:{ports['decode']}", "--handoff", handoff,
                    "--local-below", "0"]
-            stack.enter_context(e2e.launched(cmd, tmp / f"proxy-{handoff}.log",
+            stack.enter_context(servers.launched(cmd, tmp / f"proxy-{handoff}.log",
                                              dict(os.environ)))
         for role, proc in procs.items():
-            e2e.wait_healthy(ports[role], proc, tmp / f"{role}.log")
+            servers.wait_healthy(ports[role], proc, tmp / f"{role}.log")
         for handoff in args.handoffs:
             log = tmp / f"proxy-{handoff}.log"
             while not (found := re.search(r"pd_proxy on http://[\d.]+:(\d+)",
@@ -191,7 +192,7 @@ def run_transport(args: argparse.Namespace, transport: str) -> list[dict[str, An
         name = str(model)
 
         def prompt() -> list[int]:  # fresh: nothing of it cached anywhere
-            text = " ".join(rng.choice(e2e.WORDS) for _ in range(args.tokens))
+            text = " ".join(rng.choice(servers.WORDS) for _ in range(args.tokens))
             return list(tok(text)["input_ids"][:args.tokens])
 
         for route in ("local", *args.handoffs):  # warm every path once
@@ -206,14 +207,14 @@ def run_transport(args: argparse.Namespace, transport: str) -> list[dict[str, An
 
 def one_load(args: argparse.Namespace, transport: str, streams: int,
              ports: dict[str, int], name: str, prompt: Any) -> dict[str, Any]:
-    from tests import test_connector_vllm_e2e as e2e
+    from bench import vllm_servers as servers
 
     stop = threading.Event()
     gaps: list[tuple[float, float]] = []  # (end, length) between a stream's tokens
     lock = threading.Lock()
 
     def load(k: int) -> None:
-        body = {"model": name, "prompt": " ".join(e2e.WORDS[k:k + 20]),
+        body = {"model": name, "prompt": " ".join(servers.WORDS[k:k + 20]),
                 "max_tokens": 128, "temperature": 0, "ignore_eos": True}
         while not stop.is_set():
             seen = stream_times(ports["decode"], body, timeout=600)

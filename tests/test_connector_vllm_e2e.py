@@ -27,7 +27,6 @@ import json
 import os
 import random
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,15 @@ from typing import Any
 import pytest
 
 from bench.fleet import free_port
+from bench.vllm_servers import (
+    WORDS,
+    build_byte_model,
+    build_model,
+    core_halves,
+    http_json,
+    launched,
+    wait_healthy,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -50,9 +58,6 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
-WORDS = ("the a of to and in is it that for on was with as by at from this be are or "
-         "prefill decode cache block token page layer engine transfer memory model fast "
-         "slow red green blue one two three four five six seven eight nine ten").split()
 PREFIX = "one two three four five six seven eight nine ten " * 4  # 40 tokens > 1 block
 PROMPTS = [
     "the cache block of the engine",                       # under one block
@@ -71,86 +76,6 @@ FIGURE_ROUNDS = 5
 LEASE_S = 3.0  # the prefill engine's lease: blocks nobody reads are held this long
 
 
-def build_model(path: Path) -> None:
-    """A 2-layer Llama (hidden 128, head dim 64) with random weights and a word-level
-    tokenizer, saved in Hugging Face format."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for word in WORDS:
-        vocab.setdefault(word, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-                         initializer_range=0.2)
-    LlamaForCausalLM(config).save_pretrained(path)
-
-
-def core_halves() -> tuple[str, str]:
-    """Two disjoint CPU lists for VLLM_CPU_OMP_THREADS_BIND. vLLM's CPU worker pins its
-    compute thread to the cores it binds and busy-polls between steps; two engines on
-    one host left to bind automatically take the same cores and starve each other
-    (steps and transfers then stall for seconds)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    half = max(1, len(cpus) // 2)
-    first, second = cpus[:half], cpus[half:] or cpus[:half]
-    return ",".join(map(str, first)), ",".join(map(str, second))
-
-
-def http_json(port: int, method: str, path: str, body: dict[str, Any] | None = None,
-              timeout: float = 60.0) -> tuple[int, str]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request(method, path, json.dumps(body).encode() if body else None,
-                     {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        return resp.status, resp.read().decode()
-    finally:
-        conn.close()
-
-
-@contextlib.contextmanager
-def launched(cmd: list[str], log: Path, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
-    """A process in its own session (vLLM's server starts engine processes under it),
-    ended with its whole group."""
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                cwd=ROOT, start_new_session=True)
-        try:
-            yield proc
-        finally:
-            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, sig)
-                try:
-                    proc.wait(wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-
-
-def wait_healthy(port: int, proc: subprocess.Popen[bytes], log: Path,
-                 timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}):\n"
-                               + log.read_text()[-4000:])
-        with contextlib.suppress(OSError):
-            if http_json(port, "GET", "/health", timeout=5)[0] == 200:
-                return
-        time.sleep(1)
-    raise TimeoutError(f"server on {port} not healthy in {timeout}s:\n"
-                       + log.read_text()[-4000:])
-
-
 def sse_text(body: str) -> str:
     """The completion text of a streamed answer."""
     text = []
@@ -158,36 +83,6 @@ def sse_text(body: str) -> str:
         if line.startswith("data: ") and line != "data: [DONE]":
             text.append(json.loads(line[6:])["choices"][0]["text"])
     return "".join(text)
-
-
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-
-
-def build_byte_model(path: Path) -> None:
-    """Like :func:`build_model`, with a byte-level BPE tokenizer: most of its tokens
-    are single bytes, so a random model's tokens often end inside a UTF-8 character."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator([" ".join(WORDS)] * 20 + ["héllo wörld 日本語 ünïcode"] * 5,
-                            trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)
-    torch.manual_seed(1)
-    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=128,
-                         intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, max_position_embeddings=1024,
-                         bos_token_id=1, eos_token_id=2, initializer_range=0.2)
-    LlamaForCausalLM(config).save_pretrained(path)
 
 
 @pytest.fixture(scope="module")
@@ -724,3 +619,23 @@ def test_figures_first_token_break_even(pd_servers: dict[str, Any]) -> None:
               f"(medians of {FIGURE_ROUNDS}):")
         for row in rows:
             print(" ", json.dumps(row))
+
+
+def test_pd_serving_bench_runs_and_draws(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                         ) -> None:
+    """The README's serving benchmark, at its smallest: its rows carry every route's
+    times, the running streams' gaps and the connector's phases, and the chart is
+    drawn."""
+    from bench.pd_serving import main
+
+    main(["--layers", "2", "--hidden", "128", "--tokens", "64", "--streams", "0", "2",
+          "--rounds", "1", "--transports", "tcp", "--handoffs", "first",
+          "--plot", str(tmp_path / "chart.png")])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+            if line.startswith("{")]
+    assert [r["decode_streams"] for r in rows] == [0, 2]
+    for row in rows:
+        assert row["local_ttft_ms_p50"] > 0 and row["first_second_ms_p90"] > 0
+        assert row["phases"]["loads"] == 1 and row["phases"]["load_failures"] == 0
+    assert "gap_p99_ms_during_local" in rows[1] and "gap_p99_ms_during_local" not in rows[0]
+    assert any(tmp_path.glob("chart.*"))

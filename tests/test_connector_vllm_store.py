@@ -258,7 +258,7 @@ def test_keys_follow_vllm_hashes_when_the_request_has_them() -> None:
 
 
 def test_a_dead_store_loads_nothing_and_fails_no_request(tmp_path: Path) -> None:
-    from tests.test_connector_vllm_e2e import free_port
+    from bench.fleet import free_port
 
     dead = f"tcp://127.0.0.1:{free_port()}"
     side = Side("store-dead", dead, 1, COMPAT)
@@ -309,13 +309,12 @@ PD_PROMPT = "prefill and decode transfer the memory of " * 6  # 42 tokens: one b
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_vllm_engines_share_a_prefix_through_the_store(tmp_path: Path) -> None:
+    from bench.vllm_servers import build_model, core_halves
     from tests.test_connector_vllm_e2e import (
         BLOCK_BYTES,
         BLOCK_SIZE,
         MAX_TOKENS,
         EngineProcess,
-        build_model,
-        core_halves,
     )
 
     model = tmp_path / "model"

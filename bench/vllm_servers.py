@@ -1,0 +1,131 @@
+"""Real vLLM servers for the benches and tests that need them: tiny random Llama models
+built offline, processes started in their own session and ended with it, and the HTTP
+helpers that talk to them (vLLM itself is imported only inside the model builders)."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = ("the a of to and in is it that for on was with as by at from this be are or "
+         "prefill decode cache block token page layer engine transfer memory model fast "
+         "slow red green blue one two three four five six seven eight nine ten").split()
+
+
+def build_model(path: Path) -> None:
+    """A 2-layer Llama (hidden 128, head dim 64) with random weights and a word-level
+    tokenizer, saved in Hugging Face format."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for word in WORDS:
+        vocab.setdefault(word, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                         initializer_range=0.2)
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+def core_halves() -> tuple[str, str]:
+    """Two disjoint CPU lists for VLLM_CPU_OMP_THREADS_BIND. vLLM's CPU worker pins its
+    compute thread to the cores it binds and busy-polls between steps; two engines on
+    one host left to bind automatically take the same cores and starve each other
+    (steps and transfers then stall for seconds)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cpus) // 2)
+    first, second = cpus[:half], cpus[half:] or cpus[:half]
+    return ",".join(map(str, first)), ",".join(map(str, second))
+
+
+def http_json(port: int, method: str, path: str, body: dict[str, Any] | None = None,
+              timeout: float = 60.0) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(method, path, json.dumps(body).encode() if body else None,
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    finally:
+        conn.close()
+
+
+@contextlib.contextmanager
+def launched(cmd: list[str], log: Path, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+    """A process in its own session (vLLM's server starts engine processes under it),
+    ended with its whole group."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                cwd=ROOT, start_new_session=True)
+        try:
+            yield proc
+        finally:
+            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+                try:
+                    proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+
+
+def wait_healthy(port: int, proc: subprocess.Popen[bytes], log: Path,
+                 timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}):\n"
+                               + log.read_text()[-4000:])
+        with contextlib.suppress(OSError):
+            if http_json(port, "GET", "/health", timeout=5)[0] == 200:
+                return
+        time.sleep(1)
+    raise TimeoutError(f"server on {port} not healthy in {timeout}s:\n"
+                       + log.read_text()[-4000:])
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+
+def build_byte_model(path: Path) -> None:
+    """Like :func:`build_model`, with a byte-level BPE tokenizer: most of its tokens
+    are single bytes, so a random model's tokens often end inside a UTF-8 character."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([" ".join(WORDS)] * 20 + ["héllo wörld 日本語 ünïcode"] * 5,
+                            trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=128,
+                         intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=1024,
+                         bos_token_id=1, eos_token_id=2, initializer_range=0.2)
+    LlamaForCausalLM(config).save_pretrained(path)
