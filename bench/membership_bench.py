@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.etcd_server import etcd_server, etcd_skip_reason
 from bench.fleet import free_port, registry_process
-from tests.etcd_helpers import etcd_server, etcd_skip_reason
 from transfer_engine import Engine
 from transfer_engine.control.client import RegistryStore
 from transfer_engine.control.etcd_store import EtcdStore

@@ -42,8 +42,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.etcd_server import etcd_server
 from bench.fleet import free_port
-from tests.etcd_helpers import etcd_server
 from tests.redis_helpers import redis_server
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from tests.etcd_helpers import etcd_server, etcd_skip_reason
+from bench.etcd_server import etcd_server, etcd_skip_reason
 from transfer_engine import Descriptor, Engine, UnknownPeerError
 from transfer_engine.control.etcd_store import EtcdStore
 from transfer_engine.control.metastore import EventKind, MemberEvent, MemberRecord

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.etcd_helpers import ETCD, etcd_skip_reason
+from bench.etcd_server import ETCD, etcd_skip_reason
 from tests.lab_helpers import make_lab  # noqa: F401  (fixture)
 
 HERE = Path(__file__).parent

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.etcd_server import etcd_skip_reason
 from tests import mooncake_suite
-from tests.etcd_helpers import etcd_skip_reason
 from tests.redis_helpers import redis_skip_reason
 
 SRC = os.environ.get("MOONCAKE_SRC", "")
