@@ -30,26 +30,37 @@ Who calls what, in which order (S = scheduler side, W = worker side)::
                                      (wall clock, seconds since the epoch),
                                      protocol_version
     prefill S  build_connector_meta  tells its worker: hold these for lease_s seconds
+    every   W  get_kv_connector_stats   counts and times since the last step: vLLM logs
+                                     them and exports them as vllm:te_kv_* on /metrics
     proxy      request to decode with those kv_transfer_params
-    decode S   get_num_new_matched_tokens -> (prompt tokens not cached locally, async)
+    decode S   get_num_new_matched_tokens -> (prompt tokens not cached locally, and
+               with load "sync" (the default) never the prompt's last token; whether
+               the load is async: only with load "async")
                (refuses, with one log line, params that fail parse_remote_params: a
                wrong type or range, blocks that do not cover exactly remote_num_tokens,
                another prompt's params (prompt_hash), an expired lease or another
-               protocol version: 0 tokens, vLLM computes the prompt itself)
+               protocol version; and params another request already loaded (replayed:
+               prefill may have reused the blocks): 0 tokens, vLLM computes the prompt)
     decode S   update_state_after_alloc   pairs remote blocks with the blocks vLLM
                                           allocated; build_connector_meta ships them
-    decode W   start_load_kv         one READ of every layer's blocks, coalescing runs
-                                     of consecutive blocks, with a notification; the
-                                     first load from a peer first connects and reads
-                                     and checks the peer's manifest (a mismatch is
-                                     refused with a message naming what differs) on a
-                                     background thread, so a slow or dead peer never
-                                     stalls the forward pass: the READ is issued by a
-                                     later step once the handshake is done
+    decode W   bind_connector_metadata  (before the step's forward) one READ of every
+                                     layer's blocks, coalescing runs of consecutive
+                                     blocks, with a notification; the first load from
+                                     a peer first connects and reads and checks the
+                                     peer's manifest (a mismatch is refused with a
+                                     message naming what differs) on a background
+                                     thread.
+                                     load "sync": waits for the READs (at most
+                                     timeout_s), so this step's forward computes with
+                                     the KV; a failed one's blocks go to
+                                     get_block_ids_with_load_errors (vLLM recomputes).
+                                     load "async": returns at once; a slow or dead peer
+                                     never stalls the forward, and the request is
+                                     admitted at the step after its READ ends
     prefill W  (notification)        the blocks were read: report finished_sending,
                                      vLLM frees them; or the lease ran out: the same
-    decode W   get_transfer_results  finished_recving; a failed READ is also in
-                                     failed_recving and its blocks in
+    decode W   get_transfer_results  (async) finished_recving; a failed READ is also
+                                     in failed_recving and its blocks in
                                      get_block_ids_with_load_errors, so vLLM
                                      recomputes (policy "recompute") instead of reading
                                      garbage
@@ -79,13 +90,13 @@ Store mode (``"store": "tcp://MASTER:PORT"`` in kv_connector_extra_config, any r
                                  blocks beyond the local prefix cache have every piece
                                  stored (never the prompt's last token) -> (tokens, async)
     S  update_state_after_alloc  pairs those blocks' keys with the blocks vLLM allocated
-    W  start_load_kv             queues the read on the store thread; results() reports
+    W  bind_connector_metadata   queues the read on the store thread; results() reports
                                  it in finished_recving, a failure also in
                                  failed_recving with its blocks (vLLM recomputes)
     S  request_finished          a finished (not aborted) request's full prompt blocks
                                  not loaded from the store are to be saved: its blocks
                                  are held (True) until the put is done
-    W  start_load_kv             queues the put of the pieces the store lacks; results()
+    W  bind_connector_metadata   queues the put of the pieces the store lacks; results()
                                  reports finished_sending once it is done (and a P/D
                                  lease on the same request is over); a failed put is
                                  logged and dropped
