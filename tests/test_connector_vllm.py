@@ -139,10 +139,12 @@ with unpinned():
     t.join()
 print(seen[0], sorted(os.sched_getaffinity(0)))
 """
+# a server's job: a first process (vLLM's API server) and the worker it starts
+_SERVER = "import subprocess, sys; subprocess.run([sys.executable, '-c', sys.argv[1]])"
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
-def test_engine_threads_leave_the_pinned_core_but_keep_to_the_process_cpus() -> None:
+def test_engine_threads_leave_the_pinned_core_but_keep_to_the_server_cpus() -> None:
     """Threads the connector starts run off the core vLLM pinned its compute thread
     to, on every CPU the server was given, and never outside a taskset around it."""
     import subprocess
@@ -150,14 +152,16 @@ def test_engine_threads_leave_the_pinned_core_but_keep_to_the_process_cpus() -> 
 
     cpus = sorted(os.sched_getaffinity(0))
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    free = subprocess.run([sys.executable, "-c", _AFFINITY], capture_output=True,
-                          text=True, env=env, timeout=120, check=True).stdout.split("\n")[0]
-    assert free == f"{cpus} {cpus[:1]}"  # the caller gets its one core back
+
+    def worker(*box: str) -> str:
+        out = subprocess.run([*box, sys.executable, "-c", _SERVER, _AFFINITY],
+                             capture_output=True, text=True, env=env, timeout=120,
+                             check=True, start_new_session=True).stdout
+        return out.split("\n")[0]
+
+    assert worker() == f"{cpus} {cpus[:1]}"  # the caller gets its one core back
     given = cpus[-1:]  # a server given one core: all its threads stay there
-    boxed = subprocess.run(["taskset", "-c", ",".join(map(str, given)), sys.executable,
-                            "-c", _AFFINITY], capture_output=True, text=True, env=env,
-                           timeout=120, check=True).stdout.split("\n")[0]
-    assert boxed == f"{given} {given[:1]}"
+    assert worker("taskset", "-c", ",".join(map(str, given))) == f"{given} {given}"
 
 
 # --- layout from strides --------------------------------------------------------------

@@ -20,14 +20,25 @@ SENT_PREFIX = b"te-vllm/sent:"  # notification: the reader has every byte of a r
 
 
 def _all_cpus() -> set[int]:
-    """The CPUs this process was given: those any of its threads may run on. vLLM pins
-    only its compute threads; a ``taskset`` or cpuset around the server bounds them
-    all, and the engine's threads keep within it."""
+    """The CPUs this server was given: those any thread of any process in its process
+    group (the server's job: its API server, engine core and workers) may run on. vLLM
+    pins a worker's compute thread, and every thread started after it, to its bind
+    list; a ``taskset`` or cpuset around the server bounds all of its processes, and
+    the engine's threads keep within it."""
     cpus: set[int] = set()
     with contextlib.suppress(OSError):
-        for tid in os.listdir("/proc/self/task"):
-            with contextlib.suppress(OSError, ValueError):
-                cpus |= os.sched_getaffinity(int(tid))
+        group = os.getpgid(0)
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{entry.name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # state ppid pgrp ...
+                if int(fields[2]) != group:
+                    continue
+                for tid in os.listdir(f"/proc/{entry.name}/task"):
+                    with contextlib.suppress(OSError, ValueError):
+                        cpus |= os.sched_getaffinity(int(tid))
     return cpus or set(range(os.cpu_count() or 1))
 
 
