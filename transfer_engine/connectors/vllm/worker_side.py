@@ -4,6 +4,7 @@ in store mode, loads from and saves to the cluster store."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -67,6 +68,20 @@ _INTERVAL_COUNTS = {"loads": "recv_requests", "sync_loads": "recv_sync",
                     "store_load_bytes": "store_load_bytes", "store_saves": "store_saves",
                     "store_save_failures": "store_save_failed",
                     "store_save_bytes": "store_save_bytes"}
+
+
+def _allocation(tensor: Any, extent: int) -> tuple[int, int]:
+    """Start and length of the memory ``tensor`` views (its storage), or of its own
+    ``extent`` bytes where it has no storage to ask."""
+    try:
+        storage = tensor.untyped_storage()
+        start, nbytes = int(storage.data_ptr()), int(storage.nbytes())
+    except (AttributeError, RuntimeError):
+        return int(tensor.data_ptr()), extent
+    here = int(tensor.data_ptr())
+    if not (start <= here and here + extent <= start + nbytes):
+        return here, extent
+    return start, nbytes
 
 
 def live_workers() -> list[TEConnectorWorker]:
@@ -158,10 +173,20 @@ class TEConnectorWorker:
         for name, tensor in kv_caches.items():
             layout = block_layout(tuple(tensor.shape), tuple(tensor.stride()),
                                   tensor.element_size(), num_blocks, str(tensor.dtype))
-            address = int(tensor.data_ptr())
+            # one segment per allocation, not per layer: vLLM's layers are often views
+            # of one tensor, and a segment that starts where the allocation starts is
+            # one a serving process can share in place (an interior one it reaches
+            # through a bounce copy)
+            address, length = _allocation(tensor, layout.extent)
+            shift = int(tensor.data_ptr()) - address
+            if shift:
+                layout = dataclasses.replace(
+                    layout, part_offsets=tuple(o + shift for o in layout.part_offsets),
+                    extent=layout.extent + shift)
             seg = seen.get(address)
             if seg is None or seg.length < layout.extent:
-                seg = self.engine.register((address, layout.extent), name=f"kv/{name}")
+                seg = self.engine.register((address, max(length, layout.extent)),
+                                           name=f"kv/{name}")
                 seen[address] = seg
             self._tensors.append(tensor)  # alive while registered
             self._layers[name] = (seg, layout)
