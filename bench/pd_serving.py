@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import contextlib
-import http.client
 import json
 import os
 import random
@@ -34,30 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.vllm_servers import stream_times, te_metrics
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def stream_times(port: int, body: dict[str, Any], timeout: float = 120.0
-                 ) -> list[float]:
-    """Arrival times (``perf_counter``) of a streamed completion's data lines (one per
-    token, but for text a token leaves unfinished); the first entry is when it was
-    sent."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        seen = [time.perf_counter()]
-        conn.request("POST", "/v1/completions", json.dumps(dict(body, stream=True)).encode(),
-                     {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
-        for line in iter(resp.readline, b""):
-            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
-                seen.append(time.perf_counter())
-        if len(seen) < 2:
-            raise RuntimeError("no data line")
-        return seen
-    finally:
-        conn.close()
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -65,18 +43,6 @@ def quantile(values: list[float], q: float) -> float:
     if len(values) == 1:
         return values[0]
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
-
-
-def te_metrics(port: int) -> dict[str, float]:
-    """The connector's series (``vllm:te_kv_*``) on a server's /metrics, summed over
-    their labels."""
-    from bench.vllm_servers import http_json
-
-    out: dict[str, float] = {}
-    for name, value in re.findall(r"^vllm:(te_kv_\w+?)(?:\{[^}]*\})? ([\d.e+-]+)$",
-                                  http_json(port, "GET", "/metrics")[1], re.M):
-        out[name] = out.get(name, 0.0) + float(value)
-    return out
 
 
 def gaps_in(windows: list[tuple[float, float]], gaps: list[tuple[float, float]]

@@ -8,6 +8,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -64,6 +65,39 @@ def http_json(port: int, method: str, path: str, body: dict[str, Any] | None = N
         return resp.status, resp.read().decode()
     finally:
         conn.close()
+
+
+def stream_times(port: int, body: dict[str, Any], timeout: float = 120.0
+                 ) -> list[float]:
+    """Arrival times (``perf_counter``) of a streamed completion's data lines (one per
+    token, but for text a token leaves unfinished); the first entry is when it was
+    sent."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        seen = [time.perf_counter()]
+        conn.request("POST", "/v1/completions", json.dumps(dict(body, stream=True)).encode(),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
+        for line in iter(resp.readline, b""):
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                seen.append(time.perf_counter())
+        if len(seen) < 2:
+            raise RuntimeError("no data line")
+        return seen
+    finally:
+        conn.close()
+
+
+def te_metrics(port: int) -> dict[str, float]:
+    """The connector's series (``vllm:te_kv_*``) on a server's /metrics, summed over
+    their labels."""
+    out: dict[str, float] = {}
+    for name, value in re.findall(r"^vllm:(te_kv_\w+?)(?:\{[^}]*\})? ([\d.e+-]+)$",
+                                  http_json(port, "GET", "/metrics")[1], re.M):
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
 
 
 @contextlib.contextmanager

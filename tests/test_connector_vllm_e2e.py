@@ -21,7 +21,6 @@ single engine, the share of it spent moving KV, and bytes moved per request.
 from __future__ import annotations
 
 import contextlib
-import http.client
 import importlib.util
 import json
 import os
@@ -45,6 +44,8 @@ from bench.vllm_servers import (
     core_halves,
     http_json,
     launched,
+    stream_times,
+    te_metrics,
     wait_healthy,
 )
 
@@ -144,17 +145,6 @@ def by_source(port: int) -> dict[str, float]:
     return {k: float(v) for k, v in re.findall(
         r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} ([\d.]+)$',
         metrics, re.M)}
-
-
-def te_metrics(port: int) -> dict[str, float]:
-    """The connector's own series on a server's /metrics (``vllm:te_kv_*``), summed
-    over their labels."""
-    out: dict[str, float] = {}
-    metrics = http_json(port, "GET", "/metrics")[1]
-    for name, value in re.findall(r"^vllm:(te_kv_\w+?)(?:\{[^}]*\})? ([\d.e+-]+)$",
-                                  metrics, re.M):
-        out[name] = out.get(name, 0.0) + float(value)
-    return out
 
 
 def completion(port: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -547,25 +537,6 @@ def test_first_token_handoff_chat(pd_servers: dict[str, Any]) -> None:
     assert after["local_compute"] - before["local_compute"] == 3  # the first tokens
 
 
-def stream_ttft(port: int, body: dict[str, Any]) -> float:
-    """Seconds from sending a streamed request to its first data line."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    try:
-        t0 = time.perf_counter()
-        conn.request("POST", "/v1/completions", json.dumps(dict(body, stream=True)).encode(),
-                     {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.status == 200
-        for line in iter(resp.readline, b""):
-            if line.startswith(b"data: "):
-                ttft = time.perf_counter() - t0
-                resp.read()
-                return ttft
-        raise AssertionError("no data line")
-    finally:
-        conn.close()
-
-
 def test_figures_first_token_break_even(pd_servers: dict[str, Any]) -> None:
     """TTFT of fresh prompts (nothing cached) sent straight to decode (it prefills
     them itself), through the router's first-token hand-off and through its sequential
@@ -601,7 +572,8 @@ def test_figures_first_token_break_even(pd_servers: dict[str, Any]) -> None:
                                 "temperature": 0}
                         port = ports[{"local": "decode", "first": "first-all"}.get(
                             route, route)]
-                        times[route].append(stream_ttft(port, body))
+                        seen = stream_times(port, body)
+                        times[route].append(seen[1] - seen[0])
                         if route == "local":
                             tokens = completion(ports["prefill"], dict(
                                 body, max_tokens=1))["usage"]["prompt_tokens"]

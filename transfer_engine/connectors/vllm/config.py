@@ -42,10 +42,11 @@ def _all_cpus() -> set[int]:
     return cpus or set(range(os.cpu_count() or 1))
 
 
-def unpin_current_thread() -> None:
-    """Lets the calling thread run on every CPU the process was given."""
+def unpin_current_thread(cpus: set[int] | None = None) -> None:
+    """Lets the calling thread run on every CPU the process was given (``cpus``, when
+    the caller has already asked)."""
     with contextlib.suppress(AttributeError, OSError):
-        os.sched_setaffinity(0, _all_cpus())
+        os.sched_setaffinity(0, _all_cpus() if cpus is None else cpus)
 
 
 @contextlib.contextmanager
@@ -61,10 +62,11 @@ def unpinned() -> Iterator[None]:
     except (AttributeError, OSError):  # not Linux: nothing is pinned this way
         yield
         return
-    if pinned >= _all_cpus():
+    given = _all_cpus()
+    if pinned >= given:
         yield
         return
-    unpin_current_thread()
+    unpin_current_thread(given)
     try:
         yield
     finally:

@@ -77,13 +77,12 @@ class TransferEngineConnector(KVConnectorBase_V1):
                 lookup = Lookup(self.config.store, timeout=self.config.store_timeout_s,
                                 auth=self.config.auth())
             hash_block = getattr(kv_cache_config, "hash_block_size", None) or block_size
+            groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config else 1
             self.scheduler = TEConnectorScheduler(self.engine_id, block_size,
                                                   self.config.lease_s, store=lookup,
                                                   vllm_hashes=hash_block == block_size,
                                                   sync_load=self.config.load == "sync",
-                                                  kv_groups=len(getattr(
-                                                      kv_cache_config, "kv_cache_groups",
-                                                      None) or (0,)))
+                                                  kv_groups=groups)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

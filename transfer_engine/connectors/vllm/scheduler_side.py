@@ -230,8 +230,7 @@ class TEConnectorScheduler:
             # the step that loads computes at least the prompt's last token (vLLM
             # samples from it), so a load covering the whole prompt stops one short
             last = len(request.prompt_token_ids or ()) - 1
-            count = min(parsed.num_tokens, last) - num_computed_tokens
-            return (count, False) if count > 0 else (0, False)
+            return max(0, min(parsed.num_tokens, last) - num_computed_tokens), False
         count = parsed.num_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 

@@ -41,6 +41,7 @@ from transfer_engine.connectors.vllm.metadata import (
     RecvSpec,
     TEHandshakeMetadata,
 )
+from transfer_engine.connectors.vllm.stats import TIMES
 from transfer_engine.connectors.vllm.store import StoreIO, StoreLoad, StoreSave
 from transfer_engine.descriptor import Blocks, Descriptor
 from transfer_engine.engine import Engine
@@ -152,8 +153,7 @@ class TEConnectorWorker:
                                       "recv_sync": 0}
         self._reported = {k: 0 for k in _INTERVAL_COUNTS.values()}  # by interval_stats
         self._times: dict[str, deque[float]] = {  # since the last interval_stats
-            key: deque(maxlen=4096) for key in ("load_seconds", "held_seconds",
-                                                "store_load_seconds")}
+            key: deque(maxlen=4096) for key, _, _ in TIMES}
         self._held_at: dict[str, float] = {}  # request id -> when prefill held it
         _WORKERS.add(self)
 
@@ -306,18 +306,7 @@ class TEConnectorWorker:
         """Starts one READ per request, or the peer's handshake first; never waits on
         the network. Failures are reported by :meth:`results`."""
         for spec in specs:
-            recv = _Recv(spec, None, time.monotonic())
-            self.stats["recv_requests"] += 1
-            self._recving[spec.request_id] = recv
-            try:
-                self._check_spec(spec)
-                info = self._peers.get(spec.remote_endpoint)
-                if info is None:
-                    recv.handshake = self._handshake(spec.remote_endpoint)
-                else:
-                    self._issue(recv, info)
-            except (TransferEngineError, KeyError, ValueError) as exc:
-                self._fail(recv, exc)
+            self._recving[spec.request_id] = self._begin(spec)
 
     def load_now(self, specs: Iterable[RecvSpec]) -> None:
         """Loads before this step's forward, which computes with the KV: every READ
@@ -328,21 +317,8 @@ class TEConnectorWorker:
         if not specs:
             return
         deadline = time.monotonic() + self.config.timeout_s
-        recvs = []
-        for spec in specs:
-            recv = _Recv(spec, None, time.monotonic())
-            self.stats["recv_requests"] += 1
-            self.stats["recv_sync"] += 1
-            recvs.append(recv)
-            try:
-                self._check_spec(spec)
-                info = self._peers.get(spec.remote_endpoint)
-                if info is None:
-                    recv.handshake = self._handshake(spec.remote_endpoint)
-                else:
-                    self._issue(recv, info, timeout=self.config.timeout_s)
-            except (TransferEngineError, KeyError, ValueError) as exc:
-                self._fail(recv, exc)
+        self.stats["recv_sync"] += len(specs)
+        recvs = [self._begin(spec, timeout=self.config.timeout_s) for spec in specs]
         shaking = [r for r in recvs if r.handshake is not None]
         while shaking:  # each READ starts as soon as its peer's handshake is done
             pending = {r.handshake for r in shaking if r.handshake is not None}
@@ -376,11 +352,24 @@ class TEConnectorWorker:
             self.stats["recv_failed"] += 1
             self._failed_blocks.update(recv.spec.local_block_ids)
 
-    def _check_spec(self, spec: RecvSpec) -> None:
-        if not spec.local_block_ids:
-            raise ProtocolError("no blocks to load")
-        if len(spec.local_block_ids) != len(spec.remote_block_ids):
-            raise ProtocolError("local and remote block counts differ")
+    def _begin(self, spec: RecvSpec, timeout: float | None = None) -> _Recv:
+        """Checks a load and starts its READ (``timeout``: the READ's deadline), or its
+        peer's handshake first; a load that cannot start has failed."""
+        recv = _Recv(spec, None, time.monotonic())
+        self.stats["recv_requests"] += 1
+        try:
+            if not spec.local_block_ids:
+                raise ProtocolError("no blocks to load")
+            if len(spec.local_block_ids) != len(spec.remote_block_ids):
+                raise ProtocolError("local and remote block counts differ")
+            info = self._peers.get(spec.remote_endpoint)
+            if info is None:
+                recv.handshake = self._handshake(spec.remote_endpoint)
+            else:
+                self._issue(recv, info, timeout)
+        except (TransferEngineError, KeyError, ValueError) as exc:
+            self._fail(recv, exc)
+        return recv
 
     def _loaded(self, recv: _Recv) -> bool:
         """Whether the request's READ ended well inside the prefill's lease (counted
