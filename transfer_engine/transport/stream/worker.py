@@ -49,6 +49,7 @@ from transfer_engine.transport.tcp import TcpServer
 log = logging.getLogger(__name__)
 _U64 = 1 << 64
 BOUNCE = 1 << 20  # bytes moved through the mem file per call
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 
 
 class ServedSegment(Segment):
@@ -70,7 +71,9 @@ class ServedSegment(Segment):
         self._map: mmap.mmap | None = None
 
     def attach(self, fd: int, start: int, end: int, fd_offset: int) -> None:
-        self._map = mmap.mmap(fd, end - start, mmap.MAP_SHARED,
+        # populated now (about 50 ms a GiB, as a registration pins pages): else every
+        # page takes a fault on its first transfer, half the time of a cold 16 MiB READ
+        self._map = mmap.mmap(fd, end - start, mmap.MAP_SHARED | _MAP_POPULATE,
                               mmap.PROT_READ | mmap.PROT_WRITE, offset=fd_offset)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             try:
