@@ -242,13 +242,17 @@ def one_load(args: argparse.Namespace, transport: str, streams: int,
         return te_after[side].get(key, 0.0) - te_before[side].get(key, 0.0)
 
     loads = grew(0, "te_kv_load_seconds_count")
+    waits = grew(0, "te_kv_load_wait_seconds_count")
     held = grew(1, "te_kv_held_seconds_count")
     row["phases"] = {
         "loads": int(grew(0, "te_kv_loads_total")),
         "sync_loads": int(grew(0, "te_kv_sync_loads_total")),
+        "layered_loads": int(grew(0, "te_kv_layered_loads_total")),
         "load_failures": int(grew(0, "te_kv_load_failures_total")),
         "load_ms_mean": round(grew(0, "te_kv_load_seconds_sum") / loads * 1e3, 1)
         if loads else None,
+        "forward_wait_ms_mean": round(grew(0, "te_kv_load_wait_seconds_sum") / waits * 1e3, 1)
+        if waits else None,
         "load_mib_mean": round(grew(0, "te_kv_load_bytes_total") / loads / 2**20, 2)
         if loads else None,
         "prefill_held_ms_mean": round(grew(1, "te_kv_held_seconds_sum") / held * 1e3, 1)

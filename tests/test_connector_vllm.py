@@ -53,6 +53,7 @@ with warnings.catch_warnings():  # vLLM and torch warn at import; not our concer
         block_layout,
         coalesce,
     )
+    from transfer_engine.connectors.vllm.blocks import layer_groups
     from transfer_engine.connectors.vllm.stats import TEConnectorStats
 
 pytestmark = pytest.mark.filterwarnings(
@@ -394,6 +395,119 @@ def test_sync_load_failures_mark_their_blocks_within_the_timeout(pair: Any) -> N
     assert decode.stats["recv_failed"] == 4
     res = decode.results()
     assert not res.finished_recving and not res.failed_recving
+
+
+def forward(worker: TEConnectorWorker, names: list[str]) -> None:
+    """What vLLM does around a step's forward: metadata bound, a wait per attention
+    layer in ``names`` (in that order), then the end of the forward."""
+    worker.start_step()
+    for name in names:
+        worker.wait_for_layer(name)
+    worker.finish_layered()
+
+
+def landed(pk: dict[str, Any], dk: dict[str, Any], name: str, local: list[int],
+           remote: list[int]) -> bool:
+    return all(torch.equal(block_of(dk[name], lb), block_of(pk[name], rb))
+               for lb, rb in zip(local, remote, strict=True))
+
+
+def test_layer_groups_double_after_the_first_two() -> None:
+    names = [f"l{i}" for i in range(20)]
+    groups = layer_groups(names)
+    assert [len(g) for g in groups] == [1, 1, 2, 4, 8, 4]
+    assert [n for g in groups for n in g] == names
+    assert layer_groups([]) == [] and layer_groups(["a"]) == [["a"]]
+
+
+def test_sync_load_goes_layer_by_layer_once_the_forward_waits_for_every_layer(
+        pair: Any) -> None:
+    """After a forward that waited for every layer, a sync load returns once the first
+    layer (in the forward's order) and the last block of every layer have landed (the
+    forward writes the new tokens' KV into that block before it waits for a layer);
+    each later layer has landed when the forward's wait for it returns, and prefill is
+    told its blocks were read only after the last one."""
+    prefill, decode, pk, dk = pair
+    order = list(reversed(list(dk)))  # the forward's order, not the dict's
+    forward(decode, order[:-1])  # one layer not waited for: nothing learnt
+    local, remote = [9, 10, 11, 30], [3, 4, 5, 22]
+    prefill.hold({"whole": 30.0})
+    decode.start_step()
+    decode.load_now([sync(spec(prefill, "whole", local, remote))])
+    assert all(landed(pk, dk, name, local, remote) for name in dk)
+    decode.finish_layered()
+    assert decode.stats["recv_layered"] == 0
+    wait_results(prefill, "finished_sending", "whole")
+
+    forward(decode, order)  # now learnt
+    local, remote = [12, 13, 14, 40], [23, 24, 25, 41]
+    prefill.hold({"lw": 30.0})
+    decode.start_step()
+    decode.load_now([sync(spec(prefill, "lw", local, remote))])
+    assert decode.stats["recv_layered"] == 1
+    assert landed(pk, dk, order[0], local, remote)
+    assert all(landed(pk, dk, name, local[-1:], remote[-1:]) for name in dk)
+    for name in order:
+        decode.wait_for_layer(name)
+        assert landed(pk, dk, name, local, remote)
+    assert "lw" not in prefill.results().finished_sending
+    decode.finish_layered()
+    assert decode.take_failed_blocks() == set() and decode.stats["recv_failed"] == 0
+    wait_results(prefill, "finished_sending", "lw")
+    stats = decode.interval_stats()
+    assert stats is not None and stats["layered_loads"] == 1
+    assert len(stats["load_wait_seconds"]) == 2  # one per step with sync loads
+
+
+def test_a_layer_by_layer_load_outside_the_lease_is_recomputed(pair: Any) -> None:
+    """The later layers of a layer-wise load are checked as a whole load is: landed
+    after the lease ran out (their bytes may be another request's), every block of the
+    load goes back to vLLM as failed and prefill is not told they were read."""
+    prefill, decode, _, dk = pair
+    order = list(dk)
+    forward(decode, order)
+    prefill.hold({"late": 30.0})
+    late = sync(spec(prefill, "late", [2, 3, 4], [5, 6, 7]))
+    late.lease_expiry = time.time() + 0.3
+    decode.start_step()
+    decode.load_now([late])
+    time.sleep(0.4)
+    for name in order:
+        decode.wait_for_layer(name)
+    res = decode.results()  # ends the step as vLLM does after the forward
+    assert decode.take_failed_blocks() == {2, 3, 4}
+    assert decode.stats["recv_failed"] == 1 and decode.stats["recv_layered"] == 1
+    assert not res.finished_recving and not res.failed_recving
+    time.sleep(0.2)
+    assert "late" not in prefill.results().finished_sending
+
+
+def test_a_failed_later_layer_fails_the_load_without_a_late_write(pair: Any) -> None:
+    """Prefill gone after the first layer landed: the later layers fail within the
+    timeout, the load's blocks are reported failed, and nothing lands in them after."""
+    prefill, decode, _, dk = pair
+    order = list(dk)
+    forward(decode, order)
+    prefill.hold({"cut": 30.0})
+    decode.start_step()
+    # the first READ lands; the engine closes before the others are posted
+    original = decode._issue_rest
+
+    def cut(recv: Any) -> bool:
+        prefill.close()
+        return original(recv)
+
+    decode._issue_rest = cut  # type: ignore[method-assign]
+    started = time.monotonic()
+    decode.load_now([sync(spec(prefill, "cut", [2, 3, 4], [5, 6, 7]))])
+    for name in order:
+        decode.wait_for_layer(name)
+    decode.results()
+    assert time.monotonic() - started < 2.0 + 1.5  # timeout_s is 2 s
+    assert decode.take_failed_blocks() == {2, 3, 4} and decode.stats["recv_failed"] == 1
+    after = {name: t.clone() for name, t in dk.items()}
+    time.sleep(0.2)
+    assert all(torch.equal(after[name], dk[name]) for name in dk)
 
 
 def test_interval_stats_count_each_event_once(pair: Any) -> None:

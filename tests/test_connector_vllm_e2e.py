@@ -218,6 +218,9 @@ def test_proxy_between_vllm_servers(pd_servers: dict[str, Any]) -> None:
         time.sleep(0.2)
     grew = {k: v - te_before[0].get(k, 0) for k, v in dec.items()}
     assert grew["te_kv_loads_total"] == grew["te_kv_sync_loads_total"] == 4, grew
+    # each load after decode's first forward (which taught it the layer order) went
+    # layer by layer
+    assert grew["te_kv_layered_loads_total"] >= 3, grew
     assert grew.get("te_kv_load_failures_total", 0) == 0, grew
     assert grew["te_kv_load_bytes_total"] > 0 and grew["te_kv_load_seconds_count"] == 4, grew
     assert sent == 4, pre

@@ -85,3 +85,17 @@ def coalesce(local: Sequence[int], remote: Sequence[int]) -> list[tuple[int, int
                 continue
         runs.append((lb, rb, 1))
     return runs
+
+
+def layer_groups(order: Sequence[str]) -> list[list[str]]:
+    """Layers in forward order, cut into groups of 1, 1, 2, 4, 8... : a load read group by
+    group lets the forward start after the first layer's bytes and find each later
+    group landed while it computed the earlier ones, with few transfers to post."""
+    groups: list[list[str]] = []
+    at, size = 0, 1
+    while at < len(order):
+        groups.append(list(order[at:at + size]))
+        at += size
+        if len(groups) > 1:
+            size *= 2
+    return groups

@@ -116,6 +116,7 @@ class TransferEngineConnector(KVConnectorBase_V1):
         if self.worker is None or not isinstance(connector_metadata, TEConnectorMetadata):
             return
         meta = connector_metadata
+        self.worker.start_step()
         if meta.reqs_to_send:
             self.worker.hold(meta.reqs_to_send)
         if meta.reqs_to_recv:
@@ -131,14 +132,16 @@ class TransferEngineConnector(KVConnectorBase_V1):
         return  # started by bind_connector_metadata
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        if self.worker is not None:
+            self.worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         return
 
     def wait_for_save(self) -> None:
-        return
+        if self.worker is not None:
+            self.worker.finish_layered()
 
     def get_transfer_results(self, finished_req_ids: set[str]
                              ) -> KVConnectorTransferResults:

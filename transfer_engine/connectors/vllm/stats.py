@@ -23,6 +23,8 @@ COUNTS = (
     ("loads", "te_kv_loads", "KV loads from a remote prefill started by decode"),
     ("sync_loads", "te_kv_sync_loads",
      "of those, loads done before the admitting step's forward"),
+    ("layered_loads", "te_kv_layered_loads",
+     "of those, loads read layer by layer while that forward ran"),
     ("load_failures", "te_kv_load_failures",
      "KV loads from a remote prefill that failed (vLLM recomputed the blocks)"),
     ("load_bytes", "te_kv_load_bytes", "bytes of KV loaded from remote prefills"),
@@ -45,6 +47,9 @@ TIMES = (
      "from prefill finishing a request to a decoder having read its blocks (the router "
      "hop, decode's wait for a step and the read)"),
     ("store_load_seconds", "te_kv_store_load_seconds", "one load from the store"),
+    ("load_wait_seconds", "te_kv_load_wait_seconds",
+     "in a step with sync loads, how long its forward waited for their KV, before it "
+     "and at each layer"),
 )
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
