@@ -13,7 +13,8 @@ one-core hosts), and a router per hand-off::
         --streams 0 16 --rounds 8 --transports shm tcp --plot results/pd_serving.png
 
 Routes are interleaved per round and one request is probed at a time, which keeps the
-ratios honest on a shared machine. Prints one JSON line per transport and load.
+ratios honest on a shared machine; ``*_over_local`` divides the medians, ``*_paired`` is
+the median of each round's own ratio. Prints one JSON line per transport and load.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.vllm_servers import stream_times, te_metrics
+from bench.vllm_servers import by_source, http_json, stream_times, te_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -167,8 +168,26 @@ def run_transport(args: argparse.Namespace, transport: str) -> list[dict[str, An
                                 "temperature": 0})
         for streams in args.streams:
             rows.append(one_load(args, transport, streams, ports, name, prompt))
+            rows[-1]["identical"] = identical(args, ports, name, prompt)
             print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def identical(args: argparse.Namespace, ports: dict[str, int], name: str, prompt: Any,
+              count: int = 3) -> bool:
+    """Whether each hand-off answers fresh prompts token for token as the prefill
+    server alone does (greedy; its cache holds only what it computed itself)."""
+    for route in args.handoffs:
+        for _ in range(count):
+            body = {"model": name, "prompt": prompt(), "max_tokens": 8, "temperature": 0,
+                    "return_token_ids": True}
+            got = [json.loads(http_json(ports[port], "POST", "/v1/completions", body,
+                                        timeout=120)[1])["choices"][0]
+                   for port in (route, "prefill")]
+            if [(c["text"], c["token_ids"]) for c in got][0] != \
+                    [(c["text"], c["token_ids"]) for c in got][1]:
+                return False
+    return True
 
 
 def one_load(args: argparse.Namespace, transport: str, streams: int,
@@ -197,6 +216,7 @@ def one_load(args: argparse.Namespace, transport: str, streams: int,
     second: dict[str, list[float]] = {r: [] for r in routes}
     windows: dict[str, list[tuple[float, float]]] = {r: [] for r in routes}
     te_before = te_metrics(ports["decode"]), te_metrics(ports["prefill"])
+    source_before = by_source(ports["decode"])
     try:
         for _ in range(args.rounds):
             for route in routes:
@@ -213,6 +233,7 @@ def one_load(args: argparse.Namespace, transport: str, streams: int,
             t.join(600)
     time.sleep(1.5)  # prefill hears of decode's last read at a later step
     te_after = te_metrics(ports["decode"]), te_metrics(ports["prefill"])
+    source_after = by_source(ports["decode"])
     row: dict[str, Any] = {"transport": transport, "load": args.load,
                            "prefill_serve": args.prefill_serve,
                            "layers": args.layers, "hidden": args.hidden,
@@ -223,9 +244,13 @@ def one_load(args: argparse.Namespace, transport: str, streams: int,
             for q in (50, 90):
                 row[f"{route}_{key}_ms_p{q}"] = round(quantile(values, q / 100) * 1e3, 1)
     for route in args.handoffs:
-        for key in ("ttft", "second"):
+        for key, values in (("ttft", first), ("second", second)):
             row[f"{route}_{key}_over_local"] = round(
                 row[f"{route}_{key}_ms_p50"] / row[f"local_{key}_ms_p50"], 2)
+            # the same within each round (its probes are back to back), then the median:
+            # a slow spell of the shared machine moves both sides of a round's ratio
+            row[f"{route}_{key}_paired"] = round(statistics.median(
+                h / loc for h, loc in zip(values[route], values["local"], strict=True)), 2)
     if streams:
         with lock:
             all_gaps = sorted(gaps)
@@ -237,6 +262,13 @@ def one_load(args: argparse.Namespace, transport: str, streams: int,
             pd, local = row[f"gap_p99_ms_during_{route}"], row["gap_p99_ms_during_local"]
             row[f"gap_p99_{route}_over_local"] = round(pd / local, 2) if pd and local \
                 else None
+
+    # vLLM's own count of prompt tokens decode loaded over the connector, against every
+    # prompt token prefill computed (the sequential hand-off leaves decode the last)
+    row["external_kv_tokens"] = int(source_after.get("external_kv_transfer", 0)
+                                    - source_before.get("external_kv_transfer", 0))
+    row["external_kv_tokens_expected"] = args.rounds * sum(
+        args.tokens - (route == "sequential") for route in args.handoffs)
 
     def grew(side: int, key: str) -> float:
         return te_after[side].get(key, 0.0) - te_before[side].get(key, 0.0)

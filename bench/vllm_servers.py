@@ -90,6 +90,14 @@ def stream_times(port: int, body: dict[str, Any], timeout: float = 120.0
         conn.close()
 
 
+def by_source(port: int) -> dict[str, float]:
+    """vLLM's own accounting of prompt tokens on a server: loaded or computed."""
+    metrics = http_json(port, "GET", "/metrics")[1]
+    return {k: float(v) for k, v in re.findall(
+        r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} ([\d.]+)$',
+        metrics, re.M)}
+
+
 def te_metrics(port: int) -> dict[str, float]:
     """The connector's series (``vllm:te_kv_*``) on a server's /metrics, summed over
     their labels."""

@@ -41,6 +41,7 @@ from bench.vllm_servers import (
     WORDS,
     build_byte_model,
     build_model,
+    by_source,
     core_halves,
     http_json,
     launched,
@@ -137,14 +138,6 @@ def pd_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
 
         yield {"ports": ports, "model": str(model), "logs": logs,
                "tokenizer": AutoTokenizer.from_pretrained(model)}
-
-
-def by_source(port: int) -> dict[str, float]:
-    """vLLM's own accounting of prompt tokens on a server: loaded or computed."""
-    metrics = http_json(port, "GET", "/metrics")[1]
-    return {k: float(v) for k, v in re.findall(
-        r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} ([\d.]+)$',
-        metrics, re.M)}
 
 
 def completion(port: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -599,8 +592,9 @@ def test_figures_first_token_break_even(pd_servers: dict[str, Any]) -> None:
 def test_pd_serving_bench_runs_and_draws(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                                          ) -> None:
     """The README's serving benchmark, at its smallest: its rows carry every route's
-    times, the running streams' gaps and the connector's phases, and the chart is
-    drawn."""
+    times, the running streams' gaps, the connector's phases, vLLM's count of the
+    prompt tokens decode loaded and whether each hand-off answered as prefill alone
+    does; the chart is drawn."""
     from bench.pd_serving import main
 
     main(["--layers", "2", "--hidden", "128", "--tokens", "64", "--streams", "0", "2",
@@ -612,5 +606,7 @@ def test_pd_serving_bench_runs_and_draws(tmp_path: Path, capsys: pytest.CaptureF
     for row in rows:
         assert row["local_ttft_ms_p50"] > 0 and row["first_second_ms_p90"] > 0
         assert row["phases"]["loads"] == 1 and row["phases"]["load_failures"] == 0
+        assert row["identical"] is True
+        assert row["external_kv_tokens"] == row["external_kv_tokens_expected"] == 64
     assert "gap_p99_ms_during_local" in rows[1] and "gap_p99_ms_during_local" not in rows[0]
     assert any(tmp_path.glob("chart.*"))
