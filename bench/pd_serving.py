@@ -180,7 +180,7 @@ def identical(args: argparse.Namespace, ports: dict[str, int], name: str, prompt
     for route in args.handoffs:
         for _ in range(count):
             body = {"model": name, "prompt": prompt(), "max_tokens": 8, "temperature": 0,
-                    "return_token_ids": True}
+                    "ignore_eos": True, "return_token_ids": True}
             got = [json.loads(http_json(ports[port], "POST", "/v1/completions", body,
                                         timeout=120)[1])["choices"][0]
                    for port in (route, "prefill")]
@@ -220,8 +220,9 @@ def one_load(args: argparse.Namespace, transport: str, streams: int,
     try:
         for _ in range(args.rounds):
             for route in routes:
+                # EOS ignored: a first token that ends the answer hands nothing over
                 body = {"model": name, "prompt": prompt(), "max_tokens": args.max_tokens,
-                        "temperature": 0}
+                        "temperature": 0, "ignore_eos": True}
                 port = ports["decode" if route == "local" else route]
                 seen = stream_times(port, body)
                 first[route].append(seen[1] - seen[0])
@@ -232,6 +233,9 @@ def one_load(args: argparse.Namespace, transport: str, streams: int,
         for t in threads:
             t.join(600)
     time.sleep(1.5)  # prefill hears of decode's last read at a later step
+    for side in ("decode", "prefill"):  # a step of each, which reports the last ones'
+        http_json(ports[side], "POST", "/v1/completions", {
+            "model": name, "prompt": "tick", "max_tokens": 1}, timeout=120)
     te_after = te_metrics(ports["decode"]), te_metrics(ports["prefill"])
     source_after = by_source(ports["decode"])
     row: dict[str, Any] = {"transport": transport, "load": args.load,
