@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.fleet import end_process
 from bench.stats import cpu_seconds, fill_random
 from transfer_engine.transport.tcp import check_congestion, congestion_of, set_congestion
 
@@ -116,13 +117,7 @@ class Child:
                     self.proc.wait(grace)
                 except subprocess.TimeoutExpired:
                     pass
-            if self.proc.poll() is None:
-                self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+            end_process(self.proc, sig, timeout)
         finally:
             self._pump_thread.join(5)
             if self.proc.stdout is not None:

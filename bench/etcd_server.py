@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.fleet import free_port
+from bench.fleet import end_process, free_port
 
 ETCD = "etcd"
 
@@ -56,11 +56,6 @@ def etcd_server(data_dir: Path, start_timeout: float = 20.0) -> Iterator[str]:
             time.sleep(0.05)
         yield f"etcd://127.0.0.1:{client}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        end_process(proc)
         log.close()
         shutil.rmtree(data_dir / "etcd", ignore_errors=True)

@@ -1,8 +1,9 @@
-"""Processes for the registry benches and tests: member engines and standalone
-registries, with their stdout read line by line under a deadline."""
+"""Processes for the benches and tests: member engines and standalone registries, with
+their stdout read line by line under a deadline, and the one way a child is ended."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -11,8 +12,29 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def end_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM,
+                timeout: float = 10.0, group: bool = False) -> None:
+    """Ends a child: ``sig`` (to its whole process group with ``group``, for a child
+    started in a session of its own), then SIGKILL if it has not exited within
+    ``timeout`` seconds; returns once it has been reaped."""
+    def send(signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            if group:
+                os.killpg(proc.pid, signum)
+            elif proc.poll() is None:
+                proc.send_signal(signum)
+
+    send(sig)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        send(signal.SIGKILL)
+        proc.wait(10)
 
 
 class Proc:

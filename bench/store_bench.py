@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from bench.baselines import Child
-from bench.fleet import free_port
+from bench.fleet import end_process, free_port
 from bench.stats import fill_random, percentile, timed_calls
 
 __all__ = ["main"]
@@ -184,8 +184,7 @@ def bench_redis(args: argparse.Namespace, src: np.ndarray) -> dict[str, Any]:
         return {"redis_put_gbps": put_gbps,
                 "redis_get_gbps": calls * batch * size / sum(lat) / 1e9}
     finally:
-        proc.terminate()
-        proc.wait(10)
+        end_process(proc)
 
 
 MOONCAKE_FIELDS = ("mooncake_put_gbps", "mooncake_get_gbps", "mooncake_get_p50_us",
@@ -291,13 +290,7 @@ def bench_mooncake(args: argparse.Namespace) -> dict[str, Any]:
         for child in reversed(children):
             child.close(timeout=10)
         if master is not None:
-            if master.poll() is None:
-                master.terminate()
-            try:
-                master.wait(10)
-            except subprocess.TimeoutExpired:
-                master.kill()
-                master.wait(5)
+            end_process(master)
         shutil.rmtree(logs, ignore_errors=True)
     return {f"mooncake_{k}": got[k] for k in ("put_gbps", "get_gbps", "get_p50_us",
                                               "get_p99_us")}

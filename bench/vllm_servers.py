@@ -9,12 +9,13 @@ import http.client
 import json
 import os
 import re
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from bench.fleet import end_process
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("the a of to and in is it that for on was with as by at from this be are or "
@@ -118,14 +119,7 @@ def launched(cmd: list[str], log: Path, env: dict[str, str]) -> Iterator[subproc
         try:
             yield proc
         finally:
-            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, sig)
-                try:
-                    proc.wait(wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            end_process(proc, timeout=30, group=True)
 
 
 def wait_healthy(port: int, proc: subprocess.Popen[bytes], log: Path,
