@@ -21,6 +21,7 @@ single engine, the share of it spent moving KV, and bytes moved per request.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import importlib.util
 import json
 import os
@@ -283,6 +284,56 @@ def test_first_token_handoff_is_the_single_servers_answer(pd_servers: dict[str, 
             got = completion(ports["first"], body)
             assert got == want, body
     assert split_chars, "no first token ended inside a UTF-8 character"
+
+
+def gauges(port: int, name: str) -> float:
+    """A vLLM gauge on a server's /metrics, summed over its labels."""
+    return sum(float(v) for v in re.findall(rf"^vllm:{name}(?:{{[^}}]*}})? ([\d.e+-]+)$",
+                                             http_json(port, "GET", "/metrics")[1], re.M))
+
+
+def test_client_gone_mid_handoff_leaks_nothing(pd_servers: dict[str, Any]) -> None:
+    """Clients that hang up at each point of the first-token hand-off (before any
+    token, after prefill's first token, while decode streams): decode's requests end,
+    each of prefill's holds ends (read, or its lease ran out), and the next request is
+    answered as the single server answers it."""
+    ports, model = pd_servers["ports"], pd_servers["model"]
+    rng = random.Random(5)
+    held_before = te_metrics(ports["prefill"])
+    cuts = (0, 1, 3, 1, 3)
+    for lines in cuts:
+        prompt = " ".join(rng.choice(WORDS) for _ in range(120))
+        body = {"model": model, "prompt": prompt, "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        conn = http.client.HTTPConnection("127.0.0.1", ports["first-all"], timeout=60)
+        try:
+            conn.request("POST", "/v1/completions", json.dumps(body).encode(),
+                         {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200
+            seen = 0
+            while seen < lines:
+                line = resp.readline()
+                assert line, "stream ended early"
+                seen += line.startswith(b"data: ")
+        finally:
+            conn.close()  # the client is gone
+    # every hold of prefill's ends, read by decode or at the end of its lease (30 s);
+    # prefill acts on both at a step, so it is given some
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        now = te_metrics(ports["prefill"])
+        ended = sum(now.get(k, 0) - held_before.get(k, 0) for k in (
+            "te_kv_sent_requests_total", "te_kv_lease_expired_total"))
+        running = gauges(ports["decode"], "num_requests_running")
+        if ended >= len(cuts) and not running:
+            break
+        completion(ports["prefill"], {"model": model, "prompt": "tick", "max_tokens": 1})
+        time.sleep(0.5)
+    assert (ended, running) == (len(cuts), 0), (ended, running)
+    body = {"model": model, "prompt": "after " + PROMPTS[2], "max_tokens": MAX_TOKENS,
+            "temperature": 0}
+    assert completion(ports["first-all"], body) == completion(ports["prefill"], body)
 
 
 class EngineProcess:
