@@ -42,7 +42,8 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
                        ctypes.c_int, ctypes.c_long]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
+# page tables filled at mmap: both sides map a body populated (see worker.ServedSegment)
+MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +173,7 @@ def share_body(address: int, length: int) -> Body | None:
                 # populated: the application's next touch of each page (a forward
                 # writing KV) would otherwise take a fault on its compute path
                 got = _libc.mmap(start + at, n, mmap.PROT_READ | mmap.PROT_WRITE,
-                                 mmap.MAP_SHARED | 0x10 | _MAP_POPULATE,  # MAP_FIXED
+                                 mmap.MAP_SHARED | 0x10 | MAP_POPULATE,  # MAP_FIXED
                                  fd, at)
                 if got in (None, _MAP_FAILED) or got != start + at:
                     raise OSError(ctypes.get_errno(), "mmap over the segment failed")

@@ -44,12 +44,12 @@ from transfer_engine.transport.stream.io import (
     send_views,
 )
 from transfer_engine.transport.stream.server import HELLO_TIMEOUT, Connection, Targets
+from transfer_engine.transport.stream.shared import MAP_POPULATE
 from transfer_engine.transport.tcp import TcpServer
 
 log = logging.getLogger(__name__)
 _U64 = 1 << 64
 BOUNCE = 1 << 20  # bytes moved through the mem file per call
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 
 
 class ServedSegment(Segment):
@@ -73,7 +73,7 @@ class ServedSegment(Segment):
     def attach(self, fd: int, start: int, end: int, fd_offset: int) -> None:
         # populated now (about 50 ms a GiB, as a registration pins pages): else every
         # page takes a fault on its first transfer, half the time of a cold 16 MiB READ
-        self._map = mmap.mmap(fd, end - start, mmap.MAP_SHARED | _MAP_POPULATE,
+        self._map = mmap.mmap(fd, end - start, mmap.MAP_SHARED | MAP_POPULATE,
                               mmap.PROT_READ | mmap.PROT_WRITE, offset=fd_offset)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             try:
