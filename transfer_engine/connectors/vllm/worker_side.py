@@ -99,10 +99,11 @@ class _Recv:
     started: float  # time.monotonic(): durations are real even under a fake clock
     error: str | None = None
     handshake: Future[_RemoteInfo] | None = None  # the peer's, while it is under way
-    layered: bool = False  # a sync load the forward may wait for layer by layer
     parts: list[TransferHandle] = dataclasses.field(default_factory=list)  # later layers
     info: _RemoteInfo | None = None  # the peer of a layer-wise load, for its later READs
-    deadline: float = 0.0  # time.monotonic() by which a sync load is given up
+    # time.monotonic() by which a sync load is given up; 0 for an async load (a sync
+    # load may go layer by layer, an async one never)
+    deadline: float = 0.0
     landed: float = 0.0  # time.monotonic() when the forward last found a part landed
 
 
@@ -181,11 +182,11 @@ class TEConnectorWorker:
         self._times: dict[str, deque[float]] = {  # since the last interval_stats
             key: deque(maxlen=4096) for key, _, _ in TIMES}
         self._held_at: dict[str, float] = {}  # request id -> when prefill held it
-        # layer-wise sync loads: the forward's layer order, learnt from a step in which
-        # vLLM waited for every layer (until then a sync load completes before the
-        # forward); this step's waits; the handles each layer waits for; the loads
-        # whose later layers are still landing
-        self._layer_order: list[str] | None = None
+        # layer-wise sync loads: the forward's layers in groups (layer_groups), learnt
+        # from a step in which vLLM waited for every layer (until then a sync load
+        # completes before the forward); this step's waits; the handles each layer waits
+        # for; the loads whose later layers are still landing
+        self._groups: list[tuple[str, ...]] | None = None
         self._waited: dict[str, None] = {}
         self._layer_waits: dict[str, list[tuple[TransferHandle, _Recv]]] = {}
         self._layered: list[_Recv] = []
@@ -347,7 +348,7 @@ class TEConnectorWorker:
         return got
 
     def _pairs(self, info: _RemoteInfo, local_ids: list[int], remote_ids: list[int],
-               names: Iterable[str] | None = None) -> list[Blocks]:
+               names: tuple[str, ...] | None = None) -> list[Blocks]:
         """The READ of blocks checked by :meth:`_check_ids`, for the layers ``names``
         (default: all): one :class:`Blocks` per pair of segments, with every layer's
         parts (K, V), whole runs of blocks adjacent on both sides merged where the
@@ -358,7 +359,7 @@ class TEConnectorWorker:
         runs = np.array(coalesce(local_ids, remote_ids), dtype=np.int64).reshape(-1, 3).T
         single = (np.asarray(local_ids, dtype=np.int64),
                   np.asarray(remote_ids, dtype=np.int64))
-        for p in self._parts(info, None if names is None else tuple(names)):
+        for p in self._parts(info, names):
             if p.runs:
                 lb, rb, count = runs[0], runs[1], p.length * runs[2]
             else:
@@ -413,29 +414,39 @@ class TEConnectorWorker:
                 self._layered.append(recv)  # the forward waits for the rest
                 self.stats["recv_layered"] += 1
                 continue
-            for part in recv.parts:
-                self._settle(recv, part, wait=False)
+            for part in recv.parts:  # later READs posted before one failed to post
+                part.cancel()
             self._account(recv)
         self._step_wait += time.monotonic() - began
 
-    def _settle(self, recv: _Recv, handle: TransferHandle, wait: bool = True) -> None:
+    def _settle(self, recv: _Recv, handle: TransferHandle) -> None:
         """Waits for one READ of a sync load until the load's deadline; past that,
         cancels it, which returns once nothing of it writes into the blocks."""
-        if wait:
-            with contextlib.suppress(TransferEngineError):
-                # the READ's own deadline ends it; the extra second is for its answer
-                handle.wait(max(0.0, recv.deadline - time.monotonic()) + 1.0)
-        if handle.cancel() and wait:
+        with contextlib.suppress(TransferEngineError):
+            # the READ's own deadline ends it; the extra second is for its answer
+            handle.wait(max(0.0, recv.deadline - time.monotonic()) + 1.0)
+        if handle.cancel():
             log.error("request %s: KV read cancelled after %.1f s",
                       recv.spec.request_id, time.monotonic() - recv.started)
 
-    def _account(self, recv: _Recv) -> None:
-        """A sync load is over: its blocks are marked for vLLM to recompute unless
-        every READ of it landed in time."""
-        if self._loaded(recv):
+    def _await_part(self, recv: _Recv, handle: TransferHandle) -> None:
+        """The forward needs a later READ of a layer-wise load: waits for it (counted
+        as this step's wait), cancelling it past the load's deadline."""
+        if handle.done():
             return
+        began = time.monotonic()
+        self._settle(recv, handle)
+        recv.landed = time.monotonic()
+        self._step_wait += recv.landed - began
+
+    def _account(self, recv: _Recv) -> bool:
+        """A sync load is over: its blocks are marked for vLLM to recompute unless
+        every READ of it landed in time. Returns whether they did."""
+        if self._loaded(recv):
+            return True
         self.stats["recv_failed"] += 1
         self._failed_blocks.update(recv.spec.local_block_ids)
+        return False
 
     def start_step(self) -> None:
         """A step's metadata is bound: its forward's layer waits are counted afresh."""
@@ -443,40 +454,28 @@ class TEConnectorWorker:
 
     def wait_for_layer(self, name: str) -> None:
         """The forward is about to compute layer ``name``: its bytes must be here."""
-        if self._layer_order is None:
+        if self._groups is None:
             self._waited.setdefault(name, None)
-        waits = self._layer_waits.pop(name, None)
-        for handle, recv in waits or ():
-            if not handle.done():
-                began = time.monotonic()
-                with contextlib.suppress(TransferEngineError):
-                    handle.wait(max(0.0, recv.deadline - began) + 1.0)
-                recv.landed = time.monotonic()
-                self._step_wait += recv.landed - began
+        for handle, recv in self._layer_waits.pop(name, ()):
+            self._await_part(recv, handle)
 
     def finish_layered(self) -> None:
         """After the forward: waits for every layer-wise load still landing (a layer
         vLLM did not wait for included), marks the failed ones' blocks, tells prefill
         the good ones were read; and learns the layer order from a forward that waited
         for every layer. Idempotent: vLLM may call it twice a step."""
-        if self._layer_order is None and self._layers and all(
+        if self._groups is None and self._layers and all(
                 name in self._waited for name in self._layers):
-            self._layer_order = [name for name in self._waited if name in self._layers]
+            self._groups = [tuple(g) for g in layer_groups(
+                [name for name in self._waited if name in self._layers])]
             log.info("KV loads go layer by layer, in the forward's order")
         self._layer_waits.clear()
         layered, self._layered = self._layered, []
         for recv in layered:
             for part in recv.parts:
-                if not part.done():
-                    began = time.monotonic()
-                    self._settle(recv, part)
-                    recv.landed = time.monotonic()
-                    self._step_wait += recv.landed - began
-            if recv.handle is not None and all(
-                    h.state is TransferState.DONE for h in recv.parts) and \
-                    self._wall() < recv.spec.lease_expiry:
+                self._await_part(recv, part)
+            if self._account(recv):
                 self._notify_read(recv)
-            self._account(recv)
         if self._step_wait:
             with self._lock:
                 self._times["load_wait_seconds"].append(self._step_wait)
@@ -506,8 +505,7 @@ class TEConnectorWorker:
         """Checks a load and starts its READ (``timeout``: the READ's deadline), or its
         peer's handshake first; a load that cannot start has failed. A sync load
         (``deadline`` given) may go layer by layer."""
-        recv = _Recv(spec, None, time.monotonic(), layered=deadline is not None,
-                     deadline=deadline or 0.0)
+        recv = _Recv(spec, None, time.monotonic(), deadline=deadline or 0.0)
         self.stats["recv_requests"] += 1
         try:
             if not spec.local_block_ids:
@@ -557,8 +555,8 @@ class TEConnectorWorker:
             return
         self._check_ids(info, spec)
         local, remote = spec.local_block_ids, spec.remote_block_ids
-        order = self._layer_order
-        if not (recv.layered and order and len(order) > 1 and len(local) > 1):
+        groups = self._groups
+        if not (recv.deadline and groups and len(groups) > 1 and len(local) > 1):
             recv.handle = self.engine.read(
                 info.peer, self._pairs(info, local, remote),
                 notify=SENT_PREFIX + spec.remote_request_id.encode(), timeout=timeout)
@@ -572,17 +570,17 @@ class TEConnectorWorker:
         recv.info = info
         recv.handle = self.engine.read(
             info.peer, self._pairs(info, local[-1:], remote[-1:])
-            + self._pairs(info, local[:-1], remote[:-1], layer_groups(order)[0]),
+            + self._pairs(info, local[:-1], remote[:-1], groups[0]),
             timeout=timeout)
 
     def _issue_rest(self, recv: _Recv) -> bool:
         """The later groups' READs of a layer-wise load whose first READ landed: posted
         only then, as posting them with it held its bytes back (measured on a busy
         one-core decoder: 2 MiB landed in 3.5-6 ms instead of 1.4)."""
-        assert self.engine is not None and recv.info is not None and self._layer_order
+        assert self.engine is not None and recv.info is not None and self._groups
         local, remote = recv.spec.local_block_ids[:-1], recv.spec.remote_block_ids[:-1]
         try:
-            for names in layer_groups(self._layer_order)[1:]:
+            for names in self._groups[1:]:
                 handle = self.engine.read(
                     recv.info.peer, self._pairs(recv.info, local, remote, names),
                     timeout=max(0.001, recv.deadline - time.monotonic()))
