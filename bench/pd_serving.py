@@ -184,8 +184,8 @@ def identical(args: argparse.Namespace, ports: dict[str, int], name: str, prompt
             got = [json.loads(http_json(ports[port], "POST", "/v1/completions", body,
                                         timeout=120)[1])["choices"][0]
                    for port in (route, "prefill")]
-            if [(c["text"], c["token_ids"]) for c in got][0] != \
-                    [(c["text"], c["token_ids"]) for c in got][1]:
+            handed, alone = ((c["text"], c["token_ids"]) for c in got)
+            if handed != alone:
                 return False
     return True
 

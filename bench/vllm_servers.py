@@ -99,14 +99,20 @@ def by_source(port: int) -> dict[str, float]:
         metrics, re.M)}
 
 
-def te_metrics(port: int) -> dict[str, float]:
-    """The connector's series (``vllm:te_kv_*``) on a server's /metrics, summed over
-    their labels."""
+def vllm_metrics(port: int, prefix: str) -> dict[str, float]:
+    """A server's series ``vllm:<prefix>*`` on its /metrics, each summed over its
+    labels."""
     out: dict[str, float] = {}
-    for name, value in re.findall(r"^vllm:(te_kv_\w+?)(?:\{[^}]*\})? ([\d.e+-]+)$",
+    for name, value in re.findall(rf"^vllm:({re.escape(prefix)}\w*?)(?:\{{[^}}]*\}})? "
+                                  r"([\d.e+-]+)$",
                                   http_json(port, "GET", "/metrics")[1], re.M):
         out[name] = out.get(name, 0.0) + float(value)
     return out
+
+
+def te_metrics(port: int) -> dict[str, float]:
+    """The connector's series (``vllm:te_kv_*``) on a server's /metrics."""
+    return vllm_metrics(port, "te_kv_")
 
 
 @contextlib.contextmanager

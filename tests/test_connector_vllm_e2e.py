@@ -48,6 +48,7 @@ from bench.vllm_servers import (
     launched,
     stream_times,
     te_metrics,
+    vllm_metrics,
     wait_healthy,
 )
 
@@ -286,12 +287,6 @@ def test_first_token_handoff_is_the_single_servers_answer(pd_servers: dict[str, 
     assert split_chars, "no first token ended inside a UTF-8 character"
 
 
-def gauges(port: int, name: str) -> float:
-    """A vLLM gauge on a server's /metrics, summed over its labels."""
-    return sum(float(v) for v in re.findall(rf"^vllm:{name}(?:{{[^}}]*}})? ([\d.e+-]+)$",
-                                             http_json(port, "GET", "/metrics")[1], re.M))
-
-
 def test_client_gone_mid_handoff_leaks_nothing(pd_servers: dict[str, Any]) -> None:
     """Clients that hang up at each point of the first-token hand-off (before any
     token, after prefill's first token, while decode streams): decode's requests end,
@@ -325,7 +320,8 @@ def test_client_gone_mid_handoff_leaks_nothing(pd_servers: dict[str, Any]) -> No
         now = te_metrics(ports["prefill"])
         ended = sum(now.get(k, 0) - held_before.get(k, 0) for k in (
             "te_kv_sent_requests_total", "te_kv_lease_expired_total"))
-        running = gauges(ports["decode"], "num_requests_running")
+        running = vllm_metrics(ports["decode"], "num_requests_running").get(
+            "num_requests_running", 0.0)
         if ended >= len(cuts) and not running:
             break
         completion(ports["prefill"], {"model": model, "prompt": "tick", "max_tokens": 1})
