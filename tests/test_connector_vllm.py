@@ -529,6 +529,7 @@ def test_interval_stats_count_each_event_once(pair: Any) -> None:
     assert (d["loads"], d["sync_loads"], d["load_failures"]) == (3, 2, 1)
     assert d["load_bytes"] == decode.stats["recv_bytes"] > 0
     assert len(d["load_seconds"]) == 2 and p["sent"] == 2 and len(p["held_seconds"]) == 2
+    assert p["holds"] == 2
     assert decode.interval_stats() is None and prefill.interval_stats() is None
     total = TEConnectorStats(data=d).aggregate(TEConnectorStats(data=p))
     assert isinstance(total, TEConnectorStats) and not total.is_empty()

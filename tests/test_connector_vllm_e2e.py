@@ -313,20 +313,22 @@ def test_client_gone_mid_handoff_leaks_nothing(pd_servers: dict[str, Any]) -> No
                 seen += line.startswith(b"data: ")
         finally:
             conn.close()  # the client is gone
-    # every hold of prefill's ends, read by decode or at the end of its lease (30 s);
-    # prefill acts on both at a step, so it is given some
+    # every hold of prefill's (these and any an earlier test left) ends, read by decode
+    # or at the end of its lease (30 s); prefill acts on both at a step, so it is given
+    # some
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         now = te_metrics(ports["prefill"])
-        ended = sum(now.get(k, 0) - held_before.get(k, 0) for k in (
+        held = now.get("te_kv_holds_total", 0) - held_before.get("te_kv_holds_total", 0)
+        open_holds = now.get("te_kv_holds_total", 0) - sum(now.get(k, 0) for k in (
             "te_kv_sent_requests_total", "te_kv_lease_expired_total"))
         running = vllm_metrics(ports["decode"], "num_requests_running").get(
             "num_requests_running", 0.0)
-        if ended >= len(cuts) and not running:
+        if held == len(cuts) and not open_holds and not running:
             break
         completion(ports["prefill"], {"model": model, "prompt": "tick", "max_tokens": 1})
         time.sleep(0.5)
-    assert (ended, running) == (len(cuts), 0), (ended, running)
+    assert (held, open_holds, running) == (len(cuts), 0, 0), (held, open_holds, running)
     body = {"model": model, "prompt": "after " + PROMPTS[2], "max_tokens": MAX_TOKENS,
             "temperature": 0}
     assert completion(ports["first-all"], body) == completion(ports["prefill"], body)

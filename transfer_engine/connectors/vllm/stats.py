@@ -28,6 +28,8 @@ COUNTS = (
     ("load_failures", "te_kv_load_failures",
      "KV loads from a remote prefill that failed (vLLM recomputed the blocks)"),
     ("load_bytes", "te_kv_load_bytes", "bytes of KV loaded from remote prefills"),
+    ("holds", "te_kv_holds", "requests whose blocks prefill held for a decoder (prefill; "
+     "each ends as sent or lease_expired)"),
     ("sent", "te_kv_sent_requests", "requests whose blocks a decoder read (prefill)"),
     ("lease_expired", "te_kv_lease_expired",
      "requests whose blocks no decoder read before the lease ran out (prefill)"),

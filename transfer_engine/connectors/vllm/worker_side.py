@@ -66,7 +66,8 @@ _WORKERS: weakref.WeakSet[TEConnectorWorker] = weakref.WeakSet()
 _INTERVAL_COUNTS = {"loads": "recv_requests", "sync_loads": "recv_sync",
                     "layered_loads": "recv_layered",
                     "load_failures": "recv_failed", "load_bytes": "recv_bytes",
-                    "sent": "sent_requests", "lease_expired": "lease_expired",
+                    "holds": "held_requests", "sent": "sent_requests",
+                    "lease_expired": "lease_expired",
                     "store_loads": "store_loads", "store_load_failures": "store_load_failed",
                     "store_load_bytes": "store_load_bytes", "store_saves": "store_saves",
                     "store_save_failures": "store_save_failed",
@@ -173,7 +174,8 @@ class TEConnectorWorker:
         self.stats: dict[str, Any] = {"recv_requests": 0, "recv_failed": 0,
                                       "recv_bytes": 0,
                                       "recv_seconds": deque(maxlen=1024),  # latest
-                                      "sent_requests": 0, "lease_expired": 0,
+                                      "held_requests": 0, "sent_requests": 0,
+                                      "lease_expired": 0,
                                       "store_loads": 0, "store_load_failed": 0,
                                       "store_load_bytes": 0, "store_saves": 0,
                                       "store_save_failed": 0, "store_save_bytes": 0,
@@ -686,6 +688,8 @@ class TEConnectorWorker:
         now = self._clock()
         with self._lock:
             for rid, lease in reqs.items():
+                if rid not in self._sending:
+                    self.stats["held_requests"] += 1
                 self._sending[rid] = now + lease
                 self._held_at[rid] = time.monotonic()
 
