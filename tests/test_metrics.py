@@ -16,7 +16,8 @@ import pytest
 
 from transfer_engine.descriptor import Descriptor
 from transfer_engine.engine import Engine
-from transfer_engine.metrics import BUCKETS, Latencies, serve_metrics
+from transfer_engine.latency import BUCKETS, Latencies
+from transfer_engine.metrics import serve_metrics
 
 pytest.importorskip("prometheus_client", reason="pip install 'transfer-engine[metrics]'")
 

@@ -16,7 +16,7 @@ and puts together its parts, one module each (they share the state named in
   fall back, cancel, deadlines), checked first by :mod:`~transfer_engine.validate`;
 - :mod:`~transfer_engine.peers`: one connection per peer, made by the handshake;
 - :mod:`~transfer_engine.membership`: what the engine does with a registry;
-- :mod:`~transfer_engine.control.endpoint`: the control endpoint that answers handshakes.
+- :mod:`~transfer_engine.endpoint`: the control endpoint that answers handshakes.
 
 Closing the engine closes, in reverse order of creation, its peers (their rails fail
 in-flight transfers with ``ClosedError``), its transports, its segments and its control
@@ -41,23 +41,23 @@ import numpy as np
 
 from transfer_engine.closeable import Closeable
 from transfer_engine.control.auth import AuthConfig, check_exposure
-from transfer_engine.control.endpoint import ControlEndpoint
 from transfer_engine.control.metastore import MetadataStore
 from transfer_engine.control.tickets import Ticket, TicketBook
+from transfer_engine.endpoint import ControlEndpoint
 from transfer_engine.errors import (
     ClosedError,
     InvalidDescriptorError,
     NotSupportedError,
     TransferEngineError,
 )
+from transfer_engine.latency import Latencies
 from transfer_engine.membership import Membership
-from transfer_engine.metrics import Latencies
 from transfer_engine.notify import ImmediateCounter, Notification
 from transfer_engine.peer import Peer
 from transfer_engine.peers import Peers
 from transfer_engine.segment import Segment, describe_memory
-from transfer_engine.state import TrafficPolicy
-from transfer_engine.transfer import Transfers, _Transfer
+from transfer_engine.state import LiveTransfer, TrafficPolicy
+from transfer_engine.transfer import Transfers
 from transfer_engine.transport import load_transport
 from transfer_engine.transport.base import Immediate, Transport
 from transfer_engine.transport.shm import host_id
@@ -148,7 +148,7 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
         self._transfer_ids = itertools.count(1)
         self._wr_ids = itertools.count(1)
         self._peers: dict[str, Peer] = {}
-        self._live: dict[int, _Transfer] = {}
+        self._live: dict[int, LiveTransfer] = {}
         self._by_address: dict[str, Peer] = {}  # control endpoint -> its peer
         self._connecting: dict[str, Future[Peer]] = {}  # handshakes under way
         self._retired: set[Peer] = set()  # replaced, closed when their transfers end

@@ -3,20 +3,29 @@
 :class:`~transfer_engine.engine.Engine` is put together from parts, one module each:
 the transfer table (:mod:`~transfer_engine.transfer`), the peer table and handshake
 (:mod:`~transfer_engine.peers`), the registry glue (:mod:`~transfer_engine.membership`)
-and the control endpoint (:mod:`~transfer_engine.control.endpoint`). They share the
+and the control endpoint (:mod:`~transfer_engine.endpoint`). They share the
 engine's state, which ``Engine.__init__`` sets; this class names it, with its types, so
 that each part reads as what it is and type checks on its own.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
+
+from transfer_engine.descriptor import Op
+from transfer_engine.errors import TransferError
+from transfer_engine.handle import TransferHandle
+from transfer_engine.peer import Peer
+from transfer_engine.planner import Columns
+from transfer_engine.segment import Segment
+from transfer_engine.transport.base import Rail, Work
 
 if TYPE_CHECKING:
     import collections
     import itertools
-    import threading
     from concurrent.futures import Future
     from contextlib import ExitStack
 
@@ -25,15 +34,12 @@ if TYPE_CHECKING:
     from transfer_engine.control.auth import Signer
     from transfer_engine.control.metastore import MetadataStore
     from transfer_engine.control.tickets import TicketBook
-    from transfer_engine.metrics import Latencies
+    from transfer_engine.latency import Latencies
     from transfer_engine.notify import ImmediateCounter
-    from transfer_engine.peer import Peer
-    from transfer_engine.segment import Segment
-    from transfer_engine.transfer import _Transfer
     from transfer_engine.transport.base import Completion, Transport
     from transfer_engine.watchdog import Watchdog
 
-__all__ = ["EngineState", "TrafficPolicy"]
+__all__ = ["EngineState", "LiveTransfer", "TrafficPolicy"]
 
 
 class TrafficPolicy(Protocol):
@@ -50,6 +56,28 @@ class TrafficPolicy(Protocol):
                nbytes: int = 0) -> None:
         """How a transfer over ``transport`` went."""
         ...
+
+
+@dataclass(eq=False)
+class LiveTransfer:
+    """Engine-side state of one transfer across its attempts."""
+
+    handle: TransferHandle
+    peer: Peer
+    op: Op
+    extents: Columns
+    notify: bytes | None
+    transports: list[str]
+    local_segments: list[Segment]
+    remaining: int = 0
+    error: TransferError | None = None
+    notifying: bool = False
+    started: float = 0.0  # monotonic start of the current attempt
+    finished: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    posted: list[tuple[Rail, Work]] | None = None  # the current attempt's work
+    posting: bool = False  # rail.post calls of ``posted`` under way
+    stopping: TransferError | None = None  # why it was cancelled (or timed out)
 
 
 class EngineState:
@@ -84,7 +112,7 @@ class EngineState:
         _by_address: dict[str, Peer]
         _connecting: dict[str, Future[Peer]]
         _retired: set[Peer]
-        _live: dict[int, _Transfer]
+        _live: dict[int, LiveTransfer]
         _transfer_ids: itertools.count[int]
         _wr_ids: itertools.count[int]
         _counter: ImmediateCounter

@@ -10,9 +10,7 @@ memory.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,7 +29,7 @@ from transfer_engine.handle import TransferHandle
 from transfer_engine.peer import Peer
 from transfer_engine.planner import Columns, WorkRequest, iovec_array, plan_columns
 from transfer_engine.segment import Segment
-from transfer_engine.state import EngineState
+from transfer_engine.state import EngineState, LiveTransfer
 from transfer_engine.transport.base import Completion, Immediate, Rail, Work
 from transfer_engine.validate import Pairs, validate
 from transfer_engine.watchdog import Watchdog
@@ -42,27 +40,6 @@ log = logging.getLogger(__name__)
 _FALLBACK_ERRORS = (NotSupportedError, PeerLostError)
 _BYTES_STAT = {Op.WRITE: "bytes_write", Op.READ: "bytes_read"}
 
-
-@dataclass(eq=False)
-class _Transfer:
-    """Engine-side state of one transfer across its attempts."""
-
-    handle: TransferHandle
-    peer: Peer
-    op: Op
-    extents: Columns
-    notify: bytes | None
-    transports: list[str]
-    local_segments: list[Segment]
-    remaining: int = 0
-    error: TransferError | None = None
-    notifying: bool = False
-    started: float = 0.0  # monotonic start of the current attempt
-    finished: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    posted: list[tuple[Rail, Work]] | None = None  # the current attempt's work
-    posting: bool = False  # rail.post calls of ``posted`` under way
-    stopping: TransferError | None = None  # why it was cancelled (or timed out)
 
 class Transfers(EngineState):
     """The engine's transfer table and its life cycle (a part of :class:`Engine`)."""
@@ -121,8 +98,9 @@ class Transfers(EngineState):
             for seg in pinned:
                 seg.unpin()
             raise exc.with_context(peer=peer.name, op=str(op)) from None
-        xfer = _Transfer(handle, peer, op, extents, bytes(notify) if notify is not None else None,
-                         self._route(peer), pinned)
+        xfer = LiveTransfer(handle, peer, op, extents,
+                            bytes(notify) if notify is not None else None,
+                            self._route(peer), pinned)
         handle._canceller = self._cancel_handle
         with self._lock:
             self._live[handle.id] = xfer
@@ -139,7 +117,7 @@ class Transfers(EngineState):
             raise failure
         return handle
 
-    def _start_attempt(self, xfer: _Transfer) -> Exception | None:
+    def _start_attempt(self, xfer: LiveTransfer) -> Exception | None:
         """Plans and posts the transfer's next attempt. Should that fail unexpectedly,
         the transfer fails (its segments unpinned, its handle finished) and the exception
         is returned, for :meth:`_submit` to raise; nothing is left waiting."""
@@ -154,7 +132,7 @@ class Transfers(EngineState):
             return exc
         return None
 
-    def _post_attempt(self, xfer: _Transfer) -> None:
+    def _post_attempt(self, xfer: LiveTransfer) -> None:
         while True:  # rails torn down (a cancel, a dead connection) carry nothing more
             name = xfer.transports[0]
             rails = [rail for rail in xfer.peer.rails[name] if not rail.closed]
@@ -230,7 +208,7 @@ class Transfers(EngineState):
             address[pieces.lseg == seg.id] = seg.address
         return iovec_array(pieces.loff + address, pieces.length)
 
-    def _post(self, xfer: _Transfer, items: list[tuple[Rail, Work]]) -> None:
+    def _post(self, xfer: LiveTransfer, items: list[tuple[Rail, Work]]) -> None:
         """Posts ``items`` (already ``xfer.posted``, with ``xfer.posting`` set)."""
         try:
             for i, (rail, work) in enumerate(items):
@@ -249,7 +227,7 @@ class Transfers(EngineState):
                 xfer.posting = False
 
     def _on_complete(self, done: Completion) -> None:
-        xfer: _Transfer = done.work.context
+        xfer: LiveTransfer = done.work.context
         with xfer.lock:
             if done.error is not None:
                 xfer.error = xfer.error or done.error
@@ -292,7 +270,7 @@ class Transfers(EngineState):
             return
         self._finish(xfer, None)
 
-    def _finish(self, xfer: _Transfer, error: TransferError | None) -> None:
+    def _finish(self, xfer: LiveTransfer, error: TransferError | None) -> None:
         with xfer.lock:  # once: a closing engine may race a late completion here
             if xfer.finished:
                 return
@@ -336,7 +314,7 @@ class Transfers(EngineState):
             xfer = self._live.get(handle.id)
         return xfer is not None and self._cancel(xfer, error)
 
-    def _cancel(self, xfer: _Transfer, error: TransferError) -> bool:
+    def _cancel(self, xfer: LiveTransfer, error: TransferError) -> bool:
         """Fails ``xfer`` with ``error`` once nothing of ours touches its memory: work
         not yet sent is withdrawn, rails with its work on the wire are torn down (their
         other work fails with ``PeerLostError``, which may fail over). False if it had

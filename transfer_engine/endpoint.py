@@ -1,8 +1,9 @@
-"""The engine's control endpoint: a :class:`~.service.Service` answering handshakes.
+"""The engine's control endpoint: a :class:`~transfer_engine.control.service.Service`
+answering handshakes.
 
-A Hello gets our metadata and a fresh rail ticket (:mod:`~.tickets`); a segments query
-gets our current segments. The service checks every message first, and nothing a
-client sends stops it.
+A Hello gets our metadata and a fresh rail ticket
+(:mod:`~transfer_engine.control.tickets`); a segments query gets our current segments.
+The service checks every message first, and nothing a client sends stops it.
 """
 
 from __future__ import annotations
