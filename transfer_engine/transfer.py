@@ -13,8 +13,6 @@ import logging
 import time
 from typing import Any
 
-import numpy as np
-
 from transfer_engine.descriptor import Op
 from transfer_engine.errors import (
     ClosedError,
@@ -27,7 +25,7 @@ from transfer_engine.errors import (
 )
 from transfer_engine.handle import TransferHandle
 from transfer_engine.peer import Peer
-from transfer_engine.planner import Columns, WorkRequest, iovec_array, plan_columns
+from transfer_engine.planner import plan_columns
 from transfer_engine.segment import Segment
 from transfer_engine.state import EngineState, LiveTransfer
 from transfer_engine.transport.base import Completion, Immediate, Rail, Work
@@ -64,6 +62,12 @@ class Transfers(EngineState):
     def in_flight(self) -> int:
         """Transfers submitted and not finished."""
         return len(self._live)
+
+    @property
+    def probing(self) -> int | None:
+        """Peers the silence watchdog probes now (see ``peer_timeout``); None before
+        the first transfer started it."""
+        return self._watchdog.probing if self._watchdog is not None else None
 
     def read(self, peer: Peer | str, pairs: Pairs, notify: bytes | None = None, *,
              timeout: float | None = None) -> TransferHandle:
@@ -176,9 +180,8 @@ class Transfers(EngineState):
                 imm = Immediate(transfer_id, plan.rails_used,
                                 xfer.notify if notify_pending else None)
                 notify_pending = False
-            iov = self._iov(wr, xfer.local_segments) if host else None
             works.append(Work(next(self._wr_ids), xfer.op, wr.local, wr.remote, wr.nbytes,
-                              imm, iov, xfer))
+                              imm, transport.prepare(wr, xfer.local_segments), xfer))
         items = [(rails[wr.rail], w) for wr, w in zip(plan.requests, works, strict=True)]
         with xfer.lock:
             stopped = xfer.stopping
@@ -192,21 +195,6 @@ class Transfers(EngineState):
             self._finish(xfer, stopped)
             return
         self._post(xfer, items)
-
-    @staticmethod
-    def _iov(wr: WorkRequest, segments: list[Segment]) -> np.ndarray:
-        """The (address, length) rows of a request's local pieces (pinned host memory)."""
-        pieces = wr.pieces
-        if pieces is None:
-            pieces = Columns.from_pairs([(loc, loc) for loc in wr.local])
-        elif pieces.iov is not None:  # laid out when its Blocks was built
-            return pieces.iov
-        if len(segments) == 1:
-            return iovec_array(pieces.loff + segments[0].address, pieces.length)
-        address = np.zeros(len(pieces), dtype=np.int64)
-        for seg in segments:
-            address[pieces.lseg == seg.id] = seg.address
-        return iovec_array(pieces.loff + address, pieces.length)
 
     def _post(self, xfer: LiveTransfer, items: list[tuple[Rail, Work]]) -> None:
         """Posts ``items`` (already ``xfer.posted``, with ``xfer.posting`` set)."""

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
     from transfer_engine.control.tickets import Credential, Ticket
     from transfer_engine.errors import TransferError
+    from transfer_engine.planner import WorkRequest
     from transfer_engine.segment import Segment
 
 __all__ = ["Capabilities", "Immediate", "Work", "Completion", "OnComplete", "Host",
@@ -85,9 +86,7 @@ class Work:
     remote: Sequence[tuple[int, int, int]]
     nbytes: int
     imm: Immediate | None = None
-    # host memory of the local pieces as an (n, 2) uint64 array of (address, length)
-    # rows, for transports that move host bytes themselves (tcp, shm); None otherwise
-    iov: Any = None
+    prepared: Any = None  # what the rail's Transport.prepare made of it; opaque elsewhere
     context: Any = None  # the engine's bookkeeping; transports leave it alone
 
 
@@ -228,6 +227,12 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Closes every rail and stops accepting. Idempotent."""
+
+    def prepare(self, request: WorkRequest, segments: Sequence[Segment]) -> Any:
+        """Whatever this transport wants worked out for ``request`` (its local pieces in
+        ``segments``) before a rail posts it, done once per request on the caller's
+        thread; the rail finds it as ``Work.prepared``. Nothing by default."""
+        return None
 
     def info(self, key: str) -> Any:
         """Transport-specific facts (e.g. 'devices' for rdma); None when unknown."""

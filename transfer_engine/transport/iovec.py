@@ -19,11 +19,15 @@ import errno
 import os
 import socket
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["IOVEC_IO", "IOV_MAX", "RECV_CHUNK", "iov_views", "send_iov", "recv_iov",
+from transfer_engine.planner import Columns, WorkRequest, iovec_array
+from transfer_engine.segment import Segment
+
+__all__ = ["IOVEC_IO", "IOV_MAX", "RECV_CHUNK", "host_rows", "iov_views", "send_iov", "recv_iov",
            "recv_iov_ready", "recv_ready", "send_ready"]
 
 IOV_MAX = 1024
@@ -236,3 +240,19 @@ def recv_iov_ready(sock: socket.socket, iov: np.ndarray, limit: int = READY_BYTE
     rows = iov[:IOV_MAX]
     hdr = _MsgHdr(None, 0, rows.ctypes.data, len(rows), None, 0, 0)
     return _held_result(int(_held.recvmsg(sock.fileno(), ctypes.byref(hdr), _DONTWAIT)))
+
+
+def host_rows(request: WorkRequest, segments: Sequence[Segment]) -> np.ndarray:
+    """The ``(address, length)`` rows of a request's local pieces in pinned host
+    memory (``segments``): what the stream transports send from or receive into."""
+    pieces = request.pieces
+    if pieces is None:
+        pieces = Columns.from_pairs([(loc, loc) for loc in request.local])
+    elif pieces.iov is not None:  # laid out when its Blocks was built
+        return pieces.iov
+    if len(segments) == 1:
+        return iovec_array(pieces.loff + segments[0].address, pieces.length)
+    address = np.zeros(len(pieces), dtype=np.int64)
+    for seg in segments:
+        address[pieces.lseg == seg.id] = seg.address
+    return iovec_array(pieces.loff + address, pieces.length)

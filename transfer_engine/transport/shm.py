@@ -45,7 +45,7 @@ import shutil
 import socket
 import struct
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -61,8 +61,10 @@ from transfer_engine.errors import (
     PeerLostError,
     TransferError,
 )
+from transfer_engine.planner import WorkRequest
 from transfer_engine.segment import Segment
 from transfer_engine.transport.base import Capabilities, Host, OnComplete, Rail, Transport, Work
+from transfer_engine.transport.iovec import host_rows
 from transfer_engine.transport.stream import (
     KIND_READ,
     KIND_WRITE,
@@ -260,8 +262,8 @@ class ShmRail(StreamRail):
         if ranges is not self._announced:  # a segment came or went: say so first
             send_bytes(self._sock, encode_announce(ranges))
             self._announced = ranges
-        if work.iov is not None:  # (address, length) rows: the LOCAL_DT layout
-            local = np.ascontiguousarray(work.iov, dtype="<u8").tobytes()
+        if work.prepared is not None:  # (address, length) rows: the LOCAL_DT layout
+            local = np.ascontiguousarray(work.prepared, dtype="<u8").tobytes()
         else:
             bases: dict[int, int] = {}
             pieces = []
@@ -368,6 +370,11 @@ class ShmTransport(Transport):
     @property
     def capabilities(self) -> Capabilities:
         return self._caps
+
+    def prepare(self, request: WorkRequest, segments: Sequence[Segment]) -> np.ndarray:
+        """The request's local pieces as ``(address, length)`` rows (host memory: the
+        engine sends this transport nothing else)."""
+        return host_rows(request, segments)
 
     def start(self, host: Host) -> dict[str, Any]:
         self._host = host

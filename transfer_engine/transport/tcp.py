@@ -67,9 +67,11 @@ from transfer_engine.errors import (
     TransferError,
     TransferTimeout,
 )
+from transfer_engine.planner import WorkRequest
 from transfer_engine.segment import Segment
 from transfer_engine.topology import Topology
 from transfer_engine.transport.base import Capabilities, Host, OnComplete, Rail, Transport, Work
+from transfer_engine.transport.iovec import host_rows
 from transfer_engine.transport.stream import (
     KIND_READ,
     KIND_WRITE,
@@ -103,8 +105,9 @@ _TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", None)  # Linux only
 
 
 def _host_iov(work: Work) -> np.ndarray:
-    # the engine gives host-memory transports an iov for every request that moves bytes
-    iov: np.ndarray = work.iov if work.iov is not None else np.empty((0, 2), np.uint64)
+    # the rows TcpTransport.prepare made (none for a request that moves no bytes)
+    iov: np.ndarray = work.prepared if work.prepared is not None \
+        else np.empty((0, 2), np.uint64)
     return iov
 
 
@@ -338,6 +341,11 @@ class TcpTransport(Transport):
     @property
     def capabilities(self) -> Capabilities:
         return self._caps
+
+    def prepare(self, request: WorkRequest, segments: Sequence[Segment]) -> np.ndarray:
+        """The request's local pieces as ``(address, length)`` rows (host memory: the
+        engine sends this transport nothing else)."""
+        return host_rows(request, segments)
 
     def start(self, host: Host) -> dict[str, Any]:
         if is_loopback(self._bind[0]):
