@@ -1,14 +1,14 @@
 """Transfer planning: pure functions from descriptor pairs to work requests on rails.
 
     pairs --coalesce--> fewer, longer pairs
-          --slice-----> pieces of at most ``slice_size`` bytes
-          --pack------> work requests of at most ``max_sge`` local pieces and
-                        ``max_wr_bytes`` bytes (one contiguous remote range when the
+          --slice-----> extents of at most ``slice_size`` bytes
+          --pack------> work requests of at most ``max_sge`` local extents and
+                        ``max_wr_bytes`` bytes (one contiguous remote extent when the
                         transport cannot scatter remotely, as with RDMA WRITE)
           --assign----> rails, balanced by bytes (optionally weighted, e.g. by link rate)
           --mark------> the last request of each used rail carries the immediate
 
-Pairs travel as :class:`Columns` (five int64 arrays), so the per-piece work of a transfer
+Pairs travel as :class:`Columns` (five int64 arrays), so the per-extent work of a transfer
 of thousands of small blocks is done by NumPy: planning 128 blocks costs tens of
 microseconds, not the hundreds a loop over tuples costs. The tuple-based functions
 (:func:`coalesce`, :func:`slice_pairs`, :func:`pack`, :func:`plan_transfer`) are the same
@@ -26,16 +26,16 @@ from typing import Any, overload
 
 import numpy as np
 
-__all__ = ["Pair", "Columns", "Spans", "WorkRequest", "Plan", "coalesce", "slice_pairs", "pack",
+__all__ = ["Pair", "Columns", "Extents", "WorkRequest", "Plan", "coalesce", "slice_pairs", "pack",
            "iovec_array", "assign_rails", "plan_transfer", "plan_columns", "coalesce_columns",
            "slice_columns", "pack_columns"]
 
-Span = tuple[int, int, int]  # (segment, offset, length): an Extent or a plain tuple
+ExtentRow = tuple[int, int, int]  # (segment, offset, length): an Extent or a plain tuple
 # Plain tuples on the hot path: building a NamedTuple costs ten times more.
-Pair = tuple[Span, Span]  # (local, remote)
+Pair = tuple[ExtentRow, ExtentRow]  # (local, remote)
 
 
-class Spans(Sequence[Span]):
+class Extents(Sequence[ExtentRow]):
     """``(segment, offset, length)`` rows kept as three int64 arrays.
 
     Reads as a list of tuples, made on first use: a transport that takes the arrays
@@ -52,9 +52,9 @@ class Spans(Sequence[Span]):
         self.offset = offset
         self.length = length
         self.uniform = uniform
-        self._rows: list[Span] | None = None
+        self._rows: list[ExtentRow] | None = None
 
-    def rows(self) -> list[Span]:
+    def rows(self) -> list[ExtentRow]:
         if self._rows is None:
             self._rows = list(zip(self.segment.tolist(), self.offset.tolist(),
                                   self.length.tolist(), strict=True))
@@ -64,15 +64,15 @@ class Spans(Sequence[Span]):
         return len(self.length)
 
     @overload
-    def __getitem__(self, index: int) -> Span: ...
+    def __getitem__(self, index: int) -> ExtentRow: ...
 
     @overload
-    def __getitem__(self, index: slice) -> list[Span]: ...
+    def __getitem__(self, index: slice) -> list[ExtentRow]: ...
 
-    def __getitem__(self, index: int | slice) -> Span | list[Span]:
+    def __getitem__(self, index: int | slice) -> ExtentRow | list[ExtentRow]:
         return self.rows()[index]
 
-    def __iter__(self) -> Iterator[Span]:
+    def __iter__(self) -> Iterator[ExtentRow]:
         return iter(self.rows())
 
     def __eq__(self, other: object) -> bool:
@@ -89,7 +89,7 @@ class Spans(Sequence[Span]):
 
 def iovec_array(addresses: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """An ``(n, 2)`` uint64 iovec array of ``addresses`` and ``lengths``: the rows of
-    host memory a request's pieces occupy, as the stream transports hand them to
+    host memory a request's extents occupy, as the stream transports hand them to
     ``sendmsg``/``recvmsg``."""
     iov = np.empty((len(lengths), 2), dtype=np.uint64)
     iov[:, 0] = addresses
@@ -99,21 +99,21 @@ def iovec_array(addresses: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 @dataclass(slots=True)
 class WorkRequest:
-    """One unit a rail posts: gather ``local`` pieces into ``remote`` ranges.
+    """One unit a rail posts: gather ``local`` extents into ``remote`` ranges.
 
-    Pieces are ``(segment id, offset, length)`` tuples (plain or :class:`Extent`).
+    Extents are ``(segment id, offset, length)`` tuples (plain or :class:`Extent`).
     ``sum(local lengths) == sum(remote lengths) == nbytes``; the bytes are laid out in
     order, so the k-th byte of the local gather lands at the k-th byte of the remote
     scatter.
     """
 
-    local: Sequence[Span]
-    remote: Sequence[Span]
+    local: Sequence[ExtentRow]
+    remote: Sequence[ExtentRow]
     nbytes: int
     rail: int = 0
     imm: bool = False  # carries the transfer's immediate (last request on its rail)
-    # the same pieces as columns (set by pack_columns)
-    pieces: Columns | None = field(default=None, compare=False, repr=False)
+    # the same extents as columns (set by pack_columns)
+    columns: Columns | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(slots=True)
@@ -262,9 +262,9 @@ def coalesce(pairs: Sequence[Pair]) -> list[Pair]:
 # --- slice ---------------------------------------------------------------------------
 
 def slice_columns(cols: Columns, slice_size: int) -> Columns:
-    """Cuts every row into pieces of at most ``slice_size`` bytes (the last may be less).
+    """Cuts every row into extents of at most ``slice_size`` bytes (the last may be less).
 
-    Pieces of one row are cut evenly, so striping does not leave a small tail alone.
+    Extents of one row are cut evenly, so striping does not leave a small tail alone.
     """
     if slice_size <= 0:
         raise ValueError("slice_size must be positive")
@@ -282,7 +282,7 @@ def slice_columns(cols: Columns, slice_size: int) -> Columns:
 
 
 def slice_pairs(pairs: Sequence[Pair], slice_size: int) -> list[Pair]:
-    """Cuts every pair into pieces of at most ``slice_size`` bytes (see
+    """Cuts every pair into extents of at most ``slice_size`` bytes (see
     :func:`slice_columns`)."""
     if slice_size <= 0:
         raise ValueError("slice_size must be positive")
@@ -293,68 +293,68 @@ def slice_pairs(pairs: Sequence[Pair], slice_size: int) -> list[Pair]:
 
 # --- pack ----------------------------------------------------------------------------
 
-def pack_columns(pieces: Columns, *, max_sge: int, max_wr_bytes: int,
+def pack_columns(extents: Columns, *, max_sge: int, max_wr_bytes: int,
                  remote_scatter: bool) -> list[WorkRequest]:
-    """Packs pieces, in order, into work requests within the transport's bounds.
+    """Packs extents, in order, into work requests within the transport's bounds.
 
     With ``remote_scatter`` False (RDMA WRITE/READ: one remote address per request) a
-    request only grows while the remote side stays contiguous, and remote pieces that
-    touch are merged into one range; local pieces may be anywhere (that is what the
-    scatter-gather list is for). With ``remote_scatter`` True every piece keeps its own
-    remote entry. A piece larger than ``max_wr_bytes`` makes a request of its own.
+    request only grows while the remote side stays contiguous, and remote extents that
+    touch are merged into one range; local extents may be anywhere (that is what the
+    scatter-gather list is for). With ``remote_scatter`` True every extent keeps its own
+    remote entry. A extent larger than ``max_wr_bytes`` makes a request of its own.
     """
     if max_sge < 1 or max_wr_bytes < 1:
         raise ValueError("max_sge and max_wr_bytes must be positive")
-    count = len(pieces)
+    count = len(extents)
     if count == 0:
         return []
-    ls, lo, rs, ro, n = pieces.lseg, pieces.loff, pieces.rseg, pieces.roff, pieces.length
-    total = pieces.nbytes
-    block = pieces.block
-    uniform = (int(rs[0]), block) if pieces.single and block > 0 else None
+    ls, lo, rs, ro, n = extents.lseg, extents.loff, extents.rseg, extents.roff, extents.length
+    total = extents.nbytes
+    block = extents.block
+    uniform = (int(rs[0]), block) if extents.single and block > 0 else None
     if remote_scatter and count <= max_sge and total <= max_wr_bytes:  # one request
-        return [WorkRequest(Spans(ls, lo, n), Spans(rs, ro, n, uniform), total,
-                            pieces=pieces)]
+        return [WorkRequest(Extents(ls, lo, n), Extents(rs, ro, n, uniform), total,
+                            columns=extents)]
     if remote_scatter and 0 < block <= max_wr_bytes:  # as many blocks as fit, in order
         per = min(max_sge, max_wr_bytes // block)
-        parts = [pieces.slice(i, i + per) for i in range(0, count, per)]
-        return [WorkRequest(Spans(part.lseg, part.loff, part.length),
-                            Spans(part.rseg, part.roff, part.length, uniform),
-                            len(part) * block, pieces=part) for part in parts]
-    ends = np.cumsum(n)  # ends[k]: bytes of pieces 0..k
-    starts = [0]  # pieces that start a new remote range
+        parts = [extents.slice(i, i + per) for i in range(0, count, per)]
+        return [WorkRequest(Extents(part.lseg, part.loff, part.length),
+                            Extents(part.rseg, part.roff, part.length, uniform),
+                            len(part) * block, columns=part) for part in parts]
+    ends = np.cumsum(n)  # ends[k]: bytes of extents 0..k
+    starts = [0]  # extents that start a new remote extent
     if not remote_scatter:
         jumps = (rs[1:] != rs[:-1]) | (ro[1:] != ro[:-1] + n[:-1])
         starts = [0, *(np.flatnonzero(jumps) + 1).tolist()]
     breaks = [*starts[1:], count]
     out: list[WorkRequest] = []
-    i = r = done = 0  # piece, remote range, bytes before piece i
+    i = r = done = 0  # extent, remote extent, bytes before extent i
     while i < count:
         while breaks[r] <= i:
             r += 1
         fits = int(np.searchsorted(ends, done + max_wr_bytes, side="right"))
         end = max(i + 1, min(i + max_sge, fits, breaks[r]))
         nbytes = int(ends[end - 1]) - done
-        part = pieces.slice(i, end)
-        local = Spans(part.lseg, part.loff, part.length)
+        part = extents.slice(i, end)
+        local = Extents(part.lseg, part.loff, part.length)
         if remote_scatter:
-            remote: Sequence[Span] = Spans(part.rseg, part.roff, part.length, uniform)
+            remote: Sequence[ExtentRow] = Extents(part.rseg, part.roff, part.length, uniform)
         else:
             remote = [(int(rs[i]), int(ro[i]), nbytes)]
-        out.append(WorkRequest(local, remote, nbytes, pieces=part))
+        out.append(WorkRequest(local, remote, nbytes, columns=part))
         done += nbytes
         i = end
     return out
 
 
-def pack(pieces: Sequence[Pair], *, max_sge: int, max_wr_bytes: int,
+def pack(extents: Sequence[Pair], *, max_sge: int, max_wr_bytes: int,
          remote_scatter: bool) -> list[WorkRequest]:
-    """Packs pieces, in order, into work requests (see :func:`pack_columns`)."""
+    """Packs extents, in order, into work requests (see :func:`pack_columns`)."""
     if max_sge < 1 or max_wr_bytes < 1:
         raise ValueError("max_sge and max_wr_bytes must be positive")
-    if not pieces:
+    if not extents:
         return []
-    return pack_columns(Columns.from_pairs(pieces), max_sge=max_sge,
+    return pack_columns(Columns.from_pairs(extents), max_sge=max_sge,
                         max_wr_bytes=max_wr_bytes, remote_scatter=remote_scatter)
 
 
@@ -421,8 +421,8 @@ def plan_columns(cols: Columns, *, num_rails: int, slice_size: int, max_sge: int
         or (cols.single and 0 < cols.block <= cap and cols.block * max_sge >= cap))
     if merge and not as_is:
         cols = coalesce_columns(cols)
-    pieces = slice_columns(cols, cap)
-    requests = pack_columns(pieces, max_sge=max_sge, max_wr_bytes=cap,
+    extents = slice_columns(cols, cap)
+    requests = pack_columns(extents, max_sge=max_sge, max_wr_bytes=cap,
                             remote_scatter=remote_scatter)
     rails = assign_rails(requests, num_rails, weights)
     return Plan(requests, rails, total)

@@ -57,7 +57,7 @@ __all__ = ["Capabilities", "Immediate", "Work", "Completion", "OnComplete", "Hos
 class Capabilities:
     """Facts the planner and the engine's transport choice need."""
 
-    max_sge: int  # local pieces per work request
+    max_sge: int  # local extents per work request
     max_wr_bytes: int  # bytes per work request
     remote_scatter: bool  # may one work request land in several remote ranges?
     same_host_only: bool = False
@@ -82,7 +82,7 @@ class Work:
 
     wr_id: int
     op: Op
-    local: Sequence[tuple[int, int, int]]  # (segment id, offset, length) pieces, in order
+    local: Sequence[tuple[int, int, int]]  # (segment id, offset, length) extents, in order
     remote: Sequence[tuple[int, int, int]]
     nbytes: int
     imm: Immediate | None = None
@@ -229,7 +229,7 @@ class Transport(abc.ABC):
         """Closes every rail and stops accepting. Idempotent."""
 
     def prepare(self, request: WorkRequest, segments: Sequence[Segment]) -> Any:
-        """Whatever this transport wants worked out for ``request`` (its local pieces in
+        """Whatever this transport wants worked out for ``request`` (its local extents in
         ``segments``) before a rail posts it, done once per request on the caller's
         thread; the rail finds it as ``Work.prepared``. Nothing by default."""
         return None

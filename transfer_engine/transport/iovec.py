@@ -128,7 +128,7 @@ def recv_iov(sock: socket.socket, iov: np.ndarray, nbytes: int,
 
 
 def _chunks(iov: np.ndarray, nbytes: int) -> list[tuple[np.ndarray, int]]:
-    """``iov`` cut into consecutive pieces of about ``RECV_CHUNK`` bytes (rows longer
+    """``iov`` cut into consecutive runs of about ``RECV_CHUNK`` bytes (rows longer
     than that are split first), with their sizes."""
     lengths = iov[:, 1].astype(np.int64)  # a row's length fits: it is in memory
     if int(lengths.max()) > RECV_CHUNK:
@@ -243,16 +243,16 @@ def recv_iov_ready(sock: socket.socket, iov: np.ndarray, limit: int = READY_BYTE
 
 
 def host_rows(request: WorkRequest, segments: Sequence[Segment]) -> np.ndarray:
-    """The ``(address, length)`` rows of a request's local pieces in pinned host
+    """The ``(address, length)`` rows of a request's local extents in pinned host
     memory (``segments``): what the stream transports send from or receive into."""
-    pieces = request.pieces
-    if pieces is None:
-        pieces = Columns.from_pairs([(loc, loc) for loc in request.local])
-    elif pieces.iov is not None:  # laid out when its Blocks was built
-        return pieces.iov
+    extents = request.columns
+    if extents is None:
+        extents = Columns.from_pairs([(loc, loc) for loc in request.local])
+    elif extents.iov is not None:  # laid out when its Blocks was built
+        return extents.iov
     if len(segments) == 1:
-        return iovec_array(pieces.loff + segments[0].address, pieces.length)
-    address = np.zeros(len(pieces), dtype=np.int64)
+        return iovec_array(extents.loff + segments[0].address, extents.length)
+    address = np.zeros(len(extents), dtype=np.int64)
     for seg in segments:
-        address[pieces.lseg == seg.id] = seg.address
-    return iovec_array(pieces.loff + address, pieces.length)
+        address[extents.lseg == seg.id] = seg.address
+    return iovec_array(extents.loff + address, extents.length)

@@ -266,13 +266,13 @@ class ShmRail(StreamRail):
             local = np.ascontiguousarray(work.prepared, dtype="<u8").tobytes()
         else:
             bases: dict[int, int] = {}
-            pieces = []
+            extents = []
             for seg_id, offset, length in work.local:
                 base = bases.get(seg_id)
                 if base is None:
                     base = bases[seg_id] = self._host.local_segment(seg_id).address
-                pieces.append((base + offset, length))
-            local = pack_local(pieces)
+                extents.append((base + offset, length))
+            local = pack_local(extents)
         kind = KIND_WRITE if work.op is Op.WRITE else KIND_READ
         send_bytes(self._sock, encode_request(kind, work, local=local))
 
@@ -372,7 +372,7 @@ class ShmTransport(Transport):
         return self._caps
 
     def prepare(self, request: WorkRequest, segments: Sequence[Segment]) -> np.ndarray:
-        """The request's local pieces as ``(address, length)`` rows (host memory: the
+        """The request's local extents as ``(address, length)`` rows (host memory: the
         engine sends this transport nothing else)."""
         return host_rows(request, segments)
 

@@ -343,7 +343,7 @@ class TcpTransport(Transport):
         return self._caps
 
     def prepare(self, request: WorkRequest, segments: Sequence[Segment]) -> np.ndarray:
-        """The request's local pieces as ``(address, length)`` rows (host memory: the
+        """The request's local extents as ``(address, length)`` rows (host memory: the
         engine sends this transport nothing else)."""
         return host_rows(request, segments)
 

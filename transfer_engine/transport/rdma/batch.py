@@ -6,8 +6,8 @@ request, more than a NIC needs to move 64 KiB. :class:`WrBatch` holds them as co
 (opcode, remote address, rkey, immediate, signaled flag, and the SGE list as three
 columns with per-request ends), and :func:`build_wr_batch` fills it with a fixed number
 of NumPy operations whatever the request count, in the common case of a work whose
-pieces pair one local range with one remote range. Anything else (a remote range
-gathered from several local pieces, a piece longer than ``max_msg_size``, an error to
+extents pair one local range with one remote range. Anything else (a remote range
+gathered from several local extents, an extent longer than ``max_msg_size``, an error to
 report precisely) takes ``plan.build_work_requests``, whose rules this follows.
 
 Signaling: only the last request is signaled (an RC queue pair completes in order, so
@@ -108,7 +108,7 @@ def empty_batch() -> WrBatch:
 
 
 def _columns(spans: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(segment, offset, length)`` int64 columns of planner ``Spans`` or tuples."""
+    """``(segment, offset, length)`` int64 columns of planner ``Extents`` or tuples."""
     seg = getattr(spans, "segment", None)
     if isinstance(seg, np.ndarray):
         return (seg.astype(np.int64, copy=False),
@@ -144,7 +144,7 @@ def build_wr_batch(op: Op, local: Sequence[Any], remote: Sequence[Any], *,
                    max_sge: int, max_msg_size: int, imm: int | None = None,
                    signal_every: int = 0, peer: str | None = None) -> WrBatch:
     """``build_work_requests`` as a :class:`WrBatch`: the same requests, the same
-    errors (``InvalidDescriptorError`` for unregistered or out-of-bounds pieces)."""
+    errors (``InvalidDescriptorError`` for unregistered or out-of-bounds extents)."""
     def slow() -> WrBatch:
         return WrBatch.from_specs(build_work_requests(
             op, local, remote, local_keys=local_keys, remote_keys=remote_keys,
@@ -168,7 +168,7 @@ def build_wr_batch(op: Op, local: Sequence[Any], remote: Sequence[Any], *,
     bad = ((llen <= 0) | (loff < 0) | (roff < 0) | (loff + llen > lsize)
            | (roff + llen > rsize) | (llen > max_msg_size))
     if bool(bad.any()):
-        return slow()  # the precise error, or a piece cut over several requests
+        return slow()  # the precise error, or an extent cut over several requests
     raddr = rbase + roff
     n = len(llen)
     if n > 1:

@@ -40,6 +40,7 @@ from transfer_engine.errors import (
     RemoteError,
     TransferError,
 )
+from transfer_engine.planner import ExtentRow
 
 __all__ = [
     "IMM_ID_BITS", "IMM_COUNT_BITS", "MAX_EXPECTED", "encode_imm", "decode_imm",
@@ -54,7 +55,6 @@ IMM_COUNT_BITS = 32 - IMM_ID_BITS
 MAX_EXPECTED = (1 << IMM_COUNT_BITS) - 1
 _ID_MOD = 1 << IMM_ID_BITS
 
-Span = tuple[int, int, int]  # (segment id, offset, length): an Extent or a plain tuple
 
 
 def encode_imm(transfer_id: int, expected: int) -> int:
@@ -157,7 +157,7 @@ class WrSpec:
         return sum(s.length for s in self.sges)
 
 
-def _resolve(ext: Span, keys: Mapping[int, MrKey], side: str,
+def _resolve(ext: ExtentRow, keys: Mapping[int, MrKey], side: str,
              ctx: dict[str, Any]) -> MrKey:
     seg, off, length = ext[0], ext[1], ext[2]
     mr = keys.get(seg)
@@ -172,7 +172,7 @@ def _resolve(ext: Span, keys: Mapping[int, MrKey], side: str,
     return mr
 
 
-def _byte_runs(local: Sequence[Span], remote: Sequence[Span],
+def _byte_runs(local: Sequence[ExtentRow], remote: Sequence[ExtentRow],
                local_keys: Mapping[int, MrKey], remote_keys: Mapping[int, MrKey],
                ctx: dict[str, Any]) -> list[tuple[int, int, int, int, int]]:
     """Walks both sides in byte order: ``(laddr, lkey, raddr, rkey, length)`` runs."""
@@ -197,19 +197,19 @@ def _byte_runs(local: Sequence[Span], remote: Sequence[Span],
     return runs
 
 
-def build_work_requests(op: Op, local: Sequence[Span], remote: Sequence[Span], *,
+def build_work_requests(op: Op, local: Sequence[ExtentRow], remote: Sequence[ExtentRow], *,
                         local_keys: Mapping[int, MrKey], remote_keys: Mapping[int, MrKey],
                         max_sge: int, max_msg_size: int, imm: int | None = None,
                         signal_every: int = 0, peer: str | None = None
                         ) -> list[WrSpec]:
     """Turns one rail work (planner order) into verbs work requests.
 
-    ``local``/``remote`` are ``(segment id, offset, length)`` pieces, as in
+    ``local``/``remote`` are ``(segment id, offset, length)`` extents, as in
     ``planner.WorkRequest`` and ``base.Work``.
 
     Each request has one contiguous remote range (RDMA WRITE/READ cannot scatter
     remotely), at most ``max_sge`` local entries and at most ``max_msg_size`` bytes;
-    adjacent local pieces under one key merge into one entry. Only the last request is
+    adjacent local extents under one key merge into one entry. Only the last request is
     signaled (an RC queue pair completes in order, so its completion covers the earlier
     ones) plus every ``signal_every``-th one when set, so a long work cannot fill the send
     queue with unsignaled entries. With ``imm`` the last request is WRITE_WITH_IMM.

@@ -41,7 +41,7 @@ from transfer_engine.transport.rdma.verbs import Device
 
 log = logging.getLogger(__name__)
 
-WORK_PIECES = 256  # pieces per engine work: at most this many verbs requests (< sq_depth)
+WORK_PIECES = 256  # extents per engine work: at most this many verbs requests (< sq_depth)
 
 
 class RailOwner(Protocol):
@@ -62,8 +62,8 @@ class RailOwner(Protocol):
 
 
 def _segment_ids(spans: Any) -> set[int]:
-    """The segment ids of a work's pieces, without a Python object per piece when the
-    planner handed them over as columns (``planner.Spans``)."""
+    """The segment ids of a work's extents, without a Python object per extent when the
+    planner handed them over as columns (``planner.Extents``)."""
     uniform = getattr(spans, "uniform", None)
     if uniform is not None:
         return {int(uniform[0])}
@@ -111,6 +111,12 @@ class RdmaRail(Rail):
     @property
     def inflight(self) -> int:
         return len(self._inflight) + len(self._backlog)
+
+    @property
+    def free_notify_slots(self) -> int:
+        """Notification slots not in use (``notify_slots`` when idle); work that sends
+        a notification waits in the backlog while none is free."""
+        return len(self._notify_free)
 
     def learn_segments(self, keys: dict[int, dict[str, Any]]) -> None:
         """Takes remote keys the engine already has (``RemoteSegment.keys["rdma"]``),

@@ -164,7 +164,7 @@ class RdmaTransport(Transport):
     def capabilities(self) -> Capabilities:
         # One engine work becomes as many verbs requests as it has remote ranges (SGE
         # lists packed by ``build_work_requests``), so a work may scatter remotely and
-        # hold many pieces: all of them are checked against the target's keys before
+        # hold many extents: all of them are checked against the target's keys before
         # any is posted, and they share one doorbell.
         return Capabilities(
             max_sge=min(WORK_PIECES, self.sq_depth - 1),

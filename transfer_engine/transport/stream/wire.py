@@ -62,7 +62,7 @@ from transfer_engine.errors import (
     error_code,
     error_from_wire,
 )
-from transfer_engine.planner import Spans
+from transfer_engine.planner import Extents
 from transfer_engine.transport.base import Work
 
 WIRE_VERSION = 4
@@ -81,7 +81,7 @@ MAX_ANNOUNCED = 1 << 16  # ranges an initiator may announce
 
 def pack_remote(remote: Sequence[tuple[int, int, int]]) -> bytes:
     """The ``remote`` entries of a request: (segment, offset, length) u64 words."""
-    if isinstance(remote, Spans):
+    if isinstance(remote, Extents):
         entries = np.empty((len(remote), REMOTE_WORDS), dtype="<u8")
         entries[:, 0] = remote.segment
         entries[:, 1] = remote.offset
@@ -116,7 +116,7 @@ def encode_request(kind: int, work: Work | None, body: bytes = b"", local: bytes
     n_remote = len(remote)
     if n_remote > MAX_ENTRIES:
         raise ValueError(f"{n_remote} remote entries in one request (at most {MAX_ENTRIES})")
-    if isinstance(remote, Spans) and remote.uniform is not None:
+    if isinstance(remote, Extents) and remote.uniform is not None:
         flags |= FLAG_UNIFORM
         entries = pack_uniform(*remote.uniform, remote.offset)
     else:
