@@ -50,8 +50,7 @@ with warnings.catch_warnings():  # vLLM and torch warn at import; not our concer
         TEConnectorConfig,
         TEConnectorScheduler,
         TEConnectorWorker,
-        block_layout,
-        coalesce,
+        vllm_layout,
     )
     from transfer_engine.connectors.vllm.blocks import layer_groups
     from transfer_engine.connectors.vllm.stats import TEConnectorStats
@@ -170,30 +169,44 @@ def test_engine_threads_leave_the_pinned_core_but_keep_to_the_server_cpus() -> N
 
 def test_layout_from_strides_gpu_cpu_and_permuted() -> None:
     gpu = torch.empty(2, 10, 16, 4, 8, dtype=torch.float16)
-    lay = block_layout(gpu.shape, gpu.stride(), gpu.element_size(), 10)
+    lay = vllm_layout(gpu.shape, gpu.stride(), gpu.element_size(), 10, str(gpu.dtype))
     part = 16 * 4 * 8 * 2
-    assert lay.part_offsets == (0, 10 * part) and lay.part_len == part
-    assert lay.block_stride == part and lay.contiguous_blocks
+    assert lay.parts == (0, 10 * part) and lay.block_bytes == part
+    assert lay.block_stride == part and lay.contiguous and lay.num_blocks == 10
+    assert lay.dtype == "torch.float16" and lay.extent == gpu.nbytes
     cpu = torch.empty(10, 4, 16, 16, dtype=torch.float32)
-    lay = block_layout(cpu.shape, cpu.stride(), 4, 10)
-    assert lay.part_offsets == (0,) and lay.part_len == lay.block_stride == 4 * 16 * 16 * 4
+    lay = vllm_layout(cpu.shape, cpu.stride(), 4, 10)
+    assert lay.parts == (0,) and lay.block_bytes == lay.block_stride == 4 * 16 * 16 * 4
     # a permuted view: [num_blocks, 2, ...] storage seen as [2, num_blocks, ...]: K and
     # V of a block are adjacent, so a block is one part
     base = torch.empty(10, 2, 16, 4, 8)
     view = base.permute(1, 0, 2, 3, 4)
-    lay = block_layout(view.shape, view.stride(), 4, 10)
-    assert lay.part_offsets == (0,) and lay.part_len == lay.block_stride == 2 * 16 * 4 * 8 * 4
+    lay = vllm_layout(view.shape, view.stride(), 4, 10)
+    assert lay.parts == (0,) and lay.block_bytes == lay.block_stride == 2 * 16 * 4 * 8 * 4
     assert lay.extent == base.numel() * 4
     # only K of that storage: blocks are strided, runs cannot coalesce
-    lay = block_layout(base[:, 0].shape, base[:, 0].stride(), 4, 10)
-    assert lay.part_len == 16 * 4 * 8 * 4 and lay.block_stride == 2 * lay.part_len
-    assert not lay.contiguous_blocks
+    lay = vllm_layout(base[:, 0].shape, base[:, 0].stride(), 4, 10)
+    assert lay.block_bytes == 16 * 4 * 8 * 4 and lay.block_stride == 2 * lay.block_bytes
+    assert not lay.contiguous
     # num_blocks == 2 with a leading K/V dimension: the block dimension is the second
     two = torch.empty(2, 2, 16, 4, 8)
-    assert block_layout(two.shape, two.stride(), 4, 2).part_offsets == (0, 2 * 16 * 4 * 8 * 4)
-    with pytest.raises(ValueError):
-        block_layout((3, 5), (5, 1), 4, 7)
-    assert coalesce([4, 5, 6, 9], [1, 2, 3, 4]) == [(4, 1, 3), (9, 4, 1)]
+    assert vllm_layout(two.shape, two.stride(), 4, 2).parts == (0, 2 * 16 * 4 * 8 * 4)
+    with pytest.raises(ValueError, match="7 blocks"):
+        vllm_layout((3, 5), (5, 1), 4, 7)
+    with pytest.raises(ValueError, match="outside a block"):  # two K/V-like dimensions
+        vllm_layout((2, 3, 10, 8), (240, 80, 8, 1), 4, 10)
+    with pytest.raises(ValueError, match="not contiguous"):  # a padded block interior
+        vllm_layout((10, 16, 8), (256, 16, 1), 4, 10)
+
+
+def test_layout_signature_names_what_must_match() -> None:
+    from transfer_engine.connectors.vllm.blocks import layout_signature
+    a = torch.empty(2, 10, 16, 4, 8, dtype=torch.float16)
+    b = torch.empty(2, 30, 16, 4, 8, dtype=torch.float16)  # more blocks: still compatible
+    c = torch.empty(2, 10, 16, 2, 16, dtype=torch.float16)  # same bytes, other heads
+    sig = [layout_signature(vllm_layout(t.shape, t.stride(), 2, n, str(t.dtype)))
+           for t, n in ((a, 10), (b, 30), (c, 10))]
+    assert sig[0] == sig[1] != sig[2]
 
 
 @pytest.mark.parametrize("make", [gpu_caches, cpu_caches], ids=["gpu-layout", "cpu-layout"])

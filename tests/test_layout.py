@@ -18,6 +18,7 @@ from transfer_engine.layout import (
     block_major_layout,
     block_runs,
     kv_blocks,
+    pair_runs,
     pairs_for_blocks,
     vllm_cpu_layout,
     vllm_gpu_layout,
@@ -478,3 +479,11 @@ def test_pairs_reject_bad_requests_before_building_anything(memory: Memory,
     assert (err.segment, err.offset, err.length) == (rseg.name, 16, lay.extent)
     assert build([lay], [lay], lseg, rseg, [], []) == []
     assert build([], [], [], [], [1], [2]) == []
+
+
+def test_pair_runs_merge_ids_that_go_up_together() -> None:
+    assert pair_runs([], []) == []
+    assert pair_runs([4, 5, 6, 9], [1, 2, 3, 4]) == [(4, 1, 3), (9, 4, 1)]
+    assert pair_runs([1, 2, 3], [7, 9, 10]) == [(1, 7, 1), (2, 9, 2)]  # remote jumps
+    with pytest.raises(ValueError):
+        pair_runs([1, 2], [1])

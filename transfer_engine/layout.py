@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from transfer_engine.segment import RemoteSegment, Segment
 
 __all__ = ["BlockLayout", "vllm_gpu_layout", "block_major_layout", "vllm_cpu_layout",
-           "block_runs", "block_extents", "pairs_for_blocks", "kv_blocks"]
+           "block_runs", "block_extents", "pair_runs", "pairs_for_blocks", "kv_blocks"]
 
 # (logical rank among the block's interior dims, size), in memory order (outer first)
 PartShape = tuple[tuple[int, int], ...]
@@ -326,7 +326,7 @@ def block_extents(layout: BlockLayout, block_ids: Sequence[int]) -> list[tuple[i
             for part in layout.parts for first, count in runs]
 
 
-def _pair_runs(local: Sequence[int], remote: Sequence[int]) -> list[tuple[int, int, int]]:
+def pair_runs(local: Sequence[int], remote: Sequence[int]) -> list[tuple[int, int, int]]:
     """``(local first, remote first, count)`` where both id lists go up by one."""
     runs: list[tuple[int, int, int]] = []
     for lb, rb in zip(local, remote, strict=True):
@@ -371,7 +371,7 @@ def pairs_for_blocks(local_layouts: Sequence[BlockLayout],
                                         remote_segments, local_block_ids, remote_block_ids)
     if not lids:
         return []
-    both = _pair_runs(lids, rids)
+    both = pair_runs(lids, rids)
     single = [(lb, rb, 1) for lb, rb in zip(lids, rids, strict=True)]
     out: list[tuple[Descriptor, Descriptor]] = []
     for layer, (lay, ray, lseg, rseg) in enumerate(
@@ -415,7 +415,7 @@ def kv_blocks(local_layouts: Sequence[BlockLayout],
                                         remote_segments, local_block_ids, remote_block_ids)
     if not lids:
         return []
-    runs = np.array(_pair_runs(lids, rids), dtype=np.int64).reshape(-1, 3)
+    runs = np.array(pair_runs(lids, rids), dtype=np.int64).reshape(-1, 3)
     single = np.array([lids, rids, [1] * len(lids)], dtype=np.int64).T
     out: list[Blocks] = []
     for layer, (lay, ray, lseg, rseg) in enumerate(

@@ -105,7 +105,7 @@ Requests with P/D kv_transfer_params (``do_remote_prefill``) load from their pre
 engine and never ask the store. Keys: :mod:`transfer_engine.connectors.vllm.store`.
 """
 
-from transfer_engine.connectors.vllm.blocks import BlockLayout, block_layout, coalesce
+from transfer_engine.connectors.vllm.blocks import vllm_layout
 from transfer_engine.connectors.vllm.config import PROTOCOL_VERSION, TEConnectorConfig
 from transfer_engine.connectors.vllm.connector import TransferEngineConnector
 from transfer_engine.connectors.vllm.metadata import (
@@ -121,5 +121,5 @@ from transfer_engine.connectors.vllm.worker_side import TEConnectorWorker, live_
 
 __all__ = ["TransferEngineConnector", "TEConnectorScheduler", "TEConnectorWorker",
            "TEConnectorConfig", "TEConnectorMetadata", "TEHandshakeMetadata", "RecvSpec",
-           "BlockLayout", "block_layout", "coalesce", "PROTOCOL_VERSION", "live_workers",
+           "vllm_layout", "PROTOCOL_VERSION", "live_workers",
            "RemoteParams", "parse_remote_params", "prompt_hash"]

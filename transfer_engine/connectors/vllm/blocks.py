@@ -1,90 +1,65 @@
-"""Where a layer tensor's blocks lie, from its strides; runs of adjacent blocks."""
+"""Where a vLLM layer tensor's blocks lie (a :class:`~transfer_engine.layout.BlockLayout`
+found from the tensor's strides alone), and the order a layered load reads layers in."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from transfer_engine.layout import BlockLayout
 
-@dataclass(frozen=True)
-class BlockLayout:
-    """Where block ``b`` of one layer tensor lies, in bytes from the tensor's start:
-    ``part_offsets[i] + b * block_stride`` for ``part_len`` bytes, for each part i (K
-    and V are two parts in vLLM's GPU layout, one part in block-major layouts)."""
-
-    block_stride: int
-    part_offsets: tuple[int, ...]
-    part_len: int
-    extent: int  # bytes from the first to one past the last byte of the tensor
-    signature: str  # what must match between peers (shape without the block count)
-
-    @property
-    def contiguous_blocks(self) -> bool:
-        """Whether consecutive blocks of a part are adjacent (runs coalesce)."""
-        return self.part_len == self.block_stride
-
-    def spans(self, blocks: Sequence[int]) -> list[tuple[int, int]]:
-        return [(off + b * self.block_stride, self.part_len)
-                for off in self.part_offsets for b in blocks]
-
-    def to_wire(self) -> list[Any]:
-        return [self.block_stride, list(self.part_offsets), self.part_len, self.extent,
-                self.signature]
-
-    @classmethod
-    def from_wire(cls, data: list[Any]) -> BlockLayout:
-        stride, offsets, part_len, extent, signature = data
-        return cls(int(stride), tuple(int(o) for o in offsets), int(part_len), int(extent),
-                   str(signature))
+__all__ = ["allocation", "layer_groups", "layout_signature", "vllm_layout"]
 
 
-def block_layout(shape: Sequence[int], strides: Sequence[int], itemsize: int,
-                 num_blocks: int, dtype: str = "") -> BlockLayout:
+def vllm_layout(shape: Sequence[int], strides: Sequence[int], itemsize: int,
+                num_blocks: int, dtype: str | None = None) -> BlockLayout:
     """The block layout of a KV tensor of ``shape``/``strides`` (in elements) holding
-    ``num_blocks`` blocks, derived from the strides alone.
+    ``num_blocks`` blocks, whatever the attention backend put where.
 
     The block dimension is the one of size ``num_blocks`` (when a leading dimension of
-    size 2 is K/V and ``num_blocks`` is 2 too, the later one). Dimensions with a larger
-    stride give parts (K and V); smaller ones are the block's interior.
+    size 2 is K/V and ``num_blocks`` is 2 too, the later one). A dimension with a larger
+    stride than a block's is K/V (its entries are the layout's parts); the others are
+    the block's interior, which must be dense. Raises ``ValueError`` naming what does
+    not fit.
     """
+    shape, strides = [int(n) for n in shape], [int(s) for s in strides]
     if len(shape) != len(strides):
-        raise ValueError("shape and strides differ in length")
-    if any(s < 0 for s in strides):
-        raise ValueError(f"negative strides {tuple(strides)} are not supported")
+        raise ValueError(f"shape {tuple(shape)} and strides {tuple(strides)} differ in "
+                         "length")
     candidates = [d for d, n in enumerate(shape) if n == num_blocks]
     if not candidates:
         raise ValueError(f"no dimension of {tuple(shape)} has {num_blocks} blocks")
-    bd = candidates[-1] if len(candidates) > 1 and shape[0] == 2 else candidates[0]
-    bstride = strides[bd]
-    inner = [d for d in range(len(shape)) if d != bd and shape[d] > 1
-             and strides[d] < bstride]
-    outer = [d for d in range(len(shape)) if d != bd and shape[d] > 1
-             and strides[d] >= bstride]
-    interior = 1 + sum((shape[d] - 1) * strides[d] for d in inner)
-    if interior > bstride and num_blocks > 1:
-        raise ValueError(f"blocks overlap: interior {interior} > block stride {bstride}")
-    offsets = [0]
-    for d in outer:
-        offsets = [o + i * strides[d] for o in offsets for i in range(shape[d])]
-    extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
-    sig_shape = ["B" if d == bd else str(n) for d, n in enumerate(shape)]
-    signature = f"{dtype}[{','.join(sig_shape)}]parts={len(offsets)}"
-    return BlockLayout(bstride * itemsize, tuple(sorted(o * itemsize for o in offsets)),
-                       interior * itemsize, extent * itemsize, signature)
+    block_dim = candidates[-1] if len(candidates) > 1 and shape[0] == 2 else candidates[0]
+    outer = [d for d, n in enumerate(shape)
+             if d != block_dim and n > 1 and strides[d] >= strides[block_dim]]
+    if len(outer) > 1:
+        raise ValueError(f"tensor of shape {tuple(shape)}, strides {tuple(strides)}: "
+                         f"dimensions {outer} both lie outside a block; one (K/V) can")
+    return BlockLayout.from_strides(shape, [s * itemsize for s in strides], itemsize,
+                                    block_dim=block_dim,
+                                    kv_dim=outer[0] if outer else None, dtype=dtype)
 
 
-def coalesce(local: Sequence[int], remote: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Runs ``(local start, remote start, count)`` where both block lists go up by one."""
-    runs: list[tuple[int, int, int]] = []
-    for lb, rb in zip(local, remote, strict=True):
-        if runs:
-            ls, rs, n = runs[-1]
-            if lb == ls + n and rb == rs + n:
-                runs[-1] = (ls, rs, n + 1)
-                continue
-        runs.append((lb, rb, 1))
-    return runs
+def allocation(tensor: Any, extent: int) -> tuple[int, int]:
+    """Start and length of the memory ``tensor`` views (its storage), or of its own
+    ``extent`` bytes where it has no storage to ask."""
+    try:
+        storage = tensor.untyped_storage()
+        start, nbytes = int(storage.data_ptr()), int(storage.nbytes())
+    except (AttributeError, RuntimeError):
+        return int(tensor.data_ptr()), extent
+    here = int(tensor.data_ptr())
+    if not (start <= here and here + extent <= start + nbytes):
+        return here, extent
+    return start, nbytes
+
+
+def layout_signature(layout: BlockLayout) -> str:
+    """What must match between two layers for their blocks to be copied byte for byte
+    (the element type, a part's shape in memory order, and the number of parts), as a
+    string both sides put in their compatibility hash."""
+    shape = "x".join(str(n) for _, n in layout.part_shape or ())
+    return f"{layout.dtype}[{shape}]x{len(layout.parts)}"
 
 
 def layer_groups(order: Sequence[str]) -> list[list[str]]:

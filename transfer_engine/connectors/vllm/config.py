@@ -14,7 +14,8 @@ from transfer_engine.transport.stream.process import serve_mode
 # Protocol versions (kv_transfer_params and the manifest):
 #   1: pull over Engine.read; manifest segment "te-vllm/manifest"; lease in params.
 #   2: params carry prompt_hash, and decode checks every field (parse_remote_params).
-PROTOCOL_VERSION = 2
+#   3: the manifest's layer layouts are transfer_engine.layout.BlockLayout.to_wire().
+PROTOCOL_VERSION = 3
 MANIFEST_SEGMENT = "te-vllm/manifest"
 SENT_PREFIX = b"te-vllm/sent:"  # notification: the reader has every byte of a request
 

@@ -41,6 +41,16 @@ COUNTS = (
     ("store_save_failures", "te_kv_store_save_failures", "puts into the store that failed"),
     ("store_save_bytes", "te_kv_store_save_bytes", "bytes of KV put into the store"),
 )
+# count key -> the worker's cumulative counter it is the change of
+INTERVAL_COUNTS = {"loads": "recv_requests", "sync_loads": "recv_sync",
+                   "layered_loads": "recv_layered",
+                   "load_failures": "recv_failed", "load_bytes": "recv_bytes",
+                   "holds": "held_requests", "sent": "sent_requests",
+                   "lease_expired": "lease_expired",
+                   "store_loads": "store_loads", "store_load_failures": "store_load_failed",
+                   "store_load_bytes": "store_load_bytes", "store_saves": "store_saves",
+                   "store_save_failures": "store_save_failed",
+                   "store_save_bytes": "store_save_bytes"}
 # observations in seconds: (key, Prometheus name, help)
 TIMES = (
     ("load_seconds", "te_kv_load_seconds",

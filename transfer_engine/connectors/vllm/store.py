@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +28,8 @@ import numpy as np
 from kvstore import block_hashes
 from kvstore.client import Client, Lookup
 from kvstore.errors import StoreError
-from transfer_engine.connectors.vllm.blocks import BlockLayout
+from transfer_engine.errors import ProtocolError
+from transfer_engine.layout import BlockLayout
 from transfer_engine.segment import Segment
 
 log = logging.getLogger(__name__)
@@ -117,9 +122,10 @@ class StoreIO:
             if seg.id not in seen:
                 client.register_buffer(seg)
                 seen.add(seg.id)
-            for part, off in enumerate(layout.part_offsets):
-                self._pieces.append(_Piece(f"{prefix}/{name}/{part}", seg, off,
-                                           layout.block_stride, layout.part_len))
+            for part, off in enumerate(layout.parts):
+                self._pieces.append(_Piece(f"{prefix}/{name}/{part}", seg,
+                                           layout.segment_offset + off,
+                                           layout.block_stride, layout.block_bytes))
         self.labels: tuple[str, ...] = tuple(p.label for p in self._pieces)
         self.block_bytes = sum(p.length for p in self._pieces)
 
@@ -155,3 +161,123 @@ class StoreIO:
                                        [addrs[i] for i in missing],
                                        [sizes[i] for i in missing], if_absent=True)
         return sum(sizes[i] for i in missing)
+
+
+@dataclass
+class StoreResults:
+    """What :meth:`StoreJobs.results` found finished since its last call."""
+
+    loaded: set[str]  # loads that ended, well or not
+    failed: set[str]  # of those, the ones whose blocks vLLM must recompute
+    failed_blocks: set[int]
+    saved: set[str]  # saves that ended (their blocks are free of the store)
+
+
+class StoreJobs:
+    """The worker's store loads and saves, run one at a time on their own thread (they
+    wait on the network; the forward pass never does).
+
+    :param io: the store link (None: store mode is off, every load fails at once).
+    :param stats: the worker's counters, which this adds its ``store_*`` counts to.
+    :param load_seconds: where each load's duration is appended.
+    """
+
+    def __init__(self, io: StoreIO | None, stats: dict[str, Any],
+                 load_seconds: Sequence[deque[float]], name: str,
+                 initializer: Callable[[], None] | None = None) -> None:
+        self.io = io
+        self._stats = stats
+        self._load_seconds = load_seconds
+        self._executor = None if io is None else ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"te-vllm-store-{name}",
+            initializer=initializer)
+        self._loads: dict[str, tuple[StoreLoad, Future[int], float]] = {}
+        self._saves: dict[str, Future[int]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._loads or self._saves)
+
+    @property
+    def loading(self) -> bool:
+        return bool(self._loads)
+
+    def saving(self) -> set[str]:
+        """Requests whose blocks a save still reads."""
+        with self._lock:
+            return set(self._saves)
+
+    def _failed(self, why: str) -> Future[int]:
+        fut: Future[int] = Future()
+        fut.set_exception(ProtocolError(why))
+        return fut
+
+    def start_loads(self, specs: Iterable[StoreLoad]) -> None:
+        for spec in specs:
+            self._stats["store_loads"] += 1
+            if self.io is None or self._executor is None:
+                fut = self._failed("store mode is off on this worker")
+            elif not spec.block_ids:
+                fut = self._failed("no blocks to load from the store")
+            else:
+                fut = self._executor.submit(self.io.load, spec)
+            self._loads[spec.request_id] = (spec, fut, time.monotonic())
+
+    def start_saves(self, specs: Iterable[StoreSave]) -> None:
+        for spec in specs:
+            fut: Future[int]
+            if self.io is None or self._executor is None or not spec.block_ids:
+                fut = Future()
+                fut.set_result(0)
+            else:
+                fut = self._executor.submit(self.io.save, spec)
+            with self._lock:
+                self._saves[spec.request_id] = fut
+
+    def results(self) -> StoreResults:
+        out = StoreResults(set(), set(), set(), set())
+        for rid, (spec, fut, started) in list(self._loads.items()):
+            if not fut.done():
+                continue
+            del self._loads[rid]
+            out.loaded.add(rid)
+            try:
+                self._stats["store_load_bytes"] += fut.result()
+                took = time.monotonic() - started
+                for series in self._load_seconds:
+                    series.append(took)
+            # Whatever broke the load (a missing piece, a node or the master gone),
+            # vLLM recomputes the blocks: never a failed request, never wrong KV.
+            except Exception as exc:  # noqa: BLE001
+                self._stats["store_load_failed"] += 1
+                log.warning("request %s: KV load from the store failed: %s; "
+                            "recomputing", rid, exc)
+                out.failed.add(rid)
+                out.failed_blocks.update(spec.block_ids)
+        done: dict[str, Future[int]] = {}
+        with self._lock:
+            for rid, fut in list(self._saves.items()):
+                if fut.done():
+                    done[rid] = self._saves.pop(rid)
+        for rid, fut in done.items():
+            out.saved.add(rid)
+            try:
+                nbytes = fut.result()
+            # A save that failed costs a later engine a recompute, never this request:
+            # logged and dropped.
+            except Exception as exc:  # noqa: BLE001
+                self._stats["store_save_failed"] += 1
+                log.warning("request %s: KV save to the store failed: %s", rid, exc)
+                continue
+            if nbytes:
+                self._stats["store_saves"] += 1
+                self._stats["store_save_bytes"] += nbytes
+        return out
+
+    def close(self) -> None:
+        """Cancels queued work and waits for the one running."""
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+        self.io = None

@@ -11,24 +11,23 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
 from kvstore.client import Client
-from transfer_engine.connectors.compat import compat_hash, describe_mismatch
+from transfer_engine.connectors.compat import compat_hash
 from transfer_engine.connectors.vllm.blocks import (
-    BlockLayout,
-    block_layout,
-    coalesce,
+    allocation,
     layer_groups,
+    layout_signature,
+    vllm_layout,
 )
 from transfer_engine.connectors.vllm.config import (
     MANIFEST_SEGMENT,
@@ -42,9 +41,10 @@ from transfer_engine.connectors.vllm.metadata import (
     RecvSpec,
     TEHandshakeMetadata,
 )
-from transfer_engine.connectors.vllm.stats import TIMES
-from transfer_engine.connectors.vllm.store import StoreIO, StoreLoad, StoreSave
-from transfer_engine.descriptor import Blocks, Descriptor
+from transfer_engine.connectors.vllm.remote import RemoteKV, RemotePeers, manifest
+from transfer_engine.connectors.vllm.stats import INTERVAL_COUNTS, TIMES
+from transfer_engine.connectors.vllm.store import StoreIO, StoreJobs, StoreLoad, StoreSave
+from transfer_engine.descriptor import Descriptor
 from transfer_engine.engine import Engine
 from transfer_engine.errors import (
     ClosedError,
@@ -55,37 +55,14 @@ from transfer_engine.errors import (
     TransferTimeout,
 )
 from transfer_engine.handle import TransferHandle, TransferState
-from transfer_engine.peer import Peer
+from transfer_engine.layout import BlockLayout
 from transfer_engine.segment import Segment
 
 log = logging.getLogger(__name__)
 
 
 _WORKERS: weakref.WeakSet[TEConnectorWorker] = weakref.WeakSet()
-# TEConnectorStats key -> the worker's cumulative stat it is the change of
-_INTERVAL_COUNTS = {"loads": "recv_requests", "sync_loads": "recv_sync",
-                    "layered_loads": "recv_layered",
-                    "load_failures": "recv_failed", "load_bytes": "recv_bytes",
-                    "holds": "held_requests", "sent": "sent_requests",
-                    "lease_expired": "lease_expired",
-                    "store_loads": "store_loads", "store_load_failures": "store_load_failed",
-                    "store_load_bytes": "store_load_bytes", "store_saves": "store_saves",
-                    "store_save_failures": "store_save_failed",
-                    "store_save_bytes": "store_save_bytes"}
 
-
-def _allocation(tensor: Any, extent: int) -> tuple[int, int]:
-    """Start and length of the memory ``tensor`` views (its storage), or of its own
-    ``extent`` bytes where it has no storage to ask."""
-    try:
-        storage = tensor.untyped_storage()
-        start, nbytes = int(storage.data_ptr()), int(storage.nbytes())
-    except (AttributeError, RuntimeError):
-        return int(tensor.data_ptr()), extent
-    here = int(tensor.data_ptr())
-    if not (start <= here and here + extent <= start + nbytes):
-        return here, extent
-    return start, nbytes
 
 
 def live_workers() -> list[TEConnectorWorker]:
@@ -99,38 +76,13 @@ class _Recv:
     handle: TransferHandle | None
     started: float  # time.monotonic(): durations are real even under a fake clock
     error: str | None = None
-    handshake: Future[_RemoteInfo] | None = None  # the peer's, while it is under way
+    handshake: Future[RemoteKV] | None = None  # the peer's, while it is under way
     parts: list[TransferHandle] = dataclasses.field(default_factory=list)  # later layers
-    info: _RemoteInfo | None = None  # the peer of a layer-wise load, for its later READs
+    info: RemoteKV | None = None  # the peer of a layer-wise load, for its later READs
     # time.monotonic() by which a sync load is given up; 0 for an async load (a sync
     # load may go layer by layer, an async one never)
     deadline: float = 0.0
     landed: float = 0.0  # time.monotonic() when the forward last found a part landed
-
-
-@dataclass(eq=False)
-class _RemoteInfo:
-    peer: Peer
-    layouts: dict[str, tuple[str, BlockLayout]]  # layer -> (segment name, layout)
-    # layers (None: all) -> their parts, grouped by segment pair (see TEConnectorWorker._parts)
-    parts: dict[tuple[str, ...] | None, list[_Parts]] = dataclasses.field(
-        default_factory=dict)
-
-
-@dataclass(frozen=True, eq=False)
-class _Parts:
-    """Every part (K, V) of some layers that lie in one local and one remote segment, as
-    arrays: where part ``k`` of block 0 starts on each side, the block strides, the
-    part's length."""
-
-    local: Segment
-    remote: Segment
-    runs: bool  # whole runs of adjacent blocks are contiguous on both sides
-    local_base: np.ndarray
-    local_stride: np.ndarray
-    remote_base: np.ndarray
-    remote_stride: np.ndarray
-    length: np.ndarray
 
 
 class TEConnectorWorker:
@@ -158,19 +110,13 @@ class TEConnectorWorker:
         self._layers: dict[str, tuple[Segment, BlockLayout]] = {}
         self._tensors: list[Any] = []
         self._manifest = b""
-        self._peers: dict[str, _RemoteInfo] = {}
-        self._handshakes: dict[str, Future[_RemoteInfo]] = {}  # endpoint -> under way
-        self._executor: ThreadPoolExecutor | None = None
+        self._peers = RemotePeers(engine_name, initializer=unpin_current_thread)
         self._recving: dict[str, _Recv] = {}
         self._sending: dict[str, float] = {}  # request id -> lease deadline
         self._sent_early: set[str] = set()  # notified before its metadata arrived
         self._failed_blocks: set[int] = set()
         self._lock = threading.Lock()
-        self.store: StoreIO | None = None
         self._store_client: Client | None = None
-        self._store_executor: ThreadPoolExecutor | None = None
-        self._store_loads: dict[str, tuple[StoreLoad, Future[int], float]] = {}
-        self._store_saves: dict[str, Future[int]] = {}
         self.stats: dict[str, Any] = {"recv_requests": 0, "recv_failed": 0,
                                       "recv_bytes": 0,
                                       "recv_seconds": deque(maxlen=1024),  # latest
@@ -180,10 +126,11 @@ class TEConnectorWorker:
                                       "store_load_bytes": 0, "store_saves": 0,
                                       "store_save_failed": 0, "store_save_bytes": 0,
                                       "recv_sync": 0, "recv_layered": 0}
-        self._reported = {k: 0 for k in _INTERVAL_COUNTS.values()}  # by interval_stats
+        self._reported = {k: 0 for k in INTERVAL_COUNTS.values()}  # by interval_stats
         self._times: dict[str, deque[float]] = {  # since the last interval_stats
             key: deque(maxlen=4096) for key, _, _ in TIMES}
         self._held_at: dict[str, float] = {}  # request id -> when prefill held it
+        self._store = StoreJobs(None, self.stats, (), engine_name)  # off until opened
         # layer-wise sync loads: the forward's layers in groups (layer_groups), learnt
         # from a step in which vLLM waited for every layer (until then a sync load
         # completes before the forward); this step's waits; the handles each layer waits
@@ -208,36 +155,29 @@ class TEConnectorWorker:
                                      timeout=self.config.timeout_s,
                                      auth=self.config.auth())
         seen: dict[int, Segment] = {}
-        layouts = {}
         for name, tensor in kv_caches.items():
-            layout = block_layout(tuple(tensor.shape), tuple(tensor.stride()),
-                                  tensor.element_size(), num_blocks, str(tensor.dtype))
+            layout = vllm_layout(tuple(tensor.shape), tuple(tensor.stride()),
+                                 tensor.element_size(), num_blocks, str(tensor.dtype))
             # one segment per allocation, not per layer: vLLM's layers are often views
             # of one tensor, and a segment that starts where the allocation starts is
             # one a serving process can share in place (an interior one it reaches
             # through a bounce copy)
-            address, length = _allocation(tensor, layout.extent)
-            shift = int(tensor.data_ptr()) - address
-            if shift:
-                layout = dataclasses.replace(
-                    layout, part_offsets=tuple(o + shift for o in layout.part_offsets),
-                    extent=layout.extent + shift)
+            address, length = allocation(tensor, layout.extent)
+            layout = dataclasses.replace(layout,
+                                         segment_offset=int(tensor.data_ptr()) - address)
+            end = layout.segment_offset + layout.extent
             seg = seen.get(address)
-            if seg is None or seg.length < layout.extent:
-                seg = self.engine.register((address, max(length, layout.extent)),
-                                           name=f"kv/{name}")
+            if seg is None or seg.length < end:
+                seg = self.engine.register((address, max(length, end)), name=f"kv/{name}")
                 seen[address] = seg
             self._tensors.append(tensor)  # alive while registered
             self._layers[name] = (seg, layout)
-            layouts[name] = layout.to_wire()
             log.info("layer %s: shape %s strides %s -> %s", name, tuple(tensor.shape),
                      tuple(tensor.stride()), layout)
-        self.compat["layouts"] = sorted({v[4] for v in layouts.values()})
-        self.compat["num_layers"] = len(layouts)
-        manifest = {"version": PROTOCOL_VERSION, "compat": self.compat,
-                    "hash": compat_hash(self.compat),
-                    "layers": {n: [self._layers[n][0].name, lw] for n, lw in layouts.items()}}
-        self._manifest = bytes(msgpack.packb(manifest))
+        self.compat["layouts"] = sorted({layout_signature(layout)
+                                         for _, layout in self._layers.values()})
+        self.compat["num_layers"] = len(self._layers)
+        self._manifest = manifest(self._layers, self.compat)
         self._manifest_buf = np.frombuffer(bytearray(self._manifest), dtype=np.uint8)
         self.engine.register(self._manifest_buf, name=MANIFEST_SEGMENT)
         self.engine.on_notify(self._on_notify)
@@ -252,11 +192,10 @@ class TEConnectorWorker:
         self._store_client = Client(master, engine=self.engine,
                                     timeout=self.config.store_timeout_s,
                                     auth=self.config.auth())
-        self.store = StoreIO(self._store_client, self._layers,
-                             f"{self.hash[:16]}/tp{self.rank}")
-        self._store_executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"te-vllm-store-{self.engine_name}",
-            initializer=unpin_current_thread)
+        self._store = StoreJobs(
+            StoreIO(self._store_client, self._layers, f"{self.hash[:16]}/tp{self.rank}"),
+            self.stats, (self.stats["recv_seconds"], self._times["store_load_seconds"]),
+            self.engine_name, initializer=unpin_current_thread)
 
     @property
     def hash(self) -> str:
@@ -269,107 +208,6 @@ class TEConnectorWorker:
                                    self.store.labels if self.store is not None else ())
 
     # decode: loads
-    def _connect_peer(self, engine: Engine, endpoint: str) -> _RemoteInfo:
-        """Connects to the peer and checks its manifest (on the handshake thread; it
-        touches no state of this worker but the engine, which is thread-safe)."""
-        peer = engine.connect(endpoint, timeout=self.config.timeout_s)
-        mseg = peer.segment(MANIFEST_SEGMENT)
-        buf = np.zeros(mseg.length, dtype=np.uint8)
-        with engine.register(buf, name=f"te-vllm/manifest-in/{id(buf):x}") as local:
-            engine.read(peer, [(Descriptor(local, 0, mseg.length),
-                                Descriptor(mseg, 0, mseg.length))]
-                        ).wait(self.config.timeout_s)
-        try:
-            manifest = msgpack.unpackb(buf.tobytes())
-            version, theirs = manifest["version"], manifest["compat"]
-            layers = {n: (str(v[0]), BlockLayout.from_wire(v[1]))
-                      for n, v in manifest["layers"].items()}
-        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
-            raise ProtocolError(f"malformed KV manifest: {exc}", peer=peer.name) from exc
-        if version != PROTOCOL_VERSION:
-            raise ProtocolError(f"peer speaks KV connector protocol {version}, we speak "
-                                f"{PROTOCOL_VERSION}; upgrade one side", peer=peer.name)
-        if manifest.get("hash") != self.hash:
-            raise ProtocolError("incompatible KV caches, refusing to transfer: "
-                                + describe_mismatch(self.compat, theirs), peer=peer.name)
-        for name, (seg_name, _) in layers.items():
-            if name not in self._layers:
-                raise ProtocolError(f"peer has layer {name!r}, we do not", peer=peer.name)
-            peer.segment(seg_name)  # known now, so building a READ asks nothing
-        return _RemoteInfo(peer, layers)
-
-    def _handshake(self, endpoint: str) -> Future[_RemoteInfo]:
-        fut = self._handshakes.get(endpoint)
-        if fut is None:
-            assert self.engine is not None
-            if self._executor is None:
-                # unpinned, and so are the rails' threads a handshake starts
-                self._executor = ThreadPoolExecutor(
-                    max_workers=4, thread_name_prefix=f"te-vllm-handshake-{self.engine_name}",
-                    initializer=unpin_current_thread)
-            fut = self._executor.submit(self._connect_peer, self.engine, endpoint)
-            self._handshakes[endpoint] = fut
-        return fut
-
-    def _check_ids(self, info: _RemoteInfo, spec: RecvSpec) -> None:
-        """Every block id of a load, local and remote, inside every layer."""
-        sides = [(min(ids), max(ids), side) for ids, side in (
-            (spec.local_block_ids, "local"), (spec.remote_block_ids, "remote"))]
-        for name, (_, layout) in self._layers.items():  # Python ints: nothing wraps
-            rlayout = info.layouts[name][1]
-            for (lo, hi, side), lay in zip(sides, (layout, rlayout), strict=True):
-                if lo < 0 or hi * lay.block_stride + max(lay.part_offsets) + lay.part_len \
-                        > lay.extent:
-                    raise ProtocolError(f"a {side} block id of {lo}..{hi} lies "
-                                        f"outside layer {name!r}", peer=info.peer.name)
-
-    def _parts(self, info: _RemoteInfo, names: tuple[str, ...] | None) -> list[_Parts]:
-        """The parts of the layers ``names`` (None: all) against the peer's, once per
-        peer and set of layers: a load then costs a few array operations per segment
-        pair, not a Python loop over layers (on a busy decoder each layer's share of a
-        READ's set-up was a tenth of a millisecond)."""
-        got = info.parts.get(names)
-        if got is not None:
-            return got
-        rows: dict[tuple[int, int, bool], tuple[Segment, Segment, list[tuple[int, ...]]]] = {}
-        for name in self._layers if names is None else names:
-            seg, layout = self._layers[name]
-            rname, rlayout = info.layouts[name]
-            rseg = info.peer.segment(rname)
-            runs = layout.contiguous_blocks and rlayout.contiguous_blocks
-            entry = rows.setdefault((id(seg), id(rseg), runs), (seg, rseg, []))
-            for loff, roff in zip(layout.part_offsets, rlayout.part_offsets, strict=True):
-                entry[2].append((loff, layout.block_stride, roff, rlayout.block_stride,
-                                 layout.part_len))
-        got = []
-        for (_, _, runs), (seg, rseg, parts) in rows.items():
-            cols = np.array(parts, dtype=np.int64).reshape(-1, 5).T[:, :, None]
-            got.append(_Parts(seg, rseg, runs, *cols))
-        if len(info.parts) < 64:
-            info.parts[names] = got
-        return got
-
-    def _pairs(self, info: _RemoteInfo, local_ids: list[int], remote_ids: list[int],
-               names: tuple[str, ...] | None = None) -> list[Blocks]:
-        """The READ of blocks checked by :meth:`_check_ids`, for the layers ``names``
-        (default: all): one :class:`Blocks` per pair of segments, with every layer's
-        parts (K, V), whole runs of blocks adjacent on both sides merged where the
-        layouts allow."""
-        out: list[Blocks] = []
-        if not local_ids:
-            return out
-        runs = np.array(coalesce(local_ids, remote_ids), dtype=np.int64).reshape(-1, 3).T
-        single = (np.asarray(local_ids, dtype=np.int64),
-                  np.asarray(remote_ids, dtype=np.int64))
-        for p in self._parts(info, names):
-            if p.runs:
-                lb, rb, count = runs[0], runs[1], p.length * runs[2]
-            else:
-                (lb, rb), count = single, np.broadcast_to(p.length, (len(p.length), len(lb)))
-            out.append(Blocks(p.local, p.remote, (p.local_base + lb * p.local_stride).ravel(),
-                              (p.remote_base + rb * p.remote_stride).ravel(), count.ravel()))
-        return out
-
     def start_load(self, specs: Iterable[RecvSpec]) -> None:
         """Starts one READ per request, or the peer's handshake first; never waits on
         the network. Failures are reported by :meth:`results`."""
@@ -516,7 +354,10 @@ class TEConnectorWorker:
                 raise ProtocolError("local and remote block counts differ")
             info = self._peers.get(spec.remote_endpoint)
             if info is None:
-                recv.handshake = self._handshake(spec.remote_endpoint)
+                assert self.engine is not None
+                recv.handshake = self._peers.handshake(
+                    self.engine, spec.remote_endpoint, self._layers, self.compat,
+                    self.config.timeout_s)
             else:
                 self._issue(recv, info, timeout)
         except (TransferEngineError, KeyError, ValueError) as exc:
@@ -548,19 +389,19 @@ class TEConnectorWorker:
             log.error("request %s: KV read failed: %s", recv.spec.request_id, handle.error)
         return False
 
-    def _issue(self, recv: _Recv, info: _RemoteInfo, timeout: float | None = None) -> None:
+    def _issue(self, recv: _Recv, info: RemoteKV, timeout: float | None = None) -> None:
         assert self.engine is not None
         spec = recv.spec
         if self._wall() >= spec.lease_expiry:
             self._fail(recv, "the prefill engine's lease on the blocks ran out before the "
                              "read could start; they may hold another request's KV by now")
             return
-        self._check_ids(info, spec)
+        info.check_ids(self._layers, spec)
         local, remote = spec.local_block_ids, spec.remote_block_ids
         groups = self._groups
         if not (recv.deadline and groups and len(groups) > 1 and len(local) > 1):
             recv.handle = self.engine.read(
-                info.peer, self._pairs(info, local, remote),
+                info.peer, info.pairs(self._layers, local, remote),
                 notify=SENT_PREFIX + spec.remote_request_id.encode(), timeout=timeout)
             return
         # Layer by layer: first the last block of every layer (this step's forward
@@ -571,8 +412,8 @@ class TEConnectorWorker:
         # (:meth:`finish_layered`).
         recv.info = info
         recv.handle = self.engine.read(
-            info.peer, self._pairs(info, local[-1:], remote[-1:])
-            + self._pairs(info, local[:-1], remote[:-1], groups[0]),
+            info.peer, info.pairs(self._layers, local[-1:], remote[-1:])
+            + info.pairs(self._layers, local[:-1], remote[:-1], groups[0]),
             timeout=timeout)
 
     def _issue_rest(self, recv: _Recv) -> bool:
@@ -584,7 +425,7 @@ class TEConnectorWorker:
         try:
             for names in self._groups[1:]:
                 handle = self.engine.read(
-                    recv.info.peer, self._pairs(recv.info, local, remote, names),
+                    recv.info.peer, recv.info.pairs(self._layers, local, remote, names),
                     timeout=max(0.001, recv.deadline - time.monotonic()))
                 recv.parts.append(handle)
                 self._layer_waits.setdefault(names[0], []).append((handle, recv))
@@ -596,92 +437,34 @@ class TEConnectorWorker:
     def _fail(self, recv: _Recv, why: BaseException | str) -> None:
         recv.error = str(why)
         if isinstance(why, ConnectError | PeerLostError | TransferTimeout | ClosedError):
-            self._peers.pop(recv.spec.remote_endpoint, None)  # connect afresh next time
+            self._peers.forget(recv.spec.remote_endpoint)
         log.error("request %s: KV load from %s failed: %s", recv.spec.request_id,
                   recv.spec.remote_endpoint, why)
 
-    def _after_handshake(self, recv: _Recv, fut: Future[_RemoteInfo],
+    def _after_handshake(self, recv: _Recv, fut: Future[RemoteKV],
                          timeout: float | None = None) -> None:
-        endpoint = recv.spec.remote_endpoint
         recv.handshake = None
-        if self._handshakes.get(endpoint) is fut:
-            del self._handshakes[endpoint]  # a failed one is tried again by a later load
         try:
-            info = fut.result()
-            info = self._peers.setdefault(endpoint, info)
-            self._issue(recv, info, timeout)
+            self._issue(recv, self._peers.settled(recv.spec.remote_endpoint, fut), timeout)
         # Whatever broke the handshake (a refused peer, a timeout, the engine closing
         # under it), the request must come back as a load error, not end the engine.
         except Exception as exc:  # noqa: BLE001
             self._fail(recv, exc)
 
     # store mode
+    @property
+    def store(self) -> StoreIO | None:
+        """The store link in store mode, else None."""
+        return self._store.io
+
     def start_store_loads(self, specs: Iterable[StoreLoad]) -> None:
         """Queues each request's read from the store; :meth:`results` reports it."""
-        for spec in specs:
-            self.stats["store_loads"] += 1
-            fut: Future[int]
-            if self.store is None or self._store_executor is None:
-                fut = Future()
-                fut.set_exception(ProtocolError("store mode is off on this worker"))
-            elif not spec.block_ids:
-                fut = Future()
-                fut.set_exception(ProtocolError("no blocks to load from the store"))
-            else:
-                fut = self._store_executor.submit(self.store.load, spec)
-            self._store_loads[spec.request_id] = (spec, fut, time.monotonic())
+        self._store.start_loads(specs)
 
     def start_store_saves(self, specs: Iterable[StoreSave]) -> None:
         """Queues each finished request's put; vLLM frees its blocks once it is done
         (:meth:`results` reports it as sent, whether the put worked or not)."""
-        for spec in specs:
-            fut: Future[int]
-            if self.store is None or self._store_executor is None or not spec.block_ids:
-                fut = Future()
-                fut.set_result(0)
-            else:
-                fut = self._store_executor.submit(self.store.save, spec)
-            with self._lock:
-                self._store_saves[spec.request_id] = fut
-
-    def _store_results(self, out: KVConnectorTransferResults) -> set[str]:
-        """Finished store loads into ``out``; returns the requests whose saves ended."""
-        for rid, (spec, fut, started) in list(self._store_loads.items()):
-            if not fut.done():
-                continue
-            del self._store_loads[rid]
-            out.finished_recving.add(rid)
-            try:
-                self.stats["store_load_bytes"] += fut.result()
-                took = time.monotonic() - started
-                self.stats["recv_seconds"].append(took)
-                self._times["store_load_seconds"].append(took)
-            # Whatever broke the load (a missing piece, a node or the master gone),
-            # vLLM recomputes the blocks: never a failed request, never wrong KV.
-            except Exception as exc:  # noqa: BLE001
-                self.stats["store_load_failed"] += 1
-                log.warning("request %s: KV load from the store failed: %s; "
-                            "recomputing", rid, exc)
-                out.failed_recving.add(rid)
-                self._failed_blocks.update(spec.block_ids)
-        done: dict[str, Future[int]] = {}
-        with self._lock:
-            for rid, fut in list(self._store_saves.items()):
-                if fut.done():
-                    done[rid] = self._store_saves.pop(rid)
-        for rid, fut in done.items():
-            try:
-                nbytes = fut.result()
-            # A save that failed costs a later engine a recompute, never this request:
-            # logged and dropped.
-            except Exception as exc:  # noqa: BLE001
-                self.stats["store_save_failed"] += 1
-                log.warning("request %s: KV save to the store failed: %s", rid, exc)
-                continue
-            if nbytes:
-                self.stats["store_saves"] += 1
-                self.stats["store_save_bytes"] += nbytes
-        return set(done)
+        self._store.start_saves(specs)
 
     # prefill: holds
     def hold(self, reqs: dict[str, float]) -> None:
@@ -703,14 +486,20 @@ class TEConnectorWorker:
     def held(self) -> int:
         """Requests whose blocks are held: for a decoder's read or a store save."""
         with self._lock:
-            return len(set(self._sending) | set(self._store_saves))
+            return len(set(self._sending) | self._store.saving())
 
     def results(self) -> KVConnectorTransferResults:
         self.finish_layered()
         out = KVConnectorTransferResults()
         now = self._clock()
-        saved = self._store_results(out) if (self._store_loads or self._store_saves) \
-            else set()
+        saved: set[str] = set()
+        if self._store.busy:
+            stored = self._store.results()
+            out.finished_recving |= stored.loaded
+            out.failed_recving |= stored.failed
+            self._failed_blocks |= stored.failed_blocks
+            saved = stored.saved
+        saving = self._store.saving()
         released: set[str] = set()
         with self._lock:
             for rid in list(self._sent_early):
@@ -734,9 +523,9 @@ class TEConnectorWorker:
                 self._sent_early.clear()
             # a request's blocks are free once nothing holds them: neither a decoder's
             # lease nor a save still reading them
-            out.finished_sending |= {r for r in released if r not in self._store_saves}
+            out.finished_sending |= released - saving
             out.finished_sending |= {r for r in saved if r not in self._sending}
-        if self._recving or self._store_loads:
+        if self._recving or self._store.loading:
             # vLLM calls this once per step from a thread that hardly lets go of the
             # GIL while a request waits for its KV; without this the transfer threads
             # wait for the interpreter's 5 ms switch interval at every hand-over
@@ -764,7 +553,7 @@ class TEConnectorWorker:
         """What happened since the last call, as :class:`~.stats.TEConnectorStats`
         data (vLLM asks once per step), or None when nothing did."""
         out: dict[str, Any] = {}
-        for key, stat in _INTERVAL_COUNTS.items():
+        for key, stat in INTERVAL_COUNTS.items():
             value = int(self.stats[stat])
             out[key] = value - self._reported[stat]
             self._reported[stat] = value
@@ -782,25 +571,14 @@ class TEConnectorWorker:
         """Closes the engine (in-flight reads and handshakes fail) and waits for the
         handshake threads; forgets every request."""
         engine, self.engine = self.engine, None
-        executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
-        store_exec, self._store_executor = self._store_executor, None
-        if store_exec is not None:
-            store_exec.shutdown(wait=True, cancel_futures=True)
+        self._store.close()
         client, self._store_client = self._store_client, None
-        self.store = None
         if client is not None:
             client.close()
-        self._peers.clear()
-        self._handshakes.clear()
-        if engine is not None:
-            engine.close()
-        if executor is not None:
-            executor.shutdown(wait=True)
+        self._peers.close(engine.close if engine is not None else lambda: None)
         _WORKERS.discard(self)
 
     def __repr__(self) -> str:
         return (f"<TEConnectorWorker {self.engine_name!r} layers={len(self._layers)} "
-                f"recving={len(self._recving)} handshakes={len(self._handshakes)} "
+                f"recving={len(self._recving)} handshakes={len(self._peers)} "
                 f"held={len(self._sending)}>")

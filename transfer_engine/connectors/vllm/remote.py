@@ -1,0 +1,215 @@
+"""A prefill worker's KV as a decoder reads it: the manifest every worker publishes
+(its layers' segments and block layouts, its compatibility hash), the READ of some
+blocks of every layer, planned as a few array operations per pair of segments, and the
+decoder's table of such peers."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from transfer_engine.connectors.compat import compat_hash, describe_mismatch
+from transfer_engine.connectors.vllm.config import MANIFEST_SEGMENT, PROTOCOL_VERSION
+from transfer_engine.connectors.vllm.metadata import RecvSpec
+from transfer_engine.descriptor import Blocks, Descriptor
+from transfer_engine.engine import Engine
+from transfer_engine.errors import ProtocolError
+from transfer_engine.layout import BlockLayout, pair_runs
+from transfer_engine.peer import Peer
+from transfer_engine.segment import Segment
+
+__all__ = ["Layers", "RemoteKV", "RemotePeers", "manifest"]
+
+Layers = Mapping[str, tuple[Segment, BlockLayout]]  # layer -> (its segment, its layout)
+
+
+def manifest(layers: Layers, compat: dict[str, Any]) -> bytes:
+    """What a worker publishes in its ``MANIFEST_SEGMENT`` for decoders to check and
+    plan their READs by."""
+    return bytes(msgpack.packb({
+        "version": PROTOCOL_VERSION, "compat": compat, "hash": compat_hash(compat),
+        "layers": {n: [seg.name, layout.to_wire()] for n, (seg, layout) in layers.items()}}))
+
+
+@dataclass(frozen=True, eq=False)
+class _Parts:
+    """Every part (K, V) of some layers that lie in one local and one remote segment, as
+    arrays: where part ``k`` of block 0 starts on each side, the block strides, the
+    part's length."""
+
+    local: Segment
+    remote: Segment
+    runs: bool  # whole runs of adjacent blocks are contiguous on both sides
+    local_base: np.ndarray
+    local_stride: np.ndarray
+    remote_base: np.ndarray
+    remote_stride: np.ndarray
+    length: np.ndarray
+
+
+@dataclass(eq=False)
+class RemoteKV:
+    """A connected prefill worker and where its layers' blocks lie."""
+
+    peer: Peer
+    layouts: dict[str, tuple[str, BlockLayout]]  # layer -> (segment name, layout)
+    # layers (None: all) -> their parts, grouped by segment pair (see _parts)
+    _cache: dict[tuple[str, ...] | None, list[_Parts]] = dataclasses.field(
+        default_factory=dict)
+
+    @classmethod
+    def connect(cls, engine: Engine, endpoint: str, layers: Layers,
+                compat: dict[str, Any], timeout: float) -> RemoteKV:
+        """Connects to the worker at ``endpoint``, reads its manifest and checks it
+        against ours (``layers``, ``compat``); raises ``ProtocolError`` naming the
+        mismatch."""
+        peer = engine.connect(endpoint, timeout=timeout)
+        mseg = peer.segment(MANIFEST_SEGMENT)
+        buf = np.zeros(mseg.length, dtype=np.uint8)
+        with engine.register(buf, name=f"te-vllm/manifest-in/{id(buf):x}") as local:
+            engine.read(peer, [(Descriptor(local, 0, mseg.length),
+                                Descriptor(mseg, 0, mseg.length))]).wait(timeout)
+        try:
+            data = msgpack.unpackb(buf.tobytes())
+            version, theirs = data["version"], data["compat"]
+            if version != PROTOCOL_VERSION:
+                raise ProtocolError(f"peer speaks KV connector protocol {version}, we "
+                                    f"speak {PROTOCOL_VERSION}; upgrade one side",
+                                    peer=peer.name)
+            remote = {n: (str(v[0]), BlockLayout.from_wire(v[1]))
+                      for n, v in data["layers"].items()}
+        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+            raise ProtocolError(f"malformed KV manifest: {exc}", peer=peer.name) from exc
+        if data.get("hash") != compat_hash(compat):
+            raise ProtocolError("incompatible KV caches, refusing to transfer: "
+                                + describe_mismatch(compat, theirs), peer=peer.name)
+        for name, (seg_name, layout) in remote.items():
+            if name not in layers:
+                raise ProtocolError(f"peer has layer {name!r}, we do not", peer=peer.name)
+            why = layers[name][1].compatible(layout)
+            if why is not None:
+                raise ProtocolError(f"layer {name!r} cannot take the peer's blocks: {why}",
+                                    peer=peer.name)
+            peer.segment(seg_name)  # known now, so building a READ asks nothing
+        return cls(peer, remote)
+
+    def check_ids(self, layers: Layers, spec: RecvSpec) -> None:
+        """Every block id of a load, local and remote, inside every layer."""
+        sides = [(min(ids), max(ids), side) for ids, side in (
+            (spec.local_block_ids, "local"), (spec.remote_block_ids, "remote"))]
+        for name, (_, layout) in layers.items():  # Python ints: nothing wraps
+            rlayout = self.layouts[name][1]
+            for (lo, hi, side), lay in zip(sides, (layout, rlayout), strict=True):
+                if lo < 0 or hi >= lay.num_blocks:
+                    raise ProtocolError(f"a {side} block id of {lo}..{hi} lies "
+                                        f"outside layer {name!r}", peer=self.peer.name)
+
+    def _parts(self, layers: Layers, names: tuple[str, ...] | None) -> list[_Parts]:
+        """The parts of the layers ``names`` (None: all) against the peer's, once per
+        set of layers: a load then costs a few array operations per segment pair, not a
+        Python loop over layers (on a busy decoder each layer's share of a READ's
+        set-up was a tenth of a millisecond)."""
+        got = self._cache.get(names)
+        if got is not None:
+            return got
+        rows: dict[tuple[int, int, bool], tuple[Segment, Segment, list[tuple[int, ...]]]] = {}
+        for name in layers if names is None else names:
+            seg, layout = layers[name]
+            rname, rlayout = self.layouts[name]
+            rseg = self.peer.segment(rname)
+            runs = layout.contiguous and rlayout.contiguous
+            entry = rows.setdefault((id(seg), id(rseg), runs), (seg, rseg, []))
+            for loff, roff in zip(layout.parts, rlayout.parts, strict=True):
+                entry[2].append((layout.segment_offset + loff, layout.block_stride,
+                                 rlayout.segment_offset + roff, rlayout.block_stride,
+                                 layout.block_bytes))
+        got = []
+        for (_, _, runs), (seg, rseg, parts) in rows.items():
+            cols = np.array(parts, dtype=np.int64).reshape(-1, 5).T[:, :, None]
+            got.append(_Parts(seg, rseg, runs, *cols))
+        if len(self._cache) < 64:
+            self._cache[names] = got
+        return got
+
+    def pairs(self, layers: Layers, local_ids: list[int], remote_ids: list[int],
+              names: tuple[str, ...] | None = None) -> list[Blocks]:
+        """The READ of blocks checked by :meth:`check_ids`, for the layers ``names``
+        (default: all): one :class:`Blocks` per pair of segments, with every layer's
+        parts (K, V), whole runs of blocks adjacent on both sides merged where the
+        layouts allow."""
+        out: list[Blocks] = []
+        if not local_ids:
+            return out
+        runs = np.array(pair_runs(local_ids, remote_ids), dtype=np.int64).reshape(-1, 3).T
+        single = (np.asarray(local_ids, dtype=np.int64),
+                  np.asarray(remote_ids, dtype=np.int64))
+        for p in self._parts(layers, names):
+            if p.runs:
+                lb, rb, count = runs[0], runs[1], p.length * runs[2]
+            else:
+                (lb, rb), count = single, np.broadcast_to(p.length, (len(p.length), len(lb)))
+            out.append(Blocks(p.local, p.remote, (p.local_base + lb * p.local_stride).ravel(),
+                              (p.remote_base + rb * p.remote_stride).ravel(), count.ravel()))
+        return out
+
+
+class RemotePeers:
+    """The prefill workers a decoder has read from, and the handshakes under way (on a
+    small pool of unpinned threads: a handshake waits on the network, and the rails'
+    threads it starts inherit its CPU affinity)."""
+
+    def __init__(self, name: str, initializer: Callable[[], None] | None = None) -> None:
+        self._name = name
+        self._initializer = initializer
+        self._known: dict[str, RemoteKV] = {}
+        self._handshakes: dict[str, Future[RemoteKV]] = {}  # endpoint -> under way
+        self._executor: ThreadPoolExecutor | None = None
+
+    def get(self, endpoint: str) -> RemoteKV | None:
+        return self._known.get(endpoint)
+
+    def handshake(self, engine: Engine, endpoint: str, layers: Layers,
+                  compat: dict[str, Any], timeout: float) -> Future[RemoteKV]:
+        """The handshake with ``endpoint``: the one under way, or a new one."""
+        fut = self._handshakes.get(endpoint)
+        if fut is None:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=4, thread_name_prefix=f"te-vllm-handshake-{self._name}",
+                    initializer=self._initializer)
+            fut = self._executor.submit(RemoteKV.connect, engine, endpoint, layers,
+                                        compat, timeout)
+            self._handshakes[endpoint] = fut
+        return fut
+
+    def settled(self, endpoint: str, fut: Future[RemoteKV]) -> RemoteKV:
+        """The peer ``fut`` (done) connected, kept for later loads; raises what broke
+        the handshake (a failed one is tried again by a later load)."""
+        if self._handshakes.get(endpoint) is fut:
+            del self._handshakes[endpoint]
+        return self._known.setdefault(endpoint, fut.result())
+
+    def forget(self, endpoint: str) -> None:
+        """The next load from ``endpoint`` connects afresh."""
+        self._known.pop(endpoint, None)
+
+    def __len__(self) -> int:
+        return len(self._handshakes)
+
+    def close(self, engine_closed: Callable[[], None]) -> None:
+        """Cancels handshakes not started, runs ``engine_closed`` (which fails the
+        running ones), then waits for their threads."""
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+        self._known.clear()
+        self._handshakes.clear()
+        engine_closed()
+        if executor is not None:
+            executor.shutdown(wait=True)
