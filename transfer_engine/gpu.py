@@ -5,12 +5,13 @@ too once cupy is installed); the driver calls cupy does not wrap go through ``ct
 on ``libcuda.so.1``. Nothing here is imported by ``import transfer_engine``. Every
 entry point raises ``NotSupportedError`` saying what is missing when there is no CUDA.
 
-Where each is used: the RDMA transport registers GPU memory through a dma-buf
-(:func:`dmabuf_fd`) and falls back to nvidia-peermem; the shm transport maps a same-host
-peer's GPU memory with :func:`export_ipc` / :class:`IpcMapping`; the TCP transport, which
-cannot read device memory, stages through a :class:`StagingPool` of pinned host buffers
-and overlaps the device copy of chunk ``k+1`` with the send of chunk ``k``
-(:func:`overlapped`).
+Used today: the RDMA transport registers GPU memory through a dma-buf (:func:`dmabuf_fd`)
+and falls back to nvidia-peermem. Not yet wired into a transport (the shm and TCP
+transports refuse device memory with ``NotSupportedError``): mapping a same-host peer's
+GPU memory (:func:`export_ipc`, :class:`IpcMapping`) and staging device memory through
+pinned host buffers (:class:`StagingPool`), overlapping the device copy of chunk ``k+1``
+with the send of chunk ``k`` (:func:`overlapped`, :func:`send_device_memory`,
+:func:`recv_device_memory`); their GPU tests run where a GPU is.
 """
 
 from __future__ import annotations
