@@ -49,8 +49,9 @@ from kvstore.protocol import (
 )
 from transfer_engine import Engine
 from transfer_engine.closeable import Closeable
-from transfer_engine.control.auth import AuthConfig, open_reply, seal
+from transfer_engine.control.auth import AuthConfig
 from transfer_engine.control.messages import Message
+from transfer_engine.control.request import SignedClient
 from transfer_engine.errors import TransferEngineError
 
 __all__ = ["StorageNode", "main"]
@@ -138,9 +139,9 @@ class StorageNode(Closeable):
             self.interval = 0.5
             self._lock = threading.Lock()
             self._registered = threading.Event()
-            self._zctx: zmq.Context[Any] = zmq.Context()
-            self._stack.callback(self._zctx.term)
-            self._sock = self._open()
+            self._link = SignedClient(None, master, self._signer, peer="kvstore-master",
+                                      name="storage node's master link", ipv6=False)
+            self._stack.callback(self._link.close)
             self._stop = threading.Event()
             self._thread = threading.Thread(target=self._run, daemon=True,
                                             name=f"te-kv-node-{self.name}")
@@ -167,7 +168,6 @@ class StorageNode(Closeable):
         self._closed = True
         self._stop.set()
         self._thread.join(10)
-        self._sock.close(linger=0)
         self._stack.close()
 
     def wait_registered(self, timeout: float = 10.0) -> bool:
@@ -175,27 +175,13 @@ class StorageNode(Closeable):
 
     # -- the master link ---------------------------------------------------------------
 
-    def _open(self) -> zmq.Socket[bytes]:
-        sock: zmq.Socket[bytes] = self._zctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, 8 << 20)
-        sock.connect(self.master)
-        return sock
-
-    def _reset(self) -> None:
-        """A fresh socket: nothing queued for a master that is gone reaches the next."""
-        self._sock.close(linger=0)
-        self._sock = self._open()
-
-    def _send(self, msg: Message) -> None:
-        self._sock.send(seal(msg, self._signer))
-
     def _recv(self, timeout: float) -> Message | None:
-        if not self._sock.poll(max(0, int(timeout * 1000)), zmq.POLLIN):
+        """The next message from the master (an answer, or a journal push), or None
+        after ``timeout`` seconds or when it is not one we accept."""
+        if not self._link.poll(timeout):
             return None
-        frame = self._sock.recv()
         try:
-            return open_reply(frame, self._signer, peer="kvstore-master")
+            return self._link.read()
         except TransferEngineError as exc:
             log.warning("node %s: bad message from the master: %s", self.name, exc)
             return None
@@ -206,7 +192,7 @@ class StorageNode(Closeable):
             try:
                 if not self._registered.is_set():
                     if not self._register():
-                        self._reset()
+                        self._link.reset()
                         self._stop.wait(min(self.interval, 0.2))
                         continue
                     next_beat = time.monotonic() + self.interval
@@ -223,14 +209,14 @@ class StorageNode(Closeable):
                 if self._stop.is_set():
                     break
                 log.warning("node %s: %s", self.name, exc)
-                self._reset()
+                self._link.reset()
             except Exception:
                 log.exception("node %s loop", self.name)
                 self._stop.wait(0.1)
 
     def _beat(self) -> None:
-        self._send(KvBeat(name=self.name, incarnation=self.incarnation, epoch=self.epoch,
-                          acked=self.applied))
+        self._link.send(KvBeat(name=self.name, incarnation=self.incarnation,
+                               epoch=self.epoch, acked=self.applied))
 
     def _register(self) -> bool:
         """Sends our pools and directory; True once the master welcomed the last part."""
@@ -249,10 +235,11 @@ class StorageNode(Closeable):
         welcome: KvNodeWelcome | None = None
         for part in range(parts):
             chunk = entries[part * _PART:(part + 1) * _PART]
-            self._send(KvNode(name=self.name, incarnation=self.incarnation, epoch=self.epoch,
-                              control=self.engine.endpoint, pod=self.pod, zone=self.zone,
-                              pools=self._pools, part=part, last=part == parts - 1,
-                              entries=chunk.tobytes()))
+            self._link.send(KvNode(name=self.name, incarnation=self.incarnation,
+                                   epoch=self.epoch, control=self.engine.endpoint,
+                                   pod=self.pod, zone=self.zone, pools=self._pools,
+                                   part=part, last=part == parts - 1,
+                                   entries=chunk.tobytes()))
             deadline = time.monotonic() + self.timeout
             while True:
                 msg = self._recv(deadline - time.monotonic())

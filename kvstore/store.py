@@ -15,18 +15,17 @@ gone; compaction leaves a slab holding a pinned record as it is. So a view never
 another key's bytes. Pins are per call: one view kept alive holds every record its call
 returned; copy (``bytes(view)``) what you keep for long.
 
-Every argument is checked before anything is touched, so a rejected call raises a
-:class:`StoreError` subclass and leaves the store unchanged.
+Every argument is checked before anything is touched (:mod:`kvstore.checks`), so a
+rejected call raises a :class:`StoreError` subclass and leaves the store unchanged.
 
 When memory runs short a put first sweeps expired entries, then compacts if that makes
 room, and then (``evict=True``) evicts with CLOCK; with ``evict=False`` it raises
-:class:`CapacityError` instead and nothing stored is lost.
+:class:`CapacityError` instead and nothing stored is lost (:mod:`kvstore.room`).
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 import threading
 import time
 import weakref
@@ -39,6 +38,14 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstore.arena import Arena
+from kvstore.checks import (
+    as_view,
+    check_clock,
+    check_ttl,
+    int_arg,
+    last_occurrences,
+    real_arg,
+)
 from kvstore.errors import (
     CapacityError,
     InvalidArgumentError,
@@ -47,6 +54,7 @@ from kvstore.errors import (
     StoreError,
 )
 from kvstore.index import ABSENT, CuckooIndex
+from kvstore.room import Room
 from kvstore.ttl import ClockReclaimer, ExpiryLayers
 from transfer_engine.closeable import Closeable
 
@@ -73,7 +81,7 @@ class StoreStats:
     """Bytes of removed entries kept for views still alive (counted in ``waste``)."""
 
 
-class KVStore(Closeable):
+class KVStore(Room, Closeable):
     """In-memory KV block store.
 
     Thread safety: one store may be shared by any number of threads. Every public method
@@ -117,24 +125,24 @@ class KVStore(Closeable):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._closed = True  # until fully built, so __del__ stays quiet
-        if _int_arg("key_bytes", key_bytes, 1) not in (8, 16):
+        if int_arg("key_bytes", key_bytes, 1) not in (8, 16):
             raise KeyFormatError(f"key_bytes must be 8 or 16, not {key_bytes!r}")
-        _int_arg("capacity_bytes", capacity_bytes, 1)
-        _int_arg("slab_bytes", slab_bytes, 1)
+        int_arg("capacity_bytes", capacity_bytes, 1)
+        int_arg("slab_bytes", slab_bytes, 1)
         if max_entries is not None:
-            _int_arg("max_entries", max_entries, 1)
+            int_arg("max_entries", max_entries, 1)
         if not isinstance(evict, bool):
             raise InvalidArgumentError(f"evict must be a bool, not {type(evict).__name__}")
-        threshold = _real_arg("compact_threshold", compact_threshold)
+        threshold = real_arg("compact_threshold", compact_threshold)
         if not 0.0 <= threshold <= 1.0:
             raise InvalidArgumentError(f"compact_threshold must be in [0, 1], not {threshold}")
-        granularity = _real_arg("ttl_granularity", ttl_granularity)
+        granularity = real_arg("ttl_granularity", ttl_granularity)
         if not granularity > 0:
             raise InvalidArgumentError(f"ttl_granularity must be > 0 seconds, not {granularity}")
-        _check_clock(clock)
+        check_clock(clock)
         self.key_bytes = key_bytes
         self._words = key_bytes // 8
-        self._default_ttl = None if default_ttl is None else _check_ttl(default_ttl)
+        self._default_ttl = None if default_ttl is None else check_ttl(default_ttl)
         try:
             self._arena = Arena(capacity_bytes, slab_bytes=slab_bytes, key_words=self._words)
         except (MemoryError, ValueError) as exc:
@@ -243,7 +251,7 @@ class KVStore(Closeable):
         return [int(a) | int(b) << 64 for a, b in rows.tolist()]
 
     def _ttl(self, ttl: object) -> float | None:
-        return self._default_ttl if ttl is None else _check_ttl(ttl)
+        return self._default_ttl if ttl is None else check_ttl(ttl)
 
     def _deadline(self, ttl: float | None) -> float:
         return math.inf if ttl is None else self._clock() + ttl
@@ -258,7 +266,7 @@ class KVStore(Closeable):
         :class:`InvalidArgumentError` (store unchanged) or :class:`CapacityError`.
         """
         row = self._key_row(key)
-        view = _as_view(value)
+        view = as_view(value)
         self._arena.check_value_len(view.nbytes)
         seconds = self._ttl(ttl)
         with self._lock:
@@ -301,7 +309,7 @@ class KVStore(Closeable):
                 isinstance(values, Iterable)
             ):
                 raise InvalidArgumentError("values must be a sequence of bytes-like or uint8[n, L]")
-            views = [_as_view(v) for v in values]
+            views = [as_view(v) for v in values]
             if len(views) != n:
                 raise InvalidArgumentError(f"{n} keys but {len(views)} values")
             for v in views:
@@ -311,7 +319,7 @@ class KVStore(Closeable):
             with self._lock:
                 self._ready()
             return
-        keep = _last_occurrences(rows)
+        keep = last_occurrences(rows)
         if keep is not None:
             rows = rows[keep]
             if matrix:
@@ -368,7 +376,7 @@ class KVStore(Closeable):
     def batch_delete(self, keys: object) -> npt.NDArray[np.bool_]:
         """Removes many keys; True where a live entry was removed."""
         rows = self._key_rows(keys)
-        keep = _last_occurrences(rows)
+        keep = last_occurrences(rows)
         with self._lock:
             self._ready()
             if keep is None:
@@ -475,39 +483,12 @@ class KVStore(Closeable):
             self._ready()
             return self._expire()
 
-    def _expire(self) -> int:
-        now = self._clock()
-        due = self._expiry.pop_due(now)
-        if not due:
-            return 0
-        pairs = sorted(set(due))
-        keys = [k for k, _ in pairs]
-        deadlines = np.array([d for _, d in pairs])
-        rows = np.array(
-            [[(k >> (64 * j)) & _M64 for j in range(self._words)] for k in keys], dtype=np.uint64
-        )
-        locs, pos = self._index.positions(rows)
-        found = np.flatnonzero(pos != ABSENT)
-        current = self._arena.deadlines_at(locs[found])
-        dead = found[(current == deadlines[found]) & (current <= now)]
-        self._index.delete_at(pos[dead])
-        self._arena.free_many(locs[dead])
-        self.expirations += int(dead.size)
-        return int(dead.size)
-
     def compact(self) -> int:
         """Packs live records to the front of the arena and repoints the index; returns
         bytes moved. Every value is preserved; slabs holding pinned records stay put."""
         with self._lock:
             self._ready()
             return self._compact()
-
-    def _compact(self) -> int:
-        pos, locs = self._index.entries()
-        new = self._arena.compact(locs)
-        self._index.set_locations(pos, new)
-        self.compactions += 1
-        return self._arena.moved_bytes
 
     def stats(self) -> StoreStats:
         with self._lock:
@@ -549,173 +530,6 @@ class KVStore(Closeable):
     @property
     def arena(self) -> Arena:
         return self._arena
-
-    # -- making room -------------------------------------------------------------------
-
-    def _should_compact(self) -> bool:
-        a = self._arena
-        reserved = a.reserved_bytes
-        if 2 * reserved < a.capacity_bytes:
-            return False
-        # held records and the slabs pinned at the last compaction cannot be packed
-        return (reserved - a.live_bytes - a.settled_waste) / reserved > self._compact_threshold
-
-    def _allocate(self, value_len: int) -> int:
-        """A record location, making room as the module docstring says."""
-        if self._should_compact():
-            self._compact()
-        arena = self._arena
-        try:
-            return arena.alloc(value_len)
-        except CapacityError:
-            pass
-        need = arena.record_size(value_len)
-        if self._expire():
-            try:
-                return arena.alloc(value_len)
-            except CapacityError:
-                pass
-        if arena.free_bytes >= need and arena.waste > 0:
-            self._compact()
-            try:
-                return arena.alloc(value_len)
-            except CapacityError:
-                pass
-        if not self._evict:
-            raise CapacityError(
-                f"arena full: {need} bytes wanted, {arena.free_bytes} free in pieces; "
-                "nothing was evicted (evict=False)"
-            )
-        batch = max(need, arena.capacity_bytes // 64)
-        while True:
-            if not self._evict_entries(0, batch):
-                raise CapacityError(
-                    f"arena cannot hold a {need}-byte record even when empty "
-                    f"({arena.held_bytes} bytes held for views still alive)"
-                )
-            try:
-                return arena.alloc(value_len)
-            except CapacityError:
-                pass
-            if arena.free_bytes >= need:
-                self._compact()
-                try:
-                    return arena.alloc(value_len)
-                except CapacityError:
-                    pass  # free space is in slab tails too small for it: evict more
-
-    def _allocate_many(self, lens: I64, n: int) -> I64 | None:
-        """Locations for a batch, or None when only eviction could make room."""
-        if self._should_compact():
-            self._compact()
-        if self._evict and len(self._index) + n > self.max_entries:
-            return None
-        for attempt in range(3):
-            try:
-                return self._arena.alloc_many(lens)
-            except CapacityError:
-                if attempt == 0:
-                    self._expire()
-                elif attempt == 1 and self._arena.waste > 0:
-                    self._compact()
-        if self._evict:
-            return None
-        raise CapacityError(f"arena cannot hold the batch of {n} records; nothing was stored")
-
-    def _evict_entries(self, count: int, nbytes: int) -> int:
-        """Evicts with CLOCK until ``count`` entries are gone and ``nbytes`` bytes are
-        reusable (pinned records free nothing yet), or the index is empty. Returns
-        entries evicted."""
-        evicted = freed = 0
-        arena, index = self._arena, self._index
-        while (evicted < count or freed < nbytes) and len(index):
-            avg = max(1, arena.live_bytes // max(1, arena.live_records))
-            want = max(count - evicted, -(-(nbytes - freed) // avg), 1)
-            pos = self._clock_policy.select(want)
-            if pos.size == 0:
-                pos = self._clock_policy.select(want)  # bits are clear after a full turn
-            if pos.size == 0:
-                pos, _ = index.entries()  # only the stash is left
-            freed += arena.free_many(index.delete_at(pos))
-            evicted += int(pos.size)
-        self.evictions += evicted
-        return evicted
-
-
-def _int_arg(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise InvalidArgumentError(f"{name} must be an int, not {type(value).__name__}")
-    if value < minimum:
-        raise InvalidArgumentError(f"{name} must be >= {minimum}, not {value}")
-    return int(value)
-
-
-def _real_arg(name: str, value: object) -> float:
-    """``value`` as a finite float; bools and non-numbers are refused."""
-    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
-        raise InvalidArgumentError(f"{name} must be a number, not {type(value).__name__}")
-    try:
-        out = float(value)
-    except (OverflowError, ValueError, TypeError) as exc:
-        raise InvalidArgumentError(f"{name} is not a usable number: {value!r}") from exc
-    if not math.isfinite(out):
-        raise InvalidArgumentError(f"{name} must be finite, not {out}")
-    return out
-
-
-def _check_ttl(ttl: object) -> float:
-    seconds = _real_arg("ttl", ttl)
-    if not seconds > 0:
-        raise InvalidArgumentError(f"ttl must be finite and > 0 seconds, not {seconds}")
-    return seconds
-
-
-def _check_clock(clock: object) -> None:
-    """Calls ``clock`` once: a clock that fails or is not a number fails here, not in a
-    later put."""
-    if not callable(clock):
-        raise InvalidArgumentError(f"clock must be callable, not {type(clock).__name__}")
-    try:
-        now = clock()
-    except Exception as exc:
-        raise InvalidArgumentError(f"clock() raised {exc!r}") from exc
-    _real_arg("clock()", now)
-
-
-def _as_view(value: object) -> memoryview:
-    """``value`` as a flat byte view (no copy); anything else is InvalidArgumentError."""
-    if isinstance(value, str) or value is None:
-        raise InvalidArgumentError(f"a value must be bytes-like, not {type(value).__name__}")
-    try:
-        view = memoryview(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError, BufferError) as exc:  # ValueError: a released view
-        raise InvalidArgumentError(
-            f"a value must be bytes-like, not {type(value).__name__}: {exc}"
-        ) from exc
-    if not view.c_contiguous:
-        raise InvalidArgumentError("a value must be C-contiguous")
-    if view.format == "B" and view.ndim == 1:
-        return view
-    try:
-        return view.cast("B")
-    except (TypeError, ValueError):  # formats cast() refuses (structs, ...): reinterpret
-        return memoryview(np.frombuffer(view, dtype=np.uint8))  # type: ignore[arg-type]
-
-
-def _last_occurrences(rows: U64) -> I64 | None:
-    """Indices (ascending) of the last occurrence of each distinct key row, or None when
-    all rows are distinct."""
-    n = rows.shape[0]
-    if n < 2:
-        return None
-    rev = rows[::-1]
-    if rows.shape[1] == 1:
-        _, first = np.unique(rev[:, 0], return_index=True)
-    else:
-        _, first = np.unique(rev, axis=0, return_index=True)
-    if first.size == n:
-        return None
-    return np.sort(n - 1 - first)
 
 
 def _verify(index: CuckooIndex, arena: Arena) -> None:

@@ -3,26 +3,14 @@
 from __future__ import annotations
 
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from transfer_engine.control.auth import Signer, open_reply, seal
-from transfer_engine.control.messages import (
-    ErrorReply,
-    Message,
-    SegmentsReply,
-    SegmentsRequest,
-)
-from transfer_engine.errors import (
-    ClosedError,
-    InvalidDescriptorError,
-    PeerLostError,
-    ProtocolError,
-    RemoteError,
-    TransferTimeout,
-)
+from transfer_engine.control.auth import Signer
+from transfer_engine.control.messages import SegmentsReply, SegmentsRequest
+from transfer_engine.control.request import SignedClient
+from transfer_engine.errors import InvalidDescriptorError, PeerLostError, ProtocolError
 from transfer_engine.health import PeerHealth
 from transfer_engine.segment import RemoteSegment
 
@@ -32,58 +20,15 @@ if TYPE_CHECKING:
 __all__ = ["Peer", "ControlClient"]
 
 
-class ControlClient:
+class ControlClient(SignedClient):
     """A DEALER socket to a peer's control endpoint; one request at a time. With
     ``auth`` every request is signed and every reply must be (``AuthenticationError``
-    otherwise, naming the side that lacks or mismatches the secret)."""
+    otherwise, naming the side that lacks or mismatches the secret); a timeout raises
+    ``TransferTimeout``, a refusal ``RemoteError``."""
 
     def __init__(self, zctx: zmq.Context[Any], address: str, peer: str,
                  auth: Signer | None = None) -> None:
-        self.address = address
-        self.peer = peer
-        self.rtt: float | None = None  # seconds, last round trip
-        self._signer = auth
-        self._lock = threading.Lock()
-        self._sock = self._open(zctx)
-        self._closed = False
-
-    def _open(self, zctx: zmq.Context[Any]) -> zmq.Socket[bytes]:
-        sock: zmq.Socket[bytes] = zctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, 1)  # accepts IPv4 endpoints too
-        sock.setsockopt(zmq.MAXMSGSIZE, 8 << 20)
-        sock.connect(self.address)
-        return sock
-
-    def request(self, msg: Message, timeout: float) -> Message:
-        with self._lock:
-            if self._closed:
-                raise ClosedError("control client is closed", peer=self.peer)
-            started = time.monotonic()
-            self._sock.send(seal(msg, self._signer))
-            if not self._sock.poll(int(timeout * 1000), zmq.POLLIN):
-                # The late answer would pair with the next request: start afresh.
-                self._reset()
-                raise TransferTimeout(f"no answer from {self.address} in {timeout}s",
-                                      peer=self.peer, op=msg.kind)
-            frame = self._sock.recv()
-            self.rtt = time.monotonic() - started
-        reply = open_reply(frame, self._signer, peer=self.peer, op=msg.kind)
-        if isinstance(reply, ErrorReply):
-            raise RemoteError(f"peer refused {msg.kind}: {reply.message}", peer=self.peer,
-                              op=msg.kind)
-        return reply
-
-    def _reset(self) -> None:
-        zctx = self._sock.context
-        self._sock.close(linger=0)
-        self._sock = self._open(zctx)
-
-    def close(self) -> None:
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                self._sock.close(linger=0)
+        super().__init__(zctx, address, auth, peer=peer)
 
 
 class Peer:

@@ -37,7 +37,7 @@ from typing import Any
 
 import zmq
 
-from transfer_engine.control.auth import OVERHEAD, AuthConfig, open_reply, seal
+from transfer_engine.control.auth import OVERHEAD, AuthConfig
 from transfer_engine.control.messages import (
     MAX_MESSAGE_BYTES,
     Ack,
@@ -61,6 +61,7 @@ from transfer_engine.control.metastore import (
     MetadataStore,
     Subscription,
 )
+from transfer_engine.control.request import SignedClient
 from transfer_engine.errors import (
     ClosedError,
     ConnectError,
@@ -119,8 +120,7 @@ class RegistryClient:
         self._token = secrets.token_hex(16)  # proves we own our name; never published
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._lock = threading.Lock()
-        self._req_lock = threading.Lock()
-        self._req = self._socket()
+        self._req = self._link()
         self._record: MemberRecord | None = None
         self._dirty = False  # our record must be (re)sent
         self._last_contact = 0.0  # when our record or a heartbeat was last sent
@@ -134,35 +134,25 @@ class RegistryClient:
         self._dispatcher: threading.Thread | None = None
         self._closed = False
 
-    def _socket(self) -> zmq.Socket[bytes]:
-        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, 1)
-        sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REPLY)
-        sock.setsockopt(zmq.RECONNECT_IVL, 50)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        sock.connect(self.address)
-        return sock
+    def _link(self) -> SignedClient:
+        """A DEALER to the registry (one for requests, one for heartbeats, one for the
+        watch: a long poll parked at the registry must not hold up a heartbeat)."""
+        address = self.address
+
+        def timed_out(op: str, timeout: float) -> Exception:
+            return TransferTimeout(f"registry {address} did not answer in {timeout}s",
+                                   peer="registry", op=op)
+
+        return SignedClient(self._ctx, address, self._signer, peer="registry",
+                            name="registry client", what="registry", max_bytes=_MAX_REPLY,
+                            reconnect=(50, 1000), timeout_error=timed_out)
 
     # --- requests ---------------------------------------------------------------------
 
     def _request(self, msg: Message, timeout: float | None) -> Message:
-        timeout = self.timeout if timeout is None else timeout
-        with self._req_lock:
-            if self._closed:
-                raise ClosedError("registry client is closed", peer="registry", op=msg.kind)
-            self._req.send(seal(msg, self._signer))
-            if not self._req.poll(int(timeout * 1000), zmq.POLLIN):
-                self._req.close(0)  # a late answer would pair with the next request
-                self._req = self._socket()
-                raise TransferTimeout(f"registry {self.address} did not answer in {timeout}s",
-                                      peer="registry", op=msg.kind)
-            frame = self._req.recv()
-        reply = open_reply(frame, self._signer, peer="registry", op=msg.kind)
-        if isinstance(reply, ErrorReply):
-            raise RemoteError(f"registry refused {msg.kind}: {reply.message}",
-                              peer="registry", op=msg.kind)
-        return reply
+        if self._closed:
+            raise ClosedError("registry client is closed", peer="registry", op=msg.kind)
+        return self._req.request(msg, self.timeout if timeout is None else timeout)
 
     def register(self, record: MemberRecord, timeout: float | None = None) -> None:
         """Joins (or updates our record), then heartbeats from a background thread until
@@ -322,8 +312,8 @@ class RegistryClient:
             self._thread.start()
 
     def _run(self) -> None:
-        hb: zmq.Socket[bytes] | None = None
-        watch: zmq.Socket[bytes] | None = None
+        hb: SignedClient | None = None
+        watch: SignedClient | None = None
         hb_sent: tuple[float, bool] | None = None  # (when, was a registration)
         watch_deadline: float | None = None
         retry_at = 0.0
@@ -336,13 +326,13 @@ class RegistryClient:
                     record, dirty, watching = self._record, self._dirty, bool(self._callbacks)
                     next_hb = self._last_contact + self.interval
                 if record is not None and hb is None:
-                    hb = self._socket()
-                    poller.register(hb, zmq.POLLIN)
+                    hb = self._link()
+                    poller.register(hb.socket, zmq.POLLIN)
                 if (record is not None and hb is not None and hb_sent is None
                         and (now >= next_hb or (dirty and now >= retry_at))):
                     msg: Message = (record.to_message(self._token) if dirty else
                                     Heartbeat(record.name, record.incarnation, self._token))
-                    hb.send(seal(msg, self._signer))
+                    hb.send(msg)
                     hb_sent = (now, dirty)
                     with self._lock:
                         self._dirty = False
@@ -351,53 +341,51 @@ class RegistryClient:
                         self.timeout, self.interval * self.max_missed):
                     self.stats["heartbeat_unanswered"] += 1
                     assert hb is not None
-                    poller.unregister(hb)
-                    hb.close(0)
+                    poller.unregister(hb.socket)
+                    hb.close()
                     hb = None
                     if hb_sent[1]:
                         with self._lock:
                             self._dirty = self._record is not None
                     hb_sent = None
                 if watching and watch is None:
-                    watch = self._socket()
-                    poller.register(watch, zmq.POLLIN)
+                    watch = self._link()
+                    poller.register(watch.socket, zmq.POLLIN)
                 if watching and watch is not None and watch_deadline is None:
-                    watch.send(seal(Watch(state.epoch, state.since, self.watch_wait,
-                                          state.after), self._signer))
+                    watch.send(Watch(state.epoch, state.since, self.watch_wait, state.after))
                     watch_deadline = now + self.watch_wait + self.timeout
                 if watch is not None and watch_deadline is not None and now > watch_deadline:
                     self.stats["watch_unanswered"] += 1
-                    poller.unregister(watch)
-                    watch.close(0)
+                    poller.unregister(watch.socket)
+                    watch.close()
                     watch, watch_deadline = None, None
                 wait_ms = 50 if hb_sent or record is None else max(
                     1, min(50, int((next_hb - now) * 1000)))
                 ready = dict(poller.poll(wait_ms)) if (hb or watch) else {}
                 if not ready and not (hb or watch):
                     self._stop.wait(0.05)
-                if hb is not None and hb in ready:
-                    frame = hb.recv()
+                if hb is not None and hb.socket in ready:
                     hb_sent = None
-                    retry_at, reset_watch = self._on_heartbeat_reply(frame, state.epoch)
+                    retry_at, reset_watch = self._on_heartbeat_reply(hb, state.epoch)
                     if reset_watch and watch is not None:
-                        poller.unregister(watch)
-                        watch.close(0)
+                        poller.unregister(watch.socket)
+                        watch.close()
                         watch, watch_deadline = None, None
-                if watch is not None and watch in ready:
-                    frame = watch.recv()
+                if watch is not None and watch.socket in ready:
                     watch_deadline = None
-                    self._on_watch_reply(frame, state)
+                    self._on_watch_reply(watch, state)
         except Exception:  # never leave a member silently unregistered without a trace
             log.exception("registry client %s: background thread failed", self.name)
         finally:
-            for sock in (hb, watch):
-                if sock is not None:
-                    sock.close(0)
+            for link in (hb, watch):
+                if link is not None:
+                    link.close()
 
-    def _on_heartbeat_reply(self, frame: bytes, wepoch: str) -> tuple[float, bool]:
-        """Returns (when to retry a refused registration, whether to re-watch now)."""
+    def _on_heartbeat_reply(self, hb: SignedClient, wepoch: str) -> tuple[float, bool]:
+        """Takes the answer waiting on ``hb``; returns (when to retry a refused
+        registration, whether to re-watch now)."""
         try:
-            reply = open_reply(frame, self._signer, peer="registry", op="heartbeat")
+            reply = hb.read("heartbeat")
         except TransferError as exc:
             self.stats["heartbeat_rejected"] += 1
             log.warning("registry client %s: bad heartbeat reply: %s", self.name, exc)
@@ -425,11 +413,12 @@ class RegistryClient:
             return time.monotonic() + self.interval, False
         return 0.0, False
 
-    def _on_watch_reply(self, frame: bytes, state: _WatchState) -> None:
-        """Applies a watch answer and moves ``state`` on: to the next events, or to the
-        next page of a snapshot (applied once its last page is in)."""
+    def _on_watch_reply(self, watch: SignedClient, state: _WatchState) -> None:
+        """Applies the watch answer waiting on ``watch`` and moves ``state`` on: to the
+        next events, or to the next page of a snapshot (applied once its last page is
+        in)."""
         try:
-            reply = open_reply(frame, self._signer, peer="registry", op="watch")
+            reply = watch.read("watch")
             if isinstance(reply, ErrorReply):
                 raise RemoteError(reply.message, peer="registry", op="watch")
             if not isinstance(reply, Events):
@@ -487,8 +476,7 @@ class RegistryClient:
         self._events.put(None)
         if self._dispatcher is not None and self._dispatcher is not threading.current_thread():
             self._dispatcher.join(5)
-        with self._req_lock:
-            self._req.close(0)
+        self._req.close()
         self._ctx.term()
 
     def __enter__(self) -> RegistryClient:

@@ -54,12 +54,11 @@ from typing import Any
 import msgpack
 import zmq
 
-from transfer_engine.control.auth import OVERHEAD, AuthConfig, open_request, seal
+from transfer_engine.control.auth import OVERHEAD, AuthConfig, open_request
 from transfer_engine.control.limits import RegistryLimits, SourceBuckets, check_bind
 from transfer_engine.control.messages import (
     SMALL,
     Ack,
-    Denied,
     ErrorReply,
     Events,
     Heartbeat,
@@ -75,6 +74,7 @@ from transfer_engine.control.messages import (
     encode_packed,
 )
 from transfer_engine.control.metastore import ROLES, MemberRecord
+from transfer_engine.control.reply import answer_multipart, refuse, send_reply
 from transfer_engine.errors import (
     AuthenticationError,
     ClosedError,
@@ -256,6 +256,16 @@ class Registry:
         return [MemberRecord.from_wire(msgpack.unpackb(p), peer="registry") for p in packed]
 
     @property
+    def serving(self) -> bool:
+        """Whether the registry's thread is up: started, not closed, not crashed."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def signed(self) -> bool:
+        """Whether every message must be signed with the secret (``auth`` given)."""
+        return self._signer is not None
+
+    @property
     def event_bytes(self) -> int:
         """Encoded bytes the event log holds now (bounded by ``limits.log_bytes``)."""
         return self._log_bytes
@@ -313,17 +323,10 @@ class Registry:
             except Exception:  # a bug must not stop the service
                 log.exception("registry loop failed")
 
-    def _send(self, ident: bytes, msg: Message | bytes, signed: bool = True) -> None:
+    def _send(self, ident: bytes, msg: Message | bytes) -> None:
         """Sends a reply: a message, or one already encoded (by ``encode_packed``)."""
         assert self._sock is not None
-        signer = self._signer if signed else None
-        if isinstance(msg, bytes):
-            frame = signer.sign(msg) if signer is not None else msg
-        else:
-            frame = seal(msg, signer)
-        try:
-            self._sock.send_multipart([ident, frame], zmq.NOBLOCK)
-        except zmq.ZMQError:
+        if not send_reply(self._sock, ident, msg, self._signer):
             self.stats["reply_dropped"] += 1
 
     def _serve(self, frames: list[zmq.Frame], now: float) -> None:
@@ -331,8 +334,9 @@ class Registry:
         if len(frames) != 2:
             self.stats["rejected"] += 1
             self._reject(f"{len(frames)} frames (expected one)")
-            if frames and len(frames) > 1:
-                self._send(frames[0].bytes, ErrorReply("expected a single-frame message"))
+            assert self._sock is not None
+            if not answer_multipart(self._sock, frames, self._signer):
+                self.stats["reply_dropped"] += 1
             return
         ident, data = frames[0].bytes, frames[1].bytes
         charged = len(data) > _SMALL_FRAME  # only a registration is this large
@@ -367,9 +371,9 @@ class Registry:
         self._reject(str(exc))
         if isinstance(exc, AuthenticationError):
             self.stats["denied"] += 1
-            self._send(ident, Denied(exc.message), signed=False)
-        else:
-            self._send(ident, ErrorReply(str(exc)))
+        assert self._sock is not None
+        if not refuse(self._sock, ident, exc, self._signer):
+            self.stats["reply_dropped"] += 1
 
     @staticmethod
     def _source(frame: zmq.Frame) -> str:

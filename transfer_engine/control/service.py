@@ -22,8 +22,9 @@ from typing import Any
 
 import zmq
 
-from transfer_engine.control.auth import Signer, check_exposure, open_request, seal
-from transfer_engine.control.messages import Denied, ErrorReply, Message
+from transfer_engine.control.auth import Signer, check_exposure, open_request
+from transfer_engine.control.messages import ErrorReply, Message
+from transfer_engine.control.reply import SINGLE_FRAME, answer_multipart, refuse, send_reply
 from transfer_engine.errors import AuthenticationError, TransferError
 
 __all__ = ["Service", "tcp_endpoint", "split_host_port"]
@@ -109,37 +110,25 @@ class Service:
             except zmq.ZMQError:
                 continue
             if len(frames) != 2:
-                self._refused("expected a single-frame message")
-                if len(frames) > 2:  # answer, so that the sender's next request pairs up
-                    self._send(frames[0], ErrorReply("expected a single-frame message"),
-                               True)
+                self._refused(SINGLE_FRAME)
+                answer_multipart(self._sock, frames, self._signer)
                 continue
             ident, data = frames
-            signed = True
             try:
                 reply = self._handler(open_request(data, self._signer, peer="?"))
             except AuthenticationError as exc:
                 self.stats[self._prefix + "denied"] += 1
                 self._refused(f"refused: {exc}")
-                reply, signed = Denied(exc.message), False
+                refuse(self._sock, ident, exc, self._signer)
+                continue
             except TransferError as exc:
                 self._refused(f"rejected: {exc}")
-                reply = ErrorReply(str(exc))
+                refuse(self._sock, ident, exc, self._signer)
+                continue
             except Exception as exc:  # never let a message stop the service
                 log.exception("%s: request failed", self.name)
                 reply = ErrorReply(f"internal error: {exc!r}")
-            self._send(ident, reply, signed)
-
-    def _send(self, ident: bytes, reply: Message, signed: bool) -> None:
-        signer = self._signer if signed else None
-        try:
-            out = seal(reply, signer)
-        except TransferError as exc:  # e.g. a reply over its size limit
-            out = seal(ErrorReply(f"cannot encode the reply: {exc}"[:2000]), signer)
-        try:
-            self._sock.send_multipart([ident, out], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+            send_reply(self._sock, ident, reply, self._signer)
 
     def _refused(self, why: str) -> None:
         self.stats[self._prefix + "rejected"] += 1

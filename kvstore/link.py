@@ -1,0 +1,90 @@
+"""A client's link to the kvstore master: signed requests over one DEALER, pipelined.
+
+The master answers a client's requests in the order they were sent, so a request need
+not wait for the answers of those before it: a put that does not wait for its commit
+:meth:`MasterLink.post`-s it, and its answer is handed to its callback before the answer
+of any later request is read (or at :meth:`MasterLink.drain`). A request the master does
+not answer in time raises :class:`MasterUnavailableError` and fails every posted one
+with it, since the socket is reset and nothing sent before comes back; a refusal raises
+:class:`StoreError`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from kvstore.errors import MasterUnavailableError, StoreError
+from transfer_engine.control.auth import Signer
+from transfer_engine.control.messages import Message
+from transfer_engine.control.request import SignedClient
+
+__all__ = ["MasterLink"]
+
+OnReply = Callable[[Message | Exception], None]
+
+
+class MasterLink(SignedClient):
+    """One DEALER socket to the master. Requests are answered in the order sent: one
+    waited for at a time, after those :meth:`post`-ed before it, whose answers go to
+    their callbacks first. Not thread-safe: the caller serialises its use."""
+
+    def __init__(self, address: str, signer: Signer | None) -> None:
+        def timed_out(op: str, timeout: float) -> Exception:
+            return MasterUnavailableError(f"no answer from the master at {address} in "
+                                          f"{timeout}s to {op}")
+
+        def refused(op: str, reason: str) -> Exception:
+            return StoreError(f"the master refused {op}: {reason}")
+
+        super().__init__(None, address, signer, peer="kvstore-master",
+                         name="kvstore master link", ipv6=False, timeout_error=timed_out,
+                         refused_error=refused)
+        self._posted: deque[tuple[Message, OnReply]] = deque()
+
+    def request(self, msg: Message, timeout: float,
+                between: Callable[[], None] | None = None) -> Message:
+        """Sends ``msg`` and returns its answer; ``between`` runs while the master works
+        on it (its exception is raised once the answer is read, which would otherwise
+        pair with the next request)."""
+        self.send(msg)
+        error: BaseException | None = None
+        if between is not None:
+            try:
+                between()
+            except BaseException as exc:
+                error = exc
+        self.drain(timeout)
+        reply = self._answer(msg, timeout)
+        if error is not None:
+            raise error
+        return reply
+
+    def post(self, msg: Message, on_reply: OnReply) -> None:
+        """Sends a request without waiting: ``on_reply`` gets its answer (or the error
+        that stood for it) when a later request is answered, or at :meth:`drain`."""
+        self.send(msg)
+        self._posted.append((msg, on_reply))
+
+    def drain(self, timeout: float) -> None:
+        """Takes the answers of every posted request."""
+        while self._posted:
+            msg, on_reply = self._posted.popleft()
+            try:
+                reply: Message | Exception = self._answer(msg, timeout)
+            except MasterUnavailableError as exc:
+                on_reply(exc)
+                raise  # the socket was reset: nothing sent before comes back
+            except StoreError as exc:
+                reply = exc
+            on_reply(reply)
+
+    def _answer(self, msg: Message, timeout: float) -> Message:
+        try:
+            return self.receive(msg.kind, timeout)
+        except MasterUnavailableError as exc:
+            lost = list(self._posted)
+            self._posted.clear()
+            for _, on_reply in lost:
+                on_reply(exc)
+            raise

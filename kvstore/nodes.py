@@ -1,0 +1,160 @@
+"""The kvstore master's storage nodes: registration, heartbeats, recovery, loss.
+
+A node registers its pools (and, after a master restart, its directory of objects, in
+parts), heartbeats every ``node_interval`` seconds, and is dropped after
+``node_max_missed`` silent intervals: its replicas are forgotten, and objects left with
+none are gone. A node that served an earlier master takes no new objects for
+``grace_s`` seconds (a put of that master may still write its free space), and the
+objects it reports are held as if leased for ``lease_s`` (readers of that master may
+still read them).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+
+import numpy as np
+
+from kvstore.master_state import MasterState, Node, Pool
+from kvstore.objects import State
+from kvstore.protocol import ENTRY, KvBeat, KvBeatAck, KvNode, KvNodeWelcome, column
+from kvstore.space import Space
+from transfer_engine.errors import ProtocolError
+
+__all__ = ["Nodes"]
+
+log = logging.getLogger("kvstore.master")  # the master's log, as its other lines
+
+
+class Nodes(MasterState):
+    """Mixed into :class:`kvstore.master.Master`: ``kv-node`` and ``kv-beat``."""
+
+    def _beat(self, ident: bytes, msg: KvBeat) -> KvBeatAck:
+        node = self._nodes.get(msg.name)
+        if (node is None or node.incarnation != msg.incarnation or not node.active
+                or msg.epoch != self.epoch):
+            return KvBeatAck(known=False, epoch=self.epoch)
+        now = self._clock()
+        node.last_seen = now
+        node.identity = ident
+        self._acked(node, msg.acked)
+        for i, (seq, sent, frame) in enumerate(node.unacked):
+            if now - sent > self.node_interval:
+                node.unacked[i] = (seq, now, frame)
+                self._send_node(node, frame)
+        return KvBeatAck(known=True, epoch=self.epoch)
+
+    def _register(self, ident: bytes, msg: KvNode) -> KvNodeWelcome:
+        now = self._clock()
+        node = self._nodes.get(msg.name)
+        if msg.part == 0:
+            if node is not None:
+                self._drop_node(node, "registered again")
+            node = Node(msg.name, msg.incarnation, msg.control, msg.pod, msg.zone, ident,
+                         now)
+            self._nodes[msg.name] = node
+        elif node is None or node.incarnation != msg.incarnation or node.active or \
+                msg.part != len(node.parts):
+            raise ProtocolError(f"node {msg.name}: registration part {msg.part} out of order")
+        node.identity = ident
+        node.last_seen = now
+        node.parts.append(column(msg.entries, ENTRY, None, "entries").copy())
+        if not msg.last:
+            return KvNodeWelcome(epoch=self.epoch, interval=self.node_interval,
+                                 max_missed=self.node_max_missed)
+        entries = np.concatenate(node.parts)
+        node.parts = []
+        seen_before = bool(msg.epoch) or entries.size > 0
+        usable_after = now + self.grace_s if seen_before else now
+        for local, spec in enumerate(msg.pools):
+            if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)
+                    and isinstance(spec[1], int) and isinstance(spec[2], str)):
+                raise ProtocolError(f"node {msg.name}: pools rows are [segment, bytes, tier]")
+            mine = entries[entries["pool"] == local]
+            space = Space.from_used(spec[1], mine["offset"], mine["length"])
+            pool = Pool(len(self._pools), node, local, spec[0], spec[2], space, usable_after)
+            self._pools.append(pool)
+            node.pools.append(pool.index)
+        if (entries["pool"] >= len(msg.pools)).any() or (entries["pool"] < 0).any():
+            raise ProtocolError(f"node {msg.name}: directory names an unknown pool")
+        node.active = True
+        if entries.size:
+            self._recover(node, entries)
+        log.info("kvstore master: node %s joined (%d pools, %d objects)", node.name,
+                 len(node.pools), entries.size)
+        return KvNodeWelcome(epoch=self.epoch, interval=self.node_interval,
+                             max_missed=self.node_max_missed)
+
+    def _recover(self, node: Node, entries: np.ndarray) -> None:
+        """Adds a rejoining node's directory to the table: the newest version of a key
+        wins, replicas of one version merge, everything else is freed."""
+        t = self.table
+        pool_of = np.array(node.pools, dtype=np.int64)[entries["pool"]]
+        keys = np.ascontiguousarray(entries["key"]).astype(np.uint64)
+        order = np.lexsort((~entries["version"].astype(np.uint64), keys[:, 1], keys[:, 0]))
+        entries, keys, pool_of = entries[order], keys[order], pool_of[order]
+        current = t.lookup(keys, touch=False).tolist()
+        new_rows: list[int] = []
+        prev_key: tuple[int, int] | None = None
+        winner = -1
+        for i, ((k0, k1), _, off, length, checksum, version) in enumerate(entries.tolist()):
+            if (k0, k1) != prev_key:
+                prev_key = (k0, k1)
+                row = current[i]
+                if row >= 0 and int(t.version[row]) >= version:
+                    winner = row
+                else:
+                    if row >= 0:
+                        t.unpublish_rows(np.array([row]))
+                        self._retire(np.array([row]))
+                    winner = int(t.new_rows(1)[0])
+                    t.keys[winner] = (k0, k1)
+                    t.length[winner] = length
+                    t.checksum[winner] = checksum
+                    t.version[winner] = version
+                    t.state[winner] = State.PENDING
+                    new_rows.append(winner)
+            n = int(t.nrep[winner])
+            p = int(pool_of[i])
+            if (int(t.version[winner]) == version and n < self.max_replicas
+                    and int(t.length[winner]) == length
+                    and p not in t.pool[winner, :n].tolist()):
+                t.pool[winner, n] = p
+                t.offset[winner, n] = off
+                t.nrep[winner] = n + 1
+            else:
+                self._queue_free(p, off, length)
+        self._version = max(self._version, int(entries["version"].max()) + 1)
+        if new_rows:
+            rows = np.array(new_rows, dtype=np.int64)
+            t.publish(rows)
+            # readers of the previous master may still be reading these
+            np.add.at(t.leases, rows, 1)
+            lease = next(self._lease_ids)
+            expiry = self._clock() + self.lease_s
+            self._leases[lease] = (expiry, rows)
+            heapq.heappush(self._lease_heap, (expiry, lease))
+
+    def _drop_node(self, node: Node, reason: str) -> None:
+        log.warning("kvstore master: dropping node %s (%s)", node.name, reason)
+        self.counters["nodes_dropped"] += 1
+        dead = np.array(node.pools, dtype=np.int32)
+        for p in node.pools:
+            self._pools[p].alive = False
+        node.active = False
+        self._nodes.pop(node.name, None)
+        t = self.table
+        if dead.size:
+            cap = t.capacity
+            hit = np.flatnonzero((np.isin(t.pool[:cap], dead)).any(axis=1)
+                                 & (t.state[:cap] != State.FREE))
+            if hit.size:
+                empty = hit[self._drop_replicas(hit, dead, free=False)]
+                live = empty[t.state[empty] == State.LIVE]
+                t.unpublish_rows(live)
+                self._retire(live)
+                retired = empty[(t.state[empty] == State.RETIRED) & (t.leases[empty] == 0)]
+                t.drop_rows(retired)
+        if node.copies or node.moving:  # after its replicas are gone from the rows
+            self._moves_lost(node)
