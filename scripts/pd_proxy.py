@@ -45,6 +45,10 @@ With vLLM's CPU build on one host, give each engine cores of its own
 both take the same cores, busy-poll there, and stall each other for seconds. That
 build's ``vllm`` command fails looking up its own version; start the server as
 ``python -m vllm.entrypoints.openai.api_server --model MODEL ...`` instead.
+
+The routing pieces live beside this file: ``pd_proxy_routing.py`` (router, request
+view, tokenizers), ``pd_proxy_upstream.py`` (calls to the servers) and
+``pd_proxy_handoff.py`` (reading answers for the first-token hand-off).
 """
 
 from __future__ import annotations
@@ -53,140 +57,33 @@ import argparse
 import http.client
 import json
 import sys
-import threading
 import time
 import urllib.parse
-from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+if str(HERE) not in sys.path:  # the helpers beside this file, however it was loaded
+    sys.path.insert(1, str(HERE))
+
+from pd_proxy_handoff import first_ended, follow, usage  # noqa: E402
+from pd_proxy_routing import (  # noqa: E402
+    CHARS_PER_TOKEN,
+    LOCAL_BELOW,
+    Tokenizers,
+    make_router,
+    request_of,
+)
+from pd_proxy_upstream import UpstreamError, post_json  # noqa: E402
 
 from scheduler.errors import NoInstanceError  # noqa: E402
-from scheduler.fleet import Fleet  # noqa: E402
-from scheduler.handoff import (  # noqa: E402
-    SAMPLING_FIELDS,
-    TextAssembler,
-    load_tokenizer,
-    unsupported,
-)
-from scheduler.policy import BreakerBoard, TrafficPolicy  # noqa: E402
-from scheduler.prefix import text_keys  # noqa: E402
-from scheduler.router import DEFAULT_POLICY, Decision, Request, Router  # noqa: E402
+from scheduler.handoff import SAMPLING_FIELDS, TextAssembler, unsupported  # noqa: E402
+from scheduler.router import DEFAULT_POLICY, Decision, Router  # noqa: E402
 from transfer_engine.control.client import RegistryStore  # noqa: E402
 
 MAX_BODY = 16 << 20
-CHARS_PER_TOKEN = 4  # without the model's tokenizer: a rough, model-free estimate
-LOCAL_BELOW = 64  # prompts this short prefill on decode: measured cheaper (README)
-
-
-class UpstreamError(Exception):
-    """An upstream call failed before anything reached the client: safe to retry."""
-
-
-def _post(base: str, path: str, body: dict[str, Any], timeout: float
-          ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-    url = urllib.parse.urlsplit(base)
-    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80,
-                                      timeout=timeout)
-    try:
-        conn.request("POST", path, json.dumps(body).encode(),
-                     {"Content-Type": "application/json"})
-        return conn, conn.getresponse()
-    except BaseException:
-        conn.close()
-        raise
-
-
-def make_router(prefill: Sequence[str] = (), decode: Sequence[str] = (), *,
-                policy: str = DEFAULT_POLICY, local_prefill_tokens: int = 0,
-                threshold: int = 2, cooldown: float = 1.0) -> Router:
-    """A router over the servers at these URLs (more may join from a registry).
-
-    :param threshold: consecutive failures that eject a server.
-    :param cooldown: seconds of the first ejection (doubling on each repeat).
-    """
-    traffic = TrafficPolicy(breakers=BreakerBoard(threshold=threshold,
-                                                  base_cooldown=cooldown))
-    fleet = Fleet(traffic=traffic, require_url=True)
-    for role, urls in (("prefill", prefill), ("decode", decode)):
-        for url in urls:
-            fleet.add(url, role, url=url)
-    return Router(fleet, policy, local_prefill_tokens=local_prefill_tokens)
-
-
-def _request_of(body: dict[str, Any], block_chars: int, tokenizer: Any = None) -> Request:
-    """The scheduler's view of a request: prefix keys and its prompt's length in
-    tokens (counted with the model's tokenizer when the router has it, else
-    estimated from the characters)."""
-    prompt = body.get("prompt", body.get("messages", ""))
-    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
-    out = body.get("max_completion_tokens") or body.get("max_tokens") or 256
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        tokens = len(prompt)
-    elif isinstance(prompt, str) and tokenizer is not None:
-        tokens = len(tokenizer.encode(prompt).ids)
-    else:
-        tokens = len(text) // CHARS_PER_TOKEN
-    return Request(text_keys(text, block_chars), max(1, tokens),
-                   int(out) if isinstance(out, int) and out > 0 else 256)
-
-
-def _get_json(base: str, path: str, timeout: float) -> Any:
-    url = urllib.parse.urlsplit(base)
-    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80,
-                                      timeout=timeout)
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        data = resp.read()
-        if resp.status != 200:
-            raise OSError(f"GET {path} answered {resp.status}")
-        return json.loads(data)
-    finally:
-        conn.close()
-
-
-def _first_ended(answer: dict[str, Any]) -> bool:
-    """Prefill's first token ended the request (EOS or a stop token): it hands no KV
-    over, and decode prefills the prompt itself in the sequential hand-off."""
-    return bool((answer.get("choices") or [{}])[0].get("finish_reason") == "stop")
-
-
-class Tokenizers:
-    """The served model's tokenizer, per decode server: from ``--tokenizer`` or the
-    model path its ``/v1/models`` names; a server without one is asked again a minute
-    later (until then its requests take the sequential hand-off)."""
-
-    RETRY_S = 60.0
-
-    def __init__(self, path: str | None = None) -> None:
-        self.path = path
-        self._by_path: dict[str, Any] = {}
-        self._by_url: dict[str, tuple[float, Any]] = {}
-        self._lock = threading.Lock()
-
-    def _load(self, path: str) -> Any:
-        if path not in self._by_path:
-            self._by_path[path] = load_tokenizer(path)
-        return self._by_path[path]
-
-    def get(self, url: str) -> Any:
-        with self._lock:
-            now = time.monotonic()
-            known = self._by_url.get(url)
-            if known is not None and (known[1] is not None or now < known[0]):
-                return known[1]
-            tok = None
-            try:
-                path = self.path or _get_json(url, "/v1/models", 10.0)["data"][0]["root"]
-                tok = self._load(str(path))
-            except Exception as exc:  # noqa: BLE001 - no tokenizer: sequential hand-off
-                sys.stderr.write(f"pd_proxy: no tokenizer for {url} ({exc!r:.200}); "
-                                 "its requests take the sequential hand-off\n")
-            self._by_url[url] = (now + self.RETRY_S, tok)
-            return tok
 
 
 class Proxy(BaseHTTPRequestHandler):
@@ -227,7 +124,7 @@ class Proxy(BaseHTTPRequestHandler):
         tok = None
         if (first or router.local_prefill_tokens > 0) and fleet.decode.urls:
             tok = self.tokenizers.get(fleet.decode.urls[0])
-        req = _request_of(request, router.cost.block_tokens * CHARS_PER_TOKEN, tok)
+        req = request_of(request, router.cost.block_tokens * CHARS_PER_TOKEN, tok)
         failed: set[str] = set()
         errors: list[str] = []
         local = False
@@ -288,7 +185,7 @@ class Proxy(BaseHTTPRequestHandler):
         assert d.prefill is not None
         name = fleet.prefill.names[d.prefill]
         try:
-            conn, resp = _post(fleet.prefill.urls[d.prefill], self.path, pre, self.timeout)
+            conn, resp = post_json(fleet.prefill.urls[d.prefill], self.path, pre, self.timeout)
             try:
                 raw = resp.read()
             finally:
@@ -334,14 +231,14 @@ class Proxy(BaseHTTPRequestHandler):
                        kv_transfer_params={"do_remote_decode": True})
             pre.pop("max_completion_tokens", None)
             pre.pop("stream_options", None)
-            answer = self._prefill(pre, d, failed, errors, ended=_first_ended)
+            answer = self._prefill(pre, d, failed, errors, ended=first_ended)
             if answer is None:
                 return None, None
             params = answer.get("kv_transfer_params")
             decode_body = dict(request, kv_transfer_params=params) if params else request
         name = fleet.decode.names[d.decode]
         try:
-            conn, resp = _post(dec_url, self.path, decode_body, self.timeout)
+            conn, resp = post_json(dec_url, self.path, decode_body, self.timeout)
         except (OSError, http.client.HTTPException) as exc:
             self._fail(name, f"decode failed: {exc!r}", failed, errors)
             self._release(d, False)
@@ -379,7 +276,7 @@ class Proxy(BaseHTTPRequestHandler):
         if max_tokens != 1:  # the whole answer otherwise: nothing to hand over
             pre["kv_transfer_params"] = {"do_remote_decode": True}
         answer = self._prefill(pre, d, failed, errors, need_params=max_tokens != 1,
-                               ended=_first_ended)
+                               ended=first_ended)
         if answer is None:
             return
         choice = (answer.get("choices") or [{}])[0]
@@ -459,7 +356,7 @@ class Proxy(BaseHTTPRequestHandler):
                 if resp.status != 200:
                     raise http.client.HTTPException(
                         f"decode answered {resp.status}: {resp.read()[:300]!r}")
-                finish, stop_reason = self._follow(resp, asm, emit if stream else None)
+                finish, stop_reason = follow(resp, asm, emit if stream else None)
                 self._ok(fleet.decode.names[d.decode])
             elif max_tokens != 1 and isinstance(stop_reason, str) and \
                     answer.get("kv_transfer_params"):
@@ -471,7 +368,7 @@ class Proxy(BaseHTTPRequestHandler):
                 emit(asm.delta(True), finish, stop_reason)
                 if (request.get("stream_options") or {}).get("include_usage"):
                     chunk = dict(head, object=obj, choices=[],
-                                 usage=self._usage(prompt_ids, asm))
+                                 usage=usage(prompt_ids, asm))
                     self._write_chunk(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                 self._write_chunk(b"data: [DONE]\n\n")
                 self._release(d, False)  # before the client can see the end
@@ -480,7 +377,7 @@ class Proxy(BaseHTTPRequestHandler):
                 return
             c = dict(choice, finish_reason=finish, stop_reason=stop_reason,
                      token_ids=asm.token_ids if want_ids else None)
-            body = dict(answer, choices=[c], usage=self._usage(prompt_ids, asm),
+            body = dict(answer, choices=[c], usage=usage(prompt_ids, asm),
                         kv_transfer_params=None)
             if chat:
                 c["message"] = dict(choice.get("message") or {"role": "assistant"},
@@ -513,43 +410,6 @@ class Proxy(BaseHTTPRequestHandler):
                 conn.close()  # before its end: decode aborts the request
             if d is not None:
                 self._release(d, False)
-
-    @staticmethod
-    def _usage(prompt_ids: list[int], asm: TextAssembler) -> dict[str, Any]:
-        n = len(asm.token_ids)
-        return {"prompt_tokens": len(prompt_ids), "total_tokens": len(prompt_ids) + n,
-                "completion_tokens": n, "prompt_tokens_details": None}
-
-    @staticmethod
-    def _follow(resp: http.client.HTTPResponse, asm: TextAssembler,
-                emit: Any) -> tuple[str | None, Any]:
-        """Reads decode's stream into ``asm`` until it ends or a stop string ends the
-        completion first; streams each piece of text through ``emit`` (unless None).
-        Returns the finish reason and stop reason."""
-        for raw in iter(resp.readline, b""):
-            line = raw.strip()
-            if not line.startswith(b"data: "):
-                continue
-            if line == b"data: [DONE]":
-                break
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise ValueError(f"decode stream error: {chunk['error']}")
-            added = False
-            for c in chunk.get("choices") or []:
-                ids = c.get("token_ids") or []
-                fin = c.get("finish_reason")
-                for i, t in enumerate(ids):
-                    added = True
-                    if asm.add(int(t), fin == "stop" and i == len(ids) - 1):
-                        return "stop", asm.stop_reason
-                if fin is not None:
-                    return fin, c.get("stop_reason")
-            if emit is not None and added:
-                # a chunk per step, as vLLM streams: its text may be empty (a token
-                # that ends inside a character, text held back for a stop string)
-                emit(asm.delta(False), None, None)
-        return None, None
 
     def _relay(self, d: Decision, conn: http.client.HTTPConnection,
                resp: http.client.HTTPResponse) -> None:

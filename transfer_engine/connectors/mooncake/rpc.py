@@ -232,6 +232,11 @@ class RpcInterface:
         """The port the server listens on (0 when it does not)."""
         return int(self._listener.getsockname()[1]) if self._listener is not None else 0
 
+    @property
+    def host(self) -> str:
+        """The address the server listens on ("" when it does not)."""
+        return str(self._listener.getsockname()[0]) if self._listener is not None else ""
+
     def stop_server(self) -> None:
         """Stops serving, closes every connection and joins the threads. Idempotent."""
         listener, self._listener = self._listener, None

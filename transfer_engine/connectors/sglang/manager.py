@@ -13,6 +13,9 @@ One :class:`TransferEngineKVManager` per SGLang scheduler rank. It owns
 
 Closing it stops the threads, closes the channel and the engine (in-flight transfers
 fail with ``ClosedError``).
+
+What the side channel answers is :class:`~.room_claims.RoomClaims`; how SGLang's
+buffers are read and laid out in pages is :mod:`.kv_buffers`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from transfer_engine.connectors.sglang.channel import (
     Links,
 )
 from transfer_engine.connectors.sglang.config import SGLangBackendConfig, device_memory
+from transfer_engine.connectors.sglang.kv_buffers import kv_buffers, page_layout
 from transfer_engine.connectors.sglang.messages import (
     BACKEND_VERSION,
     Ping,
@@ -44,11 +48,11 @@ from transfer_engine.connectors.sglang.messages import (
     RoomRequest,
     RoomStatus,
 )
+from transfer_engine.connectors.sglang.room_claims import RoomClaims
 from transfer_engine.connectors.sglang.rooms import (
     PrefillEntry,
     RecvRoom,
     SendRoom,
-    check_room,
     parse_note,
 )
 from transfer_engine.control.auth import AuthConfig, Signer
@@ -59,18 +63,16 @@ from transfer_engine.engine import Engine
 from transfer_engine.errors import (
     ClosedError,
     ConnectError,
-    InvalidDescriptorError,
     PeerLostError,
     ProtocolError,
-    RemoteError,
     TransferEngineError,
     TransferError,
     TransferTimeout,
 )
-from transfer_engine.layout import BlockLayout, kv_blocks
+from transfer_engine.layout import kv_blocks
 from transfer_engine.notify import Notification
 from transfer_engine.peer import ControlClient, Peer
-from transfer_engine.segment import RemoteSegment, Segment
+from transfer_engine.segment import Segment
 
 __all__ = ["TransferEngineKVManager"]
 
@@ -84,7 +86,7 @@ def _mode(mode: Any) -> str:
     return value
 
 
-class TransferEngineKVManager(BaseKVManager, Closeable):  # type: ignore[misc]
+class TransferEngineKVManager(BaseKVManager, Closeable, RoomClaims):  # type: ignore[misc]
     """SGLang's KV manager on our engine (one per scheduler rank).
 
     :param args: SGLang's ``KVArgs`` for this rank (buffers, page size, rank).
@@ -110,8 +112,8 @@ class TransferEngineKVManager(BaseKVManager, Closeable):  # type: ignore[misc]
         self.config = config or SGLangBackendConfig.from_env(server_args)
         self.rank = int(getattr(args, "engine_rank", 0) or 0)
         self.name = f"sglang-{self.mode}-r{self.rank}-{uuid.uuid4().hex[:8]}"
-        self._kv = _buffers(args, "kv")
-        self._aux = _buffers(args, "aux")
+        self._kv = kv_buffers(args, "kv")
+        self._aux = kv_buffers(args, "aux")
         self.compat: dict[str, Any] = {
             "backend_version": BACKEND_VERSION,
             "page_size": getattr(args, "page_size", None),
@@ -174,8 +176,8 @@ class TransferEngineKVManager(BaseKVManager, Closeable):  # type: ignore[misc]
         ``epoch`` of the next room request."""
         if self._kv_segments:
             return
-        self._kv = _buffers(self.kv_args, "kv")  # SGLang may have moved its memory
-        self._aux = _buffers(self.kv_args, "aux")
+        self._kv = kv_buffers(self.kv_args, "kv")  # SGLang may have moved its memory
+        self._aux = kv_buffers(self.kv_args, "aux")
         device = str(getattr(self.server_args, "device", "cpu") or "cpu")
         gpu_id = int(getattr(self.kv_args, "gpu_id", 0) or 0)
         done: list[Segment] = []
@@ -191,8 +193,8 @@ class TransferEngineKVManager(BaseKVManager, Closeable):  # type: ignore[misc]
             raise
         self._kv_segments = done[:len(self._kv)]
         self._aux_segments = done[len(self._kv):]
-        self._kv_layouts = [_layout(length, item) for _, length, item in self._kv]
-        self._aux_layouts = [_layout(length, item) for _, length, item in self._aux]
+        self._kv_layouts = [page_layout(length, item) for _, length, item in self._kv]
+        self._aux_layouts = [page_layout(length, item) for _, length, item in self._aux]
         self._epoch += 1
 
     def deregister_buffer_to_engine(self) -> None:
@@ -324,109 +326,6 @@ class TransferEngineKVManager(BaseKVManager, Closeable):  # type: ignore[misc]
             clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             client.close()
-
-    # --- side channel (service thread) ------------------------------------------------
-
-    def _on_request(self, msg: Message) -> Message:
-        if isinstance(msg, Ping):
-            return Ack()
-        if isinstance(msg, RoomStatus):
-            self._on_status(msg)
-            return Ack()
-        if isinstance(msg, RoomRequest) and self.mode == "prefill":
-            self._claim(msg)
-            return Ack()
-        raise ProtocolError(f"unexpected {msg.kind} on a {self.mode} side channel")
-
-    def _claim(self, msg: RoomRequest) -> None:
-        room = check_room(msg.room)
-        if msg.version != BACKEND_VERSION:
-            raise ProtocolError(f"decode speaks backend version {msg.version}, we speak "
-                                f"{BACKEND_VERSION}", peer=msg.decode_name)
-        if msg.compat_hash != self.compat_hash:
-            raise ProtocolError(f"incompatible KV caches: decode's hash {msg.compat_hash} "
-                                f"!= ours {self.compat_hash} (ours: {self.compat})",
-                                peer=msg.decode_name)
-        if msg.rank != self.rank:
-            raise ProtocolError(f"room request for rank {msg.rank} reached rank {self.rank}",
-                                peer=msg.decode_name)
-        if not isinstance(msg.kv_pages, bytes) or len(msg.kv_pages) % 4:
-            raise ProtocolError("kv_pages must be little-endian int32 bytes",
-                                peer=msg.decode_name)
-        pages = np.frombuffer(msg.kv_pages, dtype="<i4").astype(np.int64)
-        with self._lock:
-            other = self.transfer_infos.get(room)
-            given_up = self._given_up.pop((room, msg.nonce), None)
-        if given_up is not None:
-            raise ProtocolError(f"decode gave bootstrap room {room} up before its request "
-                                f"arrived: {given_up}", peer=msg.decode_name)
-        if other is not None:
-            raise ProtocolError(f"bootstrap room {room} is already claimed by decode "
-                                f"{other.peer.name}", peer=msg.decode_name)
-        peer = self._decode_peer(msg.decode_name, msg.decode_endpoint, msg.epoch)
-        kv_remote = self._remote(peer, "kv", self._kv)
-        aux_remote = self._remote(peer, "aux", self._aux)
-        aux = [msg.aux_index] if msg.aux_index >= 0 else []
-        for kind, remote, ids in (("kv", kv_remote, pages.tolist()), ("aux", aux_remote, aux)):
-            limit = min((lay.num_blocks for _, lay in remote), default=0)
-            bad = [p for p in ids if not 0 <= p < limit]
-            if bad:
-                raise InvalidDescriptorError(f"room {room}: {kind} index {bad[0]} is out of "
-                                             f"range [0, {limit}) of decode's buffers",
-                                             peer=msg.decode_name)
-        claim = SendRoom(room, peer, msg.decode_channel, pages, msg.aux_index,
-                         msg.decode_prefix_len, msg.nonce, kv_remote, aux_remote,
-                         time.monotonic())
-        with self._lock:
-            if room in self.transfer_infos:
-                raise ProtocolError(f"bootstrap room {room} is already claimed",
-                                    peer=msg.decode_name)
-            self.transfer_infos[room] = claim
-        self.stats["rooms_claimed"] += 1
-
-    def _decode_peer(self, name: str, endpoint: str, epoch: int) -> Peer:
-        with self._lock:
-            cached = self._decode_peers.get(name)
-        if cached is not None and cached[1] == epoch and cached[0].lost is None:
-            return cached[0]
-        peer = self.engine.connect(endpoint, timeout=self.config.timeout_s / 2)
-        if peer.name != name:
-            raise ProtocolError(f"endpoint {endpoint} is engine {peer.name!r}, the request "
-                                f"named {name!r}", peer=name)
-        with self._lock:
-            self._decode_peers[name] = (peer, epoch)
-        return peer
-
-    @staticmethod
-    def _remote(peer: Peer, kind: str, bufs: list[tuple[int, int, int]]
-                ) -> list[tuple[RemoteSegment, BlockLayout]]:
-        out = []
-        for i, (_, _, item) in enumerate(bufs):
-            seg = peer.segment(f"sglang/{kind}/{i}")
-            out.append((seg, _layout(seg.length, item)))
-        return out
-
-    def _on_status(self, msg: RoomStatus) -> None:
-        with self._lock:
-            if self.mode == "prefill":
-                claim = self.transfer_infos.get(msg.room)
-                if msg.ok:
-                    return
-                if claim is not None and claim.nonce == msg.nonce:
-                    claim.aborted = msg.reason or "aborted"
-                elif claim is None:  # the abort overtook the request
-                    self._given_up[(msg.room, msg.nonce)] = msg.reason or "aborted"
-                    while len(self._given_up) > 4096:
-                        self._given_up.popitem(last=False)
-                return
-            recv = self._recv_rooms.get(msg.room)
-            if recv is None or recv.nonce != msg.nonce:
-                return
-            if msg.ok:
-                recv.total = msg.chunks
-            elif recv.error is None:
-                recv.error = RemoteError(f"prefill failed the room: {msg.reason}",
-                                         peer=recv.prefill.name, op="sglang-recv")
 
     # --- prefill: rooms and pairs (scheduler thread) ----------------------------------
 
@@ -602,27 +501,3 @@ class TransferEngineKVManager(BaseKVManager, Closeable):  # type: ignore[misc]
         return (f"<TransferEngineKVManager {self.name!r} {self.mode} rank={self.rank} "
                 f"kv_buffers={len(self._kv)} rooms={len(self.transfer_infos)}"
                 f"/{len(self._recv_rooms)}{state}>")
-
-
-def _buffers(args: Any, kind: str) -> list[tuple[int, int, int]]:
-    """``(address, length, bytes per page or row)`` of SGLang's ``kind`` buffers."""
-    ptrs = list(getattr(args, f"{kind}_data_ptrs", None) or [])
-    lens = list(getattr(args, f"{kind}_data_lens", None) or [])
-    items = list(getattr(args, f"{kind}_item_lens", None) or [])
-    if not len(ptrs) == len(lens) == len(items):
-        raise ValueError(f"KVArgs: {len(ptrs)} {kind}_data_ptrs, {len(lens)} "
-                         f"{kind}_data_lens and {len(items)} {kind}_item_lens")
-    out = []
-    for i, (ptr, length, item) in enumerate(zip(ptrs, lens, items, strict=True)):
-        if int(ptr) <= 0 or int(item) <= 0 or int(length) < int(item):
-            raise ValueError(f"KVArgs: {kind} buffer {i} has address {ptr}, length {length} "
-                             f"and item length {item}")
-        out.append((int(ptr), int(length), int(item)))
-    if kind == "kv" and not out:
-        raise ValueError("KVArgs holds no KV buffers")
-    return out
-
-
-def _layout(length: int, item: int) -> BlockLayout:
-    """Page ``p`` of a buffer of ``item``-byte pages is bytes ``[p*item, (p+1)*item)``."""
-    return BlockLayout(num_blocks=length // item, block_stride=item, block_bytes=item)

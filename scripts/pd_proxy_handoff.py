@@ -1,0 +1,57 @@
+"""The first-token hand-off's reading of answers: whether prefill's first token ended
+the request, decode's stream read into the text assembler, and the usage of the joined
+answer. (A helper of ``scripts/pd_proxy.py``, imported from the scripts folder once the
+repository root is on ``sys.path``.)"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from typing import Any
+
+from scheduler.handoff import TextAssembler
+
+__all__ = ["first_ended", "usage", "follow"]
+
+
+def first_ended(answer: dict[str, Any]) -> bool:
+    """Prefill's first token ended the request (EOS or a stop token): it hands no KV
+    over, and decode prefills the prompt itself in the sequential hand-off."""
+    return bool((answer.get("choices") or [{}])[0].get("finish_reason") == "stop")
+
+
+def usage(prompt_ids: list[int], asm: TextAssembler) -> dict[str, Any]:
+    n = len(asm.token_ids)
+    return {"prompt_tokens": len(prompt_ids), "total_tokens": len(prompt_ids) + n,
+            "completion_tokens": n, "prompt_tokens_details": None}
+
+
+def follow(resp: http.client.HTTPResponse, asm: TextAssembler,
+           emit: Any) -> tuple[str | None, Any]:
+    """Reads decode's stream into ``asm`` until it ends or a stop string ends the
+    completion first; streams each piece of text through ``emit`` (unless None).
+    Returns the finish reason and stop reason."""
+    for raw in iter(resp.readline, b""):
+        line = raw.strip()
+        if not line.startswith(b"data: "):
+            continue
+        if line == b"data: [DONE]":
+            break
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise ValueError(f"decode stream error: {chunk['error']}")
+        added = False
+        for c in chunk.get("choices") or []:
+            ids = c.get("token_ids") or []
+            fin = c.get("finish_reason")
+            for i, t in enumerate(ids):
+                added = True
+                if asm.add(int(t), fin == "stop" and i == len(ids) - 1):
+                    return "stop", asm.stop_reason
+            if fin is not None:
+                return fin, c.get("stop_reason")
+        if emit is not None and added:
+            # a chunk per step, as vLLM streams: its text may be empty (a token
+            # that ends inside a character, text held back for a stop string)
+            emit(asm.delta(False), None, None)
+    return None, None

@@ -1,0 +1,95 @@
+"""How the disaggregation proxy routes: the scheduler's router over the prefill and
+decode servers, the scheduler's view of a request (prefix keys, prompt length), and the
+served model's tokenizer per decode server. (A helper of ``scripts/pd_proxy.py``,
+imported from the scripts folder once the repository root is on ``sys.path``.)"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pd_proxy_upstream import get_json
+
+from scheduler.fleet import Fleet
+from scheduler.handoff import load_tokenizer
+from scheduler.policy import BreakerBoard, TrafficPolicy
+from scheduler.prefix import text_keys
+from scheduler.router import DEFAULT_POLICY, Request, Router
+
+__all__ = ["CHARS_PER_TOKEN", "LOCAL_BELOW", "make_router", "request_of", "Tokenizers"]
+
+CHARS_PER_TOKEN = 4  # without the model's tokenizer: a rough, model-free estimate
+LOCAL_BELOW = 64  # prompts this short prefill on decode: measured cheaper (README)
+
+
+def make_router(prefill: Sequence[str] = (), decode: Sequence[str] = (), *,
+                policy: str = DEFAULT_POLICY, local_prefill_tokens: int = 0,
+                threshold: int = 2, cooldown: float = 1.0) -> Router:
+    """A router over the servers at these URLs (more may join from a registry).
+
+    :param threshold: consecutive failures that eject a server.
+    :param cooldown: seconds of the first ejection (doubling on each repeat).
+    """
+    traffic = TrafficPolicy(breakers=BreakerBoard(threshold=threshold,
+                                                  base_cooldown=cooldown))
+    fleet = Fleet(traffic=traffic, require_url=True)
+    for role, urls in (("prefill", prefill), ("decode", decode)):
+        for url in urls:
+            fleet.add(url, role, url=url)
+    return Router(fleet, policy, local_prefill_tokens=local_prefill_tokens)
+
+
+def request_of(body: dict[str, Any], block_chars: int, tokenizer: Any = None) -> Request:
+    """The scheduler's view of a request: prefix keys and its prompt's length in
+    tokens (counted with the model's tokenizer when the router has it, else
+    estimated from the characters)."""
+    prompt = body.get("prompt", body.get("messages", ""))
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+    out = body.get("max_completion_tokens") or body.get("max_tokens") or 256
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        tokens = len(prompt)
+    elif isinstance(prompt, str) and tokenizer is not None:
+        tokens = len(tokenizer.encode(prompt).ids)
+    else:
+        tokens = len(text) // CHARS_PER_TOKEN
+    return Request(text_keys(text, block_chars), max(1, tokens),
+                   int(out) if isinstance(out, int) and out > 0 else 256)
+
+
+class Tokenizers:
+    """The served model's tokenizer, per decode server: from ``--tokenizer`` or the
+    model path its ``/v1/models`` names; a server without one is asked again a minute
+    later (until then its requests take the sequential hand-off)."""
+
+    RETRY_S = 60.0
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path
+        self._by_path: dict[str, Any] = {}
+        self._by_url: dict[str, tuple[float, Any]] = {}
+        self._lock = threading.Lock()
+
+    def _load(self, path: str) -> Any:
+        if path not in self._by_path:
+            self._by_path[path] = load_tokenizer(path)
+        return self._by_path[path]
+
+    def get(self, url: str) -> Any:
+        with self._lock:
+            now = time.monotonic()
+            known = self._by_url.get(url)
+            if known is not None and (known[1] is not None or now < known[0]):
+                return known[1]
+            tok = None
+            try:
+                path = self.path or get_json(url, "/v1/models", 10.0)["data"][0]["root"]
+                tok = self._load(str(path))
+            except Exception as exc:  # noqa: BLE001 - no tokenizer: sequential hand-off
+                sys.stderr.write(f"pd_proxy: no tokenizer for {url} ({exc!r:.200}); "
+                                 "its requests take the sequential hand-off\n")
+            self._by_url[url] = (now + self.RETRY_S, tok)
+            return tok
