@@ -22,7 +22,7 @@ from transfer_engine.engine import Engine
 from transfer_engine.errors import ProtocolError
 from transfer_engine.layout import BlockLayout, pair_runs
 from transfer_engine.peer import Peer
-from transfer_engine.segment import Segment
+from transfer_engine.segment import RemoteSegment, Segment
 
 __all__ = ["Layers", "RemoteKV", "RemotePeers", "manifest"]
 
@@ -44,7 +44,7 @@ class _Parts:
     part's length."""
 
     local: Segment
-    remote: Segment
+    remote: RemoteSegment
     runs: bool  # whole runs of adjacent blocks are contiguous on both sides
     local_base: np.ndarray
     local_stride: np.ndarray
@@ -118,7 +118,8 @@ class RemoteKV:
         got = self._cache.get(names)
         if got is not None:
             return got
-        rows: dict[tuple[int, int, bool], tuple[Segment, Segment, list[tuple[int, ...]]]] = {}
+        rows: dict[tuple[int, int, bool],
+                   tuple[Segment, RemoteSegment, list[tuple[int, ...]]]] = {}
         for name in layers if names is None else names:
             seg, layout = layers[name]
             rname, rlayout = self.layouts[name]
