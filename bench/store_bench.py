@@ -196,7 +196,7 @@ _PROBE = ("import importlib.util\n"
           "print(spec.origin if spec is not None and spec.origin else '')")
 
 
-def _mooncake_master(python: str) -> str | None:
+def mooncake_master(python: str) -> str | None:
     """Mooncake's ``mooncake_master`` program when ``python`` imports Mooncake's wheel (a
     compiled ``mooncake.store``, not this project's API shim), else None."""
     try:
@@ -244,7 +244,7 @@ def bench_mooncake(args: argparse.Namespace) -> dict[str, Any]:
     (:mod:`bench.mooncake_store_peer`). Every process ends before this returns."""
     nulls: dict[str, Any] = dict.fromkeys(MOONCAKE_FIELDS)
     python = args.mooncake_python or os.environ.get("MOONCAKE_PYTHON") or sys.executable
-    program = _mooncake_master(python)
+    program = mooncake_master(python)
     if program is None:
         print(f"mooncake baseline skipped: {python} does not import Mooncake's wheel; "
               "`pip install mooncake-transfer-engine-non-cuda` (and `apt-get install "

@@ -411,6 +411,12 @@ class BufferPool:
 
     # -- pool --------------------------------------------------------------------------
 
+    @property
+    def active_leases(self) -> int:
+        """Leases handed out and not yet released (``close`` refuses while any are)."""
+        with self._cond:
+            return len(self._active)
+
     def prewarm(self, size: int, count: int) -> None:
         """Touches the local-area memory ``count`` leases of ``size`` would get, so
         their first use does not take page faults; blocks in use are left alone."""

@@ -208,6 +208,12 @@ class MooncakeDistributedStore:
             return _code(exc)
         return ErrorCode.OK
 
+    @property
+    def registered_buffers(self) -> dict[int, Any]:
+        """The buffers :meth:`register_buffer` registered and nothing unregistered yet,
+        by address (a copy)."""
+        return dict(self._buffers)
+
     def unregister_buffer(self, buffer_ptr: int) -> int:
         seg = self._buffers.pop(buffer_ptr, None)
         if seg is None:

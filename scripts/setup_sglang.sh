@@ -3,12 +3,12 @@
 # .venv-sglang/site (TE_SGLANG_SITE overrides) for tests/test_connector_sglang.py, which
 # imports SGLang's disaggregation base classes from there. The main environment is not
 # touched: SGLang's runtime needs CUDA-only packages and cannot run here. The version is
-# pinned once, as SGLANG_VERSION in tests/sglang_worker.py. About 15 s and 220 MB.
+# pinned once, as SGLANG_VERSION in tests/helpers/sglang_worker.py. About 15 s and 220 MB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-VERSION=$(sed -n 's/^SGLANG_VERSION = "\([^"]*\)"$/\1/p' tests/sglang_worker.py)
-[ -n "$VERSION" ] || { echo "SGLANG_VERSION not found in tests/sglang_worker.py" >&2; exit 1; }
+VERSION=$(sed -n 's/^SGLANG_VERSION = "\([^"]*\)"$/\1/p' tests/helpers/sglang_worker.py)
+[ -n "$VERSION" ] || { echo "SGLANG_VERSION not found in tests/helpers/sglang_worker.py" >&2; exit 1; }
 TARGET=${TE_SGLANG_SITE:-.venv-sglang/site}
 if [ ! -d "$TARGET/sglang-$VERSION.dist-info" ]; then
     rm -rf "$TARGET"

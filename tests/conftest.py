@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _hardware_reasons() -> dict[str, Callable[[], str | None]]:
     try:
-        from tests import hardware  # noqa: PLC0415
+        from tests.helpers import hardware  # noqa: PLC0415
     except ImportError:
         return {}
     return {"rdma": hardware.rdma_skip_reason, "gpu": hardware.gpu_skip_reason}
@@ -93,14 +93,14 @@ def make_engine() -> Iterator[Callable[..., Engine]]:
 
 @pytest.fixture
 def spawn_peer() -> Iterator[Callable[..., tuple[subprocess.Popen[str], str]]]:
-    """Starts engines in processes of their own (``tests.peer_process``): ``spawn(name,
+    """Starts engines in processes of their own (``tests.helpers.peer_process``): ``spawn(name,
     size, seed, transports)`` -> (process, control endpoint); all are stopped after."""
     procs: list[subprocess.Popen[str]] = []
 
     def spawn(name: str, size: int, seed: int, transports: str = "tcp"
               ) -> tuple[subprocess.Popen[str], str]:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.peer_process", name, str(size), str(seed),
+            [sys.executable, "-m", "tests.helpers.peer_process", name, str(size), str(seed),
              transports], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True)
         procs.append(proc)

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from tests.rails import RawRail, connect_raw, handshake, hello_frame
-from tests.transport_contract import random_bytes
+from tests.helpers.rails import RawRail, connect_raw, handshake, hello_frame
+from tests.helpers.transport_contract import random_bytes
 from transfer_engine import Descriptor, Engine
 from transfer_engine.errors import AuthenticationError, InvalidDescriptorError
 from transfer_engine.transport.shm import ShmTransport
@@ -249,7 +249,7 @@ def test_a_ticket_opens_a_bounded_number_of_rails(victim: tuple[Engine, np.ndarr
                                                   ) -> None:
     b, _, _ = victim
     _, credential = handshake(b)
-    limit = b._tickets.max_rails
+    limit = b.rails_per_ticket
     rails = []
     try:
         for _ in range(limit):
@@ -326,15 +326,15 @@ def test_revoke_tears_down_a_rail_that_holds_a_segment(
         rail.sock.sendall(head + np.array([seg_id, 0, SIZE], dtype="<u8").tobytes()
                           + b"\x01" * 1000)
         deadline = time.monotonic() + 5
-        while seg._pins == 0 and time.monotonic() < deadline:
+        while seg.pins == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert seg._pins == 1
-        b._transports["tcp"].revoke(seg)
+        assert seg.pins == 1
+        b.transports["tcp"].revoke(seg)
         assert rail.closed_by_target(timeout=5)
         deadline = time.monotonic() + 5
-        while seg._pins and time.monotonic() < deadline:
+        while seg.pins and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert seg._pins == 0
+        assert seg.pins == 0
     finally:
         rail.close()
     _legit_roundtrip(make_engine, b, mem, ["tcp"])
@@ -354,10 +354,10 @@ def test_the_acceptor_survives_fd_exhaustion(make_engine: Callable[..., Engine],
             except OSError:
                 break
         deadline = time.monotonic() + 5
-        stats = b._transports["tcp"].info("server_stats")
+        stats = b.transports["tcp"].info("server_stats")
         while not stats.get("accept_errors") and time.monotonic() < deadline:
             time.sleep(0.02)
-            stats = b._transports["tcp"].info("server_stats")
+            stats = b.transports["tcp"].info("server_stats")
         assert stats.get("accept_errors"), "the flood never exhausted the fds"
     finally:
         for sock in flood:

@@ -59,7 +59,7 @@ def test_replay_and_stale_messages_refused() -> None:
         s.verify(s.sign(b"n"))
     clock.now += 11
     s.verify(s.sign(b"n"))
-    assert len(s._seen) == 1
+    assert s.nonces_held == 1
 
 
 def test_config_validation_and_env(monkeypatch: pytest.MonkeyPatch) -> None:

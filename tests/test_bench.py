@@ -37,7 +37,7 @@ def test_local_tcp_run_writes_json_and_verifies(tmp_path: Path, operation: str,
 
 def test_rdma_without_device_is_a_clear_usage_error(capsys: pytest.CaptureFixture[str]
                                                     ) -> None:
-    from tests import hardware
+    from tests.helpers import hardware
 
     if hardware.rdma_skip_reason() is None:
         pytest.skip("this host has a usable RDMA device")

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from tests.transport_contract import random_bytes
+from tests.helpers.transport_contract import random_bytes
 from transfer_engine import Blocks, Descriptor, Engine, InvalidDescriptorError
 from transfer_engine.transport.tcp import TcpTransport
 
@@ -144,7 +144,7 @@ def test_blocks_cut_into_several_requests_move_their_own_rows(
     lo = rng.permutation(slots)[:3000] * 4 * KiB  # over max_sge: several requests
     ro = rng.permutation(slots)[:3000] * 4 * KiB
     blocks = Blocks(local, remote, lo, ro, 4 * KiB)
-    rows = blocks._columns.iov
+    rows = blocks.local_iov
     assert rows is not None and not rows.flags.writeable
     assert rows[:, 0].tolist() == (lo + local.address).tolist()
     assert set(rows[:, 1].tolist()) == {4 * KiB}

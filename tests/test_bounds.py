@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.faults import stopped
-from tests.transport_contract import random_bytes
+from tests.helpers.faults import finish_as_engine, rail_socket, stopped
+from tests.helpers.transport_contract import random_bytes
 from transfer_engine import (
     ClosedError,
     Descriptor,
@@ -38,7 +38,7 @@ def open_sockets(peer: Any) -> list[Any]:
     """The rails to ``peer`` that still hold a socket (rails have no threads of their
     own: the process's pump serves them all)."""
     return [rail for rails in peer.rails.values() for rail in rails
-            if rail._sock.fileno() != -1]
+            if rail_socket(rail).fileno() != -1]
 
 
 def test_cancel_of_a_handle_without_engine_and_of_a_finished_one() -> None:
@@ -49,7 +49,7 @@ def test_cancel_of_a_handle_without_engine_and_of_a_finished_one() -> None:
     assert info.value.peer == "b" and info.value.op == "write"
     assert not h.cancel()
     done = TransferHandle(2, Op.READ, "b", 10)
-    done._finish()
+    finish_as_engine(done)
     assert not done.cancel() and done.state is TransferState.DONE
 
 
@@ -65,7 +65,7 @@ def test_cancel_after_completion_is_a_no_op(make_engine: Callable[..., Engine]) 
     h.wait(10)
     assert not h.cancel() and h.state is TransferState.DONE
     assert dst.tobytes() == bytes(src.view())
-    assert a._watchdog is not None and a._watchdog.probing == 0  # idle: no probes
+    assert a.probing == 0  # idle: no probes
 
 
 def test_cancel_withdraws_queued_work_and_tears_down_a_rail_only_for_work_on_the_wire(
@@ -91,7 +91,7 @@ def test_cancel_withdraws_queued_work_and_tears_down_a_rail_only_for_work_on_the
             assert first.state is TransferState.FAILED
             with pytest.raises(TransferCancelled):
                 first.wait(0)
-            assert a.stats["rails_torn_down"] == 1 and not a._live
+            assert a.stats["rails_torn_down"] == 1 and a.in_flight == 0
             seg.close(timeout=0.1)  # nothing pins it any more
             assert not first.cancel()
         # the torn-down rail was the only one: a fresh connect brings new rails (a
@@ -156,7 +156,7 @@ def test_a_silent_peer_is_declared_lost_and_its_sockets_go(
                 time.sleep(0.02)
             assert open_sockets(peer) == []
             assert all(rail.closed for rails in peer.rails.values() for rail in rails)
-            assert a._watchdog is not None and a._watchdog.probing == 0
+            assert a.probing == 0
             with pytest.raises(PeerLostError):
                 a.write(peer, pairs)
         peer = a.connect(endpoint)  # resumed: a fresh connect works

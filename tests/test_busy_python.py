@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from tests.transport_contract import random_bytes
+from tests.helpers.transport_contract import random_bytes
 from transfer_engine import Blocks, Descriptor, Engine
 from transfer_engine.notify import Notification
 from transfer_engine.transport.iovec import (

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.transport_contract import random_bytes
+from tests.helpers.transport_contract import random_bytes
 from transfer_engine import Descriptor, Engine
 
 MiB = 1 << 20

@@ -3,7 +3,7 @@
 What ran: SGLang's disaggregation base module (``BaseKVManager``, ``BaseKVSender``,
 ``BaseKVReceiver``, ``BaseKVBootstrapServer``, ``KVArgs``, ``KVPoll``,
 ``KVTransferMetric``) and its plugin hook registry and CLI choice list, imported from the
-pinned sglang wheel as :mod:`tests.sglang_worker` describes (one annotation-only import
+pinned sglang wheel as :mod:`tests.helpers.sglang_worker` describes (one annotation-only import
 dropped; four definitions of ``disaggregation/utils.py`` taken from its syntax tree);
 our manager, sender, receiver and bootstrap server subclassing them; real engines, real
 ZeroMQ, real loopback sockets; prefill and decode ranks in two separate processes moving
@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests import sglang_worker as sw
+from tests.helpers import sglang_worker as sw
+from tests.helpers.faults import forget_sglang_mounts, sglang_given_up, sglang_hooks
 from transfer_engine.errors import (
     ClosedError,
     ConnectError,
@@ -228,7 +229,7 @@ def test_last_chunk_without_bytes_completes_through_the_side_channel(
 
 
 class Worker:
-    """A rank in its own process (:mod:`tests.sglang_worker`), one JSON command at a
+    """A rank in its own process (:mod:`tests.helpers.sglang_worker`), one JSON command at a
     time, each answer awaited with a bound."""
 
     def __init__(self, role: str, port: int, seed: int | None, log: Path,
@@ -237,7 +238,7 @@ class Worker:
             [str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
         self._log = open(log, "wb")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.sglang_worker", role, str(port),
+            [sys.executable, "-m", "tests.helpers.sglang_worker", role, str(port),
              "-" if seed is None else str(seed), json.dumps({"config": FAST, **extra})],
             cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._log)
@@ -479,7 +480,7 @@ def test_abort_that_overtakes_its_request_keeps_the_room_unserved(
     recv = decode.open_recv_room(55, entry)
     decode.post(entry.channel, RoomStatus(55, recv.nonce, False, "request timed out"))
     deadline = time.monotonic() + 5
-    while (55, recv.nonce) not in prefill._given_up and time.monotonic() < deadline:
+    while (55, recv.nonce) not in sglang_given_up(prefill) and time.monotonic() < deadline:
         time.sleep(0.01)
     request = decode.room_request(recv, np.array([1], dtype=np.int32), -1, 0)
     with pytest.raises(RemoteError, match="gave bootstrap room 55 up before its request"):
@@ -565,10 +566,10 @@ def test_mounts_as_an_sglang_transfer_backend(sg: sw.SGLang, te: Any) -> None:
             is member
         assert choices.DISAGG_TRANSFER_BACKEND_CHOICES.count("transfer_engine") == 1
         target = f"{utils.__name__}.get_kv_class"
-        assert len(hooks.HookRegistry._hooks[target]) == 1
+        assert len(sglang_hooks(hooks.HookRegistry, target)) == 1
     finally:
         hooks.HookRegistry.reset()
-        plugin._MOUNTED.clear()
+        forget_sglang_mounts(plugin)
         utils.get_kv_class = original
         while "transfer_engine" in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
             choices.DISAGG_TRANSFER_BACKEND_CHOICES.remove("transfer_engine")

@@ -32,6 +32,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.faults import before_later_reads, early_sent_notes
+
 with warnings.catch_warnings():  # vLLM and torch warn at import; not our concern here
     warnings.simplefilter("ignore")
     if os.environ.get("TE_VLLM_REQUIRED") == "1":  # scripts/test.sh: fail, never skip
@@ -504,13 +506,7 @@ def test_a_failed_later_layer_fails_the_load_without_a_late_write(pair: Any) -> 
     prefill.hold({"cut": 30.0})
     decode.start_step()
     # the first READ lands; the engine closes before the others are posted
-    original = decode._issue_rest
-
-    def cut(recv: Any) -> bool:
-        prefill.close()
-        return original(recv)
-
-    decode._issue_rest = cut  # type: ignore[method-assign]
+    before_later_reads(decode, prefill.close)
     started = time.monotonic()
     decode.load_now([sync(spec(prefill, "cut", [2, 3, 4], [5, 6, 7]))])
     for name in order:
@@ -641,7 +637,7 @@ def test_no_leaked_blocks_after_many_requests(pair: Any) -> None:
     assert len(received) == len(sent) == 200
     assert prefill.held == 0 and prefill.stats["sent_requests"] == 200
     assert decode.stats["recv_failed"] == 0 and decode.stats["recv_requests"] == 200
-    assert decode._recving == {} and prefill._sent_early == set()
+    assert decode.receiving == 0 and early_sent_notes(prefill) == set()
     assert decode.engine is not None and decode.engine.stats["transfers_failed"] == 0
 
 
@@ -658,7 +654,7 @@ def request(rid: str, params: dict[str, Any] | None, prompt: int = 40, computed:
 def blocks(ids: list[int], cached: int = 0) -> KVCacheBlocks:
     out = [KVCacheBlock(i) for i in ids]
     for b in out[:cached]:
-        b._block_hash = b"h" * 8  # a prefix-cache hit
+        b.set_block_hash(b"h" * 8)  # a prefix-cache hit
     return KVCacheBlocks((out,))
 
 

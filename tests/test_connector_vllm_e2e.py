@@ -10,7 +10,7 @@ The README's deployment is run as written: two vLLM API servers (prefill, decode
 output and vLLM's metrics on the decode server count every prompt token as loaded over
 the connector.
 
-Each engine runs in its own process (``tests/vllm_pd_worker.py``) with a tiny
+Each engine runs in its own process (``tests/helpers/vllm_pd_worker.py``) with a tiny
 random-weight Llama and a word-level tokenizer built offline here: nothing is
 downloaded. ``scripts/test.sh`` runs this in the project's vLLM environment
 (``scripts/setup_vllm.sh``); elsewhere it is skipped where vLLM is not importable.
@@ -28,7 +28,6 @@ import os
 import random
 import re
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -51,6 +50,7 @@ from bench.vllm_servers import (
     vllm_metrics,
     wait_healthy,
 )
+from tests.helpers.vllm_engines import BLOCK_BYTES, BLOCK_SIZE, MAX_TOKENS, EngineProcess
 
 pytestmark = [
     pytest.mark.slow,
@@ -72,9 +72,6 @@ PROMPTS = [
 BLOCKS_READ = 1 + 3 + 2 + 1  # the fourth finds the shared 32-token block cached on decode
 WARM_UP = "green blue red " * 12  # first requests pay one-time costs; not measured
 DEAD_PEER = "model memory layer page token " * 8  # its load is sent to a dead endpoint
-MAX_TOKENS = 12
-BLOCK_SIZE = 32
-BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 64 * 4  # layers x K/V x tokens x head dim x fp32
 FIGURE_LENGTHS = (20, 100, 250, 470)  # prompt tokens: 1, 4, 8 and 15 blocks
 FIGURE_ROUNDS = 5
 LEASE_S = 3.0  # the prefill engine's lease: blocks nobody reads are held this long
@@ -332,59 +329,6 @@ def test_client_gone_mid_handoff_leaks_nothing(pd_servers: dict[str, Any]) -> No
     body = {"model": model, "prompt": "after " + PROMPTS[2], "max_tokens": MAX_TOKENS,
             "temperature": 0}
     assert completion(ports["first-all"], body) == completion(ports["prefill"], body)
-
-
-class EngineProcess:
-    """One vLLM engine in a child process, spoken to in JSON lines."""
-
-    def __init__(self, role: str, model: Path, log: Path, extra: dict[str, Any],
-                 cores: str) -> None:
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                   VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT),
-                   VLLM_CPU_OMP_THREADS_BIND=cores, TE_VLLM_EXTRA=json.dumps(extra))
-        self.role = role
-        self._log = open(log, "w")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "vllm_pd_worker.py"), role, str(model)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-            env=env)
-
-    def recv(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("@@TE@@ "):
-                reply: dict[str, Any] = json.loads(line[7:])
-                return reply
-        raise RuntimeError(f"{self.role} engine exited; its log: {self._log.name}\n"
-                           + Path(self._log.name).read_text()[-4000:])
-
-    def call(self, **cmd: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self.recv()
-
-    def generate(self, prompt: str, max_tokens: int,
-                 params: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One request: its tokens, kv_transfer_params, wall time and TTFT (seconds)."""
-        out = self.call(op="generate", prompts=[prompt], max_tokens=max_tokens,
-                        params=[params])
-        return {k: v[0] for k, v in out.items()}
-
-    def close(self) -> None:
-        try:
-            if self.proc.poll() is None and self.proc.stdin is not None:
-                self.proc.stdin.write('{"op": "quit"}\n')
-                self.proc.stdin.flush()
-            self.proc.wait(60)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait(10)
-        finally:
-            for stream in (self.proc.stdin, self.proc.stdout):
-                if stream is not None:
-                    stream.close()
-            self._log.close()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ token; a load lands the bytes where vLLM allocated; a save holds its blocks unti
 put is done and skips pieces already stored; a missing piece is a load error that vLLM
 recomputes; another model's blocks never match; P/D params win over the store.
 
-Then end to end in real vLLM on CPU (``tests/vllm_pd_worker.py``, the tiny offline
+Then end to end in real vLLM on CPU (``tests/helpers/vllm_pd_worker.py``, the tiny offline
 model of ``tests/test_connector_vllm_e2e.py``): two independent engines share one
 store; the second loads the prefix the first computed (vLLM's own prompt-token
 accounting says so) and its greedy tokens are identical to an engine without a store.
@@ -74,7 +74,7 @@ def request(rid: str, prompt: list[int], computed: int = 0, params: Any = None,
 def blocks(ids: list[int], cached: int = 0) -> KVCacheBlocks:
     out = [KVCacheBlock(i) for i in ids]
     for b in out[:cached]:
-        b._block_hash = b"h" * 8  # a prefix-cache hit
+        b.set_block_hash(b"h" * 8)  # a prefix-cache hit
     return KVCacheBlocks((out,))
 
 
@@ -202,7 +202,7 @@ def test_missing_piece_is_a_load_error_recomputed(sides: tuple[Side, Side], stor
     assert b.sched.get_num_new_matched_tokens(req, 0) == (32, True)
     # a piece is evicted between the lookup and the load
     victim = piece_keys(saved.keys[1:], b.worker.store.labels)[-1]  # type: ignore[union-attr]
-    assert a.worker._store_client is not None and a.worker._store_client.remove(victim)
+    assert a.worker.store is not None and a.worker.store.client.remove(victim)
     b.sched.update_state_after_alloc(req, blocks([6, 7, 8]), 32)
     b.step()
     res = wait_results(b.worker, "finished_recving", "b1")
@@ -264,7 +264,7 @@ def test_a_dead_store_loads_nothing_and_fails_no_request(tmp_path: Path) -> None
     side = Side("store-dead", dead, 1, COMPAT)
     try:
         side.lookup.timeout = 0.2
-        side.worker._store_client.timeout = 0.2  # type: ignore[union-attr]
+        side.worker.store.client.timeout = 0.2  # type: ignore[union-attr]
         prompt = list(range(40))
         assert side.sched.get_num_new_matched_tokens(request("d1", prompt), 0) == (0, False)
         assert side.sched.store_errors == 1
@@ -310,7 +310,7 @@ PD_PROMPT = "prefill and decode transfer the memory of " * 6  # 42 tokens: one b
 @pytest.mark.timeout(600)
 def test_two_vllm_engines_share_a_prefix_through_the_store(tmp_path: Path) -> None:
     from bench.vllm_servers import build_model, core_halves
-    from tests.test_connector_vllm_e2e import (
+    from tests.helpers.vllm_engines import (
         BLOCK_BYTES,
         BLOCK_SIZE,
         MAX_TOKENS,

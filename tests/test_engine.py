@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from tests.transport_contract import random_bytes
+from tests.helpers.transport_contract import random_bytes
 from transfer_engine import (
     BusyError,
     Descriptor,

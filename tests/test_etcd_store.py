@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from bench.etcd_server import etcd_server, etcd_skip_reason
+from tests.helpers.faults import revoke_etcd_lease
 from transfer_engine import Descriptor, Engine, UnknownPeerError
 from transfer_engine.control.etcd_store import EtcdStore
 from transfer_engine.control.metastore import EventKind, MemberEvent, MemberRecord
@@ -152,8 +153,8 @@ def test_a_lost_lease_is_taken_again(make_store: Callable[..., EtcdStore]) -> No
     events = Events()
     watcher.watch(events)
     holder.put(MemberRecord("m", "1"))
-    lease = holder._own["m"][1]
-    holder._call("/v3/lease/revoke", {"ID": str(lease)}, 2, "test")
+    lease = holder.leases["m"]
+    revoke_etcd_lease(holder, lease)
     wait_for(lambda: events.kinds()[-2:] == [(EventKind.EXPIRE, "m"), (EventKind.JOIN, "m")]
-             and holder._own.get("m", (None, lease))[1] != lease, timeout=5)
+             and holder.leases.get("m", lease) != lease, timeout=5)
     assert [r.name for r in watcher.list()] == ["m"]

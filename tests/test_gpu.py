@@ -1,6 +1,6 @@
 """GPU helpers: the overlap schedule everywhere, byte-exact CUDA round trips on a GPU.
 
-Tests marked ``gpu`` skip with the reason from ``tests.hardware.gpu_skip_reason``.
+Tests marked ``gpu`` skip with the reason from ``tests.helpers.hardware.gpu_skip_reason``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.lab_helpers import lab_tag, make_lab, send_to  # noqa: F401  (fixture)
+from tests.helpers.lab_helpers import lab_tag, make_lab, send_to  # noqa: F401  (fixture)
 from transfer_engine.lab import Lab, LabConfig, LabError, lab_skip_reason
 from transfer_engine.lab.netns import check_address, namespaces, run
 from transfer_engine.topology import load_topology_file, preferred_nics

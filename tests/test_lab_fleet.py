@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from bench.etcd_server import ETCD, etcd_skip_reason
-from tests.lab_helpers import make_lab  # noqa: F401  (fixture)
+from tests.helpers.lab_helpers import make_lab  # noqa: F401  (fixture)
 
-HERE = Path(__file__).parent
+HELPERS = Path(__file__).parent / "helpers"
 
 
 def test_members_carry_their_lab_placement(make_lab, tmp_path: Path) -> None:  # noqa: F811
@@ -42,7 +42,7 @@ def test_members_carry_their_lab_placement(make_lab, tmp_path: Path) -> None:  #
         assert etcd.poll() is None and time.monotonic() < deadline, log.read_text()[-500:]
         time.sleep(0.05)
     env = {"TE_CONTROL_SECRET": secrets.token_hex(24), "PATH": "/usr/bin:/bin"}
-    members = [lab.spawn(h, [sys.executable, str(HERE / "lab_member.py"), f"m{h.index}",
+    members = [lab.spawn(h, [sys.executable, str(HELPERS / "lab_member.py"), f"m{h.index}",
                              h.address, f"etcd://{h0.address}:2379", h.pod, h.zone,
                              str(len(lab.hosts))],
                          env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.lab_bench import run_lab
-from tests.lab_helpers import lab_tag, make_lab  # noqa: F401  (fixture)
+from tests.helpers.lab_helpers import lab_tag, make_lab  # noqa: F401  (fixture)
 from transfer_engine.lab import lab_skip_reason
 from transfer_engine.topology import Nic, Topology
 from transfer_engine.transport.tcp import TcpTransport
@@ -106,8 +106,8 @@ def test_nic_failover_in_the_lab(make_lab) -> None:  # type: ignore[no-untyped-d
                        stdout=subprocess.PIPE, text=True)
     assert target.stdout is not None and target.stdin is not None
     endpoint = target.stdout.readline().split()[1]
-    init = lab.spawn(h0, [sys.executable, str(Path(__file__).with_name(
-        "lab_failover_peer.py")), h0.address, endpoint, "1.0"], env=env,
+    init = lab.spawn(h0, [sys.executable, str(Path(__file__).parent / "helpers"
+        / "lab_failover_peer.py"), h0.address, endpoint, "1.0"], env=env,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert init.stdout is not None and init.stdin is not None
     out, inp = init.stdout, init.stdin

@@ -19,6 +19,7 @@ import pytest
 from kvstore.buffer_pool import BufferLease, BufferPool, RegisteredBufferPool, _Buddy
 from kvstore.master import Master
 from kvstore.mooncake_store import ErrorCode, MooncakeDistributedStore
+from tests.helpers.faults import holding_lock
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL = 4 << 20  # the store's local_buffer_size, as in Mooncake's test
@@ -88,9 +89,9 @@ def test_requests_above_max_size_class_get_their_own_buffer(
         store: MooncakeDistributedStore) -> None:
     pool = BufferPool(store, 1 << 20, max_size_class=128 * 1024, alignment=4096)
     small = pool.acquire(128 * 1024)
-    registered = len(store._buffers)
+    registered = len(store.registered_buffers)
     big = pool.acquire(128 * 1024 + 1)
-    assert big.ptr % 4096 == 0 and len(store._buffers) == registered + 1
+    assert big.ptr % 4096 == 0 and len(store.registered_buffers) == registered + 1
     big.release()
     small.release()
     pool.close()
@@ -259,13 +260,13 @@ def test_a_lease_collected_inside_the_pools_lock(store: MooncakeDistributedStore
                       block_on_exhaustion=False)
     local = pool.acquire(LOCAL)
     overflow = pool.acquire(1)  # the area is full: an overflow buffer
-    registered = len(store._buffers)
-    with pool._cond:
+    registered = len(store.registered_buffers)
+    with holding_lock(pool):
         del local, overflow
         gc.collect()
-        assert len(pool._active) == 2  # not yet
+        assert pool.active_leases == 2  # not yet
     pool.acquire(LOCAL).release()  # both came back on the way in
-    assert len(store._buffers) == registered - 1
+    assert len(store.registered_buffers) == registered - 1
     pool.close()
 
 
@@ -292,17 +293,17 @@ def test_huge_sizes_are_refused(store: MooncakeDistributedStore) -> None:
 
 
 def test_close_unregisters_the_local_area(store: MooncakeDistributedStore) -> None:
-    before = dict(store._buffers)
+    before = dict(store.registered_buffers)
     pool = BufferPool(store, min_size_class=4096, alignment=4096)
-    assert len(store._buffers) == len(before) + 1
+    assert len(store.registered_buffers) == len(before) + 1
     local = pool.acquire(LOCAL)
     overflow = pool.acquire(100)
-    assert len(store._buffers) == len(before) + 2
+    assert len(store.registered_buffers) == len(before) + 2
     overflow.release()
     local.release()
-    assert len(store._buffers) == len(before) + 1
+    assert len(store.registered_buffers) == len(before) + 1
     pool.close()
-    assert store._buffers == before
+    assert store.registered_buffers == before
 
 
 def test_leases_under_many_threads(store: MooncakeDistributedStore) -> None:

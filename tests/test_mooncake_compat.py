@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from tests.helpers.faults import mooncake_batch
 from transfer_engine.connectors import mooncake_compat
 from transfer_engine.connectors.mooncake import (
     TransferEngine,
@@ -297,8 +298,8 @@ def test_timeout_status(pair: tuple[TransferEngine, TransferEngine],
     bid = client.transfer_submit_write(_session(server), src.ctypes.data,
                                        target.ctypes.data, src.nbytes)
     assert bid > 0
-    monkeypatch.setattr(client._batches[bid], "deadline", 0.0)
-    handle = client._batches[bid].handle
+    monkeypatch.setattr(mooncake_batch(client, bid), "deadline", 0.0)
+    handle = mooncake_batch(client, bid).handle
     assert handle is not None
     handle.wait(5)
     # finished transfers report their real result even past the deadline
@@ -306,7 +307,7 @@ def test_timeout_status(pair: tuple[TransferEngine, TransferEngine],
     # a transfer still pending past its deadline reports -2
     bid = client.transfer_submit_write(_session(server), src.ctypes.data,
                                        target.ctypes.data, src.nbytes)
-    batch = client._batches[bid]
+    batch = mooncake_batch(client, bid)
     monkeypatch.setattr(batch, "deadline", 0.0)
     real = batch.handle
     assert real is not None
@@ -436,9 +437,9 @@ def test_the_drop_in_serves_from_a_serving_process_unless_told(
     with TransferEngine() as engine:
         assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         inner = engine.get_engine()
-        assert inner is not None and inner._transports["tcp"].info("serve") == "process"
+        assert inner is not None and inner.transports["tcp"].info("serve") == "process"
     monkeypatch.setenv("TE_SERVE", "thread")
     with TransferEngine() as engine:
         assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         inner = engine.get_engine()
-        assert inner is not None and inner._transports["tcp"].info("serve") == "thread"
+        assert inner is not None and inner.transports["tcp"].info("serve") == "thread"

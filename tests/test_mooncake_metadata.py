@@ -295,7 +295,7 @@ def test_mooncakes_engines_work_with_our_metadata_server(server: MetadataServer)
 # --- etcd and redis -----------------------------------------------------------------
 
 from bench.etcd_server import etcd_server, etcd_skip_reason  # noqa: E402
-from tests.redis_helpers import redis_server, redis_skip_reason  # noqa: E402
+from tests.helpers.redis_helpers import redis_server, redis_skip_reason  # noqa: E402
 from transfer_engine.connectors.mooncake.metadata import (  # noqa: E402
     DirectoryError,
     EtcdDirectory,

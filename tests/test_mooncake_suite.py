@@ -1,6 +1,6 @@
 """Mooncake's own transfer-engine Python tests, unchanged, on our engine (P2P handshake,
-HTTP metadata server, etcd, redis): see tests/mooncake_suite.py. Needs a Mooncake source
-checkout: ``MOONCAKE_SRC=/path/to/Mooncake``; skipped without one."""
+HTTP metadata server, etcd, redis): see tests/helpers/mooncake_suite.py. Needs a
+Mooncake source checkout: ``MOONCAKE_SRC=/path/to/Mooncake``; skipped without one."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from bench.etcd_server import etcd_skip_reason
-from tests import mooncake_suite
-from tests.redis_helpers import redis_skip_reason
+from tests.helpers import mooncake_suite
+from tests.helpers.redis_helpers import redis_skip_reason
 
 SRC = os.environ.get("MOONCAKE_SRC", "")
 # Cases allowed to fail here: none (the import-structure cases' mooncake.store and

@@ -187,7 +187,7 @@ def test_payload_bytes_are_bounded_per_peer_and_in_all() -> None:
     for i in range(8):
         for tid in range(20):
             counter.arrive(f"evil-{i}", tid, 2, b"x" * (64 << 10))
-    assert counter._total_bytes <= 1 << 20 and counter.pending("good") == 1
+    assert counter.pending_bytes <= 1 << 20 and counter.pending("good") == 1
     assert counter.arrive("good", 1, 3) is None
     assert counter.arrive("good", 1, 3) == Notification("good", 1, b"g" * 1000)
 

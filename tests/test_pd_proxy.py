@@ -191,7 +191,7 @@ def test_router_over_registry_survives_a_prefill_dying_mid_run() -> None:
         try:
             for role, name in (("prefill", "p0"), ("prefill", "p1"), ("decode", "d0"),
                                ("decode", "d1")):
-                procs.append(_start(["-m", "tests.pd_backend", role, name,
+                procs.append(_start(["-m", "tests.helpers.pd_backend", role, name,
                                      str(registry.endpoint), "0.03"]))
             for proc in procs:
                 _line(proc, "READY ")
@@ -393,9 +393,12 @@ def test_first_token_handoff_joins_prefill_and_decode_tokens() -> None:
     urls = [f"http://127.0.0.1:{s.server_port}" for s, _ in servers]
     pd_proxy.Proxy.router = pd_proxy.make_router([urls[0]], [urls[1]])
     pd_proxy.Proxy.handoff = "first"
-    tokenizers = pd_proxy.Tokenizers()
-    tokenizers._by_url[urls[1]] = (0.0, tok)
-    pd_proxy.Proxy.tokenizers = tokenizers
+
+    class Known(pd_proxy.Tokenizers):  # decode's tokenizer, known without asking it
+        def get(self, url: str) -> Any:
+            return tok if url == urls[1] else super().get(url)
+
+    pd_proxy.Proxy.tokenizers = Known()
     pd_proxy.Proxy.log_message = lambda *a: None  # type: ignore[method-assign]
     servers.append(_serve(pd_proxy.Proxy))
     port = servers[2][0].server_port

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tests.planning import (
+from tests.helpers.planning import (
     check_plan,
     check_rails,
     pairs_map,

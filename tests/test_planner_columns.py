@@ -1,4 +1,4 @@
-"""The planner's columnar form: the same plans as the tuple API, and Spans that read as
+"""The planner's columnar form: the same plans as the tuple API, and Extents that read as
 lists of tuples."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import random
 import numpy as np
 import pytest
 
-from tests.planning import check_plan, random_pairs
+from tests.helpers.planning import check_plan, random_pairs
 from transfer_engine.planner import (
     Columns,
+    Extents,
     Pair,
-    Spans,
     coalesce_columns,
     pack_columns,
     plan_columns,
@@ -22,7 +22,7 @@ from transfer_engine.planner import (
 
 
 def test_spans_read_as_a_list_of_tuples() -> None:
-    spans = Spans(np.array([3, 3, 4]), np.array([0, 10, 5]), np.array([10, 2, 7]))
+    spans = Extents(np.array([3, 3, 4]), np.array([0, 10, 5]), np.array([10, 2, 7]))
     rows = [(3, 0, 10), (3, 10, 2), (4, 5, 7)]
     assert len(spans) == 3 and list(spans) == rows and spans == rows and rows == spans
     assert spans[1] == (3, 10, 2) and spans[-1] == (4, 5, 7) and spans[1:] == rows[1:]
@@ -58,10 +58,10 @@ def test_pieces_match_each_request() -> None:
         wrs = pack_columns(Columns.from_pairs(pairs), max_sge=rng.randint(1, 8),
                            max_wr_bytes=rng.randint(300, 3000), remote_scatter=scatter)
         for w in wrs:
-            assert w.pieces is not None
-            assert list(w.local) == list(zip(w.pieces.lseg.tolist(), w.pieces.loff.tolist(),
-                                             w.pieces.length.tolist(), strict=True))
-            assert w.pieces.nbytes == w.nbytes
+            assert w.columns is not None
+            assert list(w.local) == list(zip(w.columns.lseg.tolist(), w.columns.loff.tolist(),
+                                             w.columns.length.tolist(), strict=True))
+            assert w.columns.nbytes == w.nbytes
 
 
 def test_one_request_when_everything_fits() -> None:
@@ -97,13 +97,13 @@ def test_blocks_of_one_length_are_packed_in_order_as_they_are() -> None:
         check_plan(plan, pairs, num_rails=rails, slice_size=slice_size, max_sge=sge,
                    max_wr_bytes=wr_bytes, remote_scatter=True)
         remotes = [w.remote for w in plan.requests]
-        assert all(isinstance(r, Spans) and r.uniform in (None, (2, block)) for r in remotes)
+        assert all(isinstance(r, Extents) and r.uniform in (None, (2, block)) for r in remotes)
         cap = min(slice_size, wr_bytes, max(block, -(-count * block // rails)))
         if block * sge >= cap:  # bytes bound every request: the pairs go as they are
             per = cap // block
             assert [len(r) for r in remotes] == [min(per, count - i)
                                                  for i in range(0, count, per)]
-            spans = [r for r in remotes if isinstance(r, Spans)]
+            spans = [r for r in remotes if isinstance(r, Extents)]
             assert all(r.uniform == (2, block) for r in spans)
             assert np.array_equal(np.concatenate([r.offset for r in spans]), ro)
 

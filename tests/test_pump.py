@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.faults import stopped
-from tests.transport_contract import random_bytes
+from tests.helpers.faults import stopped
+from tests.helpers.transport_contract import random_bytes
 from transfer_engine import Descriptor, Engine, PeerLostError
 from transfer_engine.transport.stream import pump
 
@@ -88,13 +88,13 @@ def test_the_pump_ends_with_the_last_rail(make_engine: Callable[..., Engine]) ->
     peer = a.connect(b.endpoint)
     a.write(peer, [(Descriptor(src, 0, MiB), Descriptor(peer.segment("dst"), 0, MiB))]
             ).wait(10)
-    assert pump_threads() and pump._current is not None
+    assert pump_threads() and pump.current() is not None
     a.close()
     b.close()
     deadline = time.monotonic() + 5
     while pump_threads() and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not pump_threads() and pump._current is None
+    assert not pump_threads() and pump.current() is None
 
 
 def test_work_that_waits_on_its_own_pump_gets_a_worker(

@@ -7,7 +7,7 @@ import pytest
 
 from transfer_engine.descriptor import Op
 from transfer_engine.errors import InvalidDescriptorError
-from transfer_engine.planner import Spans
+from transfer_engine.planner import Extents
 from transfer_engine.transport.rdma.batch import WrBatch, build_wr_batch, empty_batch
 from transfer_engine.transport.rdma.plan import MrKey, Opcode, Sge, WrSpec, build_work_requests
 
@@ -15,12 +15,12 @@ LOCAL = {1: MrKey(1 << 40, 1 << 24, 0x11), 3: MrKey(1 << 41, 1 << 20, 0x33)}
 REMOTE = {2: MrKey(1 << 42, 1 << 24, 0x22), 4: MrKey(1 << 43, 1 << 20, 0x44)}
 
 
-def _spans(seg: list[int], off: list[int], length: list[int]) -> Spans:
-    return Spans(np.array(seg, dtype=np.int64), np.array(off, dtype=np.int64),
+def _spans(seg: list[int], off: list[int], length: list[int]) -> Extents:
+    return Extents(np.array(seg, dtype=np.int64), np.array(off, dtype=np.int64),
                  np.array(length, dtype=np.int64))
 
 
-def _both(op: Op, local: Spans, remote: Spans, **kw: object) -> tuple[list[WrSpec],
+def _both(op: Op, local: Extents, remote: Extents, **kw: object) -> tuple[list[WrSpec],
                                                                      list[WrSpec]]:
     args = {"local_keys": LOCAL, "remote_keys": REMOTE, "max_sge": 4,
             "max_msg_size": 1 << 20, **kw}

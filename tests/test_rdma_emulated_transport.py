@@ -16,7 +16,8 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from tests.transport_contract import MiB, random_bytes
+from tests.helpers.faults import issue_ticket
+from tests.helpers.transport_contract import MiB, random_bytes
 from transfer_engine import Blocks, Descriptor, Engine, TransferState
 from transfer_engine.control.tickets import Credential
 from transfer_engine.errors import ConnectError, InvalidDescriptorError
@@ -75,7 +76,7 @@ def test_many_blocks_many_work_requests_one_notification(
 
 def test_lost_nic_moves_work_to_the_other_nic(make_engine: Callable[..., Engine]) -> None:
     a, b, peer, seg, remote, src, dst = _pair(make_engine, 32 * MiB)
-    transport = cast(RdmaTransport, a._transports["rdma"])
+    transport = cast(RdmaTransport, a.transports["rdma"])
     handles = [a.write(peer, [(Descriptor(seg, k * 4 * MiB, 4 * MiB),
                                Descriptor(remote, k * 4 * MiB, 4 * MiB))], notify=b"%d" % k)
                for k in range(8)]
@@ -95,7 +96,7 @@ def test_qp_error_mid_transfer_falls_back_to_tcp(make_engine: Callable[..., Engi
     a, b, peer, seg, remote, src, dst = _pair(
         make_engine, a_transports=[_rdma(), "tcp"], b_transports=[_rdma(), "tcp"])
     assert peer.transport == "rdma"
-    for nic in cast(RdmaTransport, b._transports["rdma"]).emulated_nics():
+    for nic in cast(RdmaTransport, b.transports["rdma"]).emulated_nics():
         nic.fail()  # every NIC of the target lost
     h = a.write(peer, [(Descriptor(seg, 0, 16 * MiB), Descriptor(remote, 0, 16 * MiB))],
                 notify=b"fell back")
@@ -117,7 +118,7 @@ def test_a_rail_that_would_overrun_the_completion_queue_is_refused(
     b.register(dst, name="dst")
     peer = a.connect(b.endpoint)
     info = b.metadata()["transports"]["rdma"]
-    credential = Credential.from_welcome(b._tickets.issue("a"), None, "b", "a")
+    credential = Credential.from_welcome(issue_ticket(b, "a"), None, "b", "a")
     with pytest.raises(ConnectError, match="completion queue of emu0 is full"):
         small.connect("b", info, lambda c: None, 5, credential)  # a third rail
     remote = peer.segment("dst")

@@ -62,6 +62,7 @@ except ImportError as exc:  # no rdma-core Python bindings
                 "docs/rdma.md) to check the transport against its API",
                 allow_module_level=True)
 
+from tests.helpers.faults import fake_pyverbs
 from transfer_engine.descriptor import Extent, Op
 from transfer_engine.errors import NotSupportedError, PeerLostError, ProtocolError
 from transfer_engine.transport.base import Completion, Immediate, Work
@@ -252,7 +253,7 @@ def test_a_device_that_fails_to_open_closes_what_it_opened(
     stand_ins = {name: type(name, (_Obj,), {"kind": name})
                  for name in ("PD", "CompChannel", "CQ")}
     fake = types.SimpleNamespace(**{**vars(v), "Context": _Ctx, **stand_ins})
-    monkeypatch.setattr("transfer_engine.transport.rdma.verbs._VERBS", fake)
+    fake_pyverbs(monkeypatch, fake)
     with pytest.raises(NotSupportedError) as info:
         Device("fake0", gid_index=None, cq_depth=64, relaxed_ordering=False,
                on_wc=lambda wc: None, poll_interval=0.01)
@@ -476,7 +477,7 @@ def test_rail_fails_only_the_work_pyverbs_refuses(v: Any) -> None:
     (completion,) = done
     assert isinstance(completion.error, ProtocolError)
     assert completion.error.peer == "peer" and completion.error.op == str(Op.WRITE)
-    assert len(rail._notify_free) == _Transport.notify_slots  # its notify slot came back
+    assert rail.free_notify_slots == _Transport.notify_slots  # its notify slot came back
     rail.close()
 
 

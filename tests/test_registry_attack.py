@@ -19,6 +19,7 @@ import msgpack
 import pytest
 import zmq
 
+from tests.helpers.faults import owner_token
 from transfer_engine.control.auth import AuthConfig, Signer, seal
 from transfer_engine.control.client import RegistryClient
 from transfer_engine.control.limits import RegistryLimits
@@ -178,7 +179,7 @@ def test_hijack_by_lookup_leave_register_fails(registry: Registry) -> None:
             Wire(registry.endpoint, "127.0.0.2") as evil:
         original = big_record("decode-0", 4)
         legit.register(original)
-        token = legit._token
+        token = owner_token(legit)
         # what anyone can read never carries the owner token
         for request in (Lookup("decode-0"), ListMembers(), Watch("", -1, 0.0)):
             evil.send(request)
@@ -401,7 +402,7 @@ def test_hostile_frames_with_a_secret_are_refused_and_the_loop_survives() -> Non
             evil.send(seal(Lookup("legit"), signer), b"second frame")
             assert isinstance(decode(signer.verify(evil.frame())), ErrorReply)
             evil.send(b"\x00" * (2 << 20))  # over the frame limit: libzmq drops it
-            assert reg._thread is not None and reg._thread.is_alive()
+            assert reg.serving
             assert [r.name for r in legit.list()] == ["legit"]
             assert reg.stats["denied"] >= 5
 

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.rails import RawRail, handshake, hello_frame
-from tests.transport_contract import MiB, TransportContract, random_bytes
+from tests.helpers.faults import serving_process_boots_with
+from tests.helpers.rails import RawRail, handshake, hello_frame
+from tests.helpers.transport_contract import MiB, TransportContract, random_bytes
 from transfer_engine import Descriptor, Engine, InvalidDescriptorError, TransferError
 from transfer_engine.transport.shm import ShmTransport
 from transfer_engine.transport.stream import KIND_WRITE, shared
@@ -46,7 +47,7 @@ def _target(make_engine: Callable[..., Engine], name: str = "t") -> Engine:
 
 
 def _serve_pid(engine: Engine) -> int:
-    pid = engine._transports["tcp"].info("serve_pid")
+    pid = engine.transports["tcp"].info("serve_pid")
     assert isinstance(pid, int)
     return pid
 
@@ -379,7 +380,7 @@ def test_the_serving_process_exits_with_a_killed_application(tmp_path: Any) -> N
     code = ("import os, sys, time; from transfer_engine import Engine; "
             "from transfer_engine.transport.tcp import TcpTransport; "
             "e = Engine('app', transports=[TcpTransport(serve='process')]); "
-            "print(e._transports['tcp'].info('serve_pid'), flush=True); time.sleep(60)")
+            "print(e.transports['tcp'].info('serve_pid'), flush=True); time.sleep(60)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
     app = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
@@ -420,11 +421,9 @@ def test_a_serving_process_that_cannot_start_leaves_threads_serving(
         caplog: pytest.LogCaptureFixture) -> None:
     """Where the serving process cannot run, the transport serves from threads, says so
     once, and moves the same bytes."""
-    from transfer_engine.transport.stream import process
-
-    monkeypatch.setattr(process, "_BOOT", "import sys; sys.exit(3)")
+    serving_process_boots_with(monkeypatch, "import sys; sys.exit(3)")
     t = make_engine("t", transports=[TcpTransport(serve="process")])
-    assert t._transports["tcp"].info("serve") == "thread"
+    assert t.transports["tcp"].info("serve") == "thread"
     assert "serving tcp from threads" in caplog.text
     dst = np.zeros(MiB, dtype=np.uint8)
     t.register(dst, name="kv")

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.rails import RawRail, handshake, hello_frame
-from tests.transport_contract import random_bytes
+from tests.helpers.rails import RawRail, handshake, hello_frame
+from tests.helpers.transport_contract import random_bytes
 from transfer_engine import Engine, InvalidDescriptorError
 from transfer_engine.errors import AuthenticationError
 from transfer_engine.transport.stream import (

@@ -1,6 +1,6 @@
 """RDMA transport: the conformance suite and transport-level checks on a real NIC.
 
-Tests marked ``rdma`` skip with the reason from ``tests.hardware.rdma_skip_reason`` when
+Tests marked ``rdma`` skip with the reason from ``tests.helpers.hardware.rdma_skip_reason`` when
 pyverbs or an active device is missing. The unmarked tests check that a missing library
 or device gives a ``NotSupportedError`` that says what is missing; they run everywhere.
 """
@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
-from tests.hardware import rdma_skip_reason
+from tests.helpers.hardware import rdma_skip_reason
 from transfer_engine.control.tickets import Credential, Ticket, TicketBook
 from transfer_engine.descriptor import Extent, Op
 from transfer_engine.errors import ClosedError, InvalidDescriptorError, NotSupportedError
@@ -22,9 +22,9 @@ from transfer_engine.transport import load_transport
 from transfer_engine.transport.base import Completion, Immediate, Work
 
 try:
-    from tests.transport_contract import TransportContract
+    from tests.helpers.transport_contract import TransportContract
 except ImportError as exc:  # the suite lands separately; skip, do not break collection
-    _CONTRACT_MISSING: str | None = f"tests/transport_contract.py not importable: {exc}"
+    _CONTRACT_MISSING: str | None = f"tests/helpers/transport_contract.py not importable: {exc}"
 
     class TransportContract:  # type: ignore[no-redef]
         transports: ClassVar[list[Any]] = []

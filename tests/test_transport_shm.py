@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from tests.transport_contract import TransportContract
+from tests.helpers.transport_contract import TransportContract
 
 
 class TestShmContract(TransportContract):

@@ -7,7 +7,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.transport_contract import MiB, TransportContract, random_bytes
+from tests.helpers.faults import rail_socket, served_sockets
+from tests.helpers.transport_contract import MiB, TransportContract, random_bytes
 from transfer_engine import Blocks, Engine
 from transfer_engine.peer import Peer
 from transfer_engine.segment import RemoteSegment, Segment
@@ -80,8 +81,8 @@ def test_a_transfer_uses_spread_rails(make_engine: Callable[..., Engine],
 
 
 def _server_congestion(engine: Engine) -> list[str | None]:
-    server = engine._transports["tcp"]._server  # the accepted ends of the rails
-    return sorted(congestion_of(sock) for sock in server._conns)
+    """The congestion control of each accepted end of the rails."""
+    return sorted(congestion_of(sock) for sock in served_sockets(engine.transports["tcp"]))
 
 
 @needs_congestion
@@ -95,7 +96,7 @@ def test_loopback_rails_use_a_loss_based_congestion_control(
     rails = peer.rails["tcp"]
     chosen = {rail.congestion for rail in rails}
     assert len(chosen) == 1 and chosen <= set(LOOPBACK_CONGESTION)
-    assert all(congestion_of(rail._sock) == rail.congestion for rail in rails)
+    assert all(congestion_of(rail_socket(rail)) == rail.congestion for rail in rails)
     assert _server_congestion(b) == [rail.congestion for rail in rails]
     seg, remote = a.register(src), peer.segment(b.register(dst).name)
     offsets = np.arange(0, 8 * MiB, 64 << 10)

@@ -144,6 +144,12 @@ class Blocks:
     def nbytes(self) -> int:
         return int(self.lengths.sum())
 
+    @property
+    def local_iov(self) -> np.ndarray | None:
+        """The local side's read-only ``(address, length)`` rows, laid out when built
+        for host memory (what the stream transports hand the kernel); else None."""
+        return self._columns.iov if self._columns is not None else None
+
     def __iter__(self) -> Iterator[tuple[Descriptor, Descriptor]]:
         """The pairs as descriptors (one object per pair: for inspection, not speed)."""
         for lo, ro, n in zip(self.local_offsets.tolist(), self.remote_offsets.tolist(),

@@ -49,6 +49,11 @@ class ControlEndpoint(EngineState):
         self._stack.callback(service.close)
         self.endpoint = service.endpoint
 
+    @property
+    def rails_per_ticket(self) -> int:
+        """Rails one handshaken peer may hold open at once (more are refused)."""
+        return self._tickets.max_rails
+
     def _handle_control(self, msg: Message) -> Message:
         if isinstance(msg, Hello):
             name = msg.meta.get("name")

@@ -315,6 +315,11 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
         with self._lock:
             return dict(self._segment_names)
 
+    @property
+    def transports(self) -> dict[str, Transport]:
+        """The transports this engine started, by name, best first (a copy)."""
+        return dict(self._transports)
+
     # --- notifications ----------------------------------------------------------------
 
     def notifications(self, timeout: float | None = 0.0, max_count: int | None = None

@@ -139,6 +139,12 @@ class ImmediateCounter:
         """Partial transfers held for ``peer``."""
         return len(self._peers.get(peer, ()))
 
+    @property
+    def pending_bytes(self) -> int:
+        """Notification payload bytes held for partial transfers, all peers together
+        (at most ``max_bytes``)."""
+        return self._total_bytes
+
     def forget_peer(self, peer: str) -> int:
         """Drops the partial transfers of a peer that went away; returns how many."""
         table = self._peers.pop(peer, {})

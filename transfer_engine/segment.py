@@ -146,6 +146,11 @@ class Segment:
     def closed(self) -> bool:
         return not self._open
 
+    @property
+    def pins(self) -> int:
+        """Transfers (ours or a peer's) using this segment now; ``close`` waits for 0."""
+        return self._pins
+
     def check(self, offset: int, length: int, *, write: bool, op: str | None = None,
               peer: str | None = None) -> None:
         """Raises :class:`InvalidDescriptorError` unless the range may be accessed."""

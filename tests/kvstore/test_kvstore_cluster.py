@@ -26,7 +26,8 @@ from kvstore.errors import (
 from kvstore.master import Master
 from kvstore.node import StorageNode
 from kvstore.protocol import KvGet
-from tests.kvstore.cluster_helpers import NodeProcess
+from tests.helpers.cluster_helpers import NodeProcess
+from tests.helpers.faults import raw_link, release_lease
 from transfer_engine.errors import AuthenticationError
 
 SECRET = "kvstore-test-secret-0123456789"
@@ -127,8 +128,8 @@ def test_lease_holds_space_until_released(cluster: tuple[Master, list[StorageNod
     master, _ = cluster
     with Client(master.endpoint) as client:
         client.put(1, os.urandom(1 << 20))
-        with client._lock:  # take a lease the way a get does, and keep it
-            reply = client._link.request(KvGet(keys=key_rows([1]).tobytes()), 5.0)
+        with raw_link(client) as request:  # take a lease the way a get does, and keep it
+            reply = request(KvGet(keys=key_rows([1]).tobytes()), 5.0)
         where = master.table
         row = int(where.lookup(key_rows([1]))[0])
         leased = (int(where.pool[row, 0]), int(where.offset[row, 0]))
@@ -143,7 +144,7 @@ def test_lease_holds_space_until_released(cluster: tuple[Master, list[StorageNod
                        t.offset[: t.capacity][live, 0].tolist(), strict=True))
         assert leased not in used or int(t.leases[row]) > 0
         assert master.stats()["leases"] >= 1
-        client._release.append(reply.lease_id)  # type: ignore[attr-defined]
+        release_lease(client, reply.lease_id)
         client.exists(0)
         assert master.stats()["leases"] == 0
 

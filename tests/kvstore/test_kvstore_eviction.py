@@ -16,6 +16,7 @@ from kvstore.master import Master
 from kvstore.node import StorageNode
 from kvstore.objects import ObjectTable, State
 from kvstore.protocol import KvCommit, KvGet, KvPlaced, KvPut, pack
+from tests.helpers.faults import holding_lock, pending_put_rows, raw_link
 
 BLOCK = 4096
 SLOTS = 64  # blocks a one-node test pool holds
@@ -134,7 +135,7 @@ def one_node() -> Iterator[Master]:
 
 def _present(master: Master, keys: list[int]) -> list[bool]:
     """Which keys the master holds, without refreshing them."""
-    with master._lock:
+    with holding_lock(master):
         return (master.table.lookup(key_rows(keys)) >= 0).tolist()
 
 
@@ -198,22 +199,22 @@ def test_leased_and_in_flight_objects_are_never_evicted(one_node: Master) -> Non
     with Client(master.endpoint) as client:
         client.put(7, held)  # the oldest object
         client.batch_put(list(range(8, 8 + SLOTS - 3)), _blocks(rng, SLOTS - 3))
-        with client._lock:  # a reader's lease on 7, kept
-            lease = client._link.request(KvGet(keys=key_rows([7]).tobytes()), 5.0)
+        with raw_link(client) as request:  # a reader's lease on 7, kept
+            lease = request(KvGet(keys=key_rows([7]).tobytes()), 5.0)
             # a put allocated and not committed yet: its bytes are being written
-            placed = client._link.request(KvPut(
+            placed = request(KvPut(
                 keys=key_rows([9999]).tobytes(), lengths=pack([BLOCK], "<i8"),
                 checksums=pack([0], "<u8")), 5.0)
         assert isinstance(placed, KvPlaced) and placed.put_id
         t = master.table
         row7 = int(t.lookup(key_rows([7]))[0])
         where7 = (int(t.pool[row7, 0]), int(t.offset[row7, 0]))
-        pend = int(master._puts[placed.put_id].rows[0])
+        pend = int(pending_put_rows(master, placed.put_id)[0])
         where_pend = (int(t.pool[pend, 0]), int(t.offset[pend, 0]))
         for i in range(20):  # churn three times what the pool holds
             keys = list(range(1000 + 10 * i, 1010 + 10 * i))
             client.batch_put(keys, _blocks(rng, 10))
-        with master._lock:
+        with holding_lock(master):
             assert master.stats()["evictions"] >= 3 * SLOTS
             assert _present(master, [7]) == [True]
             assert int(t.lookup(key_rows([7]))[0]) == row7
@@ -225,9 +226,9 @@ def test_leased_and_in_flight_objects_are_never_evicted(one_node: Master) -> Non
                       if r not in (row7, pend)]
             assert where7 in used and where_pend in used
             assert where7 not in others and where_pend not in others
-        with client._lock:
-            client._link.request(KvCommit(put_id=placed.put_id, abort=True,
-                                          release=pack([lease.lease_id], "<u8")), 5.0)
+        with raw_link(client) as request:
+            request(KvCommit(put_id=placed.put_id, abort=True,
+                             release=pack([lease.lease_id], "<u8")), 5.0)
         assert client.get(7) == held
 
 
@@ -261,7 +262,7 @@ def test_nothing_half_evicted() -> None:
                 assert 0 < sum(v is not None for v in got) < len(keys)
                 for k, v in zip(keys, got, strict=True):
                     assert v is None or v == written[k]
-            with master._lock:
+            with holding_lock(master):
                 t = master.table
                 live = np.flatnonzero(t.state[: t.capacity] == State.LIVE)
                 assert (t.nrep[live] == 2).all()

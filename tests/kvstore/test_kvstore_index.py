@@ -35,7 +35,7 @@ def _snapshot(index: CuckooIndex, keys: npt.NDArray[np.uint64]) -> tuple[int, li
 
 def _check_layout(index: CuckooIndex) -> None:
     """Tags sit in padded rows whose pad bytes stay 0; every write reached the table."""
-    rows = index._tag_rows
+    rows = index.tags.base  # the padded rows ``tags`` is a view into
     assert rows.shape == (index.num_buckets, ROW_BYTES)
     assert np.shares_memory(index.tags, rows)
     assert not rows[:, SLOTS:].any()

@@ -20,7 +20,8 @@ from kvstore.device_pool import DevicePool
 from kvstore.errors import ValueTooLargeError
 from kvstore.master import Master
 from kvstore.node import StorageNode
-from tests.kvstore.cluster_helpers import NodeProcess
+from tests.helpers.cluster_helpers import NodeProcess
+from tests.helpers.faults import SlowCopyNode, holding_lock, local_tier
 
 
 def _values(rng: np.random.Generator, n: int, size: int) -> list[bytes]:
@@ -154,7 +155,7 @@ def test_corrupt_local_copy_is_dropped_with_verify(master: Master,
     val = _values(rng, 1, 10_000)[0]
     with Client(master.endpoint, local_cache_bytes=1 << 20, checksum=True) as c:
         c.put(7, val)
-        tier = c._tier
+        tier = local_tier(c)
         assert tier is not None
         view = tier.store.get(7)
         assert view is not None
@@ -194,7 +195,7 @@ def test_eviction_demotes_to_disk_and_gets_promote_back(master: Master,
         assert on_disk
         # the demoted bytes are in the spill file, byte for byte
         spill = (tmp_path / "spill").read_bytes()
-        with node._lock:
+        with holding_lock(node):
             entries = list(node.directory.items())
         for (pool, off), e in entries:
             if pool == 1:
@@ -402,19 +403,6 @@ def test_node_process_with_a_spill_file(master: Master, tmp_path: Path) -> None:
             st = c.stats()
             assert st["demotions"] > 0 and st["disk_hits"] > 0
         assert spill.stat().st_size == 4 << 20
-
-
-class SlowCopyNode(StorageNode):
-    """A node whose tier copies take ``delay`` seconds once ``slow`` is set, so a test
-    can overwrite a key while its move is in flight."""
-
-    slow = False
-    delay = 0.5
-
-    def _copy(self, entry: tuple[int, int, int, int, int, int, int]) -> None:
-        if self.slow:
-            time.sleep(self.delay)
-        super()._copy(entry)
 
 
 def test_overwrite_during_a_promotion_wins(master: Master, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from kvstore import KVStore
 from kvstore.errors import InvalidArgumentError
 from kvstore.index import CuckooIndex
 from kvstore.ttl import ClockReclaimer, ExpiryLayers
+from tests.helpers.faults import clock_hand, sorted_layers
 
 
 class FakeClock:
@@ -62,9 +63,9 @@ def test_popping_nothing_touches_no_layer() -> None:
     for i in range(10_000):
         layers.add(i, 100.0 + i * 0.01)
     assert layers.pop_due(99.999) == []
-    assert layers._heaped == set()  # no layer was even sorted
+    assert sorted_layers(layers) == set()  # no layer was even sorted
     assert len(layers.pop_due(100.5)) == 51
-    assert layers._heaped == {100}  # only the straddling layer
+    assert sorted_layers(layers) == {100}  # only the straddling layer
 
 
 def _clock_model(occupied: np.ndarray, ref: np.ndarray, hand: int, count: int) -> list[int]:
@@ -163,7 +164,7 @@ def test_forced_reclamation_evicts_only_unreferenced_entries() -> None:
                 int(p): int(store.arena.keys_at(np.array([loc]))[0, 0])
                 for p, loc in zip(*index.entries(), strict=True)
             }
-            order = _clock_model(occupied, ref.copy(), store._clock_policy.hand, occupied.size)
+            order = _clock_model(occupied, ref.copy(), clock_hand(store), occupied.size)
             before = store.stats().evictions
             keys_before = set(slot_keys.values())
             while store.stats().evictions == before:

@@ -37,7 +37,7 @@ def _children() -> list[int]:
 
 def test_store_bench_without_mooncake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                       capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(store_bench, "_mooncake_master", lambda python: None)
+    monkeypatch.setattr(store_bench, "mooncake_master", lambda python: None)
     out = tmp_path / "store.json"
     store_bench.main([*SMALL, "--json", str(out)])
     result = json.loads(out.read_text())
@@ -58,7 +58,7 @@ def _args(duration: float = 0.3) -> argparse.Namespace:
 
 def test_mooncake_failure_is_reported_and_cleaned_up(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(store_bench, "_mooncake_master", lambda python: "/bin/false")
+    monkeypatch.setattr(store_bench, "mooncake_master", lambda python: "/bin/false")
     got = store_bench.bench_mooncake(_args())
     assert all(got[f] is None for f in store_bench.MOONCAKE_FIELDS)
     assert "mooncake_master ended" in got["mooncake_error"]
@@ -67,7 +67,7 @@ def test_mooncake_failure_is_reported_and_cleaned_up(
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(store_bench._mooncake_master(MOONCAKE_PYTHON) is None,
+@pytest.mark.skipif(store_bench.mooncake_master(MOONCAKE_PYTHON) is None,
                     reason="no Mooncake wheel: pip install mooncake-transfer-engine-non-cuda "
                            "in a separate environment and set MOONCAKE_PYTHON to its python")
 def test_mooncake_store_measured() -> None:

@@ -98,6 +98,12 @@ class Signer:
         self._seen: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self._lock = threading.Lock()
 
+    @property
+    def nonces_held(self) -> int:
+        """Nonces remembered against replays: those seen within the window (at most
+        ``max_nonces``; beyond it messages are refused)."""
+        return len(self._seen)
+
     def sign(self, data: bytes) -> bytes:
         ts = self._clock()
         nonce = os.urandom(16)

@@ -140,6 +140,12 @@ class EtcdStore(MetadataStore):
         self._keeper: threading.Thread | None = None
         self._closed = False
 
+    @property
+    def leases(self) -> dict[str, int]:
+        """The etcd lease each record this store put is kept alive under, by name."""
+        with self._lock:
+            return {name: lease for name, (_, lease) in self._own.items()}
+
     # --- HTTP ---------------------------------------------------------------------
 
     def _call(self, path: str, body: dict[str, Any], timeout: float | None,

@@ -201,6 +201,16 @@ class TEConnectorWorker:
     def hash(self) -> str:
         return compat_hash(self.compat)
 
+    @property
+    def layouts(self) -> dict[str, BlockLayout]:
+        """The block layout of each registered layer, by layer name."""
+        return {name: layout for name, (_, layout) in self._layers.items()}
+
+    @property
+    def receiving(self) -> int:
+        """Requests whose KV is being read from a prefill engine now."""
+        return len(self._recving)
+
     def handshake_metadata(self) -> TEHandshakeMetadata:
         assert self.engine is not None, "register_kv_caches first"
         return TEHandshakeMetadata(self.engine.endpoint, self.engine.name, PROTOCOL_VERSION,

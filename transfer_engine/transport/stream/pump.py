@@ -254,6 +254,11 @@ _lock = threading.Lock()
 _current: Pump | None = None
 
 
+def current() -> Pump | None:
+    """This process's pump while a rail uses it, else None (its threads are gone)."""
+    return _current
+
+
 def acquire() -> Pump:
     """The process's pump, started if needed; pair with :func:`release`."""
     global _current

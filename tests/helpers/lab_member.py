@@ -2,7 +2,7 @@
 for ``N`` members, prints how it sees each (``path_class`` from their records), and
 stays until stdin closes.
 
-    python tests/lab_member.py NAME HOST REGISTRY POD ZONE N
+    python tests/helpers/lab_member.py NAME HOST REGISTRY POD ZONE N
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A vLLM engine in its own process, driven over stdin/stdout by the e2e tests.
 
-    python tests/vllm_pd_worker.py ROLE MODEL_DIR
+    python tests/helpers/vllm_pd_worker.py ROLE MODEL_DIR
         ROLE: single | prefill | decode | both (kv_both: store mode, P/D either way)
 
 Reads one JSON command per line; answers one line starting with ``@@TE@@ `` (vLLM's
@@ -63,7 +63,7 @@ def _worker() -> Any:
 
 def main() -> None:
     role, model = sys.argv[1], sys.argv[2]
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from vllm import SamplingParams
 
     llm = _make_llm(role, model)
@@ -115,7 +115,7 @@ def main() -> None:
                 _reply({})
             else:
                 engine_stats = dict(worker.engine.stats) if worker.engine else {}
-                layouts = {n: str(lay) for n, (_, lay) in worker._layers.items()}
+                layouts = {n: str(lay) for n, lay in worker.layouts.items()}
                 _reply({"connector": worker.stats, "engine": engine_stats,
                         "layouts": layouts})
     worker = _worker()

@@ -22,7 +22,7 @@ The package ``sglang`` itself is entered without running its ``__init__.py`` (it
 imports the runtime); ``sglang.srt`` and ``sglang.srt.disaggregation`` are namespace
 packages in the wheel.
 
-Run as ``python -m tests.sglang_worker ROLE BOOTSTRAP_PORT SEED [SPEC_JSON]``: builds a
+Run as ``python -m tests.helpers.sglang_worker ROLE BOOTSTRAP_PORT SEED [SPEC_JSON]``: builds a
 rank (``prefill`` or ``decode``) with an MHA-style pool of real torch CPU tensors and
 answers JSON commands, one per line, on stdin (see :func:`serve`).
 """
@@ -43,7 +43,7 @@ from typing import Any
 
 SGLANG_VERSION = "0.5.23"
 SITE = Path(os.environ.get("TE_SGLANG_SITE")
-            or Path(__file__).resolve().parent.parent / ".venv-sglang" / "site")
+            or Path(__file__).resolve().parents[2] / ".venv-sglang" / "site")
 
 _DISAGG_UTILS_DEFS = ("DisaggregationMode", "TransferBackend", "KVClassType", "get_kv_class")
 

@@ -1,6 +1,6 @@
 """The initiator of the NIC failover test, run inside a lab host.
 
-    python tests/lab_failover_peer.py HOST ENDPOINT NIC_TIMEOUT
+    python tests/helpers/lab_failover_peer.py HOST ENDPOINT NIC_TIMEOUT
 
 Prints ``RAILS``, then on each line ``go`` from stdin runs one step: a 16 MiB WRITE
 (printing ``STARTED`` once posted, then ``WROTE ok|<error>``), a READ back and its

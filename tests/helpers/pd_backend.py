@@ -1,7 +1,7 @@
 """A stand-in for a vLLM server behind the disaggregation proxy, in its own process:
 the subset of the OpenAI completions API the proxy uses.
 
-Usage: python -m tests.pd_backend ROLE NAME [REGISTRY] [DELAY_S]
+Usage: python -m tests.helpers.pd_backend ROLE NAME [REGISTRY] [DELAY_S]
 Serves on a free loopback port; prefill answers one token and ``kv_transfer_params``
 naming itself, decode streams three tokens that name the prefill it got the KV from.
 With REGISTRY it announces itself there (``scheduler.announce``). Prints 'READY <url>'

@@ -1,6 +1,6 @@
 """A target engine in its own process, for tests that kill or spawn peers.
 
-Usage: python -m tests.peer_process NAME SIZE SEED TRANSPORTS
+Usage: python -m tests.helpers.peer_process NAME SIZE SEED TRANSPORTS
 Prints 'ENDPOINT <endpoint>' once ready, then serves until stdin closes.
 """
 

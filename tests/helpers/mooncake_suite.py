@@ -1,6 +1,6 @@
 """Runs Mooncake's own transfer-engine Python tests, unchanged, against ``mooncake.engine``.
 
-    PYTHONPATH=$PWD python3 -m tests.mooncake_suite --src MOONCAKE_CHECKOUT \
+    PYTHONPATH=$PWD python3 -m tests.helpers.mooncake_suite --src MOONCAKE_CHECKOUT \
         [--mode p2p|http|etcd|redis|both|all] [--python PY] [--real]
 
 ``--src``: a Mooncake source checkout (only its test and example scripts are read).
@@ -44,9 +44,9 @@ from pathlib import Path
 
 from bench.etcd_server import etcd_server
 from bench.fleet import free_port
-from tests.redis_helpers import redis_server
+from tests.helpers.redis_helpers import redis_server
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHIM = ROOT / "transfer_engine" / "connectors" / "mooncake" / "shim"
 WHEEL_TESTS = "mooncake-wheel/tests"
 EXAMPLES = "mooncake-transfer-engine/example"
