@@ -70,7 +70,7 @@ class Membership(EngineState):
         if event.kind in (EventKind.LEAVE, EventKind.EXPIRE):
             self.peer_lost(event.name, f"registry: {event.kind.value} ({event.reason})")
         elif (event.kind is EventKind.JOIN and event.record is not None
-              and peer.meta.get("incarnation") not in (None, event.record.incarnation)):
+              and peer.info.incarnation not in ("", event.record.incarnation)):
             self.peer_lost(event.name, "registry: restarted with a new incarnation")
 
     def members(self, role: str | None = None) -> list[MemberRecord]:

@@ -1,8 +1,11 @@
-"""The engine's view of another engine: metadata, rails per transport, health."""
+"""The engine's view of another engine: what its handshake said, rails per transport,
+health."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -17,7 +20,7 @@ from transfer_engine.segment import RemoteSegment
 if TYPE_CHECKING:
     from transfer_engine.transport.base import Rail
 
-__all__ = ["Peer", "ControlClient"]
+__all__ = ["Peer", "PeerInfo", "ControlClient"]
 
 
 class ControlClient(SignedClient):
@@ -31,12 +34,67 @@ class ControlClient(SignedClient):
         super().__init__(zctx, address, auth, peer=peer)
 
 
+def _field(meta: Mapping[str, Any], key: str, kind: type | tuple[type, ...],
+           default: Any, what: str) -> Any:
+    value = meta.get(key, default)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        name = meta.get("name")
+        raise ProtocolError(f"peer metadata field {key!r} is of type "
+                            f"{type(value).__name__}, not {what}",
+                            peer=name[:200] if isinstance(name, str) and name else None)
+    return value
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What a peer's handshake says of it (``Engine.metadata`` on its side), checked
+    once: a field of the wrong type is a ``ProtocolError`` naming it, not a crash
+    wherever it is first read. Each transport's own entry in ``transports`` is checked
+    by that transport when it connects."""
+
+    name: str
+    incarnation: str
+    host_id: str
+    hostname: str
+    pid: int
+    control: str
+    pod: str
+    zone: str
+    transports: Mapping[str, dict[str, Any]]
+    segments: list[Any]
+
+    @classmethod
+    def from_wire(cls, meta: Any) -> PeerInfo:
+        if not isinstance(meta, Mapping):
+            raise ProtocolError(f"peer metadata is a {type(meta).__name__}, not a map")
+        name = _field(meta, "name", str, "", "a string")
+        if not name:
+            raise ProtocolError("peer metadata without a name")
+        transports = _field(meta, "transports", dict, {}, "a map")
+        for key, value in transports.items():
+            if not isinstance(key, str) or not isinstance(value, dict):
+                raise ProtocolError(f"peer metadata: transport {str(key)[:64]!r} is "
+                                    "not a name with a map", peer=name)
+        return cls(name, _field(meta, "incarnation", str, "", "a string"),
+                   _field(meta, "host_id", str, "", "a string"),
+                   _field(meta, "hostname", str, "", "a string"),
+                   _field(meta, "pid", int, 0, "an integer"),
+                   _field(meta, "control", str, "", "a string"),
+                   _field(meta, "pod", str, "", "a string"),
+                   _field(meta, "zone", str, "", "a string"), transports,
+                   _field(meta, "segments", list, [], "a list"))
+
+
 class Peer:
-    """A connected engine. Made by :meth:`Engine.connect`; closed by the engine."""
+    """A connected engine. Made by :meth:`Engine.connect`; closed by the engine.
+
+    ``info`` is its checked handshake metadata; ``meta`` the same as it came, for
+    transports and traffic policies that read their own keys of it."""
 
     def __init__(self, meta: dict[str, Any], client: ControlClient,
                  timeout: float = 10.0) -> None:
-        self.name: str = str(meta["name"])
+        self.info = PeerInfo.from_wire(meta)
+        self.name: str = self.info.name
         self.meta = meta
         self.rails: dict[str, list[Rail]] = {}
         self.order: list[str] = []  # transports in preference order, best first
@@ -48,7 +106,7 @@ class Peer:
         self._timeout = timeout
         self._segments: dict[str, RemoteSegment] = {}
         self._by_id: dict[int, RemoteSegment] = {}
-        self._set_segments(meta.get("segments", []))
+        self._set_segments(self.info.segments)
         self._closed = False
 
     def _set_segments(self, wire: list[dict[str, Any]]) -> None:

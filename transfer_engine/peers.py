@@ -25,7 +25,7 @@ from transfer_engine.errors import (
     TransferTimeout,
     UnknownPeerError,
 )
-from transfer_engine.peer import ControlClient, Peer
+from transfer_engine.peer import ControlClient, Peer, PeerInfo
 from transfer_engine.state import EngineState
 
 log = logging.getLogger(__name__)
@@ -114,9 +114,10 @@ class Peers(EngineState):
             if not isinstance(reply, Welcome):
                 raise ProtocolError(f"expected welcome, got {reply.kind}", peer=address)
             meta = reply.meta
-            name = meta.get("name")
-            if not isinstance(name, str) or not name:
-                raise ProtocolError("welcome without a name", peer=address)
+            try:
+                name = PeerInfo.from_wire(meta).name
+            except ProtocolError as exc:
+                raise exc.with_context(peer=address) from None
             client.peer = name
             credential = Credential.from_welcome(reply.ticket, self._secret, name, self.name)
             peer = Peer(meta, client, timeout)
@@ -126,7 +127,7 @@ class Peers(EngineState):
         with self._lock:
             old = self._peers.get(name)
         if (old is not None and _usable(old)
-                and old.meta.get("incarnation") == meta.get("incarnation")):
+                and old.info.incarnation == peer.info.incarnation):
             peer.close()  # the same engine, reached by another address: one connection
             with self._lock:
                 self._by_address[address] = old
@@ -151,17 +152,22 @@ class Peers(EngineState):
     def _open_rails(self, peer: Peer, timeout: float, credential: Credential) -> None:
         errors: list[str] = []
         for name, transport in self._transports.items():
-            info = peer.meta.get("transports", {}).get(name)
-            if not info or not transport.reachable(peer.meta):
+            info = peer.info.transports.get(name)
+            if not info:
                 continue
             rails = []
             try:
+                if not transport.reachable(peer.meta):
+                    continue
                 for _ in range(max(1, transport.capabilities.default_rails)):
                     rails.append(transport.connect(peer.name, info, self._on_complete,
                                                    timeout, credential))
-            except TransferError as exc:
+            except (TransferError, KeyError, TypeError, ValueError) as exc:
                 for rail in rails:
                     rail.close()
+                if not isinstance(exc, TransferError):  # the peer's entry is malformed
+                    exc = ProtocolError(f"bad {name} metadata: {exc!r}"[:300],
+                                        peer=peer.name)
                 errors.append(f"{name}: {exc}")
                 log.info("no %s rails to %s: %s", name, peer.name, exc)
                 continue
