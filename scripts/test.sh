@@ -17,8 +17,7 @@
 # skipped. (RDMA tests that need a device still skip, saying so.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VLLM_TESTS=(tests/test_connector_vllm.py tests/test_connector_vllm_e2e.py
-            tests/test_connector_vllm_store.py)
+VLLM_TESTS=(tests/test_connector_vllm*.py)
 bash scripts/setup.sh
 bash scripts/setup_etcd.sh  # never fails: without etcd its tests skip
 PY=${PYTHON:-python3}

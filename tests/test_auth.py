@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from tests.helpers.clock import FakeClock
 from transfer_engine import Engine
 from transfer_engine.control.auth import AuthConfig, Signer, open_reply, open_request, seal
 from transfer_engine.control.client import RegistryClient
@@ -18,13 +19,6 @@ from transfer_engine.errors import AuthenticationError
 SECRET = "s3cret-s3cret-s3cret"
 OTHER = "another-secret-entirely"
 
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1_700_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_sign_verify_roundtrip_and_tamper() -> None:
@@ -41,7 +35,7 @@ def test_sign_verify_roundtrip_and_tamper() -> None:
 
 
 def test_replay_and_stale_messages_refused() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1_700_000_000.0)
     s = Signer(AuthConfig(SECRET, window=10), clock)
     frame = s.sign(b"x")
     assert s.verify(frame) == b"x"

@@ -50,6 +50,7 @@ from bench.vllm_servers import (
     vllm_metrics,
     wait_healthy,
 )
+from tests.helpers.openai_answers import chat, completion
 from tests.helpers.vllm_engines import BLOCK_BYTES, BLOCK_SIZE, MAX_TOKENS, EngineProcess
 
 pytestmark = [
@@ -75,15 +76,6 @@ DEAD_PEER = "model memory layer page token " * 8  # its load is sent to a dead e
 FIGURE_LENGTHS = (20, 100, 250, 470)  # prompt tokens: 1, 4, 8 and 15 blocks
 FIGURE_ROUNDS = 5
 LEASE_S = 3.0  # the prefill engine's lease: blocks nobody reads are held this long
-
-
-def sse_text(body: str) -> str:
-    """The completion text of a streamed answer."""
-    text = []
-    for line in body.splitlines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            text.append(json.loads(line[6:])["choices"][0]["text"])
-    return "".join(text)
 
 
 @pytest.fixture(scope="module")
@@ -137,38 +129,6 @@ def pd_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
 
         yield {"ports": ports, "model": str(model), "logs": logs,
                "tokenizer": AutoTokenizer.from_pretrained(model)}
-
-
-def completion(port: int, body: dict[str, Any]) -> dict[str, Any]:
-    """One completion, streamed or not, as the fields a client sees in the end: text,
-    finish and stop reason, token ids (when asked) and usage (when given)."""
-    status, raw = http_json(port, "POST", "/v1/completions", body, timeout=120)
-    assert status == 200, raw
-    if not body.get("stream"):
-        answer = json.loads(raw)
-        c = answer["choices"][0]
-        return {"text": c["text"], "finish_reason": c["finish_reason"],
-                "stop_reason": c["stop_reason"], "token_ids": c.get("token_ids"),
-                "usage": {k: answer["usage"][k] for k in ("prompt_tokens",
-                                                          "completion_tokens")}}
-    assert raw.rstrip().endswith("data: [DONE]"), raw[-300:]
-    out: dict[str, Any] = {"text": "", "finish_reason": None, "stop_reason": None,
-                           "token_ids": None, "usage": None}
-    for line in raw.splitlines():
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        chunk = json.loads(line[6:])
-        if chunk.get("usage"):
-            out["usage"] = {k: chunk["usage"][k] for k in ("prompt_tokens",
-                                                           "completion_tokens")}
-        for c in chunk["choices"]:
-            out["text"] += c["text"]
-            if c.get("token_ids") is not None:
-                out["token_ids"] = (out["token_ids"] or []) + c["token_ids"]
-            if c.get("finish_reason") is not None:
-                out["finish_reason"], out["stop_reason"] = c["finish_reason"], \
-                    c.get("stop_reason")
-    return out
 
 
 def test_proxy_between_vllm_servers(pd_servers: dict[str, Any]) -> None:
@@ -475,35 +435,6 @@ def test_figures_ttft_and_kv_share(engines: dict[str, EngineProcess]) -> None:
     print(f"\nvLLM P/D figures (medians of {FIGURE_ROUNDS} rounds):")
     for row in rows:
         print(" ", json.dumps(row))
-
-
-def chat(port: int, body: dict[str, Any]) -> dict[str, Any]:
-    """One chat completion, streamed or not: its content, finish and stop reason and
-    usage (when given)."""
-    status, raw = http_json(port, "POST", "/v1/chat/completions", body, timeout=120)
-    assert status == 200, raw
-    if not body.get("stream"):
-        answer = json.loads(raw)
-        c = answer["choices"][0]
-        return {"text": c["message"]["content"], "finish_reason": c["finish_reason"],
-                "stop_reason": c["stop_reason"],
-                "usage": {k: answer["usage"][k] for k in ("prompt_tokens",
-                                                          "completion_tokens")}}
-    out: dict[str, Any] = {"text": "", "finish_reason": None, "stop_reason": None,
-                           "usage": None}
-    for line in raw.splitlines():
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        chunk = json.loads(line[6:])
-        if chunk.get("usage"):
-            out["usage"] = {k: chunk["usage"][k] for k in ("prompt_tokens",
-                                                           "completion_tokens")}
-        for c in chunk["choices"]:
-            out["text"] += c["delta"].get("content") or ""
-            if c.get("finish_reason") is not None:
-                out["finish_reason"], out["stop_reason"] = c["finish_reason"], \
-                    c.get("stop_reason")
-    return out
 
 
 def test_first_token_handoff_chat(pd_servers: dict[str, Any]) -> None:

@@ -7,16 +7,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.helpers.clock import FakeClock as Clock
 from transfer_engine import Descriptor
 from transfer_engine.health import PeerHealth, TransportState, negotiate
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def meta(host: str, *names: str, fabric: str = "f1") -> dict[str, object]:
@@ -56,7 +49,7 @@ def test_latency_ewma_and_counts() -> None:
 
 
 def test_demotion_after_consecutive_failures_and_reprobe_with_backoff() -> None:
-    clock = Clock()
+    clock = Clock(0.0)
     h = PeerHealth(["shm", "tcp"], demote_after=3, reprobe_after=5, clock=clock)
     assert not h.record_failure("shm") and not h.record_failure("shm")
     assert h.order() == ["shm", "tcp"]
@@ -77,7 +70,7 @@ def test_demotion_after_consecutive_failures_and_reprobe_with_backoff() -> None:
 
 
 def test_forced_demotion_and_backoff_cap() -> None:
-    clock = Clock()
+    clock = Clock(0.0)
     h = PeerHealth(["rdma", "tcp"], reprobe_after=100, max_reprobe=150, clock=clock)
     assert h.record_failure("rdma", force=True)
     for _ in range(3):

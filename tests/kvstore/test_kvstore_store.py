@@ -17,19 +17,11 @@ from kvstore import (
     ValueTooLargeError,
     block_hashes,
 )
+from tests.helpers.clock import FakeClock
 from transfer_engine.errors import TransferEngineError
 
 SLAB = 1 << 16
 
-
-class FakeClock:
-    """Time that moves only when told to."""
-
-    def __init__(self, now: float = 50.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _value(rng: np.random.Generator, top: int = 3000) -> bytes:
@@ -61,7 +53,7 @@ def _assert_matches(
 @pytest.mark.parametrize("key_bytes", [8, 16])
 def test_random_operations_match_a_dict(key_bytes: int) -> None:
     rng = np.random.default_rng(100 + key_bytes)
-    clock = FakeClock()
+    clock = FakeClock(50.0)
     universe = [int(x) for x in rng.integers(0, 2**63, size=400)]
     if key_bytes == 16:
         universe = [k | int(rng.integers(0, 2**62)) << 64 for k in universe]

@@ -9,17 +9,8 @@ from kvstore import KVStore
 from kvstore.errors import InvalidArgumentError
 from kvstore.index import CuckooIndex
 from kvstore.ttl import ClockReclaimer, ExpiryLayers
+from tests.helpers.clock import FakeClock
 from tests.helpers.faults import clock_hand, sorted_layers
-
-
-class FakeClock:
-    """Time that moves only when told to."""
-
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.mark.parametrize("granularity", [0.1, 1.0, 7.0])

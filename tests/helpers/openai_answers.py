@@ -1,0 +1,60 @@
+"""What a client of an OpenAI-compatible server sees of an answer, streamed or not: one
+reader for completions and chat completions, so that tests compare answers field by
+field whichever way they were served."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from bench.vllm_servers import http_json
+
+
+def _usage(usage: dict[str, Any]) -> dict[str, Any]:
+    return {k: usage[k] for k in ("prompt_tokens", "completion_tokens")}
+
+
+def answer(port: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """POSTs ``body`` to ``path`` and returns the answer's text, finish and stop reason,
+    token ids (completions, when asked) and usage (when given)."""
+    status, raw = http_json(port, "POST", path, body, timeout=120)
+    assert status == 200, raw
+    chat = "chat" in path
+    if not body.get("stream"):
+        whole = json.loads(raw)
+        c = whole["choices"][0]
+        return {"text": c["message"]["content"] if chat else c["text"],
+                "finish_reason": c["finish_reason"], "stop_reason": c["stop_reason"],
+                "token_ids": None if chat else c.get("token_ids"),
+                "usage": _usage(whole["usage"])}
+    assert raw.rstrip().endswith("data: [DONE]"), raw[-300:]
+    out: dict[str, Any] = {"text": "", "finish_reason": None, "stop_reason": None,
+                           "token_ids": None, "usage": None}
+    for line in raw.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            out["usage"] = _usage(chunk["usage"])
+        for c in chunk["choices"]:
+            out["text"] += (c["delta"].get("content") or "") if chat else c["text"]
+            if not chat and c.get("token_ids") is not None:
+                out["token_ids"] = (out["token_ids"] or []) + c["token_ids"]
+            if c.get("finish_reason") is not None:
+                out["finish_reason"], out["stop_reason"] = c["finish_reason"], \
+                    c.get("stop_reason")
+    return out
+
+
+def completion(port: int, body: dict[str, Any]) -> dict[str, Any]:
+    return answer(port, "/v1/completions", body)
+
+
+def chat(port: int, body: dict[str, Any]) -> dict[str, Any]:
+    return answer(port, "/v1/chat/completions", body)
+
+
+def sse_text(body: str) -> str:
+    """The completion text of a streamed answer."""
+    return "".join(json.loads(line[6:])["choices"][0]["text"] for line in body.splitlines()
+                   if line.startswith("data: ") and line != "data: [DONE]")
