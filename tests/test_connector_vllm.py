@@ -42,38 +42,28 @@ with warnings.catch_warnings():  # vLLM and torch warn at import; not our concer
         pytest.importorskip("vllm", reason="vllm is not installed (scripts/setup_vllm.sh)")
         torch = pytest.importorskip("torch")
 
+    from tests.helpers.vllm_workers import (
+        COMPAT,
+        NUM_BLOCKS,
+        block_of,
+        cpu_caches,
+        gpu_caches,
+        mla_caches,
+        spec,
+        wait_results,
+        worker_pair,
+    )
     from transfer_engine.connectors.vllm import (
         RecvSpec,
         TEConnectorConfig,
         TEConnectorWorker,
     )
     from transfer_engine.connectors.vllm.blocks import layer_groups
+    from transfer_engine.connectors.vllm.config import MANIFEST_SEGMENT, PROTOCOL_VERSION
     from transfer_engine.connectors.vllm.stats import TEConnectorStats
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::DeprecationWarning", "ignore::FutureWarning")
-
-NUM_BLOCKS, BLOCK, HEADS, DIM, LAYERS = 64, 16, 2, 32, 3
-COMPAT = {"model": "tiny", "dtype": "float32", "block_size": BLOCK, "tp_size": 1}
-
-
-
-def gpu_caches(seed: int) -> dict[str, Any]:
-    """vLLM's GPU per-layer layout ``[2, num_blocks, block_size, heads, dim]``."""
-    gen = torch.Generator().manual_seed(seed)
-    return {f"layers.{i}.attn": torch.randn(2, NUM_BLOCKS, BLOCK, HEADS, DIM, generator=gen)
-            for i in range(LAYERS)}
-
-
-def cpu_caches(seed: int) -> dict[str, Any]:
-    """vLLM's CPU block-major layout ``[num_blocks, heads, block_size, 2 * dim]``."""
-    gen = torch.Generator().manual_seed(seed)
-    return {f"layers.{i}.attn": torch.randn(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM, generator=gen)
-            for i in range(LAYERS)}
-
-
-def block_of(tensor: Any, b: int) -> Any:
-    return tensor[:, b] if tensor.shape[0] == 2 else tensor[b]
 
 
 @pytest.fixture
@@ -82,42 +72,16 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def pair(clock: FakeClock) -> Iterator[tuple[TEConnectorWorker, TEConnectorWorker,
-                                             dict[str, Any], dict[str, Any]]]:
-    cfg = TEConnectorConfig(transports=("tcp",), timeout_s=2.0)
-    prefill = TEConnectorWorker("prefill-w", cfg, COMPAT, clock)
-    decode = TEConnectorWorker("decode-w", cfg, COMPAT, clock)
-    pk, dk = gpu_caches(1), gpu_caches(2)
-    try:
-        prefill.register_kv_caches(pk, NUM_BLOCKS)
-        decode.register_kv_caches(dk, NUM_BLOCKS)
-        yield prefill, decode, pk, dk
-    finally:
-        decode.close()
-        prefill.close()
-
-
-def wait_results(worker: TEConnectorWorker, want: str, rid: str, timeout: float = 5.0
-                 ) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        res = worker.results()
-        if rid in getattr(res, want):
-            return res
-        time.sleep(0.005)
-    raise AssertionError(f"{rid} not in {want} after {timeout}s")
-
-
-def spec(prefill: TEConnectorWorker, rid: str, local: list[int], remote: list[int]
-         ) -> RecvSpec:
-    assert prefill.engine is not None
-    return RecvSpec(rid, local, remote, prefill.engine.endpoint, "prefill-engine", rid)
+def pair(clock: FakeClock) -> Iterator[Any]:
+    with worker_pair(clock) as workers:
+        yield workers
 
 
 # --- blocks where vLLM put them ------------------------------------------------------
 
 
-@pytest.mark.parametrize("make", [gpu_caches, cpu_caches], ids=["gpu-layout", "cpu-layout"])
+@pytest.mark.parametrize("make", [gpu_caches, cpu_caches, mla_caches],
+                         ids=["gpu-layout", "cpu-layout", "mla-layout"])
 def test_blocks_land_where_vllm_allocated_them(make: Any, clock: FakeClock) -> None:
     cfg = TEConnectorConfig(transports=("tcp",), timeout_s=2.0)
     prefill = TEConnectorWorker("p", cfg, COMPAT, clock)
@@ -136,6 +100,32 @@ def test_blocks_land_where_vllm_allocated_them(make: Any, clock: FakeClock) -> N
                 assert torch.equal(block_of(dk[name], lb), block_of(pk[name], rb))
             untouched = make(4)[name]
             assert torch.equal(block_of(dk[name], 0), block_of(untouched, 0))
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_peers_with_other_block_counts_check_ids_against_their_own(
+        clock: FakeClock) -> None:
+    """Prefill and decode size their KV caches apart (other memory, other models'
+    neighbours): each side's block ids are checked against its own cache, and blocks
+    move between caches of any sizes."""
+    cfg = TEConnectorConfig(transports=("tcp",), timeout_s=2.0)
+    prefill = TEConnectorWorker("p", cfg, COMPAT, clock)
+    decode = TEConnectorWorker("d", cfg, COMPAT, clock)
+    try:
+        pk, dk = mla_caches(5, num_blocks=24), mla_caches(6, num_blocks=NUM_BLOCKS)
+        prefill.register_kv_caches(pk, 24)
+        decode.register_kv_caches(dk, NUM_BLOCKS)
+        prefill.hold({"r": 30.0, "bad": 30.0})
+        decode.start_load([spec(prefill, "r", [60, 61, 62], [21, 22, 23])])
+        assert not wait_results(decode, "finished_recving", "r").failed_recving
+        for name in pk:
+            for lb, rb in zip([60, 61, 62], [21, 22, 23], strict=True):
+                assert torch.equal(dk[name][lb], pk[name][rb])
+        # block 30 is inside decode's cache but past the end of prefill's
+        decode.start_load([spec(prefill, "bad", [30], [30])])
+        assert "bad" in wait_results(decode, "finished_recving", "bad").failed_recving
     finally:
         decode.close()
         prefill.close()
@@ -490,6 +480,53 @@ def test_incompatible_peer_is_refused_with_a_clear_message(
         assert "block_size: ours=32 peer=16" in caplog.text
     finally:
         other.close()
+
+
+def _manifest_case(decode: TEConnectorWorker, case: str) -> bytes:
+    import msgpack
+
+    from transfer_engine.layout import BlockLayout
+    layers = {name: [f"kv/{name}", lay.to_wire()] for name, lay in decode.layouts.items()}
+    if case == "garbage":
+        return b"\xc1" * 64
+    if case == "other-block-bytes":  # the right hash, blocks of another size
+        lay = next(iter(decode.layouts.values()))
+        wrong = BlockLayout(lay.num_blocks, lay.block_stride * 2, lay.block_bytes * 2,
+                            (0, lay.num_blocks * lay.block_stride * 2))
+        layers = {name: [f"kv/{name}", wrong.to_wire()] for name in layers}
+    if case == "negative-blocks":
+        layers = {name: [v[0], dict(v[1], num_blocks=-1)] for name, v in layers.items()}
+    return bytes(msgpack.packb({"version": PROTOCOL_VERSION, "compat": decode.compat,
+                                "hash": decode.hash, "layers": layers}))
+
+
+@pytest.mark.parametrize(("case", "says"), [
+    ("huge", "KV manifest of 5242880 bytes"),
+    ("garbage", "malformed KV manifest"),
+    ("other-block-bytes", "cannot take the peer's blocks: block_bytes"),
+    ("negative-blocks", "malformed KV manifest"),
+])
+def test_a_hostile_manifest_is_a_load_error(pair: Any, case: str, says: str,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    """A peer that is not a vLLM worker (or lies about its KV) publishes a manifest
+    that is huge, garbage or describes blocks ours cannot take: the load fails at once,
+    with the reason in the log, and decode reads nothing else from it."""
+    import numpy as np
+
+    from transfer_engine import Engine
+    _, decode, _, _ = pair
+    with Engine("evil", transports=("tcp",)) as evil:
+        body = np.zeros(5 << 20, dtype=np.uint8) if case == "huge" else \
+            np.frombuffer(bytearray(_manifest_case(decode, case)), dtype=np.uint8)
+        evil.register(body, name=MANIFEST_SEGMENT)
+        for name, tensor in decode.layouts.items():  # segments the lies point at
+            evil.register(np.zeros(tensor.extent + tensor.segment_offset, np.uint8),
+                          name=f"kv/{name}")
+        decode.start_load([RecvSpec("h", [1], [1], evil.endpoint, "evil", "h")])
+        res = wait_results(decode, "finished_recving", "h")
+        assert res.failed_recving == {"h"}
+        assert says in caplog.text
+        assert decode.engine is not None and decode.engine.stats["bytes_read"] < 6 << 20
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity")

@@ -27,6 +27,8 @@ from transfer_engine.segment import RemoteSegment, Segment
 __all__ = ["Layers", "RemoteKV", "RemotePeers", "manifest"]
 
 Layers = Mapping[str, tuple[Segment, BlockLayout]]  # layer -> (its segment, its layout)
+# a manifest is a few hundred bytes per layer; a peer that claims more is not read
+MAX_MANIFEST_BYTES = 4 << 20
 
 
 def manifest(layers: Layers, compat: dict[str, Any]) -> bytes:
@@ -71,6 +73,9 @@ class RemoteKV:
         mismatch."""
         peer = engine.connect(endpoint, timeout=timeout)
         mseg = peer.segment(MANIFEST_SEGMENT)
+        if not 0 < mseg.length <= MAX_MANIFEST_BYTES:
+            raise ProtocolError(f"KV manifest of {mseg.length} bytes (at most "
+                                f"{MAX_MANIFEST_BYTES} are read)", peer=peer.name)
         buf = np.zeros(mseg.length, dtype=np.uint8)
         with engine.register(buf, name=f"te-vllm/manifest-in/{id(buf):x}") as local:
             engine.read(peer, [(Descriptor(local, 0, mseg.length),
