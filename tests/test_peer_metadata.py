@@ -77,3 +77,19 @@ def test_peer_info_reads_an_engines_own_metadata() -> None:
     assert isinstance(info.pid, int) and info.segments == []
     with pytest.raises(ProtocolError, match="not a map"):
         PeerInfo.from_wire(["name", "x"])
+
+
+@pytest.mark.parametrize("bad", [
+    {"id": 1 << 64, "name": "s", "length": 8}, {"id": -1, "name": "s", "length": 8},
+    {"id": 1, "name": "s", "length": -8}, {"id": 1, "name": "s", "length": "8"},
+    {"id": True, "name": "s", "length": 8}, {"id": 1, "name": 5, "length": 8},
+    {"id": 1, "name": "", "length": 8}, {"id": 1, "name": "s" * 5000, "length": 8},
+])
+def test_a_segment_no_engine_sends_is_refused(bad: dict[str, Any]) -> None:
+    """Ids and lengths past int64 would overflow the planner's columns at the first
+    transfer to them (an OverflowError out of ``write``): refused at the handshake."""
+    from transfer_engine.segment import RemoteSegment
+    with pytest.raises(ValueError, match="segment"):
+        RemoteSegment.from_wire("x", bad)
+    ok = RemoteSegment.from_wire("x", {"id": 3, "name": "s", "length": (1 << 63) - 1})
+    assert (ok.id, ok.length) == (3, (1 << 63) - 1)

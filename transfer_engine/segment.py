@@ -253,6 +253,17 @@ class RemoteSegment:
 
     @classmethod
     def from_wire(cls, peer: str, data: dict[str, Any]) -> RemoteSegment:
-        return cls(peer, int(data["id"]), str(data["name"]), int(data["length"]),
-                   str(data.get("device", "cpu")), bool(data.get("writable", True)),
-                   dict(data.get("keys", {})))
+        """Raises ``ValueError``, ``KeyError`` or ``TypeError`` for a description no
+        engine sends: ids and lengths outside what the planner's int64 columns hold,
+        names that are not short strings."""
+        seg_id, length, name = data["id"], data["length"], data["name"]
+        for what, value in (("id", seg_id), ("length", length)):
+            if not isinstance(value, int) or isinstance(value, bool) \
+                    or not 0 <= value < 1 << 63:
+                raise ValueError(f"segment {what} {value!r:.40} is not an integer in "
+                                 "[0, 2**63)")
+        if not isinstance(name, str) or not 0 < len(name) <= 4096:
+            raise ValueError(f"segment name {name!r:.40} is not a string of 1 to 4096 "
+                             "characters")
+        return cls(peer, seg_id, name, length, str(data.get("device", "cpu")),
+                   bool(data.get("writable", True)), dict(data.get("keys", {})))
