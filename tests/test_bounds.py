@@ -200,3 +200,19 @@ def test_a_flood_of_partial_immediates_spares_another_peers_notification(
     assert [(n.peer, n.payload) for n in notes] == [("good", b"req-17")]
     b.deliver_immediate("good", Immediate(7, 2))  # a replay starts over: not twice
     assert b.notifications(timeout=0) == []
+
+
+def test_a_work_sent_again_notifies_once_and_after_every_rail(
+        make_engine: Callable[..., Engine]) -> None:
+    """A NIC rail that broke after its work landed (the answer lost) has the work sent
+    again on another rail: the target counts it once, so the notification waits for
+    the other rail and fires once."""
+    b = make_engine("b", transports=["tcp"])
+    b.deliver_immediate("a", Immediate(3, 2, b"req-3"), b"ticket", 40)  # rail A landed
+    b.deliver_immediate("a", Immediate(3, 2, b"req-3"), b"ticket", 40)  # A's work again
+    assert b.notifications(timeout=0) == []
+    b.deliver_immediate("a", Immediate(3, 2), b"ticket", 41)  # rail B
+    assert [n.payload for n in b.notifications(timeout=0)] == [b"req-3"]
+    b.deliver_immediate("a", Immediate(3, 2), b"ticket", 41)
+    assert b.notifications(timeout=0) == []
+    assert b.stats["notify_duplicates"] == 2 and b.stats["notifications"] == 1

@@ -196,3 +196,45 @@ def test_payload_bytes_are_bounded_per_peer_and_in_all() -> None:
 def test_other_bounds_below_one_are_refused(field: str) -> None:
     with pytest.raises(ValueError, match=f"{field} must be >= 1"):
         ImmediateCounter(**{field: 0})
+
+
+def test_a_work_resent_after_it_landed_is_counted_once() -> None:
+    """A NIC rail breaks after a work landed but before its answer: the initiator sends
+    the work again over another rail. Counting it twice would fire the notification
+    before the other rail's bytes are in (or fire it twice)."""
+    c = ImmediateCounter()
+    assert c.arrive("p", 7, 2, b"note", b"t1", work=11) is None  # rail A's last work
+    assert c.arrive("p", 7, 2, b"note", b"t1", work=11) is None  # A's work, resent on B
+    assert c.duplicates == 1 and c.pending("p") == 1
+    note = c.arrive("p", 7, 2, None, b"t1", work=12)  # rail B's own last work
+    assert note == Notification("p", 7, b"note")
+    assert c.arrive("p", 7, 2, None, b"t1", work=12) is None  # a late copy: nothing
+    # one rail: fires at once, and its copy does not fire again
+    assert c.arrive("p", 8, 1, b"one", b"t1", work=13) == Notification("p", 8, b"one")
+    assert c.arrive("p", 8, 1, b"one", b"t1", work=13) is None
+    # the same work id on another connection (a restarted peer) is another work
+    assert c.arrive("p", 8, 1, b"one", b"t2", work=13) == Notification("p", 8, b"one")
+    # without a work id (RDMA immediates) nothing is remembered: reuse stays possible
+    assert c.arrive("p", 9, 1, None, b"t1") is not None
+    assert c.arrive("p", 9, 1, None, b"t1") is not None
+    assert c.duplicates == 3
+
+
+def test_remembered_works_are_bounded() -> None:
+    c = ImmediateCounter(max_recent=100)
+    for work in range(1000):
+        c.arrive("p", work, 1, None, b"t", work=work)
+    assert c.recent_works == 100
+    assert c.arrive("p", 999, 1, None, b"t", work=999) is None  # recent: a copy
+    assert c.arrive("p", 0, 1, None, b"t", work=0) is not None  # long gone: counted
+    with pytest.raises(ValueError, match="max_recent"):
+        ImmediateCounter(max_recent=0)
+
+
+def test_a_refused_immediate_is_not_remembered() -> None:
+    c = ImmediateCounter()
+    c.arrive("p", 5, 3, None, b"t", work=1)
+    with pytest.raises(ValueError, match="expected 3"):
+        c.arrive("p", 5, 2, None, b"t", work=2)
+    c.arrive("p", 5, 3, None, b"t", work=2)  # the same work, told right, counts
+    assert c.arrive("p", 5, 3, b"x", b"t", work=3) == Notification("p", 5, b"x")

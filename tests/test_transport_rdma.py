@@ -101,7 +101,8 @@ class _Host:
                       op: str | None = None) -> Segment:
         return self.segments[segment_id]
 
-    def deliver_immediate(self, peer: str, imm: Immediate, origin: bytes = b"") -> None:
+    def deliver_immediate(self, peer: str, imm: Immediate, origin: bytes = b"",
+                          work: int | None = None) -> None:
         with self.got:
             self.immediates.append((peer, imm))
             self.got.notify_all()

@@ -220,11 +220,15 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
                                          segment=segment_id)
         return seg
 
-    def deliver_immediate(self, peer: str, imm: Immediate, origin: bytes = b"") -> None:
+    def deliver_immediate(self, peer: str, imm: Immediate, origin: bytes = b"",
+                          work: int | None = None) -> None:
         with self._lock:
+            duplicates = self._counter.duplicates
             try:
                 note = self._counter.arrive(peer, imm.transfer_id, imm.expected, imm.notify,
-                                            origin)
+                                            origin, work)
+                if self._counter.duplicates != duplicates:
+                    self.stats["notify_duplicates"] += 1  # a work sent again
             except ValueError as exc:
                 log.warning("bad immediate from %s: %s", peer, exc)
                 return

@@ -10,6 +10,7 @@ immediates carries the notification bytes. Pure bookkeeping: no I/O, no threads.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 __all__ = ["Notification", "ImmediateCounter"]
@@ -46,12 +47,19 @@ class ImmediateCounter:
     So a flood from one peer never evicts another peer's pending notification unless
     that other peer holds as much as the flooder. An evicted transfer starts over: its
     notification never fires (the initiator's handle still completes).
+
+    An immediate may name the initiator's work request it came with (``work``): a work
+    that landed but whose answer was lost is sent again over another rail (a NIC rail
+    failing over), and counting it twice would fire the notification before another
+    rail's bytes landed, or fire it twice. The last ``max_recent`` works counted are
+    remembered and a second arrival of one is dropped (counted in ``duplicates``).
     """
 
     max_pending: int = 65536
     max_per_peer: int = 4096
     max_bytes: int = 256 << 20
     max_peer_bytes: int = 16 << 20
+    max_recent: int = 65536
     # per peer, partial transfers by (origin, transfer id): the origin (the rail
     # ticket the immediates came through) keeps two connections that use one name, a
     # restarted peer's or an impostor's, from completing each other's counts
@@ -59,22 +67,41 @@ class ImmediateCounter:
     _bytes: dict[str, int] = field(default_factory=dict)  # payload bytes held per peer
     _count: int = 0
     _total_bytes: int = 0
+    # (peer, origin, work) of the latest works counted, oldest first
+    _recent: OrderedDict[tuple[str, bytes, int], None] = field(default_factory=OrderedDict)
     dropped: int = 0
+    duplicates: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_pending", "max_per_peer", "max_bytes", "max_peer_bytes"):
+        for name in ("max_pending", "max_per_peer", "max_bytes", "max_peer_bytes",
+                     "max_recent"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     def arrive(self, peer: str, transfer_id: int, expected: int,
-               payload: bytes | None = None, origin: bytes = b"") -> Notification | None:
+               payload: bytes | None = None, origin: bytes = b"",
+               work: int | None = None) -> Notification | None:
         """Records one immediate; returns the notification when it was the last one.
-        ``origin`` names the connection the immediates of one transfer share."""
+        ``origin`` names the connection the immediates of one transfer share; ``work``
+        (if known) the initiator's work request it came with."""
         if expected < 1:
             raise ValueError(f"expected must be >= 1, got {expected}")
+        if work is not None:
+            seen = (peer, origin, work)
+            if seen in self._recent:
+                self.duplicates += 1
+                return None
         key = (origin, transfer_id)
         table = self._peers.get(peer)
         entry = table.get(key) if table is not None else None
+        if entry is not None and entry.expected != expected:
+            raise ValueError(
+                f"transfer {transfer_id} from {peer}: expected {entry.expected} "
+                f"immediates, a later one says {expected}")
+        if work is not None:
+            self._recent[seen] = None
+            if len(self._recent) > self.max_recent:
+                self._recent.popitem(last=False)
         if entry is None:
             if expected == 1:
                 return Notification(peer, transfer_id, payload or b"")
@@ -87,10 +114,6 @@ class ImmediateCounter:
                 self._evict(max(self._peers, key=lambda p: len(self._peers[p])))
             entry = table[key] = _Pending(expected)
             self._count += 1
-        elif entry.expected != expected:
-            raise ValueError(
-                f"transfer {transfer_id} from {peer}: expected {entry.expected} "
-                f"immediates, a later one says {expected}")
         entry.seen += 1
         if entry.seen < entry.expected:
             if payload is not None:
@@ -144,6 +167,11 @@ class ImmediateCounter:
         """Notification payload bytes held for partial transfers, all peers together
         (at most ``max_bytes``)."""
         return self._total_bytes
+
+    @property
+    def recent_works(self) -> int:
+        """Works remembered against a second arrival (at most ``max_recent``)."""
+        return len(self._recent)
 
     def forget_peer(self, peer: str) -> int:
         """Drops the partial transfers of a peer that went away; returns how many."""

@@ -117,9 +117,12 @@ class Host(Protocol):
         """The open segment of that id, or raises ``InvalidDescriptorError``."""
         ...
 
-    def deliver_immediate(self, peer: str, imm: Immediate, origin: bytes = b"") -> None:
+    def deliver_immediate(self, peer: str, imm: Immediate, origin: bytes = b"",
+                          work: int | None = None) -> None:
         """Counts one immediate of ``peer``'s; ``origin`` is the id of the rail ticket it
-        came through (every rail of one connection shares it)."""
+        came through (every rail of one connection shares it), ``work`` the id of the
+        initiator's work request it came with, where the wire carries it (a work sent
+        again over another rail is then counted once)."""
         ...
 
     def admit_rail(self, ticket: object, transport: str, challenge: bytes, nonce: object,

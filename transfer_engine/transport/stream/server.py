@@ -457,7 +457,7 @@ class StreamServer:
                 if flags & FLAG_IMM:
                     self._host.deliver_immediate(
                         conn.peer, Immediate(transfer_id, expected, body or None),
-                        conn.ticket.id if conn.ticket is not None else b"")
+                        conn.ticket.id if conn.ticket is not None else b"", wr_id)
                 send_bytes(sock, self._answer(wr_id, None))
             else:
                 self.serve(conn, wr_id, views, local)

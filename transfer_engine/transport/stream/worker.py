@@ -122,10 +122,11 @@ class ProxyHost:
                                          segment=segment_id)
         return seg
 
-    def deliver_immediate(self, peer: str, imm: Immediate, origin: bytes = b"") -> None:
+    def deliver_immediate(self, peer: str, imm: Immediate, origin: bytes = b"",
+                          work: int | None = None) -> None:
         self._chan.send({"op": "imm", "peer": peer, "origin": origin,
                          "transfer": imm.transfer_id, "expected": imm.expected,
-                         "notify": imm.notify})
+                         "notify": imm.notify, "work": work})
 
     def admit_rail(self, ticket: object, transport: str, challenge: bytes, nonce: object,
                    proof: object) -> tuple[Any, bytes]:
