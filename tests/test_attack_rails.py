@@ -215,9 +215,11 @@ def test_a_rail_speaks_only_for_its_tickets_peer(victim: tuple[Engine, np.ndarra
     assert bytes(mem[:64]) == payload
 
 
-def _write_imm(rail: RawRail, seg_id: int, offset: int, tid: int, notify: bytes) -> None:
+def _write_imm(rail: RawRail, seg_id: int, offset: int, tid: int, notify: bytes,
+               wr_id: int | None = None, flags: int = 1) -> None:
     payload = random_bytes(64, tid).tobytes()
-    head = HEADER.pack(KIND_WRITE, 1, 1, 0, 0, len(notify), tid, tid, 2)
+    head = HEADER.pack(KIND_WRITE, flags, 1, 0, 0, len(notify),
+                       tid if wr_id is None else wr_id, tid, 2)
     rail.sock.sendall(head + np.array([seg_id, offset, 64], dtype="<u8").tobytes() + notify
                       + payload)
     assert rail.answer()[0] == 0
@@ -243,6 +245,29 @@ def test_an_impostor_under_the_same_name_cannot_complete_a_count(
     finally:
         for rail in (first, second, impostor):
             rail.close()
+
+
+def test_a_resent_work_counts_once_and_only_when_marked(
+        victim: tuple[Engine, np.ndarray, int]) -> None:
+    """A work sent again on another rail (marked resent: flags 4) after it landed does
+    not complete its transfer's count; the same work id unmarked on another rail (a
+    client that numbers works per rail) counts as any other."""
+    b, _, seg_id = victim
+    _, credential = handshake(b, name="prefill-0")
+    first, second = RawRail(b, credential), RawRail(b, credential)
+    try:
+        _write_imm(first, seg_id, 0, 9, b"nine", wr_id=100)
+        _write_imm(second, seg_id, 0, 9, b"", wr_id=100, flags=1 | 4)  # resent
+        assert b.notifications(timeout=0.3) == []
+        assert b.stats["notify_duplicates"] == 1
+        _write_imm(second, seg_id, 4096, 9, b"", wr_id=101)
+        assert [n.payload for n in b.notifications(timeout=5)] == [b"nine"]
+        _write_imm(first, seg_id, 0, 10, b"ten", wr_id=7)
+        _write_imm(second, seg_id, 0, 10, b"", wr_id=7)  # per-rail numbering: counts
+        assert [n.payload for n in b.notifications(timeout=5)] == [b"ten"]
+    finally:
+        first.close()
+        second.close()
 
 
 def test_a_ticket_opens_a_bounded_number_of_rails(victim: tuple[Engine, np.ndarray, int]

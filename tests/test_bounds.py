@@ -209,10 +209,10 @@ def test_a_work_sent_again_notifies_once_and_after_every_rail(
     the other rail and fires once."""
     b = make_engine("b", transports=["tcp"])
     b.deliver_immediate("a", Immediate(3, 2, b"req-3"), b"ticket", 40)  # rail A landed
-    b.deliver_immediate("a", Immediate(3, 2, b"req-3"), b"ticket", 40)  # A's work again
+    b.deliver_immediate("a", Immediate(3, 2, b"req-3"), b"ticket", 40, True)  # again, B
     assert b.notifications(timeout=0) == []
     b.deliver_immediate("a", Immediate(3, 2), b"ticket", 41)  # rail B
     assert [n.payload for n in b.notifications(timeout=0)] == [b"req-3"]
-    b.deliver_immediate("a", Immediate(3, 2), b"ticket", 41)
+    b.deliver_immediate("a", Immediate(3, 2), b"ticket", 41, True)
     assert b.notifications(timeout=0) == []
     assert b.stats["notify_duplicates"] == 2 and b.stats["notifications"] == 1

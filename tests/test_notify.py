@@ -200,24 +200,35 @@ def test_other_bounds_below_one_are_refused(field: str) -> None:
 
 def test_a_work_resent_after_it_landed_is_counted_once() -> None:
     """A NIC rail breaks after a work landed but before its answer: the initiator sends
-    the work again over another rail. Counting it twice would fire the notification
-    before the other rail's bytes are in (or fire it twice)."""
+    the work again over another rail, marked resent. Counting it twice would fire the
+    notification before the other rail's bytes are in (or fire it twice)."""
     c = ImmediateCounter()
     assert c.arrive("p", 7, 2, b"note", b"t1", work=11) is None  # rail A's last work
-    assert c.arrive("p", 7, 2, b"note", b"t1", work=11) is None  # A's work, resent on B
+    assert c.arrive("p", 7, 2, b"note", b"t1", work=11, resent=True) is None  # on B
     assert c.duplicates == 1 and c.pending("p") == 1
     note = c.arrive("p", 7, 2, None, b"t1", work=12)  # rail B's own last work
     assert note == Notification("p", 7, b"note")
-    assert c.arrive("p", 7, 2, None, b"t1", work=12) is None  # a late copy: nothing
-    # one rail: fires at once, and its copy does not fire again
+    assert c.arrive("p", 7, 2, None, b"t1", work=12, resent=True) is None  # late copy
+    # one rail: fires at once, and its resent copy does not fire again
     assert c.arrive("p", 8, 1, b"one", b"t1", work=13) == Notification("p", 8, b"one")
-    assert c.arrive("p", 8, 1, b"one", b"t1", work=13) is None
+    assert c.arrive("p", 8, 1, b"one", b"t1", work=13, resent=True) is None
     # the same work id on another connection (a restarted peer) is another work
-    assert c.arrive("p", 8, 1, b"one", b"t2", work=13) == Notification("p", 8, b"one")
-    # without a work id (RDMA immediates) nothing is remembered: reuse stays possible
-    assert c.arrive("p", 9, 1, None, b"t1") is not None
-    assert c.arrive("p", 9, 1, None, b"t1") is not None
+    assert c.arrive("p", 8, 1, b"one", b"t2", work=13, resent=True) == \
+        Notification("p", 8, b"one")
+    # a resent work whose first arrival never came (it broke before landing) counts
+    assert c.arrive("p", 9, 1, b"n", b"t1", work=14, resent=True) == \
+        Notification("p", 9, b"n")
     assert c.duplicates == 3
+
+
+def test_work_ids_need_only_be_unique_per_rail() -> None:
+    """A client that numbers its works per rail (the wire asks no more) sends the same
+    work id on two rails of one connection: both count, nothing is dropped."""
+    c = ImmediateCounter()
+    assert c.arrive("p", 5, 2, b"real", b"t", work=5) is None
+    assert c.arrive("p", 5, 2, None, b"t", work=5) == Notification("p", 5, b"real")
+    assert c.arrive("p", 6, 1, None, b"t") is not None  # and none named at all
+    assert c.duplicates == 0
 
 
 def test_remembered_works_are_bounded() -> None:
@@ -225,8 +236,8 @@ def test_remembered_works_are_bounded() -> None:
     for work in range(1000):
         c.arrive("p", work, 1, None, b"t", work=work)
     assert c.recent_works == 100
-    assert c.arrive("p", 999, 1, None, b"t", work=999) is None  # recent: a copy
-    assert c.arrive("p", 0, 1, None, b"t", work=0) is not None  # long gone: counted
+    assert c.arrive("p", 999, 1, None, b"t", work=999, resent=True) is None  # a copy
+    assert c.arrive("p", 0, 1, None, b"t", work=0, resent=True) is not None  # long gone
     with pytest.raises(ValueError, match="max_recent"):
         ImmediateCounter(max_recent=0)
 
@@ -236,5 +247,5 @@ def test_a_refused_immediate_is_not_remembered() -> None:
     c.arrive("p", 5, 3, None, b"t", work=1)
     with pytest.raises(ValueError, match="expected 3"):
         c.arrive("p", 5, 2, None, b"t", work=2)
-    c.arrive("p", 5, 3, None, b"t", work=2)  # the same work, told right, counts
+    c.arrive("p", 5, 3, None, b"t", work=2, resent=True)  # never counted: counts now
     assert c.arrive("p", 5, 3, b"x", b"t", work=3) == Notification("p", 5, b"x")

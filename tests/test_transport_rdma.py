@@ -102,7 +102,7 @@ class _Host:
         return self.segments[segment_id]
 
     def deliver_immediate(self, peer: str, imm: Immediate, origin: bytes = b"",
-                          work: int | None = None) -> None:
+                          work: int | None = None, resent: bool = False) -> None:
         with self.got:
             self.immediates.append((peer, imm))
             self.got.notify_all()

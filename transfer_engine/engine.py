@@ -221,12 +221,12 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
         return seg
 
     def deliver_immediate(self, peer: str, imm: Immediate, origin: bytes = b"",
-                          work: int | None = None) -> None:
+                          work: int | None = None, resent: bool = False) -> None:
         with self._lock:
             duplicates = self._counter.duplicates
             try:
                 note = self._counter.arrive(peer, imm.transfer_id, imm.expected, imm.notify,
-                                            origin, work)
+                                            origin, work, resent)
                 if self._counter.duplicates != duplicates:
                     self.stats["notify_duplicates"] += 1  # a work sent again
             except ValueError as exc:

@@ -50,9 +50,11 @@ class ImmediateCounter:
 
     An immediate may name the initiator's work request it came with (``work``): a work
     that landed but whose answer was lost is sent again over another rail (a NIC rail
-    failing over), and counting it twice would fire the notification before another
-    rail's bytes landed, or fire it twice. The last ``max_recent`` works counted are
-    remembered and a second arrival of one is dropped (counted in ``duplicates``).
+    failing over), marked ``resent``, and counting it twice would fire the notification
+    before another rail's bytes landed, or fire it twice. The last ``max_recent`` works
+    counted are remembered, and a resent one among them is dropped (counted in
+    ``duplicates``). Only a resent arrival is ever dropped: work ids need only be unique
+    per rail for everything else.
     """
 
     max_pending: int = 65536
@@ -80,15 +82,16 @@ class ImmediateCounter:
 
     def arrive(self, peer: str, transfer_id: int, expected: int,
                payload: bytes | None = None, origin: bytes = b"",
-               work: int | None = None) -> Notification | None:
+               work: int | None = None, resent: bool = False) -> Notification | None:
         """Records one immediate; returns the notification when it was the last one.
         ``origin`` names the connection the immediates of one transfer share; ``work``
-        (if known) the initiator's work request it came with."""
+        (if known) the initiator's work request it came with, ``resent`` whether that
+        work was sent before on another rail."""
         if expected < 1:
             raise ValueError(f"expected must be >= 1, got {expected}")
         if work is not None:
             seen = (peer, origin, work)
-            if seen in self._recent:
+            if resent and seen in self._recent:
                 self.duplicates += 1
                 return None
         key = (origin, transfer_id)
@@ -100,6 +103,7 @@ class ImmediateCounter:
                 f"immediates, a later one says {expected}")
         if work is not None:
             self._recent[seen] = None
+            self._recent.move_to_end(seen)
             if len(self._recent) > self.max_recent:
                 self._recent.popitem(last=False)
         if entry is None:

@@ -88,6 +88,7 @@ class Work:
     imm: Immediate | None = None
     prepared: Any = None  # what the rail's Transport.prepare made of it; opaque elsewhere
     context: Any = None  # the engine's bookkeeping; transports leave it alone
+    resent: bool = False  # posted again on another rail after its first one broke
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,11 +119,12 @@ class Host(Protocol):
         ...
 
     def deliver_immediate(self, peer: str, imm: Immediate, origin: bytes = b"",
-                          work: int | None = None) -> None:
+                          work: int | None = None, resent: bool = False) -> None:
         """Counts one immediate of ``peer``'s; ``origin`` is the id of the rail ticket it
         came through (every rail of one connection shares it), ``work`` the id of the
-        initiator's work request it came with, where the wire carries it (a work sent
-        again over another rail is then counted once)."""
+        initiator's work request it came with, where the wire carries it, and
+        ``resent`` whether the initiator sent that work before on another rail (it is
+        then not counted again if its first arrival was)."""
         ...
 
     def admit_rail(self, ticket: object, transport: str, challenge: bytes, nonce: object,

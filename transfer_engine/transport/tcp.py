@@ -464,6 +464,7 @@ class TcpTransport(Transport):
         error to fail it with when none takes it."""
         for other in sorted((r for r in list(group) if r is not broken and not r.closed),
                             key=lambda r: r.inflight):
+            work.resent = True  # its immediate may have been counted already
             try:
                 other.post(work)
             except TransferError:

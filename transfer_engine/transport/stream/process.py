@@ -105,8 +105,8 @@ class ServeProcess:
         # immediates go to the engine from a thread of their own, in order: a
         # notification callback may call back here (register, close a segment), which
         # waits for an answer only the link's reader can take
-        self._immediates: queue.SimpleQueue[tuple[str, Immediate, bytes, int | None] | None] = (
-            queue.SimpleQueue())
+        self._immediates: queue.SimpleQueue[
+            tuple[str, Immediate, bytes, int | None, bool] | None] = queue.SimpleQueue()
         self._deliverer = threading.Thread(target=self._deliver, daemon=True,
                                            name=f"te-{kind}-serve-notify")
         self._deliverer.start()
@@ -128,7 +128,7 @@ class ServeProcess:
                 if op == "imm":
                     self._immediates.put((msg["peer"], Immediate(
                         msg["transfer"], msg["expected"], msg["notify"]), msg["origin"],
-                        msg.get("work")))
+                        msg.get("work"), bool(msg.get("resent"))))
                 elif op == "admit":
                     self._admit(msg)
                 elif op == "release":

@@ -52,6 +52,7 @@ from transfer_engine.transport.stream.io import (
 from transfer_engine.transport.stream.wire import (
     ANSWER,
     FLAG_IMM,
+    FLAG_RESENT,
     FLAG_UNIFORM,
     HEADER,
     KIND_ANNOUNCE,
@@ -457,7 +458,8 @@ class StreamServer:
                 if flags & FLAG_IMM:
                     self._host.deliver_immediate(
                         conn.peer, Immediate(transfer_id, expected, body or None),
-                        conn.ticket.id if conn.ticket is not None else b"", wr_id)
+                        conn.ticket.id if conn.ticket is not None else b"", wr_id,
+                        bool(flags & FLAG_RESENT))
                 send_bytes(sock, self._answer(wr_id, None))
             else:
                 self.serve(conn, wr_id, views, local)

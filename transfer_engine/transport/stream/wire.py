@@ -15,7 +15,8 @@ Wire format (little-endian; one request, one answer, in order on each connection
     request  = header(32) remote local[n_local](16 each) body[body_len] payload
     header   = kind u8, flags u8, n_remote u16, n_local u16, pad u16, body_len u32,
                wr_id u64, transfer_id u64, expected u32
-    flags    = 1: with immediate; 2: uniform remote entries
+    flags    = 1: with immediate; 2: uniform remote entries; 4: sent before, on another
+               rail of this connection (its immediate counts once)
     remote   = n_remote of (segment u64, offset u64, length u64)   (target memory)
              | uniform: segment u64, length u64, then n_remote offsets u64
              | ANNOUNCE: n_remote of (address u64, length u64, writable u64)
@@ -67,7 +68,7 @@ from transfer_engine.transport.base import Work
 
 WIRE_VERSION = 4
 KIND_HELLO, KIND_WRITE, KIND_READ, KIND_ANNOUNCE, KIND_ANSWER = 1, 2, 3, 4, 0x81
-FLAG_IMM, FLAG_UNIFORM = 1, 2
+FLAG_IMM, FLAG_UNIFORM, FLAG_RESENT = 1, 2, 4
 HEADER = struct.Struct("<BBHHHIQQI")
 UNIFORM = struct.Struct("<QQ")  # segment, length of every entry
 ANSWER = struct.Struct("<BBHIQ")
@@ -110,6 +111,8 @@ def encode_request(kind: int, work: Work | None, body: bytes = b"", local: bytes
         return HEADER.pack(kind, 0, 0, 0, 0, len(body), 0, 0, 0) + body
     imm = work.imm
     flags = FLAG_IMM if imm is not None else 0
+    if work.resent:
+        flags |= FLAG_RESENT
     if imm is not None and imm.notify:
         body = imm.notify
     remote = work.remote

@@ -123,10 +123,10 @@ class ProxyHost:
         return seg
 
     def deliver_immediate(self, peer: str, imm: Immediate, origin: bytes = b"",
-                          work: int | None = None) -> None:
+                          work: int | None = None, resent: bool = False) -> None:
         self._chan.send({"op": "imm", "peer": peer, "origin": origin,
                          "transfer": imm.transfer_id, "expected": imm.expected,
-                         "notify": imm.notify, "work": work})
+                         "notify": imm.notify, "work": work, "resent": resent})
 
     def admit_rail(self, ticket: object, transport: str, challenge: bytes, nonce: object,
                    proof: object) -> tuple[Any, bytes]:
