@@ -28,7 +28,7 @@ from transfer_engine.peer import Peer
 from transfer_engine.planner import plan_columns
 from transfer_engine.segment import Segment
 from transfer_engine.state import EngineState, LiveTransfer
-from transfer_engine.transport.base import Completion, Immediate, Rail, Work
+from transfer_engine.transport.base import Completion, Immediate, Rail, Transport, Work
 from transfer_engine.validate import Pairs, validate
 from transfer_engine.watchdog import Watchdog
 
@@ -139,7 +139,10 @@ class Transfers(EngineState):
     def _post_attempt(self, xfer: LiveTransfer) -> None:
         while True:  # rails torn down (a cancel, a dead connection) carry nothing more
             name = xfer.transports[0]
-            rails = [rail for rail in xfer.peer.rails[name] if not rail.closed]
+            listed = xfer.peer.rails[name]
+            rails = [rail for rail in listed if not rail.closed]
+            if len(rails) < len(listed):  # a broken path the transport opened again
+                rails = self._revive(listed, self._transports[name]) or rails
             if rails:
                 break
             with xfer.lock:
@@ -195,6 +198,16 @@ class Transfers(EngineState):
             self._finish(xfer, stopped)
             return
         self._post(xfer, items)
+
+    @staticmethod
+    def _revive(listed: list[Rail], transport: Transport) -> list[Rail] | None:
+        """Puts the rails ``transport`` reopened in place of closed ones in ``listed``
+        (the peer's); the open rails when any was, else None."""
+        found = False
+        for i, rail in enumerate(listed):
+            if rail.closed and (new := transport.revived(rail)) is not None:
+                listed[i], found = new, True
+        return [rail for rail in listed if not rail.closed] if found else None
 
     def _post(self, xfer: LiveTransfer, items: list[tuple[Rail, Work]]) -> None:
         """Posts ``items`` (already ``xfer.posted``, with ``xfer.posting`` set)."""

@@ -2,9 +2,10 @@
 
     python tests/helpers/lab_failover_peer.py HOST ENDPOINT NIC_TIMEOUT
 
-Prints ``RAILS``, then on each line ``go`` from stdin runs one step: a 16 MiB WRITE
+Prints ``RAILS``, then for each line of stdin: ``go`` runs one step, a 16 MiB WRITE
 (printing ``STARTED`` once posted, then ``WROTE ok|<error>``), a READ back and its
-byte comparison (``EXACT``), and how many works moved between NICs (``FAILOVERS``).
+byte comparison (``EXACT``), and how many works moved between NICs (``FAILOVERS``);
+``rails`` prints the NICs of the peer's open rails (``RAILS``).
 """
 
 from __future__ import annotations
@@ -32,8 +33,13 @@ def main() -> None:
         pairs = [(Descriptor(src, i * MiB, MiB), Descriptor(dst, i * MiB, MiB))
                  for i in range(16)]
         print("RAILS", ",".join(str(r.nic) for r in peer.rails["tcp"]), flush=True)
-        for _ in range(2):
-            if sys.stdin.readline().strip() != "go":
+        for _ in range(64):  # bounded: a test sends a few dozen lines at most
+            line = sys.stdin.readline().strip()
+            if line == "rails":
+                print("RAILS", ",".join(str(r.nic) for r in peer.rails["tcp"]
+                                        if not r.closed), flush=True)
+                continue
+            if line != "go":
                 return
             t0 = time.monotonic()
             handle = eng.write(peer, pairs)

@@ -239,6 +239,12 @@ class Transport(abc.ABC):
         thread; the rail finds it as ``Work.prepared``. Nothing by default."""
         return None
 
+    def revived(self, rail: Rail) -> Rail | None:
+        """A rail this transport opened again on the path of the broken ``rail`` (a NIC
+        whose link came back), handed over once for the engine to use in its place;
+        None (the default) while there is none."""
+        return None
+
     def info(self, key: str) -> Any:
         """Transport-specific facts (e.g. 'devices' for rdma); None when unknown."""
         return None

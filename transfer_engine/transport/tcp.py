@@ -89,7 +89,13 @@ from transfer_engine.transport.stream import (
     tune_socket,
 )
 from transfer_engine.transport.stream.process import ServeProcess, serve_mode
-from transfer_engine.transport.tcp_nics import NicEndpoint, RateMeter, local_nics, pair_nics
+from transfer_engine.transport.tcp_nics import (
+    NicEndpoint,
+    RateMeter,
+    Reopener,
+    local_nics,
+    pair_nics,
+)
 
 __all__ = ["TcpTransport"]
 
@@ -192,6 +198,7 @@ class TcpRail(StreamRail):
         self.failover: Callable[[TcpRail, Work, TransferError], TransferError | None
                                 ] | None = None
         self._aborted = False
+        self.reopen: Callable[[], TcpRail] | None = None  # opens its NIC pair again
         super().__init__(sock, peer, index, on_complete, host)
 
     @property
@@ -292,6 +299,9 @@ class TcpTransport(Transport):
         down is noticed then, and the rail's unfinished work moves to the peer's other
         NIC rails (a WRITE lands the same bytes at the same place again; a READ reads
         them again). With no NIC rail left the work fails with ``PeerLostError``.
+    :param nic_retry: seconds between tries to open a broken NIC rail's pair again
+        while the peer has another NIC rail open; the engine takes the new rail at its
+        next transfer to the peer.
     """
 
     name = "tcp"
@@ -302,7 +312,7 @@ class TcpTransport(Transport):
                  stall_timeout: float = STALL_TIMEOUT,
                  nics: str | Sequence[str] | None = None,
                  topology: Topology | None = None, nic_timeout: float = 5.0,
-                 serve: str | None = None) -> None:
+                 nic_retry: float = 1.0, serve: str | None = None) -> None:
         self._serve = serve = serve_mode(serve)
         if spread is not None and spread < 1:
             raise ValueError("spread must be at least 1")
@@ -322,6 +332,7 @@ class TcpTransport(Transport):
         if not nic_timeout > 0:
             raise ValueError("nic_timeout must be positive")
         self._nic_timeout = nic_timeout
+        self._reopener: Reopener[TcpRail] = Reopener("tcp", nic_retry)
         self.failovers = 0
         self._caps = Capabilities(max_sge=1000, max_wr_bytes=64 << 20, remote_scatter=True,
                                   default_rails=(rails or 1) * len(self._nics)
@@ -425,6 +436,15 @@ class TcpTransport(Transport):
         except (KeyError, TypeError, ValueError) as exc:
             raise ConnectError(f"peer published no usable tcp endpoint: {info!r:.120}",
                                peer=peer, op="connect", transport=self.name) from exc
+        return self._open(peer, key, nic, target, on_complete, timeout, credential)
+
+    def _open(self, peer: str, key: str,
+              nic: tuple[NicEndpoint, tuple[str, int], float] | None,
+              target: tuple[str, int], on_complete: OnComplete, timeout: float | None,
+              credential: Credential | None) -> TcpRail:
+        """Opens one rail to ``target`` (from ``nic``'s local address, if any)."""
+        if self._closed or self._host is None:
+            raise ClosedError("transport is closed", peer=peer, transport=self.name)
         try:
             sock = socket.create_connection(target, timeout=timeout,
                                             source_address=(nic[0].address, 0) if nic
@@ -456,7 +476,13 @@ class TcpTransport(Transport):
             group = self._nic_groups.setdefault(key, [])
             group[:] = [r for r in group if not r.closed] + [rail]
             rail.failover = functools.partial(self._failover, group)
+            rail.reopen = functools.partial(self._open, peer, key, nic, target, on_complete,
+                                            timeout, credential)
         return rail
+
+    def revived(self, rail: Rail) -> Rail | None:
+        """The rail that reopened ``rail``'s NIC pair after its link came back, once."""
+        return self._reopener.revived(rail)
 
     def _failover(self, group: list[TcpRail], broken: TcpRail, work: Work,
                   error: TransferError) -> TransferError | None:
@@ -472,11 +498,20 @@ class TcpTransport(Transport):
             self.failovers += 1
             log.info("NIC rail %s->%s#%d broke (%s): its work moved to %s#%d", broken.nic,
                      broken.peer, broken.index, error.message, other.nic, other.index)
+            self._reopen_later(group, broken)
             return None
+        self._reopen_later(group, broken)
         failed = sorted({str(r.nic) for r in group})
         return PeerLostError(f"no NIC rail to the peer is left ({', '.join(failed)} "
                              f"failed): {error.message}", peer=broken.peer,
                              op=str(work.op), transport=self.name)
+
+    def _reopen_later(self, group: list[TcpRail], broken: TcpRail) -> None:
+        """Has ``broken``'s NIC pair opened again in the background while another rail
+        of its group is open (the peer is still in use)."""
+        if broken.reopen is not None:
+            self._reopener.schedule(broken, broken.reopen,
+                                    lambda: any(not r.closed for r in group))
 
     def _next_pair(self, peer: str, info: dict[str, Any]
                    ) -> tuple[str, tuple[NicEndpoint, tuple[str, int], float] | None]:
@@ -499,6 +534,7 @@ class TcpTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        self._reopener.close()
         for rail in self._rails:
             rail.close()
         self._rails.clear()
