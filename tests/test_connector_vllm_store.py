@@ -35,13 +35,13 @@ with warnings.catch_warnings():  # vLLM and torch warn at import; not our concer
     else:
         pytest.importorskip("vllm", reason="vllm is not installed (scripts/setup_vllm.sh)")
         torch = pytest.importorskip("torch")
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.request import RequestStatus
 
     from kvstore.client import Lookup
     from kvstore.master import Master
     from kvstore.node import StorageNode
+    from tests.helpers.vllm_workers import blocks
+    from tests.helpers.vllm_workers import wait_results as worker_results
     from transfer_engine.connectors.vllm import (
         PROTOCOL_VERSION,
         TEConnectorConfig,
@@ -71,22 +71,9 @@ def request(rid: str, prompt: list[int], computed: int = 0, params: Any = None,
                            status=status)
 
 
-def blocks(ids: list[int], cached: int = 0) -> KVCacheBlocks:
-    out = [KVCacheBlock(i) for i in ids]
-    for b in out[:cached]:
-        b.set_block_hash(b"h" * 8)  # a prefix-cache hit
-    return KVCacheBlocks((out,))
-
-
-def wait_results(worker: TEConnectorWorker, want: str, rid: str, timeout: float = 10.0
-                 ) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        res = worker.results()
-        if rid in getattr(res, want):
-            return res
-        time.sleep(0.005)
-    raise AssertionError(f"{rid} not in {want} after {timeout}s")
+def wait_results(worker: TEConnectorWorker, want: str, rid: str) -> Any:
+    """The worker's results once ``rid`` is in ``want`` (store loads get 10 s)."""
+    return worker_results(worker, want, rid, timeout=10.0)
 
 
 class Side:

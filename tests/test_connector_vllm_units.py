@@ -32,10 +32,9 @@ with warnings.catch_warnings():  # vLLM and torch warn at import; not our concer
     else:
         pytest.importorskip("vllm", reason="vllm is not installed (scripts/setup_vllm.sh)")
         torch = pytest.importorskip("torch")
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.request import RequestStatus
 
+    from tests.helpers.vllm_workers import blocks
     from transfer_engine.connectors.vllm import (
         PROTOCOL_VERSION,
         TEConnectorConfig,
@@ -140,13 +139,6 @@ def request(rid: str, params: dict[str, Any] | None, prompt: int = 40, computed:
     return SimpleNamespace(request_id=rid, kv_transfer_params=params,
                            prompt_token_ids=list(range(prompt)), num_computed_tokens=computed,
                            status=status)
-
-
-def blocks(ids: list[int], cached: int = 0) -> KVCacheBlocks:
-    out = [KVCacheBlock(i) for i in ids]
-    for b in out[:cached]:
-        b.set_block_hash(b"h" * 8)  # a prefix-cache hit
-    return KVCacheBlocks((out,))
 
 
 def test_scheduler_hands_over_and_holds() -> None:

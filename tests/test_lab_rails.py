@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -91,14 +92,15 @@ def test_striping_over_lab_nics(tmp_path: Path) -> None:
     assert two["gbps"] > 1.7 * one["gbps"], rows
 
 
-def test_nic_failover_in_the_lab(make_lab) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
-    """A NIC pulled mid-transfer: its slices move to the other NIC, byte-exact. Every
-    NIC pulled: the transfer fails with PeerLostError, in bounded time."""
+def _failover_pair(lab_factory: Any) -> tuple[Any, Any, Any, Any]:
+    """Two lab hosts with 2 NICs at 50 Mbit/s: a target on host 1 and, on host 0, the
+    initiator of tests/helpers/lab_failover_peer.py. Returns (lab, target, initiator,
+    the initiator's stdout)."""
     import secrets  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
-    lab = make_lab(hosts=2, nics=2, rate_mbit=50)
+    lab = lab_factory(hosts=2, nics=2, rate_mbit=50)
     h0, h1 = lab.hosts
     env = {"TE_CONTROL_SECRET": secrets.token_hex(24), "PATH": "/usr/bin:/bin"}
     target = lab.spawn(h1, [sys.executable, "-m", "bench.lab_bench", "serve", "--host",
@@ -110,7 +112,14 @@ def test_nic_failover_in_the_lab(make_lab) -> None:  # type: ignore[no-untyped-d
         / "lab_failover_peer.py"), h0.address, endpoint, "1.0"], env=env,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert init.stdout is not None and init.stdin is not None
-    out, inp = init.stdout, init.stdin
+    return lab, target, init, init.stdout
+
+
+def test_nic_failover_in_the_lab(make_lab) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    """A NIC pulled mid-transfer: its slices move to the other NIC, byte-exact. Every
+    NIC pulled: the transfer fails with PeerLostError, in bounded time."""
+    lab, target, init, out = _failover_pair(make_lab)
+    inp = init.stdin
     assert out.readline().split() == ["RAILS", "eth0,eth1"]
     inp.write("go\n")
     inp.flush()
@@ -137,23 +146,8 @@ def test_nic_failover_in_the_lab(make_lab) -> None:  # type: ignore[no-untyped-d
 def test_a_nic_that_comes_back_carries_traffic_again(make_lab) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     """A NIC pulled mid-transfer and plugged back: its rail is opened again in the
     background and the next transfer goes over both NICs again, byte-exact."""
-    import secrets  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-
-    lab = make_lab(hosts=2, nics=2, rate_mbit=50)
-    h0, h1 = lab.hosts
-    env = {"TE_CONTROL_SECRET": secrets.token_hex(24), "PATH": "/usr/bin:/bin"}
-    target = lab.spawn(h1, [sys.executable, "-m", "bench.lab_bench", "serve", "--host",
-                            h1.address], env=env, stdin=subprocess.PIPE,
-                       stdout=subprocess.PIPE, text=True)
-    assert target.stdout is not None and target.stdin is not None
-    endpoint = target.stdout.readline().split()[1]
-    init = lab.spawn(h0, [sys.executable, str(Path(__file__).parent / "helpers"
-        / "lab_failover_peer.py"), h0.address, endpoint, "1.0"], env=env,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert init.stdout is not None and init.stdin is not None
-    out, inp = init.stdout, init.stdin
+    lab, target, init, out = _failover_pair(make_lab)
+    inp = init.stdin
 
     def step(command: str) -> None:
         inp.write(command + "\n")

@@ -10,6 +10,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from tests.helpers.clock import FakeClock
 from transfer_engine.connectors.vllm import RecvSpec, TEConnectorConfig, TEConnectorWorker
@@ -76,3 +78,11 @@ def spec(prefill: TEConnectorWorker, rid: str, local: list[int], remote: list[in
          ) -> RecvSpec:
     assert prefill.engine is not None
     return RecvSpec(rid, local, remote, prefill.engine.endpoint, "prefill-engine", rid)
+
+
+def blocks(ids: list[int], cached: int = 0) -> KVCacheBlocks:
+    """vLLM's block list of ``ids``, the first ``cached`` of them prefix-cache hits."""
+    out = [KVCacheBlock(i) for i in ids]
+    for b in out[:cached]:
+        b.set_block_hash(b"h" * 8)
+    return KVCacheBlocks((out,))
