@@ -3,16 +3,19 @@ and watches, and engines that find each other through it."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from bench.etcd_server import etcd_server, etcd_skip_reason
+from bench.etcd_server import EtcdCluster, etcd_cluster, etcd_server, etcd_skip_reason
 from tests.helpers.faults import revoke_etcd_lease
 from transfer_engine import Descriptor, Engine, UnknownPeerError
+from transfer_engine.control.etcd_client import parse_etcd_address
 from transfer_engine.control.etcd_store import EtcdStore
 from transfer_engine.control.metastore import EventKind, MemberEvent, MemberRecord
 from transfer_engine.errors import ConnectError
@@ -158,3 +161,89 @@ def test_a_lost_lease_is_taken_again(make_store: Callable[..., EtcdStore]) -> No
     wait_for(lambda: events.kinds()[-2:] == [(EventKind.EXPIRE, "m"), (EventKind.JOIN, "m")]
              and holder.leases.get("m", lease) != lease, timeout=5)
     assert [r.name for r in watcher.list()] == ["m"]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
+    """Three etcd members of one cluster on loopback; a test may kill or freeze one."""
+    reason = etcd_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with etcd_cluster(tmp_path, 3) as c:
+        yield c
+
+
+def test_address_lists_cluster_members() -> None:
+    assert parse_etcd_address("etcd://10.0.0.1:1,10.0.0.2,[::1]:3/fleet") == (
+        [("10.0.0.1", 1), ("10.0.0.2", 2379), ("::1", 3)], "/fleet")
+    assert parse_etcd_address("http://h:5") == ([("h", 5)], "")
+    for bad in ("etcd://", "etcd://h:x", "etcd://h:1,,h:2", "etcd://h:70000",
+                "etcd://[::1", "redis://h:1"):
+        with pytest.raises(ValueError):
+            parse_etcd_address(bad)
+
+
+def test_a_cluster_that_loses_its_leader_keeps_engines_joining_and_leaving(
+        cluster: EtcdCluster, make_engine: Callable[..., Engine]) -> None:
+    """Kill the leader (SIGKILL): engines already in stay in (their leases are renewed
+    through another member), new ones join, one leaves, a transfer finds its peer, and
+    a watcher sees exactly those events."""
+    address = cluster.address + "/fleet"
+    watcher = EtcdStore(address, name="w", ttl=2, timeout=3)
+    events = Events()
+    try:
+        watcher.watch(events)
+        old = [make_engine(f"old-{i}", transports=["tcp"], registry=address, timeout=5)
+               for i in range(2)]
+        wait_for(lambda: len(watcher.list()) == 2)
+        cluster.kill(cluster.leader())
+        new = make_engine("new-0", transports=["tcp"], registry=address, timeout=5)
+        dst = np.zeros(1 << 16, dtype=np.uint8)
+        new.register(dst, name="kv")
+        wait_for(lambda: any(m.segments for m in old[0].members() if m.name == "new-0"))
+        old[1].close()
+        wait_for(lambda: (EventKind.LEAVE, "old-1") in events.kinds())
+        time.sleep(3.0)  # past a lease: the old members were kept alive meanwhile
+        assert sorted(r.name for r in watcher.list()) == ["new-0", "old-0"]
+        assert EventKind.EXPIRE not in [k for k, _ in events.kinds()]
+        peer = old[0].connect("new-0")
+        data = np.random.default_rng(7).integers(0, 256, 1 << 16, dtype=np.uint8)
+        src = old[0].register(data)
+        old[0].write(peer, [(Descriptor(src, 0, 1 << 16),
+                             Descriptor(peer.segment("kv"), 0, 1 << 16))]).wait(10)
+        assert np.array_equal(dst, data)
+    finally:
+        watcher.close()
+
+
+def test_a_watch_moves_off_a_frozen_member(cluster: EtcdCluster) -> None:
+    """A member that freezes (SIGSTOP) keeps its watch streams open and silent; the
+    watch notices within about a ttl and resumes on another member from its revision,
+    so nothing put meanwhile is missed."""
+    watcher = EtcdStore(cluster.address, name="w", ttl=2, timeout=2)
+    others = ",".join(m.url for m in cluster.members[1:])
+    writer = EtcdStore(f"etcd://{others}", name="p", ttl=2, timeout=5)
+    events = Events()
+    frozen = cluster.members[0].proc
+    try:
+        watcher.watch(events)
+        writer.put(MemberRecord("before", "1"))
+        wait_for(lambda: (EventKind.JOIN, "before") in events.kinds())
+        frozen.send_signal(signal.SIGSTOP)
+        writer.put(MemberRecord("during", "1"))
+        wait_for(lambda: (EventKind.JOIN, "during") in events.kinds(), timeout=10)
+        assert events.kinds() == [(EventKind.JOIN, "before"), (EventKind.JOIN, "during")]
+        assert [r.name for r in watcher.list()] == ["before", "during"]
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+        watcher.close()
+        writer.close()
+
+
+def test_no_member_serving_is_a_connect_error_naming_each() -> None:
+    store = EtcdStore("etcd://127.0.0.1:9,127.0.0.1:7", timeout=1)
+    try:
+        with pytest.raises(ConnectError, match=r"127\.0\.0\.1:9.*127\.0\.0\.1:7"):
+            store.list()
+    finally:
+        store.close()

@@ -23,12 +23,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
-from urllib.parse import urlsplit
 
 import numpy as np
 
 from kvstore.node import StorageNode
-from transfer_engine.control.etcd_store import EtcdStore, etcd_request
+from transfer_engine.control.etcd_client import etcd_request, parse_etcd_address
+from transfer_engine.control.etcd_store import EtcdStore
 from transfer_engine.errors import NotSupportedError, TransferEngineError
 from transfer_engine.handle import TransferHandle
 from transfer_engine.transport.base import Transport, Work
@@ -134,10 +134,8 @@ class SlowCopyNode(StorageNode):
 def revoke_etcd_lease(store: EtcdStore, lease: int) -> None:
     """Revokes ``lease`` in etcd behind ``store``'s back, as a restore from a backup
     would forget it."""
-    url = urlsplit(store.address)
-    assert url.hostname is not None
-    etcd_request(url.hostname, url.port or 2379, "/v3/lease/revoke", {"ID": str(lease)},
-                 2, "test")
+    (host, port), *_ = parse_etcd_address(store.address)[0]
+    etcd_request(host, port, "/v3/lease/revoke", {"ID": str(lease)}, 2, "test")
 
 
 # --- internals a test reaches on purpose ----------------------------------------------

@@ -30,13 +30,20 @@ import builtins
 import http.client
 import json
 import logging
-import socket
 import threading
+import time
 from typing import Any
-from urllib.parse import urlsplit
 
 import msgpack
 
+from transfer_engine.control.etcd_client import (
+    ETCD_SCHEME,
+    Endpoint,
+    EtcdClient,
+    etcd_request,
+    parse_etcd_address,
+    shut,
+)
 from transfer_engine.control.metastore import (
     EventCallback,
     EventKind,
@@ -47,10 +54,8 @@ from transfer_engine.control.metastore import (
 )
 from transfer_engine.errors import (
     ClosedError,
-    ConnectError,
     ProtocolError,
     TransferEngineError,
-    TransferTimeout,
     UnknownPeerError,
 )
 
@@ -58,9 +63,7 @@ __all__ = ["EtcdStore", "ETCD_SCHEME", "etcd_request"]
 
 log = logging.getLogger(__name__)
 
-ETCD_SCHEME = "etcd://"
 _LEAVING = b"\x00leaving"  # value a member writes just before revoking its lease
-_MAX_RESPONSE = 64 << 20
 
 
 def _b64(data: bytes) -> str:
@@ -76,41 +79,13 @@ def _prefix_end(prefix: bytes) -> bytes:
     return prefix[:-1] + bytes([prefix[-1] + 1])
 
 
-def etcd_request(host: str, port: int, path: str, body: dict[str, Any], timeout: float,
-                 op: str) -> dict[str, Any]:
-    """One POST of ``body`` to etcd's v3 JSON gateway (``/v3/kv/range``, ...); returns
-    the decoded reply. Raises ``ConnectError`` (unreachable), ``TransferTimeout`` and
-    ``ProtocolError`` (an error reply, or one that is not JSON)."""
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        data = resp.read(_MAX_RESPONSE)
-    except TimeoutError as exc:
-        raise TransferTimeout(f"etcd {path} took over {timeout}s", peer="etcd",
-                              op=op) from exc
-    except OSError as exc:
-        raise ConnectError(f"etcd at {host}:{port}: {exc}", peer="etcd", op=op) from exc
-    except http.client.HTTPException as exc:
-        raise ProtocolError(f"etcd {path}: {exc!r}", peer="etcd", op=op) from exc
-    finally:
-        conn.close()
-    try:
-        reply = json.loads(data)
-    except ValueError as exc:
-        raise ProtocolError(f"etcd {path} answered {resp.status} with no JSON: "
-                            f"{data[:200]!r}", peer="etcd", op=op) from exc
-    if resp.status != 200 or not isinstance(reply, dict) or "error" in reply:
-        raise ProtocolError(f"etcd {path} answered {resp.status}: {str(reply)[:300]}",
-                            peer="etcd", op=op)
-    return reply
-
-
 class EtcdStore(MetadataStore):
     """Members as leased keys in etcd.
 
     :param address: ``etcd://host:port`` (or ``http://host:port``), optionally with a key
-        prefix as its path (``etcd://127.0.0.1:2379/fleet-a``; default ``/te``).
+        prefix as its path (``etcd://127.0.0.1:2379/fleet-a``; default ``/te``). A
+        cluster lists its members: ``etcd://h1:2379,h2:2379,h3:2379/fleet-a``; requests,
+        keep-alives and watches move to another member when one is lost.
     :param ttl: lease of each record, seconds (etcd grants at least about 2).
     :param timeout: seconds for each request when a call gives none.
     :param name: for thread names and logs.
@@ -118,13 +93,10 @@ class EtcdStore(MetadataStore):
 
     def __init__(self, address: str, *, ttl: float = 3.0, timeout: float = 5.0,
                  name: str = "client") -> None:
-        url = urlsplit(address)
-        if url.scheme not in ("etcd", "http") or not url.hostname:
-            raise ValueError(f"etcd address must be etcd://host:port[/prefix], got "
-                             f"{address!r}")
+        endpoints, path = parse_etcd_address(address)
         self.address = address
-        self._host, self._port = url.hostname, url.port or 2379
-        prefix = (url.path.rstrip("/") or "/te") + "/members/"
+        self._client = EtcdClient(endpoints, timeout)
+        prefix = (path.rstrip("/") or "/te") + "/members/"
         self._prefix = prefix.encode()
         self.ttl = ttl
         self.timeout = timeout
@@ -153,8 +125,7 @@ class EtcdStore(MetadataStore):
         """One JSON request to the gateway; errors become the engine's own."""
         if self._closed:
             raise ClosedError("etcd store is closed", peer="etcd", op=op)
-        return etcd_request(self._host, self._port, path, body, timeout or self.timeout,
-                            op)
+        return self._client.call(path, body, timeout or self.timeout, op)
 
     def _key(self, name: str) -> bytes:
         if not name or "/" in name:
@@ -213,7 +184,11 @@ class EtcdStore(MetadataStore):
                 self._put_value(name, _LEAVING, lease, timeout)
             except ProtocolError:
                 pass  # the lease is gone already, and with it the key
-            self._call("/v3/lease/revoke", {"ID": str(lease)}, timeout, "leave")
+            try:
+                self._call("/v3/lease/revoke", {"ID": str(lease)}, timeout, "leave")
+            except ProtocolError as exc:
+                if "not found" not in str(exc):
+                    raise  # else: gone already (a repeat of a revoke that landed)
 
     def list(self, role: str | None = None, timeout: float | None = None
              ) -> builtins.list[MemberRecord]:
@@ -250,6 +225,7 @@ class EtcdStore(MetadataStore):
         for record in records:
             w.deliver(MemberEvent(EventKind.JOIN, record.name, record))
         w.start()
+        self._ensure_keeper()
 
         def cancel() -> None:
             with self._lock:
@@ -268,7 +244,9 @@ class EtcdStore(MetadataStore):
             self._keeper.start()
 
     def _keep_alive(self) -> None:
+        """Renews our leases every ttl/3, and moves watches off a member gone silent."""
         while not self._stop.wait(self.ttl / 3):
+            self._check_watches()
             with self._lock:
                 held = dict(self._own)
             for name, (record, lease) in held.items():
@@ -281,6 +259,26 @@ class EtcdStore(MetadataStore):
                 except TransferEngineError as exc:
                     if not self._closed:
                         log.info("etcd keep-alive of %s: %s", name, exc)
+
+    def _check_watches(self) -> None:
+        """A watch's member that was killed ends its stream, but one that froze or lost
+        its cluster keeps the stream open and silent: a watch quiet for a ttl has its
+        member asked a quorum read, and moves to another member if that fails."""
+        with self._lock:
+            watches = list(self._watches.values())
+        now = time.monotonic()
+        verdicts: dict[Endpoint, bool] = {}
+        for w in watches:
+            endpoint = w.endpoint
+            if endpoint is None or now - w.heard < self.ttl:
+                continue
+            if endpoint not in verdicts:
+                verdicts[endpoint] = self._client.serves(endpoint, self.ttl / 3)
+            if verdicts[endpoint]:
+                w.heard = now
+            else:
+                log.info("etcd member %s:%s is not serving; moving a watch", *endpoint)
+                w.reconnect()
 
     def _renew(self, name: str, record: MemberRecord, lease: int) -> None:
         """Puts ``record`` under a new lease, unless it left or changed meanwhile."""
@@ -312,10 +310,16 @@ class EtcdStore(MetadataStore):
             w.close()
         if keeper is not None:
             keeper.join(self.timeout + self.ttl)
+        self._client.close()
 
     def __repr__(self) -> str:
         state = "CLOSED" if self._closed else f"own={len(self._own)}"
-        return f"<EtcdStore {self._host}:{self._port}{self._prefix.decode()} {state}>"
+        host, port = self._client.current
+        return f"<EtcdStore {host}:{port}{self._prefix.decode()} {state}>"
+
+
+class _Compacted(ProtocolError):
+    """A watch's revision was compacted away; it starts over from a snapshot."""
 
 
 class _Watch:
@@ -328,6 +332,8 @@ class _Watch:
         self._known = known
         self._start_revision = start_revision
         self._conn: http.client.HTTPConnection | None = None
+        self.endpoint: Endpoint | None = None  # the member this watch streams from
+        self.heard = time.monotonic()  # when that member last spoke
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"te-etcd-watch-{store.name}-{wid}")
@@ -344,26 +350,18 @@ class _Watch:
             log.exception("etcd watch callback failed")
 
     def _open(self) -> http.client.HTTPResponse:
-        s = self._store
-        prefix = s._prefix
+        prefix = self._store._prefix
         body = {"create_request": {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)),
                                    "start_revision": str(self._start_revision),
                                    "prev_kv": True}}
-        conn = http.client.HTTPConnection(s._host, s._port, timeout=s.timeout)
-        self._conn = conn
-        conn.request("POST", "/v3/watch", json.dumps(body),
-                     {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise ProtocolError(f"etcd watch answered {resp.status}", peer="etcd",
-                                op="watch")
-        if conn.sock is not None:
-            conn.sock.settimeout(None)  # events come when they come; close() shuts it
+        conn, resp, endpoint = self._store._client.open_stream("/v3/watch", body)
+        self._conn, self.endpoint, self.heard = conn, endpoint, time.monotonic()
         return resp
 
     def _run(self) -> None:
         backoff = 0.1
         while not self._stopped.is_set():
+            moved = True
             try:
                 resp = self._open()
                 if self._stopped.is_set():
@@ -371,8 +369,11 @@ class _Watch:
                 for line in iter(resp.readline, b""):
                     if self._stopped.is_set():
                         break
+                    self.heard = time.monotonic()
                     self._handle(json.loads(line).get("result", {}))
                     backoff = 0.1
+            except _Compacted:
+                moved = False  # the member is fine: resume on it from the snapshot
             except (OSError, ValueError, http.client.HTTPException,
                     TransferEngineError) as exc:
                 if self._stopped.is_set():
@@ -381,9 +382,17 @@ class _Watch:
             finally:
                 if self._conn is not None:
                     self._conn.close()
+            if moved and self.endpoint is not None and not self._stopped.is_set():
+                # the stream ended: its member stopped or restarted; resume on the next
+                self._store._client.demote(self.endpoint)
+                self.endpoint = None
             if self._stopped.wait(backoff):
                 break
             backoff = min(2.0, backoff * 2)
+
+    def reconnect(self) -> None:
+        """Ends the current stream; the watch resumes from its revision elsewhere."""
+        shut(self._conn)
 
     def _handle(self, result: dict[str, Any]) -> None:
         if result.get("canceled") or result.get("compact_revision"):
@@ -396,7 +405,7 @@ class _Watch:
             for record in records:
                 self._upsert(record)
             self._start_revision = revision + 1
-            raise ProtocolError("etcd watch restarted after compaction", peer="etcd")
+            raise _Compacted("etcd watch restarted after compaction", peer="etcd")
         for ev in result.get("events", []):
             kv = ev.get("kv", {})
             self._start_revision = int(kv.get("mod_revision", 0)) + 1
@@ -424,11 +433,6 @@ class _Watch:
 
     def close(self) -> None:
         self._stopped.set()
-        conn = self._conn
-        if conn is not None and conn.sock is not None:
-            try:
-                conn.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        shut(self._conn)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(5.0)
