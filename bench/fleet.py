@@ -111,9 +111,12 @@ def member(name: str, registry: str, role: str = "decode", size: int = 1 << 20,
     return Proc(args + ([secret] if secret else []))
 
 
-def registry_process(port: int, interval: float = 0.1, max_missed: int = 3) -> Proc:
+def registry_process(port: int, interval: float = 0.1, max_missed: int = 3,
+                     *options: str) -> Proc:
+    """The registry in a process of its own; ``options`` go to its command line."""
     return Proc(["-m", "transfer_engine.registry", "--bind", f"tcp://127.0.0.1:{port}",
-                 "--interval", str(interval), "--max-missed", str(max_missed), "--stdin"])
+                 "--interval", str(interval), "--max-missed", str(max_missed), "--stdin",
+                 *options])
 
 
 def free_port() -> int:

@@ -145,8 +145,10 @@ def test_membership_bench_runs_on_etcd(etcd: str, request: pytest.FixtureRequest
     from bench.membership_bench import join_to_visible  # noqa: PLC0415
 
     prefix = f"{etcd}/t-{request.node.name}"
-    out = join_to_visible(lambda name: EtcdStore(prefix, name=name), 3)
-    assert out["samples"] == 3 and 0 < out["p50_ms"] <= out["p99_ms"] < 5000
+    out = join_to_visible(prefix, lambda name: EtcdStore(prefix, name=name), 5, hosts=2,
+                          observers=2, hold=0.5)
+    assert out["samples"] == 5 and 0 < out["p50_ms"] <= out["p99_ms"] < 5000
+    assert out["expired"] == 0
 
 
 def test_a_lost_lease_is_taken_again(make_store: Callable[..., EtcdStore]) -> None:
