@@ -7,6 +7,12 @@ of any later request is read (or at :meth:`MasterLink.drain`). A request the mas
 not answer in time raises :class:`MasterUnavailableError` and fails every posted one
 with it, since the socket is reset and nothing sent before comes back; a refusal raises
 :class:`StoreError`.
+
+The master is named by its endpoint (``tcp://host:7400``), or by the etcd that names it
+(``etcd://h1:2379[,h2:2379...][/prefix]``): masters started with ``--etcd`` campaign for
+the role ``kvstore-master`` there, and the one that leads publishes its endpoint
+(:mod:`transfer_engine.control.etcd_leader`). A link to such a master looks the leader
+up again when the master goes silent (:meth:`MasterLink.follow`).
 """
 
 from __future__ import annotations
@@ -16,10 +22,27 @@ from collections.abc import Callable
 
 from kvstore.errors import MasterUnavailableError, StoreError
 from transfer_engine.control.auth import Signer
+from transfer_engine.control.etcd_client import ETCD_SCHEME
+from transfer_engine.control.etcd_leader import leader_of
 from transfer_engine.control.messages import Message
 from transfer_engine.control.request import SignedClient
+from transfer_engine.errors import TransferEngineError
 
-__all__ = ["MasterLink"]
+__all__ = ["MASTER_ROLE", "MasterLink", "locate_master"]
+
+MASTER_ROLE = "kvstore-master"
+
+
+def locate_master(master: str, timeout: float = 5.0) -> str:
+    """The endpoint to reach the master at: ``master`` itself, or the endpoint that the
+    leading master published in the etcd that ``master`` names."""
+    if not master.startswith(ETCD_SCHEME):
+        return master
+    try:
+        return leader_of(master, MASTER_ROLE, timeout)
+    except TransferEngineError as exc:
+        raise MasterUnavailableError(f"no kvstore master found through {master}: "
+                                     f"{exc}") from exc
 
 OnReply = Callable[[Message | Exception], None]
 
@@ -29,10 +52,13 @@ class MasterLink(SignedClient):
     waited for at a time, after those :meth:`post`-ed before it, whose answers go to
     their callbacks first. Not thread-safe: the caller serialises its use."""
 
-    def __init__(self, address: str, signer: Signer | None) -> None:
+    def __init__(self, master: str, signer: Signer | None) -> None:
+        self.master = master
+        address = locate_master(master)
+
         def timed_out(op: str, timeout: float) -> Exception:
-            return MasterUnavailableError(f"no answer from the master at {address} in "
-                                          f"{timeout}s to {op}")
+            return MasterUnavailableError(f"no answer from the master at {self.address} "
+                                          f"in {timeout}s to {op}")
 
         def refused(op: str, reason: str) -> Exception:
             return StoreError(f"the master refused {op}: {reason}")
@@ -42,11 +68,42 @@ class MasterLink(SignedClient):
                          refused_error=refused)
         self._posted: deque[tuple[Message, OnReply]] = deque()
 
+    def follow(self, timeout: float = 5.0) -> bool:
+        """After the master went silent: True if another master leads now (the link is
+        pointed at it, and anything posted to the old one fails); False if the master
+        is named by its endpoint, or still leads."""
+        if not self.master.startswith(ETCD_SCHEME):
+            return False
+        try:
+            address = locate_master(self.master, timeout)
+        except MasterUnavailableError:
+            return False
+        if address == self.address:
+            return False
+        lost = list(self._posted)
+        self._posted.clear()
+        moved = MasterUnavailableError(f"the master moved from {self.address} to {address}")
+        for _, on_reply in lost:
+            on_reply(moved)
+        self.retarget(address)
+        return True
+
     def request(self, msg: Message, timeout: float,
                 between: Callable[[], None] | None = None) -> Message:
         """Sends ``msg`` and returns its answer; ``between`` runs while the master works
         on it (its exception is raised once the answer is read, which would otherwise
-        pair with the next request)."""
+        pair with the next request). Unanswered because another master took over
+        (:meth:`follow`), it is asked once more of the new one, unless work already ran
+        ``between`` sending and answer."""
+        try:
+            return self._request(msg, timeout, between)
+        except MasterUnavailableError:
+            if not self.follow(min(timeout, 5.0)) or between is not None:
+                raise
+            return self._request(msg, timeout, None)
+
+    def _request(self, msg: Message, timeout: float,
+                 between: Callable[[], None] | None) -> Message:
         self.send(msg)
         error: BaseException | None = None
         if between is not None:

@@ -41,7 +41,10 @@ stats) and the timers; the rest is mixed in from one module each (see
 
 Run it in-process (``with Master("tcp://127.0.0.1:0") as m: m.endpoint``) or as
 ``kvstore-master --bind tcp://0.0.0.0:7400`` (with ``TE_CONTROL_SECRET`` set when not on
-loopback).
+loopback). With ``--etcd ADDRESS`` several masters stand by and the one that leads in
+etcd serves (:mod:`transfer_engine.control.etcd_leader`); nodes and clients given the
+same address follow it (:mod:`kvstore.link`), and a new leader rebuilds its table from
+the nodes as after a restart.
 """
 
 from __future__ import annotations
@@ -52,10 +55,12 @@ import heapq
 import itertools
 import logging
 import signal
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
@@ -63,6 +68,7 @@ import zmq
 
 from kvstore.errors import StoreError
 from kvstore.journal import Journal
+from kvstore.link import MASTER_ROLE
 from kvstore.master_state import I64, Node, PendingPut, Pool, check_distinct
 from kvstore.moves import DISK, Move
 from kvstore.nodes import Nodes
@@ -86,9 +92,10 @@ from kvstore.protocol import (
 from kvstore.reclaim import Reclaim
 from transfer_engine.closeable import Closeable
 from transfer_engine.control.auth import AuthConfig, check_exposure, open_request
+from transfer_engine.control.etcd_leader import EtcdLeader
 from transfer_engine.control.messages import ErrorReply, Message
 from transfer_engine.control.reply import SINGLE_FRAME, answer_multipart, refuse, send_reply
-from transfer_engine.errors import AuthenticationError, ProtocolError
+from transfer_engine.errors import AuthenticationError, ClosedError, ProtocolError
 
 __all__ = ["Master", "main"]
 
@@ -406,20 +413,59 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--secret-file", default=None, help="file holding the control secret")
     ap.add_argument("--insecure", action="store_true",
                     help="serve a non-loopback address without a secret")
+    ap.add_argument("--etcd", default=None,
+                    help="etcd://h1:2379[,h2:2379...][/prefix]: stand by until this master "
+                         "leads there, then serve and publish --advertise; nodes and "
+                         "clients given the same address follow the leader")
+    ap.add_argument("--advertise", default=None,
+                    help="endpoint published in etcd (default: --bind)")
+    ap.add_argument("--leader-ttl", type=float, default=3.0,
+                    help="seconds a master that stopped renewing keeps the lead")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     auth = AuthConfig.from_env()
     if args.secret_file:
         with open(args.secret_file, "rb") as f:
             auth = AuthConfig(secret=f.read().strip())
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    with Master(args.bind, auth=auth, insecure=args.insecure or None, lease_s=args.lease_s,
-                put_timeout_s=args.put_timeout_s, grace_s=args.grace_s,
-                node_interval=args.node_interval) as master:
-        print(f"kvstore-master serving {master.endpoint} epoch {master.epoch}", flush=True)
+    stop, lost = threading.Event(), threading.Event()
+    leader: EtcdLeader | None = None
+    if args.etcd:
+        advertise = args.advertise or args.bind
+        host, _, port = advertise.rpartition(":")
+        if port in ("0", "*") or host.endswith(("0.0.0.0", "*", "[::]")):
+            ap.error(f"--etcd needs an endpoint others can reach: give --advertise (and a "
+                     f"fixed port in --bind), not {advertise!r}")
+        def on_lost() -> None:
+            lost.set()
+            stop.set()
+        leader = EtcdLeader(args.etcd, MASTER_ROLE, advertise, ttl=args.leader_ttl,
+                            on_lost=on_lost)
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+        if leader is not None:
+            leader.cancel()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    with ExitStack() as stack:
+        if leader is not None:
+            stack.callback(leader.close)
+            print(f"kvstore-master standing by for the lead in {args.etcd}", flush=True)
+            try:
+                leader.campaign()
+            except ClosedError:
+                return
+        master = stack.enter_context(Master(
+            args.bind, auth=auth, insecure=args.insecure or None, lease_s=args.lease_s,
+            put_timeout_s=args.put_timeout_s, grace_s=args.grace_s,
+            node_interval=args.node_interval))
+        role = " (leader)" if leader is not None else ""
+        print(f"kvstore-master serving {master.endpoint} epoch {master.epoch}{role}",
+              flush=True)
         stop.wait()
+    if lost.is_set():  # a supervisor may start it again, as a standby
+        print("kvstore-master lost the lead; stopped serving", flush=True)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

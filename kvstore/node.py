@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 import zmq
 
-from kvstore.errors import InvalidArgumentError
+from kvstore.errors import InvalidArgumentError, StoreError
+from kvstore.link import locate_master
 from kvstore.protocol import (
     ENTRY,
     JOURNAL,
@@ -50,6 +51,7 @@ from kvstore.protocol import (
 from transfer_engine import Engine
 from transfer_engine.closeable import Closeable
 from transfer_engine.control.auth import AuthConfig
+from transfer_engine.control.etcd_client import ETCD_SCHEME
 from transfer_engine.control.messages import Message
 from transfer_engine.control.request import SignedClient
 from transfer_engine.errors import TransferEngineError
@@ -67,7 +69,9 @@ class StorageNode(Closeable):
     """Contributes memory to the store; see the module docstring.
 
     Parameters:
-        master: the master's endpoint.
+        master: the master's endpoint, or the etcd that names the leading master
+            (``etcd://h1:2379[,...][/prefix]``, see :mod:`kvstore.link`): a node whose
+            master goes silent looks the leader up again and registers with it.
         capacity: bytes of DRAM to lend (one registered segment).
         name: unique node name; default a random one.
         engine: an engine to register the memory with (not closed by the node); default
@@ -139,7 +143,10 @@ class StorageNode(Closeable):
             self.interval = 0.5
             self._lock = threading.Lock()
             self._registered = threading.Event()
-            self._link = SignedClient(None, master, self._signer, peer="kvstore-master",
+            self._heard = time.monotonic()  # when the master last spoke to us
+            self._looked = 0.0  # when the leading master was last looked up
+            self._link = SignedClient(None, locate_master(master, timeout), self._signer,
+                                      peer="kvstore-master",
                                       name="storage node's master link", ipv6=False)
             self._stack.callback(self._link.close)
             self._stop = threading.Event()
@@ -159,6 +166,16 @@ class StorageNode(Closeable):
     @property
     def endpoint(self) -> str:
         return self.engine.endpoint
+
+    @property
+    def master_endpoint(self) -> str:
+        """Where the master this node serves (or is looking for) is reached now."""
+        return self._link.address
+
+    @property
+    def registered(self) -> bool:
+        """Whether that master has welcomed this node."""
+        return self._registered.is_set()
 
     def close(self) -> None:
         """Stops heartbeating (the master drops the node after its silence) and releases
@@ -180,6 +197,7 @@ class StorageNode(Closeable):
         after ``timeout`` seconds or when it is not one we accept."""
         if not self._link.poll(timeout):
             return None
+        self._heard = time.monotonic()
         try:
             return self._link.read()
         except TransferEngineError as exc:
@@ -190,6 +208,7 @@ class StorageNode(Closeable):
         next_beat = 0.0
         while not self._stop.is_set():
             try:
+                self._follow()
                 if not self._registered.is_set():
                     if not self._register():
                         self._link.reset()
@@ -213,6 +232,28 @@ class StorageNode(Closeable):
             except Exception:
                 log.exception("node %s loop", self.name)
                 self._stop.wait(0.1)
+
+    def _follow(self) -> None:
+        """With the master named through etcd: once it has been silent for three
+        heartbeats (at most once a second), looks up who leads, and moves to a new
+        leader (registering with it, as with a restarted master)."""
+        if not self.master.startswith(ETCD_SCHEME):
+            return
+        now = time.monotonic()
+        if now - self._heard < 3 * self.interval or now - self._looked < 1.0:
+            return
+        self._looked = now
+        try:
+            address = locate_master(self.master, min(self.timeout, 2.0))
+        except StoreError as exc:
+            log.info("node %s: %s", self.name, exc)
+            return
+        if address != self._link.address:
+            log.info("node %s: the master moved from %s to %s", self.name,
+                     self._link.address, address)
+            self._link.retarget(address)
+            self._registered.clear()
+            self._heard = now
 
     def _beat(self) -> None:
         self._link.send(KvBeat(name=self.name, incarnation=self.incarnation,
@@ -328,7 +369,8 @@ def _size(text: str) -> int:
 def main(argv: list[str] | None = None) -> None:
     """``python -m kvstore.node``: serves until SIGINT or SIGTERM."""
     ap = argparse.ArgumentParser(prog="kvstore-node", description=__doc__.split("\n")[0])
-    ap.add_argument("--master", required=True)
+    ap.add_argument("--master", required=True,
+                    help="tcp://HOST:PORT, or etcd://H:P[,H:P...][/prefix] to follow the leader")
     ap.add_argument("--capacity", default="256M", help="DRAM to lend, e.g. 1G")
     ap.add_argument("--name", default=None)
     ap.add_argument("--host", default="127.0.0.1")

@@ -134,7 +134,12 @@ class SlowCopyNode(StorageNode):
 def revoke_etcd_lease(store: EtcdStore, lease: int) -> None:
     """Revokes ``lease`` in etcd behind ``store``'s back, as a restore from a backup
     would forget it."""
-    (host, port), *_ = parse_etcd_address(store.address)[0]
+    revoke_etcd_lease_at(store.address, lease)
+
+
+def revoke_etcd_lease_at(address: str, lease: int) -> None:
+    """Revokes ``lease`` in the etcd at ``address`` (its first member)."""
+    (host, port), *_ = parse_etcd_address(address)[0]
     etcd_request(host, port, "/v3/lease/revoke", {"ID": str(lease)}, 2, "test")
 
 

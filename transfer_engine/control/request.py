@@ -168,6 +168,12 @@ class SignedClient:
         self._sock.close(linger=0)
         self._sock = self._open()
 
+    def retarget(self, address: str) -> None:
+        """Points the client at another server (a leader that moved); as with
+        :meth:`reset`, nothing queued on the old socket reaches the new one."""
+        self.address = address
+        self.reset()
+
     def close(self) -> None:
         """Closes the socket (and the context, when it is the client's own). Idempotent."""
         with self._lock:
