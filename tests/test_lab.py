@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.lab_helpers import lab_tag, make_lab, send_to  # noqa: F401  (fixture)
+from tests.helpers.lab_helpers import (  # noqa: F401  (make_lab: a fixture)
+    lab_tag,
+    make_lab,
+    round_trip_ms,
+    send_to,
+)
 from transfer_engine.lab import Lab, LabConfig, LabError, lab_skip_reason
 from transfer_engine.lab.netns import check_address, namespaces, run
+from transfer_engine.lab.wire import WirePort, frame_delay
 from transfer_engine.topology import load_topology_file, preferred_nics
 
 
@@ -73,20 +80,48 @@ def test_close_removes_everything(tmp_path: Path) -> None:
     lab.close()  # idempotent
 
 
-def test_delay_without_netem_is_refused_cleanly(tmp_path: Path) -> None:
-    reason = lab_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    tag = lab_tag("d")
-    try:
-        lab = Lab(LabConfig(hosts=2, delay_ms=1, tag=tag), state_root=tmp_path)
-    except LabError as exc:
-        assert "netem" in str(exc)
-    else:  # a kernel with netem: the delay line is there
-        with lab:
-            assert "netem" in run(["tc", "qdisc", "show", "dev", "eth0"],
-                                  lab.hosts[0].netns)
-    assert not [ns for ns in namespaces() if ns.startswith(f"te-{tag}-")]
+def test_the_delay_line_delays_by_destination() -> None:
+    port = WirePort("h0n0", "y0n0", 0.001, {"198.18.0.2": 0.016})
+    header = bytes(10)  # the kernel's offload header
+
+    def ipv4_to(dst: str) -> bytes:
+        ip = bytes(16) + socket.inet_aton(dst)
+        return header + bytes(12) + b"\x08\x00" + ip + bytes(20)
+    assert frame_delay(port, ipv4_to("198.18.0.2")) == 0.016  # another zone
+    assert frame_delay(port, ipv4_to("198.18.0.3")) == 0.001  # its own zone
+    arp = header + bytes(12) + b"\x08\x06" + bytes(28)
+    assert frame_delay(port, arp) == 0.001
+    assert frame_delay(port, header[:4]) == 0.001  # a runt: the host's delay
+
+
+def test_cross_zone_hosts_are_further_away(make_lab) -> None:  # noqa: F811
+    """Zones of two hosts each: one way, 1 ms to a host of the same zone and 16 ms to
+    another zone, from netem or, on a kernel without it, the userspace delay line; the
+    delayed links still carry their rate."""
+    lab = make_lab(hosts=4, nics=1, rate_mbit=200, zones=2, delay_ms=1,
+                   cross_zone_delay_ms=15)
+    h0, h1, h2 = lab.hosts[:3]  # zones z0, z1, z0
+    if lab.wired:
+        assert [(p.host, p.delay_s, p.delay_to) for p in lab.wire_ports()][:2] == [
+            ("h0n0", 0.001, {"198.18.0.2": 0.016, "198.18.0.4": 0.016}),
+            ("h1n0", 0.001, {"198.18.0.1": 0.016, "198.18.0.3": 0.016})]
+    same = round_trip_ms(lab, h0, h2)
+    cross = round_trip_ms(lab, h0, h1, port=5302)
+    assert 1.8 < same < 8, same
+    assert 31 < cross < 45, cross
+    gbps = send_to(lab, h0, h1, 0, 32 << 20)
+    assert 0.6 * 0.2 < gbps < 1.1 * 0.2, gbps
+
+
+def running_with(text: str) -> bool:
+    """Whether a running process has ``text`` in its command line."""
+    for path in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in path.read_bytes().decode(errors="replace"):
+                return True
+        except OSError:
+            pass  # it ended meanwhile
+    return False
 
 
 def test_cli_up_and_down(tmp_path: Path) -> None:
@@ -99,12 +134,14 @@ def test_cli_up_and_down(tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "transfer_engine.lab"]
     try:
         up = subprocess.run([*cli, "up", "--hosts", "2", "--nics", "2", "--rate-mbit",
-                             "100", "--name", tag], capture_output=True, text=True,
-                            env=env, timeout=60, check=True)
+                             "100", "--delay-ms", "1", "--name", tag], capture_output=True,
+                            text=True, env=env, timeout=60, check=True)
         hosts = json.loads(up.stdout)["hosts"]
         assert [n["address"] for n in hosts[1]["nics"]] == ["198.18.0.2", "198.18.1.2"]
         assert f"te-{tag}-h1" in namespaces()
         assert Path(hosts[0]["topology_file"]).is_file()
+        # without netem, the delay line outlives `up` (a process of its own)
+        assert running_with(str(tmp_path / tag)) == json.loads(up.stdout)["delay_line"]
     finally:
         down = subprocess.run([*cli, "down", "--name", tag], capture_output=True,
                               text=True, env=env, timeout=60)
@@ -112,3 +149,4 @@ def test_cli_up_and_down(tmp_path: Path) -> None:
     assert sorted(json.loads(down.stdout)["removed"]) == [
         f"te-{tag}-h0", f"te-{tag}-h1", f"te-{tag}-sw"]
     assert not (tmp_path / tag).exists()
+    assert not running_with(str(tmp_path / tag))  # `down` ended the delay line

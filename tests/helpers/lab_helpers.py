@@ -74,3 +74,41 @@ def send_to(lab: Lab, src: LabHost, dst: LabHost, nic: int, nbytes: int,
     sink.wait(10)
     assert int(n) == nbytes, (n, nbytes, time.monotonic() - t0)
     return int(n) * 8 / float(seconds) / 1e9
+
+
+# a process inside a host: echo single bytes on ADDR:PORT for one connection
+ECHO = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); s.settimeout(20)
+print("ready", flush=True)
+c, _ = s.accept(); c.settimeout(20)
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while (b := c.recv(1)):
+    c.sendall(b)
+"""
+
+PING = """
+import socket, statistics, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=20)
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+rtts = []
+for _ in range(int(sys.argv[3])):
+    t = time.monotonic(); c.sendall(b"x"); c.recv(1); rtts.append(time.monotonic() - t)
+print(statistics.median(rtts) * 1e3, flush=True)
+"""
+
+
+def round_trip_ms(lab: Lab, src: LabHost, dst: LabHost, nic: int = 0, port: int = 5301,
+                  count: int = 10) -> float:
+    """Median round trip of one byte over TCP from ``src`` to ``dst`` on NIC ``nic``."""
+    addr = dst.nics[nic].address
+    echo = lab.spawn(dst, [sys.executable, "-c", ECHO, addr, str(port)],
+                     stdout=subprocess.PIPE, text=True)
+    assert echo.stdout is not None
+    assert echo.stdout.readline().strip() == "ready"
+    ping = lab.spawn(src, [sys.executable, "-c", PING, addr, str(port), str(count)],
+                     stdout=subprocess.PIPE, text=True)
+    out, _ = ping.communicate(timeout=30)
+    echo.wait(10)
+    return float(out)

@@ -5,7 +5,9 @@
     python -m transfer_engine.lab down
 
 ``up`` prints the lab's hosts as JSON (namespace, zone, pod, NIC addresses, topology
-file) and leaves the lab in place; ``down`` removes it.
+file) and whether its delays come from the userspace delay line (``delay_line``: a
+kernel without netem), and leaves the lab in place; ``down`` removes it, delay line
+included.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                            delay_ms=args.delay_ms, zones=args.zones,
                            cross_zone_delay_ms=args.cross_zone_delay_ms, tag=args.name)
         lab = Lab(config)  # left up on purpose: `down` removes it
-        print(json.dumps({"lab": args.name, "hosts": [h.to_json() for h in lab.hosts]},
-                         indent=1))
+        print(json.dumps({"lab": args.name, "delay_line": lab.wired,
+                          "hosts": [h.to_json() for h in lab.hosts]}, indent=1))
         return 0
     except (LabError, ValueError) as exc:
         print(f"lab {args.cmd} failed: {exc}", file=sys.stderr)

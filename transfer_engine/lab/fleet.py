@@ -16,12 +16,15 @@ top (then ``htb`` shapes in place of ``tbf``: one class at the rate over a same-
 and a cross-zone leaf, each with its ``netem``, ``u32`` filters on destination address;
 this kernel offers no ``prio``).
 
+On a kernel without ``netem`` the same delays come from a userspace delay line in the
+switch (:mod:`transfer_engine.lab.wire`): each host port is wired to its bridge through
+it, and ``tbf`` alone shapes the NICs.
+
 Every host gets a topology file (:mod:`transfer_engine.topology`'s format) that an
 engine started in it reads through ``$TE_TOPOLOGY_FILE``: NIC j sits on NUMA node
-``j % numa_nodes`` behind PCIe switch j, next to GPU j. A kernel without ``netem``
-builds labs without delay and refuses one that asks for it (:class:`LabError`).
-Deleting a namespace deletes its veths and qdiscs, so taking a lab down is deleting its
-namespaces and state folder.
+``j % numa_nodes`` behind PCIe switch j, next to GPU j. Deleting a namespace deletes
+its veths and qdiscs, so taking a lab down is ending the processes inside its
+namespaces (the delay line among them), then deleting the namespaces and state folder.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from transfer_engine.lab.netns import LabError, check_address, namespaces, run
+from transfer_engine.lab.wire import WirePort
 from transfer_engine.topology import TOPOLOGY_ENV
 
 __all__ = ["Lab", "LabConfig", "LabHost", "LabNic", "STATE_ROOT", "down"]
@@ -50,6 +55,7 @@ MAX_HOSTS = 250
 MAX_NICS = 16
 _TAG = re.compile(r"^[a-z0-9]{1,8}$")
 _PROC_STOP = 5.0
+_WIRE_START = 10.0
 
 
 @dataclass(frozen=True)
@@ -126,15 +132,15 @@ def _shape(netns: str, dev: str, rate_mbit: float) -> None:
          "latency", "100ms"], netns)
 
 
-def _check_netem(netns: str) -> None:
-    """Raises LabError when this kernel has no ``netem`` (CONFIG_NET_SCH_NETEM unset):
-    then no delay can be emulated, and a lab that asks for one is refused, not faked."""
+def has_netem(netns: str) -> bool:
+    """Whether this kernel has the ``netem`` qdisc (CONFIG_NET_SCH_NETEM); without it
+    a lab's delays come from :mod:`transfer_engine.lab.wire`."""
     try:
         run(["tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"], netns)
-    except LabError as exc:
-        raise LabError("delay needs the kernel's netem qdisc, which this kernel lacks "
-                       f"(CONFIG_NET_SCH_NETEM): {exc}") from exc
+    except LabError:
+        return False
     run(["tc", "qdisc", "del", "dev", "lo", "root"], netns, check=False)
+    return True
 
 
 def _netem(netns: str, dev: str, parent: str, handle: str, delay_ms: float) -> None:
@@ -157,6 +163,7 @@ class Lab:
         self.config = config
         self.state_dir = (state_root or STATE_ROOT) / config.tag
         self.hosts: list[LabHost] = []
+        self.wired = False  # delays from the userspace delay line, not netem
         self._procs: list[subprocess.Popen[Any]] = []
         self._closed = False
         down(config.tag, self.state_dir.parent)
@@ -198,7 +205,7 @@ class Lab:
         run(["ip", "netns", "add", self.switch])
         run(["ip", "link", "set", "lo", "up"], self.switch)
         if cfg.delay_ms > 0 or (cfg.zones > 1 and cfg.cross_zone_delay_ms > 0):
-            _check_netem(self.switch)
+            self.wired = not has_netem(self.switch)
         for j in range(cfg.nics):
             run(["ip", "link", "add", f"br{j}", "type", "bridge"], self.switch)
             run(["ip", "link", "set", f"br{j}", "up"], self.switch)
@@ -208,6 +215,8 @@ class Lab:
             for j in range(cfg.nics):
                 self._shape_host_nic(host, j)
         self._save()
+        if self.wired:
+            self._start_wire()
 
     def _add_host(self, i: int) -> LabHost:
         cfg = self.config
@@ -223,7 +232,14 @@ class Lab:
             addr = self.address_of(i, j)
             run(["ip", "addr", "add", f"{addr}/24", "dev", f"eth{j}"], ns)
             run(["ip", "link", "set", f"eth{j}", "up"], ns)
-            run(["ip", "link", "set", port, "master", f"br{j}"], self.switch)
+            if self.wired:  # port <-> delay line <-> y <-> x -- bridge
+                run(["ip", "link", "add", f"x{i}n{j}", "type", "veth", "peer", "name",
+                     f"y{i}n{j}"], self.switch)
+                run(["ip", "link", "set", f"x{i}n{j}", "master", f"br{j}"], self.switch)
+                for end in (f"x{i}n{j}", f"y{i}n{j}"):
+                    run(["ip", "link", "set", end, "up"], self.switch)
+            else:
+                run(["ip", "link", "set", port, "master", f"br{j}"], self.switch)
             _shape(self.switch, port, self.rate_of(j))
             run(["ip", "link", "set", port, "up"], self.switch)
             nics.append(LabNic(f"eth{j}", addr))
@@ -235,6 +251,9 @@ class Lab:
         cfg = self.config
         dev = f"eth{j}"
         others = [h for h in self.hosts if h.zone != host.zone]
+        if self.wired:
+            _shape(host.netns, dev, self.rate_of(j))  # the delay line adds the delays
+            return
         if cfg.zones > 1 and others and cfg.cross_zone_delay_ms > 0:
             # htb: one class at the NIC's rate shared by a same-zone leaf (the default)
             # and a cross-zone leaf chosen by destination; each leaf has its delay line
@@ -258,6 +277,33 @@ class Lab:
         _shape(host.netns, dev, self.rate_of(j))
         if cfg.delay_ms > 0:
             _netem(host.netns, dev, "1:1", "10:", cfg.delay_ms)
+
+    def wire_ports(self) -> list[WirePort]:
+        """What the delay line does at each host port: the delays netem would add on
+        the host's egress (``delay_ms``, plus ``cross_zone_delay_ms`` to other zones)."""
+        cfg = self.config
+        cross = (cfg.delay_ms + cfg.cross_zone_delay_ms) / 1e3
+        return [WirePort(f"h{h.index}n{j}", f"y{h.index}n{j}", cfg.delay_ms / 1e3,
+                         {o.nics[j].address: cross for o in self.hosts
+                          if cfg.zones > 1 and o.zone != h.zone})
+                for h in self.hosts for j in range(cfg.nics)]
+
+    def _start_wire(self) -> None:
+        conf, log = self.state_dir / "wire.json", self.state_dir / "wire.log"
+        conf.write_text(json.dumps({"ports": [p.to_json() for p in self.wire_ports()]}))
+        with open(log, "wb") as out:  # its own session: it outlives an `up` command
+            proc = subprocess.Popen(["ip", "netns", "exec", self.switch, sys.executable,
+                                     "-m", "transfer_engine.lab.wire", str(conf)],
+                                    env=self.env(self.hosts[0]), stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        self._procs.append(proc)
+        deadline = time.monotonic() + _WIRE_START
+        while b"ready" not in log.read_bytes():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise LabError(f"the lab's delay line did not start: "
+                               f"{log.read_text(errors='replace')[-600:]}")
+            time.sleep(0.02)
 
     def topology(self, i: int) -> dict[str, Any]:
         """Host ``i``'s topology file: NIC j and GPU j share PCIe switch j."""
@@ -362,17 +408,41 @@ def _own_hostname(name: str) -> None:
         raise OSError(ctypes.get_errno(), f"cannot give the process hostname {name!r}")
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _end_pids(pids: list[int]) -> None:
+    """SIGTERM, then SIGKILL for those still there after a few seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + _PROC_STOP
+        while pids and time.monotonic() < deadline:
+            pids = [p for p in pids if _alive(p)]
+            time.sleep(0.05)
+        if not pids:
+            return
+
+
 def down(tag: str, state_root: Path | None = None) -> list[str]:
     """Deletes lab ``tag``'s namespaces (with their links and qdiscs) and state folder;
     returns the namespaces deleted. Touches only names that begin ``te-TAG-``."""
     if not _TAG.match(tag):
         raise ValueError(f"tag must be 1-8 of [a-z0-9], got {tag!r}")
     prefix = f"te-{tag}-"
-    gone = []
-    for ns in namespaces():
-        if ns.startswith(prefix):
-            # a process still inside keeps the namespace alive but not its name
-            run(["ip", "netns", "delete", ns], check=False)
-            gone.append(ns)
+    gone = [ns for ns in namespaces() if ns.startswith(prefix)]
+    # a process still inside would keep its namespace (and links) alive, nameless
+    _end_pids([int(p) for ns in gone
+               for p in run(["ip", "netns", "pids", ns], check=False).split()])
+    for ns in gone:
+        run(["ip", "netns", "delete", ns], check=False)
     shutil.rmtree((state_root or STATE_ROOT) / tag, ignore_errors=True)
     return gone
