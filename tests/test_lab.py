@@ -150,3 +150,17 @@ def test_cli_up_and_down(tmp_path: Path) -> None:
         f"te-{tag}-h0", f"te-{tag}-h1", f"te-{tag}-sw"]
     assert not (tmp_path / tag).exists()
     assert not running_with(str(tmp_path / tag))  # `down` ended the delay line
+
+
+def test_loss_needs_the_delay_line_and_a_real_port(make_lab) -> None:  # noqa: F811
+    plain = make_lab(hosts=2)
+    with pytest.raises(LabError, match="delay_line=True"):
+        plain.set_loss(0, 0, 0.1)
+    wired = make_lab(hosts=2, delay_line=True)
+    assert wired.wired
+    with pytest.raises(ValueError):
+        wired.set_loss(0, 0, 1.5)
+    with pytest.raises(LabError, match="no port"):
+        wired.set_loss(0, 3, 0.1)
+    wired.set_loss(0, 0, 0.0)
+    assert send_to(wired, wired.hosts[0], wired.hosts[1], 0, 4 << 20) > 0.5

@@ -13,7 +13,7 @@ from tests.helpers.lab_helpers import lab_tag, make_lab  # noqa: F401  (fixture)
 from transfer_engine.lab import lab_skip_reason
 from transfer_engine.topology import Nic, Topology
 from transfer_engine.transport.tcp import TcpTransport
-from transfer_engine.transport.tcp_nics import RateMeter, local_nics, pair_nics
+from transfer_engine.transport.tcp_nics import RateMeter, StallWatch, local_nics, pair_nics
 
 TOPO = Topology((Nic("eth0", numa_node=0, port_state="ACTIVE", link_rate_gbps=1,
                      address="127.0.0.1"),
@@ -60,6 +60,48 @@ def test_rate_meter_follows_goodput() -> None:
     assert meter.samples == 2
 
 
+def test_overdue_work_and_the_stall_watch() -> None:
+    """A rail is overdue once its oldest work has waited ``grace`` plus four times its
+    bytes at the measured goodput; the watch stalls such a rail only while another rail
+    to the peer is open, since a slow rail beats none."""
+    meter = RateMeter(1.0)  # 1 Gb/s: 1 MiB is due in 4 x 8.4 ms
+    assert meter.overdue(0.1) == 0.0  # nothing outstanding
+    meter.started(1, 1 << 20)
+    now = time.monotonic()
+    assert meter.overdue(0.1, now) == 0.0
+    assert meter.overdue(0.1, now + 1.0) == pytest.approx(1.0 - 0.1 - 4 * 8 / 953.67,
+                                                           abs=0.01)
+    meter.done(1, 1 << 20, True)
+    assert meter.overdue(0.1, now + 5) == 0.0
+
+    class Rail:
+        def __init__(self, late: bool) -> None:
+            self.closed = False
+            self.meter = RateMeter(1.0)
+            self.inflight = 1 if late else 0
+            self.stalls: list[str] = []
+            if late:
+                self.meter.started(1, 1 << 20)
+                self.meter._starts[1] = (time.monotonic() - 10, 1 << 20)  # 10 s ago
+
+        def stall(self, reason: str) -> None:
+            self.stalls.append(reason)
+            self.closed = True
+
+    late, fine = Rail(True), Rail(False)
+    watch = StallWatch("t", lambda: [[late, fine]], grace=1.0)
+    try:
+        watch.check()
+        assert len(late.stalls) == 1 and "past due" in late.stalls[0]
+        assert not fine.stalls and watch.stalled == 1
+        alone = Rail(True)
+        watch._groups = lambda: [[alone]]  # its only rail: kept, however slow
+        watch.check()
+        assert not alone.stalls
+    finally:
+        watch.close()
+
+
 def test_nic_rails_on_loopback(make_engine) -> None:  # type: ignore[no-untyped-def]
     import numpy as np  # noqa: PLC0415
 
@@ -92,7 +134,7 @@ def test_striping_over_lab_nics(tmp_path: Path) -> None:
     assert two["gbps"] > 1.7 * one["gbps"], rows
 
 
-def _failover_pair(lab_factory: Any) -> tuple[Any, Any, Any, Any]:
+def _failover_pair(lab_factory: Any, **config: Any) -> tuple[Any, Any, Any, Any]:
     """Two lab hosts with 2 NICs at 50 Mbit/s: a target on host 1 and, on host 0, the
     initiator of tests/helpers/lab_failover_peer.py. Returns (lab, target, initiator,
     the initiator's stdout)."""
@@ -100,7 +142,7 @@ def _failover_pair(lab_factory: Any) -> tuple[Any, Any, Any, Any]:
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
-    lab = lab_factory(hosts=2, nics=2, rate_mbit=50)
+    lab = lab_factory(hosts=2, nics=2, rate_mbit=50, **config)
     h0, h1 = lab.hosts
     env = {"TE_CONTROL_SECRET": secrets.token_hex(24), "PATH": "/usr/bin:/bin"}
     target = lab.spawn(h1, [sys.executable, "-m", "bench.lab_bench", "serve", "--host",
@@ -176,6 +218,41 @@ def test_a_nic_that_comes_back_carries_traffic_again(make_lab) -> None:  # type:
             break
     else:
         raise AssertionError("the NIC's rail was not opened again")
+    inp.close()
+    init.wait(20)
+    target.stdin.close()
+
+
+def test_a_nic_that_turns_lossy_mid_transfer(make_lab) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    """Links stay up while a NIC loses frames (the lab's delay line drops them). A NIC
+    that drops everything mid-write (a black hole its link state does not show) has its
+    work moved to the other NIC once its connection times out (1 s here), byte-exact,
+    in bounded time; at 20% loss later writes complete byte-exact."""
+    lab, target, init, out = _failover_pair(make_lab, delay_line=True)
+    inp = init.stdin
+
+    def step() -> list[str]:
+        inp.write("go\n")
+        inp.flush()
+        assert out.readline().strip() == "STARTED"
+        return out.readline().split()
+
+    assert out.readline().split() == ["RAILS", "eth0,eth1"]
+    inp.write("go\n")
+    inp.flush()
+    assert out.readline().strip() == "STARTED"
+    time.sleep(0.5)
+    lab.set_loss(0, 1, 1.0)  # mid-write: eth1 goes silent, its link still up
+    wrote = out.readline().split()
+    assert wrote[:2] == ["WROTE", "ok"] and float(wrote[2]) < 20, wrote
+    assert out.readline().split() == ["EXACT", "True"]
+    assert int(out.readline().split()[1]) >= 1
+    lab.set_loss(0, 1, 0.2)  # back, but lossy: slower, and still exact
+    for _ in range(2):
+        wrote = step()
+        assert wrote[:2] == ["WROTE", "ok"], wrote
+        assert out.readline().split() == ["EXACT", "True"]
+        out.readline()  # FAILOVERS: a rail may time out again at this loss
     inp.close()
     init.wait(20)
     target.stdin.close()

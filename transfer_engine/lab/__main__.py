@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--delay-ms", type=float, default=0.0)
     up.add_argument("--zones", type=int, default=1)
     up.add_argument("--cross-zone-delay-ms", type=float, default=0.0)
+    up.add_argument("--delay-line", action="store_true",
+                    help="wire ports through the userspace delay line (for set_loss)")
     up.add_argument("--name", default="lab", help="lab tag: 1-8 of [a-z0-9]")
     dn = sub.add_parser("down", help="remove the lab")
     dn.add_argument("--name", default="lab")
@@ -44,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         config = LabConfig(hosts=args.hosts, nics=args.nics, rate_mbit=args.rate_mbit,
                            delay_ms=args.delay_ms, zones=args.zones,
-                           cross_zone_delay_ms=args.cross_zone_delay_ms, tag=args.name)
+                           cross_zone_delay_ms=args.cross_zone_delay_ms,
+                           delay_line=args.delay_line, tag=args.name)
         lab = Lab(config)  # left up on purpose: `down` removes it
         print(json.dumps({"lab": args.name, "delay_line": lab.wired,
                           "hosts": [h.to_json() for h in lab.hosts]}, indent=1))

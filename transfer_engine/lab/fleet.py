@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from transfer_engine.lab.netns import LabError, check_address, namespaces, run
-from transfer_engine.lab.wire import WirePort
+from transfer_engine.lab.wire import WirePort, set_loss
 from transfer_engine.topology import TOPOLOGY_ENV
 
 __all__ = ["Lab", "LabConfig", "LabHost", "LabNic", "STATE_ROOT", "down"]
@@ -73,6 +73,9 @@ class LabConfig:
     hosts_per_pod: int = 2
     numa_nodes: int = 2
     tag: str = "lab"
+    # wire host ports through the userspace delay line even where netem could do the
+    # delays (or none are asked): what Lab.set_loss needs
+    delay_line: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.hosts <= MAX_HOSTS:
@@ -204,7 +207,9 @@ class Lab:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         run(["ip", "netns", "add", self.switch])
         run(["ip", "link", "set", "lo", "up"], self.switch)
-        if cfg.delay_ms > 0 or (cfg.zones > 1 and cfg.cross_zone_delay_ms > 0):
+        self.wired = cfg.delay_line
+        if not self.wired and (cfg.delay_ms > 0 or (cfg.zones > 1
+                                                    and cfg.cross_zone_delay_ms > 0)):
             self.wired = not has_netem(self.switch)
         for j in range(cfg.nics):
             run(["ip", "link", "add", f"br{j}", "type", "bridge"], self.switch)
@@ -288,9 +293,30 @@ class Lab:
                           if cfg.zones > 1 and o.zone != h.zone})
                 for h in self.hosts for j in range(cfg.nics)]
 
+    @property
+    def _wire_control(self) -> Path:
+        return self.state_dir / "wire.ctl"
+
+    def set_loss(self, host: int, nic: int, loss: float) -> None:
+        """Drops ``loss`` (0..1) of the frames ``host``'s NIC ``nic`` carries, both ways,
+        with its link up (1.0: a black hole the link state does not show). Needs the
+        delay line (``LabConfig(delay_line=True)``, or a delay on a kernel without
+        netem)."""
+        if not self.wired:
+            raise LabError("set_loss needs the lab's delay line: build the lab with "
+                           "LabConfig(delay_line=True)")
+        if not 0.0 <= loss <= 1.0:
+            raise ValueError(f"loss must be in 0..1, got {loss}")
+        try:
+            set_loss(str(self._wire_control), f"h{host}n{nic}", loss)
+        except (OSError, ValueError) as exc:
+            raise LabError(f"the delay line did not take loss {loss} on host {host} "
+                           f"NIC {nic}: {exc}") from exc
+
     def _start_wire(self) -> None:
         conf, log = self.state_dir / "wire.json", self.state_dir / "wire.log"
-        conf.write_text(json.dumps({"ports": [p.to_json() for p in self.wire_ports()]}))
+        conf.write_text(json.dumps({"ports": [p.to_json() for p in self.wire_ports()],
+                                    "control": str(self._wire_control)}))
         with open(log, "wb") as out:  # its own session: it outlives an `up` command
             proc = subprocess.Popen(["ip", "netns", "exec", self.switch, sys.executable,
                                      "-m", "transfer_engine.lab.wire", str(conf)],

@@ -14,17 +14,25 @@ offload header (``PACKET_VNET_HDR``), so a 64 KiB TCP segment crosses as one fra
 checksum offload intact: the wire keeps up with the lab's gigabit links. At most
 ``LIMIT`` frames wait in the line (as ``netem``'s ``limit``); beyond, frames are dropped.
 
+A port can also be made lossy while the lab runs (:func:`set_loss`): a fraction of the
+frames it carries, both ways, is dropped, as by a bad cable or an overrun switch port
+whose link stays up.
+
     python -m transfer_engine.lab.wire CONFIG.json
 
 CONFIG: ``{"ports": [{"host": "h0n0", "bridge": "y0n0", "delay_s": 0.001,
-"delay_to": {"198.18.0.2": 0.021}}, ...]}``. It writes ``ready`` to stdout once every
-port is open, and runs until killed or a port disappears (its lab was taken down).
+"delay_to": {"198.18.0.2": 0.021}}, ...], "control": "/run/te-lab/TAG/wire.ctl"}``.
+It writes ``ready`` to stdout once every port is open, and runs until killed or a port
+disappears (its lab was taken down). ``control`` is a datagram socket that takes
+``{"port": "h0n1", "loss": 0.2}`` and answers ``ok`` or what was wrong.
 """
 
 from __future__ import annotations
 
 import heapq
 import json
+import os
+import random
 import select
 import socket
 import sys
@@ -33,7 +41,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
-__all__ = ["LIMIT", "WirePort", "frame_delay", "main"]
+__all__ = ["LIMIT", "WirePort", "frame_delay", "main", "set_loss"]
 
 LIMIT = 100_000
 _SOL_PACKET = 263
@@ -78,20 +86,66 @@ def _open(ifname: str) -> socket.socket:
     return sock
 
 
-def run(ports: list[WirePort], ready: Any = None) -> None:
+def set_loss(control: str, port: str, loss: float, timeout: float = 5.0) -> None:
+    """Tells the wire behind ``control`` to drop ``loss`` (0..1) of ``port``'s frames;
+    raises ``OSError`` or ``ValueError`` if it did not take it."""
+    reply_path = f"{control}.{os.getpid()}.{time.monotonic_ns()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(reply_path)
+        try:
+            sock.settimeout(timeout)
+            sock.sendto(json.dumps({"port": port, "loss": loss}).encode(), control)
+            answer = sock.recv(1024).decode()
+        finally:
+            os.unlink(reply_path)
+    if answer != "ok":
+        raise ValueError(f"the delay line refused loss {loss} on {port}: {answer}")
+
+
+def _control(sock: socket.socket, loss: dict[str, float]) -> None:
+    """Takes one loss setting from the control socket and answers it."""
+    try:
+        data, sender = sock.recvfrom(1024)
+    except OSError:
+        return
+    try:
+        msg = json.loads(data)
+        port, value = msg["port"], float(msg["loss"])
+        if port not in loss or not 0.0 <= value <= 1.0:
+            raise ValueError(f"no port {port!r}, or loss {value} outside 0..1")
+        loss[port] = value
+        answer = "ok"
+    except (ValueError, KeyError, TypeError) as exc:
+        answer = f"bad request: {exc}"
+    if sender:
+        try:
+            sock.sendto(answer.encode(), sender)
+        except OSError:
+            pass
+
+
+def run(ports: list[WirePort], ready: Any = None, control: str | None = None) -> None:
     """Relays frames until a port's interface disappears."""
     socks: dict[int, socket.socket] = {}
     names: dict[int, str] = {}
     routes: dict[int, tuple[socket.socket, WirePort | None]] = {}
+    lossy: dict[int, str] = {}  # socket -> the port whose loss applies to its frames
+    loss = {port.host: 0.0 for port in ports}
     for port in ports:
         host, bridge = _open(port.host), _open(port.bridge)
         socks[host.fileno()], socks[bridge.fileno()] = host, bridge
         names[host.fileno()], names[bridge.fileno()] = port.host, port.bridge
+        lossy[host.fileno()] = lossy[bridge.fileno()] = port.host
         routes[host.fileno()] = (bridge, port)  # from the host: delayed
         routes[bridge.fileno()] = (host, None)  # toward the host: at once
     poller = select.poll()
     for fd in socks:
         poller.register(fd, select.POLLIN)
+    ctl: socket.socket | None = None
+    if control is not None:
+        ctl = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        ctl.bind(control)
+        poller.register(ctl.fileno(), select.POLLIN)
     line: list[tuple[float, int, socket.socket, bytes]] = []
     seq = count()
     if ready is not None:
@@ -99,6 +153,9 @@ def run(ports: list[WirePort], ready: Any = None) -> None:
     while True:
         wait = -1 if not line else max(0.0, (line[0][0] - time.monotonic()) * 1000)
         for fd, events in poller.poll(wait):
+            if ctl is not None and fd == ctl.fileno():
+                _control(ctl, loss)
+                continue
             sock = socks[fd]
             if events & select.POLLERR:
                 # a link set down (a pulled cable) or deleted: the first comes back
@@ -119,6 +176,9 @@ def run(ports: list[WirePort], ready: Any = None) -> None:
                     break  # the link went down: its error is taken at the next poll
                 if addr[2] == socket.PACKET_OUTGOING:
                     continue  # our own send on this socket's interface
+                drop = loss[lossy[fd]]
+                if drop and random.random() < drop:
+                    continue
                 if port is None:
                     _send(out, frame)
                 elif len(line) < LIMIT:
@@ -147,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def ready() -> None:
         print("ready", flush=True)
-    run(ports, ready)
+    run(ports, ready, config.get("control"))
 
 
 if __name__ == "__main__":

@@ -11,37 +11,31 @@ landed, and because a connection is ordered, after every earlier request on that
 too: write-with-immediate, exactly.
 
 Tuning, measured with ``bench/transfer_engine_bench.py`` on a 2-core host: requests of
-up to 16 MiB (each request costs a round of Python and thread wake-ups on both sides, and
-the stream idles while the target turns from one request to the next: 1 MiB x 16 READs
-ran at 6.2 GB/s in one request against 5.8 in two and 5.1 in four, with 17% less CPU
-per GB than in four); a transfer is spread over several rails only in
-shares of at least 1 MiB (below that the second connection's per-request work costs
-more than its parallel copy gains), and only over as many rails as the host has cores
-to keep copying at once (:meth:`TcpTransport.spread`): the kernel's copies are most of
-the CPU, and a loopback rail runs two of them, the sender's and the receiver's. On 2
-cores, cutting 16 MiB transfers over two loopback rails measured 10-20% slower and 25%
-more CPU per GB than keeping each on one. The same bound holds for concurrent transfers
+up to 16 MiB (each costs a round of Python and thread wake-ups on both sides, and the
+stream idles while the target turns to the next: 1 MiB x 16 READs ran at 6.2 GB/s in
+one request, 5.8 in two, 5.1 in four, with 17% less CPU per GB than in four); a
+transfer is spread over several rails only in shares of at least 1 MiB, and only over
+as many rails as the host has cores to keep copying at once (:meth:`TcpTransport.spread`):
+the kernel's copies are most of the CPU, and a loopback rail runs two of them. On 2
+cores, 16 MiB transfers cut over two loopback rails ran 10-20% slower with 25% more CPU
+per GB than on one. The same bound holds for concurrent transfers
 (:meth:`TcpTransport.active`): a transfer starts on the least busy of that many rails,
 so concurrent transfers spread over them while a lone caller stays on one warm
 connection (alternating between idle connections measured up to 25% slower); the price
 on a host with few cores is that a small transfer may queue behind a large one.
 
 Congestion control: a rail whose two ends are on one host uses a loss-based algorithm
-(cubic, else reno, whichever the host allows) in place of the host's default, on both
-ends. On loopback there is no network whose queues need protecting, and a model-based
-algorithm such as BBR (the default on the host we measure on) throttles a stream whose
-receiver copies in long ``MSG_WAITALL`` calls, as the engine's receivers do: in a raw
-two-process test such a stream ran at 3.1-4.2 GB/s under BBR against 5.3-7.1 under
-cubic or reno, and the engine at 64 KiB x 128 went from 4.50 to 5.27 GB/s with 8% less
-CPU per GB. Rails to other hosts keep the host's choice, which
-is the operator's for the real network, unless ``congestion`` names one.
+(cubic, else reno) in place of the host's default, on both ends: a model-based one such
+as BBR throttles a stream whose receiver copies in long ``MSG_WAITALL`` calls (a raw
+two-process stream: 3.1-4.2 GB/s under BBR, 5.3-7.1 under cubic or reno; the engine at
+64 KiB x 128: 4.50 to 5.27 GB/s, 8% less CPU per GB). Rails to other hosts keep the
+host's choice, the operator's for the real network, unless ``congestion`` names one.
 
 NICs: with ``nics`` (or ``$TE_TCP_NICS``) the transport also listens on each chosen
 NIC's address and opens each rail from one local NIC (its address bound as the source)
 to the peer NIC the kernel routes it to, one rail per NIC pair; a transfer is cut over
-all of them, each rail's share following its measured goodput
-(:mod:`~transfer_engine.transport.tcp_nics`): here the wire, not the cores, is the
-bound.
+all of them, each rail's share following its measured goodput, and the work of a rail
+that breaks or stalls moves to the others (:mod:`~transfer_engine.transport.tcp_nics`).
 """
 
 from __future__ import annotations
@@ -93,6 +87,7 @@ from transfer_engine.transport.tcp_nics import (
     NicEndpoint,
     RateMeter,
     Reopener,
+    StallWatch,
     local_nics,
     pair_nics,
 )
@@ -222,9 +217,15 @@ class TcpRail(StreamRail):
         self._aborted = True
         super().abort(error)
 
+    def stall(self, reason: str) -> None:
+        """Fails this NIC rail as a broken connection would: its work moves to the
+        peer's other NIC rails (see :class:`~.tcp_nics.StallWatch`)."""
+        log.warning("NIC rail %s->%s#%d: %s", self.nic, self.peer, self.index, reason)
+        self._fail_all(self._error(PeerLostError, f"NIC {self.nic} stalled: {reason}"))
+
     def _send_request(self, work: Work) -> None:
         if self.meter is not None:
-            self.meter.started(id(work))
+            self.meter.started(id(work), work.nbytes)
         if work.op is Op.WRITE:
             send_gather(self._sock, encode_request(KIND_WRITE, work), _host_iov(work),
                         work.nbytes)
@@ -298,7 +299,9 @@ class TcpTransport(Transport):
         the kernel drops its connection (``TCP_USER_TIMEOUT``): a NIC whose link went
         down is noticed then, and the rail's unfinished work moves to the peer's other
         NIC rails (a WRITE lands the same bytes at the same place again; a READ reads
-        them again). With no NIC rail left the work fails with ``PeerLostError``.
+        them again). With no NIC rail left the work fails with ``PeerLostError``. A NIC
+        rail that holds work ``nic_timeout`` seconds past its due time at its measured
+        goodput while another is open (a lossy or silent NIC, link up) is failed so.
     :param nic_retry: seconds between tries to open a broken NIC rail's pair again
         while the peer has another NIC rail open; the engine takes the new rail at its
         next transfer to the peer.
@@ -333,6 +336,7 @@ class TcpTransport(Transport):
             raise ValueError("nic_timeout must be positive")
         self._nic_timeout = nic_timeout
         self._reopener: Reopener[TcpRail] = Reopener("tcp", nic_retry)
+        self._stalls: StallWatch | None = None  # started with the first NIC rail
         self.failovers = 0
         self._caps = Capabilities(max_sge=1000, max_wr_bytes=64 << 20, remote_scatter=True,
                                   default_rails=(rails or 1) * len(self._nics)
@@ -476,6 +480,9 @@ class TcpTransport(Transport):
             group = self._nic_groups.setdefault(key, [])
             group[:] = [r for r in group if not r.closed] + [rail]
             rail.failover = functools.partial(self._failover, group)
+            if self._stalls is None:
+                self._stalls = StallWatch(self.name, lambda: list(
+                    self._nic_groups.values()), self._nic_timeout)
             rail.reopen = functools.partial(self._open, peer, key, nic, target, on_complete,
                                             timeout, credential)
         return rail
@@ -535,6 +542,8 @@ class TcpTransport(Transport):
             return
         self._closed = True
         self._reopener.close()
+        if self._stalls is not None:
+            self._stalls.close()
         for rail in self._rails:
             rail.close()
         self._rails.clear()

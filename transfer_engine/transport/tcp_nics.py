@@ -135,18 +135,32 @@ class RateMeter:
         self.gbps = initial_gbps if initial_gbps > 0 else 1.0
         self._alpha = alpha
         self._lock = threading.Lock()
-        self._starts: dict[int, float] = {}
+        self._starts: dict[int, tuple[float, int]] = {}  # key -> (start, bytes)
         self._last_done = 0.0
         self.samples = 0
 
-    def started(self, key: int) -> None:
+    def started(self, key: int, nbytes: int = 0) -> None:
         with self._lock:
-            self._starts[key] = time.monotonic()
+            self._starts[key] = (time.monotonic(), nbytes)
+
+    def overdue(self, grace: float, now: float | None = None) -> float:
+        """Seconds the rail has held unfinished work past its due time (0: none): due
+        ``grace`` seconds plus four times what the oldest work's bytes take at the
+        measured goodput after the later of its start and the last completion."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if not self._starts:
+                return 0.0
+            start, nbytes = min(self._starts.values())
+            since = max(start, self._last_done)
+        due = grace + 4 * nbytes * 8 / (self.gbps * 1e9)
+        return max(0.0, now - since - due)
 
     def done(self, key: int, nbytes: int, ok: bool) -> None:
         now = time.monotonic()
         with self._lock:
-            start = self._starts.pop(key, None)
+            started = self._starts.pop(key, None)
+            start = started[0] if started is not None else None
             previous, self._last_done = self._last_done, now
             if not ok or start is None or nbytes < (256 << 10):
                 return  # small work measures the round trip, not the link
@@ -157,6 +171,50 @@ class RateMeter:
             self.gbps = sample if self.samples == 0 else (
                 self._alpha * sample + (1 - self._alpha) * self.gbps)
             self.samples += 1
+
+
+class StallWatch:
+    """Ends NIC rails that hold work past its due time (:meth:`RateMeter.overdue`)
+    while another rail to the same peer is open: a NIC that turned lossy or silent with
+    its link up slows its share of every transfer without breaking it, so its rail is
+    failed on purpose (``stall``), and its work moves to the others.
+
+    :param groups: returns the NIC rail groups, one list per peer, when asked.
+    :param grace: seconds of no progress allowed past a work's expected time.
+    """
+
+    def __init__(self, name: str, groups: Callable[[], list[list[Any]]], grace: float
+                 ) -> None:
+        self._groups = groups
+        self._grace = grace
+        self.stalled = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"te-{name}-nic-stalls")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(0.25, self._grace / 4)):
+            try:
+                self.check()
+            except Exception:
+                log.exception("NIC stall check failed")
+
+    def check(self) -> None:
+        for group in self._groups():
+            open_rails = [r for r in group if not r.closed and r.meter is not None]
+            if len(open_rails) < 2:
+                continue  # nowhere to move its work: slow beats failed
+            for rail in open_rails:
+                late = rail.meter.overdue(self._grace) if rail.inflight else 0.0
+                if late > 0 and any(r is not rail and not r.closed for r in open_rails):
+                    self.stalled += 1
+                    rail.stall(f"no progress for {late + self._grace:.1f}s past due")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5)
 
 
 @dataclass(eq=False)
