@@ -10,9 +10,13 @@ WRITEs 1 MiB x 16 (one 16 MiB transfer of 16 descriptors, ``IN_FLIGHT`` at once)
 ``--seconds``, then checks a WRITE and a READ back byte for byte. Rows:
 ``{nics, gbps, limit_gbps, ratio, rails, rail_gbps, exact}``; ``limit_gbps`` is the
 sum of the k NICs' shaped rates (the payload's share of it is about 95%: TCP/IP
-headers). ``--nic-rates`` shapes NICs below the rate their topology claims, so only
-measured goodput can split the bytes right. Both
-engines sign their control messages with a secret made here.
+headers). With 2 NICs or more a failover phase follows: host 0's eth1 cable is pulled
+0.2 s into a 64 MiB WRITE over eth0 and eth1; ``failover`` gives
+``{seconds_to_recover, bytes_verified, moved}``: from the pull to the first work moved
+to eth0, the bytes then READ back and found exact, and how many works moved. The JSON
+is ``{"rows": [...], "failover": {...}}``. ``--nic-rates`` shapes NICs below the rate
+their topology claims, so only measured goodput can split the bytes right. Both engines
+sign their control messages with a secret made here.
 """
 
 from __future__ import annotations
@@ -43,10 +47,50 @@ def _engine(name: str, host: str, nics: list[str] | str, rails: int = 1) -> Any:
                   timeout=10)
 
 
+def fail_over(host: str, endpoint: str) -> dict[str, Any]:
+    """The initiator of the failover phase: a 64 MiB WRITE over eth0 and eth1 (default
+    ``nic_timeout``); prints ``STARTED`` once it is posted, waits for the parent's
+    ``pulled <monotonic>`` line (it pulls eth1's cable), and notes when the first work
+    moved to eth0. Then a READ back, compared byte for byte."""
+    from transfer_engine import Descriptor  # noqa: PLC0415
+
+    n = 4 * BLOCKS
+    with _engine("init-failover", host, ["eth0", "eth1"]) as engine:
+        tcp = engine.transports["tcp"]
+        data = np.random.default_rng(99).integers(0, 256, n * MiB, np.uint8)
+        back = np.zeros_like(data)
+        src, dst_local = engine.register(data), engine.register(back)
+        peer = engine.connect(endpoint)
+        dst = peer.segment("dst")
+        pairs = [(Descriptor(src, i * MiB, MiB), Descriptor(dst, (i % BLOCKS) * MiB, MiB))
+                 for i in range(BLOCKS)]
+        engine.write(peer, pairs).wait(30)  # warm: connections, slow start
+        pairs = [(Descriptor(src, i * MiB, MiB), Descriptor(dst, i * MiB, MiB))
+                 for i in range(n)]
+        handle = engine.write(peer, pairs)
+        print("STARTED", flush=True)
+        pulled = float(sys.stdin.readline().split()[1])
+        moved = None
+        for _ in range(3000):  # bounded: 30 s
+            if tcp.failovers:
+                moved = time.monotonic()
+                break
+            if handle.done():
+                break
+            time.sleep(0.01)
+        handle.wait(60)
+        engine.read(peer, [(Descriptor(dst_local, i * MiB, MiB), Descriptor(dst, i * MiB, MiB))
+                           for i in range(n)]).wait(60)
+        exact = bool(np.array_equal(data, back))
+        return {"seconds_to_recover": None if moved is None else moved - pulled,
+                "bytes_verified": int(data.nbytes) if exact else 0,
+                "moved": tcp.failovers}
+
+
 def serve(host: str) -> None:
     """The target: prints its endpoint, serves until stdin closes."""
     with _engine("target", host, "auto") as engine:
-        engine.register(np.zeros(BLOCKS * MiB, np.uint8), name="dst")
+        engine.register(np.zeros(4 * BLOCKS * MiB, np.uint8), name="dst")
         print(f"ENDPOINT {engine.endpoint}", flush=True)
         sys.stdin.read()
 
@@ -90,8 +134,11 @@ def initiate(host: str, endpoint: str, nics: int, seconds: float, rails: int = 1
 
 def run_lab(nic_counts: list[int], rate_mbit: float, seconds: float,
             tag: str = "bench", state_root: Path | None = None, rails_per_nic: int = 1,
-            nic_rates_mbit: tuple[float, ...] = ()) -> list[dict[str, Any]]:
-    """Builds the lab, runs one initiator per NIC count, removes the lab; the rows."""
+            nic_rates_mbit: tuple[float, ...] = (), failover: dict[str, Any] | None = None
+            ) -> list[dict[str, Any]]:
+    """Builds the lab, runs one initiator per NIC count, removes the lab; the rows.
+    With ``failover`` (a dict, filled in) and at least 2 NICs, also the failover
+    phase: host 0's eth1 cable is pulled in the middle of a 64 MiB WRITE."""
     from transfer_engine.lab import Lab, LabConfig  # noqa: PLC0415
 
     env = {**os.environ, "TE_CONTROL_SECRET": secrets.token_hex(24)}
@@ -120,9 +167,31 @@ def run_lab(nic_counts: list[int], rate_mbit: float, seconds: float,
             row["limit_gbps"] = sum(lab.rate_of(j) for j in range(k)) / 1000
             row["ratio"] = row["gbps"] / row["limit_gbps"]
             rows.append(row)
+        if failover is not None and config.nics >= 2:
+            failover.update(_failover_phase(lab, line[1], env))
         target.stdin.close()
         target.wait(20)
     return rows
+
+
+def _failover_phase(lab: Any, endpoint: str, env: dict[str, str]) -> dict[str, Any]:
+    h0 = lab.hosts[0]
+    init = lab.spawn(h0, [sys.executable, "-m", "bench.lab_bench", "failover", "--host",
+                          h0.address, "--endpoint", endpoint], env=env,
+                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert init.stdout is not None and init.stdin is not None
+    if init.stdout.readline().strip() != "STARTED":
+        raise RuntimeError("the failover initiator did not start its write")
+    time.sleep(0.2)  # the write is under way on both NICs
+    lab.set_link(0, 1, up=False)
+    init.stdin.write(f"pulled {time.monotonic()!r}\n")
+    init.stdin.flush()
+    out, _ = init.communicate(timeout=120)
+    lab.set_link(0, 1, up=True)
+    if init.returncode != 0:
+        raise RuntimeError(f"the failover initiator failed ({init.returncode})")
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--nics", type=int, required=True)
     i.add_argument("--seconds", type=float, default=3.0)
     i.add_argument("--rails-per-nic", type=int, default=1)
+    f = sub.add_parser("failover")
+    f.add_argument("--host", required=True)
+    f.add_argument("--endpoint", required=True)
     ap.add_argument("--nics", default="1,2,4")
     ap.add_argument("--rate-mbit", type=float, default=1000.0)
     ap.add_argument("--seconds", type=float, default=3.0)
@@ -148,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "serve":
         serve(args.host)
         return 0
+    if args.cmd == "failover":
+        print(json.dumps(fail_over(args.host, args.endpoint)), flush=True)
+        return 0
     if args.cmd == "initiate":
         print(json.dumps(initiate(args.host, args.endpoint, args.nics, args.seconds,
                                   args.rails_per_nic)), flush=True)
@@ -159,13 +234,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lab_bench: {reason}", file=sys.stderr)
         return 2
     counts = [int(x) for x in args.nics.split(",") if x.strip()]
+    failover: dict[str, Any] = {}
     rows = run_lab(counts, args.rate_mbit, args.seconds,
                    rails_per_nic=args.rails_per_nic,
-                   nic_rates_mbit=tuple(float(x) for x in args.nic_rates.split(",") if x))
+                   nic_rates_mbit=tuple(float(x) for x in args.nic_rates.split(",") if x),
+                   failover=failover)
     for row in rows:
         print(f"{row['nics']} NICs: {row['gbps']:.3f} Gb/s of {row['limit_gbps']:.3f} "
               f"({row['ratio']:.2f}), exact={row['exact']}, rails {row['rail_gbps']}")
-    text = json.dumps(rows, indent=1)
+    if failover:
+        print(f"failover: eth1 pulled mid-write, work moved after "
+              f"{failover['seconds_to_recover']:.3f} s, "
+              f"{failover['bytes_verified']} bytes verified")
+    text = json.dumps({"rows": rows, "failover": failover or None}, indent=1)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(text)

@@ -13,7 +13,13 @@ from tests.helpers.lab_helpers import lab_tag, make_lab  # noqa: F401  (fixture)
 from transfer_engine.lab import lab_skip_reason
 from transfer_engine.topology import Nic, Topology
 from transfer_engine.transport.tcp import TcpTransport
-from transfer_engine.transport.tcp_nics import RateMeter, StallWatch, local_nics, pair_nics
+from transfer_engine.transport.tcp_nics import (
+    RateMeter,
+    StallWatch,
+    link_up,
+    local_nics,
+    pair_nics,
+)
 
 TOPO = Topology((Nic("eth0", numa_node=0, port_state="ACTIVE", link_rate_gbps=1,
                      address="127.0.0.1"),
@@ -60,6 +66,11 @@ def test_rate_meter_follows_goodput() -> None:
     assert meter.samples == 2
 
 
+def test_link_state_of_a_nic() -> None:
+    assert link_up("lo") in (True, None)  # loopback has no carrier to lose
+    assert link_up("te-no-such0") is None
+
+
 def test_overdue_work_and_the_stall_watch() -> None:
     """A rail is overdue once its oldest work has waited ``grace`` plus four times its
     bytes at the measured goodput; the watch stalls such a rail only while another rail
@@ -76,6 +87,7 @@ def test_overdue_work_and_the_stall_watch() -> None:
 
     class Rail:
         def __init__(self, late: bool) -> None:
+            self.nic = "te-no-such0"  # its link state cannot be told here
             self.closed = False
             self.meter = RateMeter(1.0)
             self.inflight = 1 if late else 0
@@ -125,13 +137,18 @@ def test_striping_over_lab_nics(tmp_path: Path) -> None:
     reason = lab_skip_reason()
     if reason:
         pytest.skip(reason)
+    failover: dict[str, Any] = {}
     rows = run_lab([1, 2], rate_mbit=200, seconds=1.0, tag=lab_tag("r"),
-                   state_root=tmp_path)
+                   state_root=tmp_path, failover=failover)
     one, two = rows
     assert one["rails"] == ["eth0"] and two["rails"] == ["eth0", "eth1"]
     assert all(r["exact"] for r in rows)
     assert one["ratio"] > 0.8 and two["ratio"] > 0.8, rows
     assert two["gbps"] > 1.7 * one["gbps"], rows
+    # eth1 pulled mid-write: its work moves within a second (the link watch, not the
+    # kernel's 5 s timeout), and every byte reads back exact
+    assert failover["bytes_verified"] == 64 << 20 and failover["moved"] >= 1, failover
+    assert 0 < failover["seconds_to_recover"] < 1.0, failover
 
 
 def _failover_pair(lab_factory: Any, **config: Any) -> tuple[Any, Any, Any, Any]:

@@ -173,11 +173,24 @@ class RateMeter:
             self.samples += 1
 
 
+def link_up(nic: str) -> bool | None:
+    """Whether ``nic``'s link has carrier (the kernel's ``/sys/class/net``); None when
+    it cannot tell (no such interface here, as for a NIC named by its RDMA device)."""
+    try:
+        with open(f"/sys/class/net/{nic}/carrier") as f:
+            return f.read().strip() == "1"
+    except OSError as exc:  # a link set down refuses the read with EINVAL
+        return False if os.path.exists(f"/sys/class/net/{nic}") and exc.errno == 22 \
+            else None
+
+
 class StallWatch:
-    """Ends NIC rails that hold work past its due time (:meth:`RateMeter.overdue`)
-    while another rail to the same peer is open: a NIC that turned lossy or silent with
-    its link up slows its share of every transfer without breaking it, so its rail is
-    failed on purpose (``stall``), and its work moves to the others.
+    """Ends NIC rails that cannot carry their work while another rail to the same peer
+    is open, so their work moves to the others at once (``rail.stall``): a rail whose
+    NIC lost its link (noticed within a tick, where the kernel's ``TCP_USER_TIMEOUT``
+    would take ``nic_timeout``, and only for bytes sent), and a rail that holds work
+    past its due time (:meth:`RateMeter.overdue`): a NIC that turned lossy or silent
+    with its link up slows its share of every transfer without breaking it.
 
     :param groups: returns the NIC rail groups, one list per peer, when asked.
     :param grace: seconds of no progress allowed past a work's expected time.
@@ -206,10 +219,17 @@ class StallWatch:
             if len(open_rails) < 2:
                 continue  # nowhere to move its work: slow beats failed
             for rail in open_rails:
+                if not any(r is not rail and not r.closed for r in open_rails):
+                    break
                 late = rail.meter.overdue(self._grace) if rail.inflight else 0.0
-                if late > 0 and any(r is not rail and not r.closed for r in open_rails):
-                    self.stalled += 1
-                    rail.stall(f"no progress for {late + self._grace:.1f}s past due")
+                if link_up(rail.nic) is False:
+                    reason = f"the link of {rail.nic} is down"
+                elif late > 0:
+                    reason = f"no progress for {late + self._grace:.1f}s past due"
+                else:
+                    continue
+                self.stalled += 1
+                rail.stall(reason)
 
     def close(self) -> None:
         self._stop.set()
