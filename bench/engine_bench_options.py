@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from transfer_engine.topology import load_topology_file
 from transfer_engine.transport.tcp import check_congestion
 
 __all__ = ["DEFAULT_BUFFER", "SEGMENT_NAME", "EXIT_USAGE", "WAIT_TIMEOUT",
@@ -100,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="control secret shared by initiator and target (the same as "
                         "TE_CONTROL_SECRET_FILE; TE_CONTROL_SECRET also works): control "
                         "messages are signed and rails open with a ticket's proof")
+    p.add_argument("--nic_priority_matrix", metavar="PATH", default=None,
+                   help="Mooncake's NIC priority matrix (JSON), or our topology file: "
+                        "the NICs used and their order per memory location (the same "
+                        "as TE_TOPOLOGY_FILE)")
+    p.add_argument("--auto_discovery", action="store_true",
+                   help="tcp: one rail per NIC pair over the NICs found (sysfs, or the "
+                        "--nic_priority_matrix file), striped by measured goodput; rdma "
+                        "always uses the NICs found unless --device_name names them")
     p.add_argument("--grace", type=float, default=600.0,
                    help="target: seconds served beyond duration x repeat")
     return p
@@ -135,6 +144,11 @@ def check_flags(a: argparse.Namespace) -> None:
     if a.mode == "initiator" and not a.local and not a.segment_id:
         raise UsageError("--mode initiator needs --segment_id (the target's endpoint) "
                          "or --local")
+    if a.nic_priority_matrix is not None:
+        try:
+            load_topology_file(a.nic_priority_matrix)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--nic_priority_matrix: {exc}") from None
     if a.emulated and a.protocol != "rdma":
         raise UsageError("--emulated is for --protocol rdma")
     if a.protocol == "rdma" and (a.rails is not None or a.slice_size is not None

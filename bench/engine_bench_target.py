@@ -84,7 +84,9 @@ class LocalTarget:
             args += ["--device_name", a.device_name]
         if a.emulated:
             args += ["--emulated"]
-        self.child = Child(args)
+        if a.auto_discovery:
+            args += ["--auto_discovery"]
+        self.child = Child(args)  # the topology file comes through the environment
         try:
             self.endpoint = self.child.expect("ENDPOINT ", TARGET_START_TIMEOUT)
         except BaseException:

@@ -30,13 +30,15 @@ def make_transports(a: argparse.Namespace) -> list[Any] | None:
             msg = " ".join(str(exc).split())
             raise UsageError(f"--protocol rdma needs {what} with an active port, "
                              f"none usable here: {msg}") from None
-    if a.rails is None and a.slice_size is None and a.spread is None:
+    if (a.rails is None and a.slice_size is None and a.spread is None
+            and not a.auto_discovery):
         return {"tcp": ["tcp"], "shm": ["shm", "tcp"], "auto": None}[a.protocol]
     from transfer_engine.transport.shm import ShmTransport
     from transfer_engine.transport.tcp import TcpTransport
     rails = {} if a.rails is None else {"rails": a.rails}
     sliced = {} if a.slice_size is None else {"slice_size": a.slice_size}
-    tcp = TcpTransport(host=a.host, spread=a.spread, **rails, **sliced)
+    nics = {"nics": "auto"} if a.auto_discovery else {}
+    tcp = TcpTransport(host=a.host, spread=a.spread, **rails, **sliced, **nics)
     if a.protocol == "shm" or a.protocol == "auto":
         return [ShmTransport(**rails, **sliced), tcp]
     return [tcp]

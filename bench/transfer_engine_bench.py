@@ -52,6 +52,7 @@ from bench.engine_bench_options import EXIT_USAGE, UsageError, build_parser, che
 from bench.engine_bench_report import control_signed, print_summary, summarize
 from bench.engine_bench_target import LocalTarget, run_target
 from bench.engine_bench_transports import close_unused, make_transports
+from transfer_engine.topology import TOPOLOGY_ENV
 
 __all__ = ["main", "build_parser"]
 
@@ -60,9 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     parser.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
-    saved = {k: os.environ.get(k) for k in ("TE_CONTROL_SECRET", "TE_CONTROL_SECRET_FILE")}
+    saved = {k: os.environ.get(k) for k in ("TE_CONTROL_SECRET", "TE_CONTROL_SECRET_FILE",
+                                            TOPOLOGY_ENV)}
     try:
         check_flags(a)
+        if a.nic_priority_matrix is not None:  # for our engines and the local target's
+            os.environ[TOPOLOGY_ENV] = os.path.abspath(a.nic_priority_matrix)
         if a.secret_file is not None:  # for our engines and the local target's
             os.environ["TE_CONTROL_SECRET_FILE"] = os.path.abspath(a.secret_file)
             os.environ.pop("TE_CONTROL_SECRET", None)

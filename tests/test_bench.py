@@ -163,3 +163,26 @@ def test_pd_serving_gap_windows_and_quantiles() -> None:
     assert quantile([3.0], 0.99) == 3.0
     assert quantile([1.0, 2.0, 3.0], 0.5) == 2.0
     assert quantile([float(i) for i in range(101)], 0.99) == 99.0
+
+
+def test_nic_priority_matrix_and_auto_discovery(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Mooncake's two NIC flags: a topology (here ours, three NICs on loopback) read from
+    ``--nic_priority_matrix``, and ``--auto_discovery`` opening one tcp rail per NIC pair
+    over it; a file that is not a topology is a usage error."""
+    topo = tmp_path / "topo.json"
+    topo.write_text(json.dumps({"nics": [
+        {"name": f"eth{j}", "numa_node": j, "port_state": "ACTIVE",
+         "link_rate_gbps": 1, "address": "127.0.0.1"} for j in range(3)]}))
+    out = tmp_path / "nics.json"
+    rc = main(["--local", "--duration", "0.3", "--protocol", "tcp", "--block_size", "1M",
+               "--batch_size", "4", "--nic_priority_matrix", str(topo), "--auto_discovery",
+               "--json", str(out)])
+    assert rc == 0, capsys.readouterr()
+    res = json.loads(out.read_text())
+    assert res["verified"] is True
+    assert "rails {'tcp': 3}" in capsys.readouterr().out  # a rail per NIC (default: 2)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"cpu:0": "mlx5_0"}')
+    assert main(["--local", "--nic_priority_matrix", str(bad)]) == 2
+    assert "--nic_priority_matrix" in capsys.readouterr().err
