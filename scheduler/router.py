@@ -9,8 +9,11 @@ Policies (by name, :data:`POLICIES`):
   (ties in turn); decode in turn.
 - ``cache_aware`` (``default``): per prefill instance, an estimate in seconds of when
   the request's prefill would end there: its queued work, plus the prefill of what it
-  does not cache (from its own cache, or fetched from the store when that holds more),
-  plus the compute of the cached blocks it would leave behind on a better holder. Where
+  does not cache (from its own cache, or fetched from the store when that holds more,
+  or read from the deepest holder's cache over their path when that is faster than
+  computing it: ``peer_fetch``, a one-sided read that takes the holder's NIC, not its
+  compute), plus the compute of the cached blocks it would leave behind on a better
+  holder. Where
   some instances meet the request's TTFT target with ``slo_margin`` to spare, the least
   work among them wins; else the earliest estimate among those that still meet it; else,
   the target being lost everywhere, the least work (the capacity it does not take is
@@ -68,7 +71,8 @@ class Decision:
 
     ``prefill`` is ``None`` when the decode instance prefills the prompt itself.
     ``cached_blocks`` are leading blocks the prefill instance holds, ``store_blocks``
-    further ones it fetches from the store; ``path`` and ``transport`` are the KV's way
+    further ones it reads instead of computing (from the store, or from another prefill
+    instance's cache); ``path`` and ``transport`` are the KV's way
     from prefill to decode.
     """
 
@@ -105,12 +109,17 @@ class Router:
         leaves behind (``1``: they are computed again; ``0``: no charge).
     :param slo_margin: share of the TTFT target within which ``cache_aware`` takes the
         least work rather than the earliest estimate (``0``: never).
+    :param peer_fetch: ``cache_aware`` may have a prefill instance read cached prefix
+        blocks from the instance holding the most of them, where that beats computing.
+    :param copy_charge: share of a block's compute charged for each block such a copy
+        evicts from a full cache (the LRU tail it pushes out may be needed again).
     """
 
     def __init__(self, fleet: Fleet, policy: str = DEFAULT_POLICY, *,
                  cost: CostModel | None = None, slo: SLO | None = None,
                  local_prefill_tokens: int = 512, sample: int = 0, seed: int = 0,
-                 affinity: float = 1.0, slo_margin: float = 0.5) -> None:
+                 affinity: float = 1.0, slo_margin: float = 0.5,
+                 peer_fetch: bool = True, copy_charge: float = 1.0) -> None:
         name = _ALIASES.get(policy, policy)
         if name not in POLICIES:
             raise UnknownPolicyError(f"unknown policy {policy!r}; choose one of "
@@ -123,6 +132,8 @@ class Router:
         self.sample = sample
         self.affinity = affinity
         self.slo_margin = slo_margin
+        self.peer_fetch = peer_fetch
+        self.copy_charge = copy_charge
         self._rng = np.random.default_rng(seed)
         self._turn = {"prefill": 0, "decode": 0}
         self.routed = 0
@@ -190,6 +201,7 @@ class Router:
             store = fleet.store_prefix(req.keys) if fleet.store_prefix else 0
             cost = self.cost
             local_tokens = req.input_tokens - store * cost.block_tokens
+            fetch = False
             if (self.policy == "cache_aware" and local_tokens <= self.local_prefill_tokens) \
                     or pmask is None or local:
                 return self._local(req, now, dmask, store)
@@ -204,16 +216,25 @@ class Router:
                 p = self._pick("prefill", -ov, pmask)
             else:
                 pmask = self._sampled(pmask, depth.keys())
-                est, work = self._prefill_estimates(req, now, depth, store, pre)
-                score, pmask = self._prefill_choice(
-                    est, work, pmask, self.slo.ttft_limit(req.input_tokens, cost))
+                limit = self.slo.ttft_limit(req.input_tokens, cost)
+                est, work = self._prefill_estimates(req, now, depth, store, pre, False)
+                fetch = self._fetch_from_peer(depth, est, pmask, limit)
+                if fetch:
+                    est, work = self._prefill_estimates(req, now, depth, store, pre, True)
+                score, pmask = self._prefill_choice(est, work, pmask, limit)
                 p = self._pick("prefill", score, pmask)
                 p = self._admit(pre, p, pmask, "prefill", score)
             cached = min(depth.get(p, 0), len(req.keys))
-            fetched = max(0, store - cached)
-            uncached = max(1, req.input_tokens - max(cached, store) * cost.block_tokens)
-            prefill_s = (cost.prefill_s(uncached, req.input_tokens - uncached)
-                         + cost.fetch_s(fetched))
+            have = max(cached, store)
+            fetched = have - cached  # from the store
+            move = cost.fetch_s(fetched)
+            if self.policy == "cache_aware" and fetch:
+                peer, peer_s, _ = self._peer_fetch(req, depth, np.full(n_pre, float(have)),
+                                                   pre)
+                fetched, have = fetched + int(peer[p]), have + int(peer[p])
+                move += float(peer_s[p])
+            uncached = max(1, req.input_tokens - have * cost.block_tokens)
+            prefill_s = cost.prefill_s(uncached, req.input_tokens - uncached) + move
             d, path, transport, tpot = self._decode_for(req, p, dmask)
             wait = max(0.0, float(pre.free_at[p]) - now)
             ttft = wait + prefill_s + cost.transfer_s(req.input_tokens, path, transport)
@@ -248,10 +269,22 @@ class Router:
             return est, feasible
         return least_work, mask
 
+    def _fetch_from_peer(self, depth: dict[int, int], est: F64, mask: Mask, limit: float
+                         ) -> bool:
+        """Whether prefill instances may read cached blocks from another's cache for
+        this request: only when no holder of its prefix meets the TTFT target with the
+        margin to spare (a copy costs cache space on the reader: a holder that can take
+        the request keeps it)."""
+        if not (self.peer_fetch and depth):
+            return False
+        holders = [slot for slot in depth if mask[slot]]
+        margin = self.slo_margin * limit if self.slo_margin > 0 else limit
+        return not any(est[slot] <= margin for slot in holders)
+
     def _prefill_estimates(self, req: Request, now: float, depth: dict[int, int],
-                           store: int, pre: Pool) -> tuple[F64, F64]:
+                           store: int, pre: Pool, fetch: bool) -> tuple[F64, F64]:
         """Estimated seconds to the end of prefill on each instance, and the prefill's
-        own part of it."""
+        own part of it; with ``fetch``, reading blocks from a peer's cache counts."""
         cost = self.cost
         n = len(pre)
         blocks = np.full(n, float(store))
@@ -259,22 +292,54 @@ class Router:
         for slot, held in depth.items():
             blocks[slot] = max(held, store)
             fetched[slot] = max(0, store - held)
+        move = np.zeros(n)
+        if store:
+            per_block = cost.block_tokens * cost.kv_bytes_per_token / cost.store_bytes_per_s
+            move = np.where(fetched > 0, cost.transfer_latency_s + fetched * per_block, 0.0)
+        charge = np.zeros(n)
+        if fetch:
+            extra, seconds, charge = self._peer_fetch(req, depth, blocks, pre)
+            blocks = blocks + extra
+            move = move + seconds
         uncached = np.maximum(1.0, req.input_tokens - blocks * cost.block_tokens)
         wait = np.maximum(0.0, pre.free_at[:n] - now)
         cached = req.input_tokens - uncached
         work = cost.prefill_overhead_s + uncached * (
             1.0 + (cached + uncached / 2) / cost.attention_tokens) / cost.prefill_tokens_per_s
+        work = work + move + charge
         if self.affinity and depth:
             # Cached blocks left behind cost more than this prefill: they would be
             # computed again here and then cached twice, crowding both caches.
             best = max(depth.values())
             lost = np.maximum(0.0, best - blocks)
             work = work + self.affinity * lost * cost.block_tokens / cost.prefill_tokens_per_s
-        if store:
-            per_block = cost.block_tokens * cost.kv_bytes_per_token / cost.store_bytes_per_s
-            work = work + np.where(fetched > 0,
-                                   cost.transfer_latency_s + fetched * per_block, 0.0)
         return wait + work, work
+
+    def _peer_fetch(self, req: Request, depth: dict[int, int], blocks: F64, pre: Pool
+                    ) -> tuple[F64, F64, F64]:
+        """Per prefill instance: the blocks beyond what it holds (or the store gives)
+        that it would read from the deepest holder's cache instead of computing them,
+        the seconds that read takes over their path, and a charge for the copy where
+        the reader's cache is full (it evicts as many of the blocks it holds, at
+        ``copy_charge`` of their compute each); zeros where computing is cheaper. The
+        holder's NIC serves the read (one-sided), not its compute."""
+        cost = self.cost
+        n = len(pre)
+        holder = max(depth, key=lambda slot: (depth[slot], -slot))
+        extra = np.maximum(0.0, depth[holder] - blocks)
+        same_pod = pre.pod[:n] == pre.pod[holder]
+        same_zone = pre.zone[:n] == pre.zone[holder]
+        bandwidth = np.where(same_pod, cost.pod_bytes_per_s,
+                             np.where(same_zone, cost.rdma_bytes_per_s, cost.tcp_bytes_per_s))
+        seconds = cost.transfer_latency_s + (
+            extra * cost.block_tokens * cost.kv_bytes_per_token / bandwidth)
+        per_block = cost.block_tokens / cost.prefill_tokens_per_s
+        index = self.fleet.prefix
+        free = np.array([index.capacity - index.blocks(slot) for slot in range(n)], float)
+        charge = self.copy_charge * per_block * np.clip(extra - free, 0.0, extra)
+        worth = (extra > 0) & (seconds + charge < extra * per_block)
+        return (np.where(worth, extra, 0.0), np.where(worth, seconds, 0.0),
+                np.where(worth, charge, 0.0))
 
     def _decode_for(self, req: Request, p: int, dmask: Mask
                     ) -> tuple[int, PathClass, str, float]:
