@@ -40,7 +40,10 @@ def make_router(prefill: Sequence[str] = (), decode: Sequence[str] = (), *,
     for role, urls in (("prefill", prefill), ("decode", decode)):
         for url in urls:
             fleet.add(url, role, url=url)
-    return Router(fleet, policy, local_prefill_tokens=local_prefill_tokens)
+    # vLLM servers read prefixes from their own cache or the store, not from one
+    # another's: the router must not count on reads from a busy holder
+    return Router(fleet, policy, local_prefill_tokens=local_prefill_tokens,
+                  peer_fetch=False)
 
 
 def request_of(body: dict[str, Any], block_chars: int, tokenizer: Any = None) -> Request:
