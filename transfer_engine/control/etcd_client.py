@@ -97,6 +97,7 @@ class EtcdClient:
         self._first = 0  # the member that answered last
         self._idle: dict[Endpoint, list[http.client.HTTPConnection]] = {}
         self._closed = False
+        self.answered: dict[Endpoint, float] = {}  # member -> when it last answered
 
     @property
     def current(self) -> Endpoint:
@@ -172,7 +173,9 @@ class EtcdClient:
                 raise _Unavailable(f"etcd at {endpoint[0]}:{endpoint[1]}: {exc!r}",
                                    peer="etcd", op=op) from exc
             self._release(endpoint, conn, resp)
-            return self._decode(endpoint, path, resp.status, data, op)
+            reply = self._decode(endpoint, path, resp.status, data, op)
+            self.answered[endpoint] = time.monotonic()
+            return reply
         raise AssertionError("unreachable")
 
     @staticmethod

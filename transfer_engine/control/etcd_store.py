@@ -270,8 +270,9 @@ class EtcdStore(MetadataStore):
         verdicts: dict[Endpoint, bool] = {}
         for w in watches:
             endpoint = w.endpoint
-            if endpoint is None or now - w.heard < self.ttl:
-                continue
+            if endpoint is None or now - max(w.heard, self._client.answered.get(
+                    endpoint, 0.0)) < self.ttl:
+                continue  # it spoke lately (a keep-alive of ours answered there too)
             if endpoint not in verdicts:
                 verdicts[endpoint] = self._client.serves(endpoint, self.ttl / 3)
             if verdicts[endpoint]:
