@@ -138,56 +138,57 @@ def test_a_request_late_everywhere_takes_the_least_work() -> None:
     assert d.est_ttft_s > 30.0
 
 
+def _busy_holder(holder_free_at: float = 1.65, others_free_at: float = 0.6,
+                 capacity: int | None = None) -> tuple[Fleet, list[int]]:
+    """p0 holds 8 blocks of the request and is busy until ``holder_free_at``; the other
+    prefill instances are free from ``others_free_at`` (their caches filled with other
+    blocks up to ``capacity``, when given)."""
+    fleet = _fleet()
+    if capacity is not None:
+        fleet.prefix.capacity = capacity
+    keys = list(range(8))
+    pre = fleet.prefill
+    fleet.prefix.insert(pre.slot["p0"], keys)
+    pre.free_at[pre.slot["p0"]] = holder_free_at
+    for name in ("p1", "p2", "p3"):
+        pre.free_at[pre.slot[name]] = others_free_at
+        if capacity is not None:
+            fleet.prefix.insert(pre.slot[name], [1000 + 100 * pre.slot[name] + i
+                                                 for i in range(capacity)])
+    return fleet, keys
+
+
 def test_a_request_that_can_still_make_it_takes_the_earliest() -> None:
     """No queue leaves the margin, but some still meet the target: the earliest estimate
     wins, even against the holder's smaller work (without reads from the holder's cache,
     which the next tests cover)."""
-    fleet = _fleet()
-    keys = list(range(8))
-    pre = fleet.prefill
-    fleet.prefix.insert(pre.slot["p0"], keys)
-    pre.free_at[pre.slot["p0"]] = 1.65  # + 0.14 s of prefill: just within 1.83 s
-    for name in ("p1", "p2", "p3"):
-        pre.free_at[pre.slot[name]] = 0.6  # + 0.98 s (full prefill + blocks left behind)
+    # p0: + 0.14 s of prefill, just within 1.83 s; the others: + 0.98 s (full prefill
+    # and the blocks left behind)
+    fleet, keys = _busy_holder(1.65, 0.6)
     d = Router(fleet, "default", peer_fetch=False).route(_req(keys + [98, 99]), now=0.0)
     assert d.prefill_name in ("p1", "p2", "p3") and d.cached_blocks == 0
-    fleet = _fleet()
-    pre = fleet.prefill
-    fleet.prefix.insert(pre.slot["p0"], keys)
-    pre.free_at[pre.slot["p0"]] = 1.65
-    for name in ("p1", "p2", "p3"):
-        pre.free_at[pre.slot[name]] = 1.0  # + 0.98 s: past the target
+    fleet, keys = _busy_holder(1.65, 1.0)  # the others: past the target
     d = Router(fleet, "default", peer_fetch=False).route(_req(keys + [98, 99]), now=0.0)
     assert d.prefill_name == "p0" and d.cached_blocks == 8
-
 
 
 def test_a_busy_holder_lends_its_cached_blocks_instead_of_its_compute() -> None:
     """The holder's queue is past the margin: another instance reads the 8 cached blocks
     from it (one-sided, over their pod's link) and computes only the rest, where
     computing them would have cost 8 x 51 ms."""
-    fleet = _fleet()
-    keys = list(range(8))
-    pre = fleet.prefill
-    fleet.prefix.insert(pre.slot["p0"], keys)
-    pre.free_at[pre.slot["p0"]] = 1.65
-    for name in ("p1", "p2", "p3"):
-        pre.free_at[pre.slot[name]] = 0.6
+    fleet, keys = _busy_holder()
     d = Router(fleet, "default").route(_req(keys + [98, 99]), now=0.0)
     assert d.prefill_name == "p1"  # the holder's pod: the fastest read
     assert d.cached_blocks == 0 and d.store_blocks == 8
     assert d.uncached_tokens == 2 * 512
     assert d.prefill_s < 0.2  # two blocks computed plus a 0.5 GB read at 50 GB/s
-    assert fleet.prefix.overlaps(keys)[pre.slot["p1"]] == 8  # it holds them now
+    assert fleet.prefix.overlaps(keys)[fleet.prefill.slot["p1"]] == 8  # it holds them now
 
 
 def test_a_holder_with_room_keeps_its_requests() -> None:
     """The holder meets the target with the margin to spare: nothing is copied, it
     takes the request (a copy would cost the reader's cache space for nothing)."""
-    fleet = _fleet()
-    keys = list(range(8))
-    pre = fleet.prefill
-    fleet.prefix.insert(pre.slot["p0"], keys)
+    fleet, keys = _busy_holder(0.0, 0.0)
     d = Router(fleet, "default").route(_req(keys + [98, 99]), now=0.0)
     assert d.prefill_name == "p0" and d.cached_blocks == 8 and d.store_blocks == 0
 
@@ -196,23 +197,9 @@ def test_no_read_from_a_holder_when_computing_is_faster_or_caches_are_full() -> 
     """Over slow links the read loses to computing; and a reader whose cache is full
     would evict as much as it copies: computing wins there too."""
     slow = CostModel(tcp_bytes_per_s=1e8, rdma_bytes_per_s=1e8, pod_bytes_per_s=1e8)
-    fleet = _fleet()
-    keys = list(range(8))
-    pre = fleet.prefill
-    fleet.prefix.insert(pre.slot["p0"], keys)
-    pre.free_at[pre.slot["p0"]] = 1.65
-    for name in ("p1", "p2", "p3"):
-        pre.free_at[pre.slot[name]] = 0.6
+    fleet, keys = _busy_holder()
     d = Router(fleet, "default", cost=slow).route(_req(keys + [98, 99]), now=0.0)
     assert d.store_blocks == 0
-    fleet = _fleet()
-    fleet.prefix.capacity = 16
-    pre = fleet.prefill
-    fleet.prefix.insert(pre.slot["p0"], keys)
-    for name in ("p1", "p2", "p3"):
-        fleet.prefix.insert(pre.slot[name], [1000 + 100 * pre.slot[name] + i
-                                             for i in range(16)])  # full
-        pre.free_at[pre.slot[name]] = 0.6
-    pre.free_at[pre.slot["p0"]] = 1.65
+    fleet, keys = _busy_holder(capacity=16)
     d = Router(fleet, "default").route(_req(keys + [98, 99]), now=0.0)
     assert d.store_blocks == 0
