@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from bench.baselines import memcpy_gbps, socket_baseline
-from bench.engine_bench_options import SEGMENT_NAME, WAIT_TIMEOUT, UsageError
+from bench.engine_bench_options import SEGMENT_NAME, WAIT_TIMEOUT, UsageError, registry_of
 from bench.engine_bench_report import header, row
 from bench.engine_bench_target import LocalTarget
 from bench.engine_bench_transports import close_unused, emulated_nics, host_cpu, make_transports
@@ -232,7 +232,8 @@ def run_initiator(a: argparse.Namespace, endpoint: str,
 
     transports = make_transports(a)
     try:
-        eng = Engine(f"bench-initiator-{os.getpid()}", host=a.host, transports=transports)
+        eng = Engine(f"bench-initiator-{os.getpid()}", host=a.host, transports=transports,
+                     registry=registry_of(a))
     except BaseException:
         close_unused(transports)
         raise

@@ -4,13 +4,14 @@ combinations, and the constants both sides of a run share."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from transfer_engine.topology import load_topology_file
 from transfer_engine.transport.tcp import check_congestion
 
 __all__ = ["DEFAULT_BUFFER", "SEGMENT_NAME", "EXIT_USAGE", "WAIT_TIMEOUT",
            "TARGET_START_TIMEOUT", "CPU_SAMPLE_TIMEOUT", "UsageError", "build_parser",
-           "check_flags"]
+           "check_flags", "registry_of", "target_name"]
 
 DEFAULT_BUFFER = 256 << 20
 SEGMENT_NAME = "bench"
@@ -61,7 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device_name", default="",
                    help="RDMA NICs, comma-separated (e.g. mlx5_0,mlx5_1)")
     p.add_argument("--metadata_server", default=None,
-                   help="only P2PHANDSHAKE (peer-to-peer handshake) is supported")
+                   help="P2PHANDSHAKE (the default: the initiator connects to the "
+                        "target's endpoint), or a registry both join: "
+                        "etcd://host:port[,host:port...][/prefix] or tcp://host:port (the "
+                        "embedded ZeroMQ registry); the initiator then finds the target "
+                        "by name (--segment_id NAME)")
+    p.add_argument("--local_server_name", default=None,
+                   help="target: the name it joins the registry under (default "
+                        "bench-target-PID)")
     p.add_argument("--local", action="store_true",
                    help="run the target as a child process on loopback")
     p.add_argument("--baseline", action="store_true",
@@ -114,11 +122,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def registry_of(a: argparse.Namespace) -> str | None:
+    """The registry ``--metadata_server`` names (etcd or ours), else None."""
+    ms = a.metadata_server or ""
+    return ms if ms.startswith(("etcd://", "tcp://")) else None
+
+
+def target_name(a: argparse.Namespace) -> str:
+    return a.local_server_name or f"bench-target-{os.getpid()}"
+
+
 def check_flags(a: argparse.Namespace) -> None:
     ms = a.metadata_server
-    if ms not in (None, "", "P2PHANDSHAKE"):
-        raise UsageError(f"--metadata_server {ms}: a metadata registry is not supported "
-                         "yet; omit the flag or pass P2PHANDSHAKE (peer-to-peer handshake)")
+    if ms not in (None, "", "P2PHANDSHAKE") and registry_of(a) is None:
+        raise UsageError(f"--metadata_server {ms}: not supported; pass P2PHANDSHAKE "
+                         "(peer-to-peer handshake), an etcd://host:port or a tcp://host:port "
+                         "registry")
     for name in ("batch_size", "threads", "repeat"):
         if getattr(a, name) < 1:
             raise UsageError(f"--{name} must be at least 1")

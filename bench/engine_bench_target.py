@@ -16,7 +16,13 @@ from typing import Any
 import numpy as np
 
 from bench.baselines import Child
-from bench.engine_bench_options import CPU_SAMPLE_TIMEOUT, SEGMENT_NAME, TARGET_START_TIMEOUT
+from bench.engine_bench_options import (
+    CPU_SAMPLE_TIMEOUT,
+    SEGMENT_NAME,
+    TARGET_START_TIMEOUT,
+    registry_of,
+    target_name,
+)
 from bench.engine_bench_transports import close_unused, host_cpu, make_transports
 from bench.stats import cpu_seconds, fill_random
 
@@ -43,8 +49,8 @@ def run_target(a: argparse.Namespace, *, watch_parent: bool = False) -> int:
     parent = os.getppid()
     try:
         try:
-            eng = Engine(f"bench-target-{os.getpid()}", host=a.host, port=a.port,
-                         transports=transports)
+            eng = Engine(target_name(a), host=a.host, port=a.port,
+                         transports=transports, registry=registry_of(a))
         except BaseException:
             close_unused(transports)
             raise
@@ -86,6 +92,11 @@ class LocalTarget:
             args += ["--emulated"]
         if a.auto_discovery:
             args += ["--auto_discovery"]
+        self.name: str | None = None  # its registry name, with --metadata_server
+        if registry_of(a):
+            self.name = a.local_server_name or f"bench-target-{os.getpid()}-local"
+            args += ["--metadata_server", a.metadata_server, "--local_server_name",
+                     self.name]
         self.child = Child(args)  # the topology file comes through the environment
         try:
             self.endpoint = self.child.expect("ENDPOINT ", TARGET_START_TIMEOUT)

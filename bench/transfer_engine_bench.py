@@ -48,7 +48,13 @@ import sys
 from collections.abc import Sequence
 
 from bench.engine_bench_initiator import run_initiator
-from bench.engine_bench_options import EXIT_USAGE, UsageError, build_parser, check_flags
+from bench.engine_bench_options import (
+    EXIT_USAGE,
+    UsageError,
+    build_parser,
+    check_flags,
+    registry_of,
+)
 from bench.engine_bench_report import control_signed, print_summary, summarize
 from bench.engine_bench_target import LocalTarget, run_target
 from bench.engine_bench_transports import close_unused, make_transports
@@ -79,7 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             close_unused(make_transports(a))
         if a.local:
             with LocalTarget(a) as target:
-                res = run_initiator(a, target.endpoint, target)
+                res = run_initiator(a, target.name or target.endpoint, target)
+        elif registry_of(a) and "://" not in a.segment_id:
+            res = run_initiator(a, a.segment_id, None)  # a name the registry knows
         else:
             endpoint = a.segment_id if "://" in a.segment_id else f"tcp://{a.segment_id}"
             res = run_initiator(a, endpoint, None)

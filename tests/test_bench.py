@@ -49,11 +49,29 @@ def test_rdma_without_device_is_a_clear_usage_error(capsys: pytest.CaptureFixtur
     assert err.startswith("transfer_engine_bench: error: --protocol rdma needs device mlx5_0")
 
 
-def test_metadata_server_other_than_p2p_is_refused(capsys: pytest.CaptureFixture[str]
-                                                   ) -> None:
-    rc = main(["--local", "--metadata_server", "etcd://10.0.0.1:2379"])
+def test_metadata_server_other_than_p2p_or_a_registry_is_refused(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["--local", "--metadata_server", "redis://127.0.0.1:6379"])
     assert rc == 2
     assert "not supported" in capsys.readouterr().err
+
+
+def test_target_found_by_name_through_etcd(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Mooncake's way: both sides join the metadata server (a real etcd here) and the
+    initiator finds the target by its name."""
+    from bench.etcd_server import etcd_server, etcd_skip_reason  # noqa: PLC0415
+
+    reason = etcd_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with etcd_server(tmp_path) as etcd:
+        out = tmp_path / "etcd.json"
+        rc = main(["--local", "--duration", "0.3", "--protocol", "tcp", "--block_size",
+                   "65536", "--batch_size", "4", "--metadata_server", etcd + "/bench",
+                   "--local_server_name", "bench-target-by-name", "--json", str(out)])
+        assert rc == 0, capsys.readouterr()
+    assert json.loads(out.read_text())["verified"] is True
 
 
 def test_initiator_needs_a_target(capsys: pytest.CaptureFixture[str]) -> None:
