@@ -167,6 +167,7 @@ class Lab:
         self.state_dir = (state_root or STATE_ROOT) / config.tag
         self.hosts: list[LabHost] = []
         self.wired = False  # delays from the userspace delay line, not netem
+        self._wire: subprocess.Popen[bytes] | None = None
         self._procs: list[subprocess.Popen[Any]] = []
         self._closed = False
         down(config.tag, self.state_dir.parent)
@@ -307,6 +308,9 @@ class Lab:
                            "LabConfig(delay_line=True)")
         if not 0.0 <= loss <= 1.0:
             raise ValueError(f"loss must be in 0..1, got {loss}")
+        if self._wire is not None and self._wire.poll() is not None:
+            raise LabError(f"the lab's delay line exited ({self._wire.returncode}): "
+                           f"{(self.state_dir / 'wire.log').read_text(errors='replace')[-400:]}")
         try:
             set_loss(str(self._wire_control), f"h{host}n{nic}", loss)
         except (OSError, ValueError) as exc:
@@ -324,6 +328,7 @@ class Lab:
                                     stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         self._procs.append(proc)
+        self._wire = proc
         deadline = time.monotonic() + _WIRE_START
         while b"ready" not in log.read_bytes():
             if proc.poll() is not None or time.monotonic() > deadline:
