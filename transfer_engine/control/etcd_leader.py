@@ -95,12 +95,16 @@ class EtcdLeader:
         """Waits until this candidate leads (checking every ``poll`` seconds); raises
         ``TransferTimeout`` after ``timeout`` seconds (None: until closed)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        said = ""
         while not self._stop.is_set():
             try:
                 if self._try_once():
                     return
             except TransferEngineError as exc:
-                log.info("campaign for %s: %s", self.role, exc)
+                if str(exc) != said:  # once per cause, not every poll
+                    said = str(exc)
+                    log.warning("campaign for %s: %s (trying again every %gs)",
+                                self.role, exc, poll)
             if deadline is not None and time.monotonic() >= deadline:
                 raise TransferTimeout(f"did not become leader of {self.role!r} in "
                                       f"{timeout}s", peer=self.role, op="campaign")
