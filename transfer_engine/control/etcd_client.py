@@ -15,6 +15,7 @@ lease grants (a spare lease runs out by itself), keep-alives, revokes that treat
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import socket
@@ -24,7 +25,8 @@ from typing import Any
 
 from transfer_engine.errors import ConnectError, ProtocolError, TransferTimeout
 
-__all__ = ["ETCD_SCHEME", "EtcdClient", "Endpoint", "etcd_request", "parse_etcd_address"]
+__all__ = ["ETCD_SCHEME", "EtcdClient", "Endpoint", "b64", "etcd_request", "key_prefix",
+           "parse_etcd_address", "unb64"]
 
 ETCD_SCHEME = "etcd://"
 Endpoint = tuple[str, int]
@@ -33,6 +35,21 @@ _IDLE_PER_MEMBER = 4  # kept-alive connections per member
 # error texts of a member that cannot serve now while others may (etcdserver's words)
 _UNAVAILABLE = ("no leader", "timed out", "leader changed", "server stopped",
                 "not capable", "too many requests", "unhealthy")
+
+
+def b64(data: bytes | str) -> str:
+    """Keys and values as the JSON gateway takes them (a ``str`` as UTF-8)."""
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode("ascii")
+
+
+def unb64(text: Any) -> bytes:
+    """Keys and values as the JSON gateway gives them (missing: empty)."""
+    return base64.b64decode(text) if isinstance(text, str) else b""
+
+
+def key_prefix(path: str) -> str:
+    """The key prefix an address's path names (``/te`` when it names none)."""
+    return path.rstrip("/") or "/te"
 
 
 def parse_etcd_address(address: str) -> tuple[list[Endpoint], str]:
@@ -250,6 +267,15 @@ class EtcdClient:
         raise ConnectError(f"no etcd member opened {path}: {'; '.join(failures)}",
                            peer="etcd", op="watch")
 
+    def revoke(self, lease: int, timeout: float | None, op: str) -> None:
+        """Revokes ``lease``; one that etcd no longer knows (it ran out, or a repeat
+        of this request landed) is gone already, which is what was asked."""
+        try:
+            self.call("/v3/lease/revoke", {"ID": str(lease)}, timeout, op)
+        except ProtocolError as exc:
+            if "not found" not in str(exc):
+                raise
+
     def serves(self, endpoint: Endpoint, timeout: float) -> bool:
         """Whether ``endpoint`` answers a read that needs its cluster's quorum."""
         try:
@@ -260,13 +286,18 @@ class EtcdClient:
             return False
         return True
 
-    def close(self) -> None:
+    def release(self) -> None:
+        """Closes the kept-alive connections; a later request opens a new one."""
         with self._lock:
-            self._closed = True
             idle = [c for conns in self._idle.values() for c in conns]
             self._idle.clear()
         for conn in idle:
             conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self.release()
 
 
 def etcd_request(host: str, port: int, path: str, body: dict[str, Any], timeout: float,

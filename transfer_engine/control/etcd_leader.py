@@ -14,13 +14,18 @@ start and whenever their leader goes silent.
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
 import time
 from collections.abc import Callable
 
-from transfer_engine.control.etcd_client import EtcdClient, parse_etcd_address
+from transfer_engine.control.etcd_client import (
+    EtcdClient,
+    b64,
+    key_prefix,
+    parse_etcd_address,
+    unb64,
+)
 from transfer_engine.errors import (
     ClosedError,
     TransferEngineError,
@@ -33,14 +38,10 @@ __all__ = ["EtcdLeader", "leader_of"]
 log = logging.getLogger(__name__)
 
 
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
 def _leader_key(path: str, role: str) -> bytes:
     if not role or "/" in role:
         raise ValueError(f"role must be non-empty without '/', got {role!r}")
-    return ((path.rstrip("/") or "/te") + "/leaders/" + role).encode()
+    return (key_prefix(path) + "/leaders/" + role).encode()
 
 
 def leader_of(address: str, role: str, timeout: float = 5.0) -> str:
@@ -49,12 +50,12 @@ def leader_of(address: str, role: str, timeout: float = 5.0) -> str:
     endpoints, path = parse_etcd_address(address)
     client = EtcdClient(endpoints, timeout)
     try:
-        reply = client.call("/v3/kv/range", {"key": _b64(_leader_key(path, role))},
+        reply = client.call("/v3/kv/range", {"key": b64(_leader_key(path, role))},
                             timeout, "leader")
     finally:
         client.close()
     for kv in reply.get("kvs", []):
-        return base64.b64decode(kv.get("value", "")).decode("utf-8", "replace")
+        return unb64(kv.get("value")).decode("utf-8", "replace")
     raise UnknownPeerError(f"no leader of {role!r} in etcd", peer=role, op="leader")
 
 
@@ -116,10 +117,10 @@ class EtcdLeader:
         reply = self._client.call("/v3/lease/grant", {"TTL": max(1, round(self.ttl))},
                                   None, "campaign")
         lease = int(reply["ID"])
-        txn = {"compare": [{"key": _b64(self._key), "target": "CREATE",
+        txn = {"compare": [{"key": b64(self._key), "target": "CREATE",
                             "create_revision": "0"}],
-               "success": [{"request_put": {"key": _b64(self._key),
-                                            "value": _b64(self.value.encode()),
+               "success": [{"request_put": {"key": b64(self._key),
+                                            "value": b64(self.value.encode()),
                                             "lease": str(lease)}}]}
         won = bool(self._client.call("/v3/kv/txn", txn, None, "campaign").get("succeeded"))
         if not won:
@@ -160,10 +161,9 @@ class EtcdLeader:
 
     def _revoke(self, lease: int) -> None:
         try:
-            self._client.call("/v3/lease/revoke", {"ID": str(lease)}, None, "resign")
+            self._client.revoke(lease, None, "resign")
         except TransferEngineError as exc:
-            if "not found" not in str(exc):
-                log.info("revoking an etcd lease: %s (it runs out by itself)", exc)
+            log.info("revoking an etcd lease: %s (it runs out by itself)", exc)
 
     def cancel(self) -> None:
         """Ends a :meth:`campaign` in progress (it raises ``ClosedError``); only sets a

@@ -25,7 +25,6 @@ HTTP and is meant for an etcd on loopback or a trusted network. Records are vali
 
 from __future__ import annotations
 
-import base64
 import builtins
 import http.client
 import json
@@ -40,9 +39,12 @@ from transfer_engine.control.etcd_client import (
     ETCD_SCHEME,
     Endpoint,
     EtcdClient,
+    b64,
     etcd_request,
+    key_prefix,
     parse_etcd_address,
     shut,
+    unb64,
 )
 from transfer_engine.control.metastore import (
     EventCallback,
@@ -64,14 +66,6 @@ __all__ = ["EtcdStore", "ETCD_SCHEME", "etcd_request"]
 log = logging.getLogger(__name__)
 
 _LEAVING = b"\x00leaving"  # value a member writes just before revoking its lease
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _unb64(text: Any) -> bytes:
-    return base64.b64decode(text) if isinstance(text, str) else b""
 
 
 def _prefix_end(prefix: bytes) -> bytes:
@@ -96,7 +90,7 @@ class EtcdStore(MetadataStore):
         endpoints, path = parse_etcd_address(address)
         self.address = address
         self._client = EtcdClient(endpoints, timeout)
-        prefix = (path.rstrip("/") or "/te") + "/members/"
+        prefix = key_prefix(path) + "/members/"
         self._prefix = prefix.encode()
         self.ttl = ttl
         self.timeout = timeout
@@ -139,7 +133,7 @@ class EtcdStore(MetadataStore):
 
     def _put_value(self, name: str, value: bytes, lease: int, timeout: float | None
                    ) -> None:
-        self._call("/v3/kv/put", {"key": _b64(self._key(name)), "value": _b64(value),
+        self._call("/v3/kv/put", {"key": b64(self._key(name)), "value": b64(value),
                                   "lease": str(lease)}, timeout, "register")
 
     # --- MetadataStore --------------------------------------------------------------
@@ -165,7 +159,7 @@ class EtcdStore(MetadataStore):
             self._own[record.name] = (record, lease)
 
     def get(self, name: str, timeout: float | None = None) -> MemberRecord:
-        reply = self._call("/v3/kv/range", {"key": _b64(self._key(name))}, timeout,
+        reply = self._call("/v3/kv/range", {"key": b64(self._key(name))}, timeout,
                            "lookup")
         for kv in reply.get("kvs", []):
             record = self._decode(kv)
@@ -184,11 +178,9 @@ class EtcdStore(MetadataStore):
                 self._put_value(name, _LEAVING, lease, timeout)
             except ProtocolError:
                 pass  # the lease is gone already, and with it the key
-            try:
-                self._call("/v3/lease/revoke", {"ID": str(lease)}, timeout, "leave")
-            except ProtocolError as exc:
-                if "not found" not in str(exc):
-                    raise  # else: gone already (a repeat of a revoke that landed)
+            if self._closed:
+                raise ClosedError("etcd store is closed", peer="etcd", op="leave")
+            self._client.revoke(lease, timeout or self.timeout, "leave")
 
     def list(self, role: str | None = None, timeout: float | None = None
              ) -> builtins.list[MemberRecord]:
@@ -197,20 +189,20 @@ class EtcdStore(MetadataStore):
 
     def _snapshot(self, timeout: float | None) -> tuple[builtins.list[MemberRecord], int]:
         """Every member, sorted by name, and the revision they were read at."""
-        reply = self._call("/v3/kv/range", {"key": _b64(self._prefix),
-                                            "range_end": _b64(_prefix_end(self._prefix))},
+        reply = self._call("/v3/kv/range", {"key": b64(self._prefix),
+                                            "range_end": b64(_prefix_end(self._prefix))},
                            timeout, "list")
         records = [r for r in map(self._decode, reply.get("kvs", [])) if r is not None]
         return sorted(records, key=lambda r: r.name), int(reply["header"]["revision"])
 
     def _decode(self, kv: dict[str, Any]) -> MemberRecord | None:
-        value = _unb64(kv.get("value"))
+        value = unb64(kv.get("value"))
         if value == _LEAVING or not value:
             return None
         try:
             return MemberRecord.from_wire(msgpack.unpackb(value), peer="etcd")
         except (ProtocolError, ValueError, msgpack.UnpackException) as exc:
-            log.warning("skipping a bad member record at %r: %s", _unb64(kv.get("key")),
+            log.warning("skipping a bad member record at %r: %s", unb64(kv.get("key")),
                         exc)
             return None
 
@@ -352,7 +344,7 @@ class _Watch:
 
     def _open(self) -> http.client.HTTPResponse:
         prefix = self._store._prefix
-        body = {"create_request": {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)),
+        body = {"create_request": {"key": b64(prefix), "range_end": b64(_prefix_end(prefix)),
                                    "start_revision": str(self._start_revision),
                                    "prev_kv": True}}
         conn, resp, endpoint = self._store._client.open_stream("/v3/watch", body)
@@ -410,10 +402,10 @@ class _Watch:
         for ev in result.get("events", []):
             kv = ev.get("kv", {})
             self._start_revision = int(kv.get("mod_revision", 0)) + 1
-            name = _unb64(kv.get("key"))[len(self._store._prefix):].decode(
+            name = unb64(kv.get("key"))[len(self._store._prefix):].decode(
                 "utf-8", "replace")
             if ev.get("type") == "DELETE":
-                prev = _unb64(ev.get("prev_kv", {}).get("value"))
+                prev = unb64(ev.get("prev_kv", {}).get("value"))
                 if self._known.pop(name, None) is not None:
                     kind = EventKind.LEAVE if prev == _LEAVING else EventKind.EXPIRE
                     reason = "left" if kind is EventKind.LEAVE else "lease ran out"

@@ -3,20 +3,15 @@ etcd's v3 JSON gateway."""
 
 from __future__ import annotations
 
-import base64
 from typing import Any
 
-from transfer_engine.control.etcd_store import etcd_request
+from transfer_engine.control.etcd_client import EtcdClient, b64, unb64
 from transfer_engine.errors import ConnectError, TransferEngineError, TransferTimeout
 
 from .directory import HTTP_TIMEOUT, DirectoryError, split_hostport
 from .store_directory import StoreDirectory
 
 __all__ = ["EtcdDirectory"]
-
-
-def _b64(data: bytes | str) -> str:
-    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
 
 
 class EtcdDirectory(StoreDirectory):
@@ -46,44 +41,38 @@ class EtcdDirectory(StoreDirectory):
         if not self.endpoints:
             raise ValueError(f"no etcd endpoint in {endpoints!r}")
         self.where = "etcd at " + ",".join(f"{h}:{p}" for h, p in self.endpoints)
-        self._timeout = timeout
+        self._client = EtcdClient(self.endpoints, timeout)
 
     def _call(self, path: str, body: dict[str, Any], op: str) -> dict[str, Any]:
-        """The request on the first endpoint that answers (the last one that did is
-        tried first)."""
-        failures = []
-        for host, port in list(self.endpoints):
-            try:
-                reply = etcd_request(host, port, path, body, self._timeout, op)
-            except (ConnectError, TransferTimeout) as exc:
-                failures.append(str(exc))
-                continue
-            except TransferEngineError as exc:
-                raise DirectoryError(-200, f"{self.where}: {op}: {exc}") from None
-            if (host, port) != self.endpoints[0]:
-                with self._lock:
-                    self.endpoints.remove((host, port))
-                    self.endpoints.insert(0, (host, port))
-            return reply
-        raise DirectoryError(-200, f"{self.where} unreachable: {'; '.join(failures)}")
+        """The request on the first endpoint that serves (the last one that did is
+        tried first; see :class:`~transfer_engine.control.etcd_client.EtcdClient`)."""
+        try:
+            return self._client.call(path, body, None, op)
+        except (ConnectError, TransferTimeout) as exc:
+            raise DirectoryError(-200, f"{self.where} unreachable: {exc}") from None
+        except TransferEngineError as exc:
+            raise DirectoryError(-200, f"{self.where}: {op}: {exc}") from None
+
+    def close(self) -> None:
+        self._client.release()  # usable again afterwards, as every directory is
 
     def get(self, key: str) -> bytes | None:
-        kvs = self._call("/v3/kv/range", {"key": _b64(key)}, "get").get("kvs") or []
-        return base64.b64decode(kvs[0].get("value", "")) if kvs else None
+        kvs = self._call("/v3/kv/range", {"key": b64(key)}, "get").get("kvs") or []
+        return unb64(kvs[0].get("value", "")) if kvs else None
 
     def create(self, key: str, value: bytes) -> bool:
         reply = self._call("/v3/kv/txn", {
-            "compare": [{"key": _b64(key), "target": "CREATE", "result": "EQUAL",
+            "compare": [{"key": b64(key), "target": "CREATE", "result": "EQUAL",
                          "create_revision": "0"}],
-            "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}]},
+            "success": [{"request_put": {"key": b64(key), "value": b64(value)}}]},
             "create")
         return bool(reply.get("succeeded"))
 
     def put(self, key: str, value: bytes) -> None:
-        self._call("/v3/kv/put", {"key": _b64(key), "value": _b64(value)}, "put")
+        self._call("/v3/kv/put", {"key": b64(key), "value": b64(value)}, "put")
 
     def delete_if(self, key: str, value: bytes) -> None:
         self._call("/v3/kv/txn", {
-            "compare": [{"key": _b64(key), "target": "VALUE", "result": "EQUAL",
-                         "value": _b64(value)}],
-            "success": [{"request_delete_range": {"key": _b64(key)}}]}, "delete")
+            "compare": [{"key": b64(key), "target": "VALUE", "result": "EQUAL",
+                         "value": b64(value)}],
+            "success": [{"request_delete_range": {"key": b64(key)}}]}, "delete")
