@@ -28,7 +28,7 @@ from transfer_engine.control.messages import Message
 from transfer_engine.control.request import SignedClient
 from transfer_engine.errors import TransferEngineError
 
-__all__ = ["MASTER_ROLE", "MasterLink", "locate_master"]
+__all__ = ["MASTER_ROLE", "MasterLink", "locate_master", "moved_master"]
 
 MASTER_ROLE = "kvstore-master"
 
@@ -43,6 +43,16 @@ def locate_master(master: str, timeout: float = 5.0) -> str:
     except TransferEngineError as exc:
         raise MasterUnavailableError(f"no kvstore master found through {master}: "
                                      f"{exc}") from exc
+
+def moved_master(master: str, current: str, timeout: float = 5.0) -> str | None:
+    """After the master at ``current`` went silent: the endpoint of another master that
+    leads now, if ``master`` names the master through etcd and one does; else None.
+    Raises ``MasterUnavailableError`` when etcd names no leader."""
+    if not master.startswith(ETCD_SCHEME):
+        return None
+    address = locate_master(master, timeout)
+    return address if address != current else None
+
 
 OnReply = Callable[[Message | Exception], None]
 
@@ -72,13 +82,11 @@ class MasterLink(SignedClient):
         """After the master went silent: True if another master leads now (the link is
         pointed at it, and anything posted to the old one fails); False if the master
         is named by its endpoint, or still leads."""
-        if not self.master.startswith(ETCD_SCHEME):
-            return False
         try:
-            address = locate_master(self.master, timeout)
+            address = moved_master(self.master, self.address, timeout)
         except MasterUnavailableError:
             return False
-        if address == self.address:
+        if address is None:
             return False
         lost = list(self._posted)
         self._posted.clear()

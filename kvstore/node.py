@@ -36,7 +36,7 @@ import numpy as np
 import zmq
 
 from kvstore.errors import InvalidArgumentError, StoreError
-from kvstore.link import locate_master
+from kvstore.link import locate_master, moved_master
 from kvstore.protocol import (
     ENTRY,
     JOURNAL,
@@ -244,11 +244,11 @@ class StorageNode(Closeable):
             return
         self._looked = now
         try:
-            address = locate_master(self.master, min(self.timeout, 2.0))
+            address = moved_master(self.master, self._link.address, min(self.timeout, 2.0))
         except StoreError as exc:
             log.info("node %s: %s", self.name, exc)
             return
-        if address != self._link.address:
+        if address is not None:
             log.info("node %s: the master moved from %s to %s", self.name,
                      self._link.address, address)
             self._link.retarget(address)
