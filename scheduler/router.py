@@ -53,6 +53,15 @@ DEFAULT_POLICY = "cache_aware"
 _ALIASES = {"default": DEFAULT_POLICY}
 F64 = npt.NDArray[np.float64]
 Mask = npt.NDArray[np.bool_]
+Peer = tuple[F64, F64, F64]  # per instance: blocks read from a holder, seconds, charge
+
+
+def _held(depth: dict[int, int], store: int, n: int) -> F64:
+    """Per prefill instance, the leading blocks it holds or the store gives."""
+    blocks = np.full(n, float(store))
+    for slot, held in depth.items():
+        blocks[slot] = max(held, store)
+    return blocks
 
 
 @dataclass(frozen=True)
@@ -201,7 +210,7 @@ class Router:
             store = fleet.store_prefix(req.keys) if fleet.store_prefix else 0
             cost = self.cost
             local_tokens = req.input_tokens - store * cost.block_tokens
-            fetch = False
+            peer: Peer | None = None  # blocks read from a holder's cache, per instance
             if (self.policy == "cache_aware" and local_tokens <= self.local_prefill_tokens) \
                     or pmask is None or local:
                 return self._local(req, now, dmask, store)
@@ -217,10 +226,10 @@ class Router:
             else:
                 pmask = self._sampled(pmask, depth.keys())
                 limit = self.slo.ttft_limit(req.input_tokens, cost)
-                est, work = self._prefill_estimates(req, now, depth, store, pre, False)
-                fetch = self._fetch_from_peer(depth, est, pmask, limit)
-                if fetch:
-                    est, work = self._prefill_estimates(req, now, depth, store, pre, True)
+                est, work = self._prefill_estimates(req, now, depth, store, pre)
+                if self._fetch_from_peer(depth, est, pmask, limit):
+                    peer = self._peer_fetch(req, depth, _held(depth, store, n_pre), pre)
+                    est, work = self._prefill_estimates(req, now, depth, store, pre, peer)
                 score, pmask = self._prefill_choice(est, work, pmask, limit)
                 p = self._pick("prefill", score, pmask)
                 p = self._admit(pre, p, pmask, "prefill", score)
@@ -228,11 +237,9 @@ class Router:
             have = max(cached, store)
             fetched = have - cached  # from the store
             move = cost.fetch_s(fetched)
-            if self.policy == "cache_aware" and fetch:
-                peer, peer_s, _ = self._peer_fetch(req, depth, np.full(n_pre, float(have)),
-                                                   pre)
-                fetched, have = fetched + int(peer[p]), have + int(peer[p])
-                move += float(peer_s[p])
+            if peer is not None:
+                extra = int(peer[0][p])
+                fetched, have, move = fetched + extra, have + extra, move + float(peer[1][p])
             uncached = max(1, req.input_tokens - have * cost.block_tokens)
             prefill_s = cost.prefill_s(uncached, req.input_tokens - uncached) + move
             d, path, transport, tpot = self._decode_for(req, p, dmask)
@@ -282,23 +289,22 @@ class Router:
         return not any(est[slot] <= margin for slot in holders)
 
     def _prefill_estimates(self, req: Request, now: float, depth: dict[int, int],
-                           store: int, pre: Pool, fetch: bool) -> tuple[F64, F64]:
+                           store: int, pre: Pool, peer: Peer | None = None
+                           ) -> tuple[F64, F64]:
         """Estimated seconds to the end of prefill on each instance, and the prefill's
-        own part of it; with ``fetch``, reading blocks from a peer's cache counts."""
+        own part of it; with ``peer`` (:meth:`_peer_fetch`), the blocks read from a
+        holder's cache count as held, at their read's time and copy charge."""
         cost = self.cost
         n = len(pre)
-        blocks = np.full(n, float(store))
-        fetched = np.full(n, float(store))
-        for slot, held in depth.items():
-            blocks[slot] = max(held, store)
-            fetched[slot] = max(0, store - held)
+        blocks = _held(depth, store, n)
+        fetched = blocks - _held(depth, 0, n)  # from the store
         move = np.zeros(n)
         if store:
             per_block = cost.block_tokens * cost.kv_bytes_per_token / cost.store_bytes_per_s
             move = np.where(fetched > 0, cost.transfer_latency_s + fetched * per_block, 0.0)
         charge = np.zeros(n)
-        if fetch:
-            extra, seconds, charge = self._peer_fetch(req, depth, blocks, pre)
+        if peer is not None:
+            extra, seconds, charge = peer
             blocks = blocks + extra
             move = move + seconds
         uncached = np.maximum(1.0, req.input_tokens - blocks * cost.block_tokens)
@@ -316,7 +322,7 @@ class Router:
         return wait + work, work
 
     def _peer_fetch(self, req: Request, depth: dict[int, int], blocks: F64, pre: Pool
-                    ) -> tuple[F64, F64, F64]:
+                    ) -> Peer:
         """Per prefill instance: the blocks beyond what it holds (or the store gives)
         that it would read from the deepest holder's cache instead of computing them,
         the seconds that read takes over their path, and a charge for the copy where
@@ -327,10 +333,7 @@ class Router:
         n = len(pre)
         holder = max(depth, key=lambda slot: (depth[slot], -slot))
         extra = np.maximum(0.0, depth[holder] - blocks)
-        same_pod = pre.pod[:n] == pre.pod[holder]
-        same_zone = pre.zone[:n] == pre.zone[holder]
-        bandwidth = np.where(same_pod, cost.pod_bytes_per_s,
-                             np.where(same_zone, cost.rdma_bytes_per_s, cost.tcp_bytes_per_s))
+        bandwidth = self._bandwidth(pre, n, int(pre.pod[holder]), int(pre.zone[holder]))
         seconds = cost.transfer_latency_s + (
             extra * cost.block_tokens * cost.kv_bytes_per_token / bandwidth)
         per_block = cost.block_tokens / cost.prefill_tokens_per_s
@@ -340,6 +343,14 @@ class Router:
         worth = (extra > 0) & (seconds + charge < extra * per_block)
         return (np.where(worth, extra, 0.0), np.where(worth, seconds, 0.0),
                 np.where(worth, charge, 0.0))
+
+    def _bandwidth(self, pool: Pool, n: int, pod: int, zone: int) -> F64:
+        """Bytes per second from an instance in ``pod`` and ``zone`` to each of the
+        first ``n`` of ``pool``: within the pod, the zone (RDMA), or across zones (TCP)."""
+        cost = self.cost
+        return np.where(pool.pod[:n] == pod, cost.pod_bytes_per_s,
+                        np.where(pool.zone[:n] == zone, cost.rdma_bytes_per_s,
+                                 cost.tcp_bytes_per_s))
 
     def _decode_for(self, req: Request, p: int, dmask: Mask
                     ) -> tuple[int, PathClass, str, float]:
@@ -369,11 +380,7 @@ class Router:
         else:
             pre = self.fleet.prefill
             bytes_ = req.input_tokens * cost.kv_bytes_per_token
-            same_pod = dec.pod[:n] == pre.pod[p]
-            same_zone = dec.zone[:n] == pre.zone[p]
-            move = np.where(same_pod, bytes_ / cost.pod_bytes_per_s,
-                            np.where(same_zone, bytes_ / cost.rdma_bytes_per_s,
-                                     bytes_ / cost.tcp_bytes_per_s))
+            move = bytes_ / self._bandwidth(dec, n, int(pre.pod[p]), int(pre.zone[p]))
         late = cost.decode_step_s + cost.decode_step_per_kv_token_s * after > self.slo.tpot_s
         full = after > dec.kv_cap[:n]
         score: F64 = move + 100.0 * late + 1000.0 * full + 1e-3 * after / dec.kv_cap[:n]
