@@ -94,7 +94,7 @@ class LocalTarget:
             args += ["--auto_discovery"]
         self.name: str | None = None  # its registry name, with --metadata_server
         if registry_of(a):
-            self.name = a.local_server_name or f"bench-target-{os.getpid()}-local"
+            self.name = target_name(a)  # the child joins under this name
             args += ["--metadata_server", a.metadata_server, "--local_server_name",
                      self.name]
         self.child = Child(args)  # the topology file comes through the environment

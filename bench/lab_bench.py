@@ -47,13 +47,19 @@ def _engine(name: str, host: str, nics: list[str] | str, rails: int = 1) -> Any:
                   timeout=10)
 
 
+def _mib_pairs(local: Any, remote: Any, count: int) -> list[tuple[Any, Any]]:
+    """``count`` 1 MiB blocks at the same offsets of ``local`` and ``remote``."""
+    from transfer_engine import Descriptor  # noqa: PLC0415  (children only)
+
+    return [(Descriptor(local, i * MiB, MiB), Descriptor(remote, i * MiB, MiB))
+            for i in range(count)]
+
+
 def fail_over(host: str, endpoint: str) -> dict[str, Any]:
     """The initiator of the failover phase: a 64 MiB WRITE over eth0 and eth1 (default
     ``nic_timeout``); prints ``STARTED`` once it is posted, waits for the parent's
     ``pulled <monotonic>`` line (it pulls eth1's cable), and notes when the first work
     moved to eth0. Then a READ back, compared byte for byte."""
-    from transfer_engine import Descriptor  # noqa: PLC0415
-
     n = 4 * BLOCKS
     with _engine("init-failover", host, ["eth0", "eth1"]) as engine:
         tcp = engine.transports["tcp"]
@@ -62,12 +68,8 @@ def fail_over(host: str, endpoint: str) -> dict[str, Any]:
         src, dst_local = engine.register(data), engine.register(back)
         peer = engine.connect(endpoint)
         dst = peer.segment("dst")
-        pairs = [(Descriptor(src, i * MiB, MiB), Descriptor(dst, (i % BLOCKS) * MiB, MiB))
-                 for i in range(BLOCKS)]
-        engine.write(peer, pairs).wait(30)  # warm: connections, slow start
-        pairs = [(Descriptor(src, i * MiB, MiB), Descriptor(dst, i * MiB, MiB))
-                 for i in range(n)]
-        handle = engine.write(peer, pairs)
+        engine.write(peer, _mib_pairs(src, dst, BLOCKS)).wait(30)  # warm: slow start
+        handle = engine.write(peer, _mib_pairs(src, dst, n))
         print("STARTED", flush=True)
         pulled = float(sys.stdin.readline().split()[1])
         moved = None
@@ -79,8 +81,7 @@ def fail_over(host: str, endpoint: str) -> dict[str, Any]:
                 break
             time.sleep(0.01)
         handle.wait(60)
-        engine.read(peer, [(Descriptor(dst_local, i * MiB, MiB), Descriptor(dst, i * MiB, MiB))
-                           for i in range(n)]).wait(60)
+        engine.read(peer, _mib_pairs(dst_local, dst, n)).wait(60)
         exact = bool(np.array_equal(data, back))
         return {"seconds_to_recover": None if moved is None else moved - pulled,
                 "bytes_verified": int(data.nbytes) if exact else 0,
@@ -97,8 +98,6 @@ def serve(host: str) -> None:
 
 def initiate(host: str, endpoint: str, nics: int, seconds: float, rails: int = 1
              ) -> dict[str, Any]:
-    from transfer_engine import Descriptor  # noqa: PLC0415
-
     names = [f"eth{j}" for j in range(nics)]
     with _engine(f"init-{nics}", host, names, rails) as engine:
         src_buf = np.random.default_rng(nics).integers(0, 256, BLOCKS * MiB, np.uint8)
@@ -106,8 +105,7 @@ def initiate(host: str, endpoint: str, nics: int, seconds: float, rails: int = 1
         src, dst_local = engine.register(src_buf), engine.register(back)
         peer = engine.connect(endpoint)
         dst = peer.segment("dst")
-        pairs = [(Descriptor(src, i * MiB, MiB), Descriptor(dst, i * MiB, MiB))
-                 for i in range(BLOCKS)]
+        pairs = _mib_pairs(src, dst, BLOCKS)
         rails = [getattr(r, "nic", None) for r in peer.rails["tcp"]]
         engine.write(peer, pairs).wait(30)  # warm: connections, slow start
         done, t0 = 0, time.monotonic()
@@ -124,8 +122,7 @@ def initiate(host: str, endpoint: str, nics: int, seconds: float, rails: int = 1
             done += BLOCKS * MiB
         elapsed = time.monotonic() - t0
         engine.write(peer, pairs).wait(30)
-        engine.read(peer, [(Descriptor(dst_local, i * MiB, MiB), Descriptor(dst, i * MiB, MiB))
-                           for i in range(BLOCKS)]).wait(30)
+        engine.read(peer, _mib_pairs(dst_local, dst, BLOCKS)).wait(30)
         weights = [round(float(getattr(r, "weight", 0.0)), 3) for r in peer.rails["tcp"]]
         return {"nics": nics, "gbps": done * 8 / elapsed / 1e9, "rails": rails,
                 "rail_gbps": weights, "exact": bool(np.array_equal(src_buf, back)),

@@ -35,7 +35,8 @@ from typing import Any, Generic, TypeVar
 
 from transfer_engine.topology import Topology, load, preferred_nics
 
-__all__ = ["NicEndpoint", "local_nics", "pair_nics", "RateMeter", "Reopener", "NICS_ENV"]
+__all__ = ["NicEndpoint", "local_nics", "pair_nics", "RateMeter", "Reopener", "StallWatch",
+           "link_up", "NICS_ENV"]
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
