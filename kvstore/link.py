@@ -39,10 +39,17 @@ def locate_master(master: str, timeout: float = 5.0) -> str:
     if not master.startswith(ETCD_SCHEME):
         return master
     try:
-        return leader_of(master, MASTER_ROLE, timeout)
+        address = leader_of(master, MASTER_ROLE, timeout)
     except TransferEngineError as exc:
         raise MasterUnavailableError(f"no kvstore master found through {master}: "
                                      f"{exc}") from exc
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    if not address.startswith("tcp://") or not host or not port.isdigit() \
+            or not 0 < int(port) < 65536:
+        raise MasterUnavailableError(f"no kvstore master found through {master}: it names "
+                                     f"{address[:200]!r}, not a tcp://HOST:PORT endpoint")
+    return address
+
 
 def moved_master(master: str, current: str, timeout: float = 5.0) -> str | None:
     """After the master at ``current`` went silent: the endpoint of another master that

@@ -19,7 +19,7 @@ from kvstore.client import Client
 from kvstore.errors import MasterUnavailableError, PutError
 from kvstore.link import MASTER_ROLE
 from kvstore.node import StorageNode
-from transfer_engine.control.etcd_leader import leader_of
+from transfer_engine.control.etcd_leader import EtcdLeader, leader_of
 
 
 @pytest.fixture
@@ -124,3 +124,15 @@ def test_no_master_leading_is_a_precise_error(etcd: str) -> None:
         Client(etcd, timeout=1.0)
     with pytest.raises(MasterUnavailableError, match="no kvstore master found"):
         StorageNode(etcd, 1 << 20)
+
+
+def test_a_leader_entry_that_is_no_endpoint_is_a_precise_error(etcd: str) -> None:
+    """Whatever holds the leader's key (a misconfigured or hostile writer), a node or
+    client refuses a value that is not a tcp://HOST:PORT endpoint, saying so."""
+    for bad in ("garbage", "tcp://:7400", "tcp://h:0", "tcp://h:x", "ipc:///tmp/m"):
+        with EtcdLeader(etcd, MASTER_ROLE, bad, ttl=2) as leader:
+            leader.campaign(timeout=5)
+            with pytest.raises(MasterUnavailableError, match="not a tcp://HOST:PORT"):
+                Client(etcd, timeout=1.0)
+            with pytest.raises(MasterUnavailableError, match="not a tcp://HOST:PORT"):
+                StorageNode(etcd, 1 << 20)
