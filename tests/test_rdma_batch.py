@@ -73,3 +73,46 @@ def test_tuples_long_pieces_and_the_notification_send() -> None:
     assert full.nbytes.tolist() == [4096, 4096, 40]
     assert WrBatch.from_specs(full.specs()).specs() == full.specs()
     assert empty_batch().append(send).specs() == [send]
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("op", [Op.WRITE, Op.READ])
+def test_runs_of_remote_ranges_share_a_request_without_the_object_builder(
+        seed: int, op: Op, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of one length (the planner's ``uniform`` extents) whose remote slots run
+    on in places: one request per run of at most ``max_sge`` rows, built as columns."""
+    rng = np.random.default_rng(100 + seed)
+    n, block = int(rng.integers(2, 300)), 4096
+    rslots = np.sort(rng.choice(2048, n, replace=False))  # sorted: many runs
+    if seed % 2:
+        rslots = rng.permutation(rslots)
+    lslots = rng.permutation(2048)[:n] * 2  # never adjacent locally
+    uniform = seed % 4 < 2
+    local = Extents(np.full(n, 1), lslots * block, np.full(n, block),
+                    (1, block) if uniform else None)
+    remote = Extents(np.full(n, 2), rslots * block, np.full(n, block),
+                     (2, block) if uniform else None)
+    imm = 0x77 if op is Op.WRITE else None
+    args = {"local_keys": LOCAL, "remote_keys": REMOTE, "max_sge": int(rng.integers(1, 6)),
+            "max_msg_size": 1 << 20, "imm": imm, "signal_every": 5}
+    want = build_work_requests(op, local, remote, **args)  # type: ignore[arg-type]
+    import transfer_engine.transport.rdma.batch as batch_module
+
+    def refuse(*a: object, **k: object) -> None:
+        raise AssertionError("the object builder was used")
+    monkeypatch.setattr(batch_module, "build_work_requests", refuse)
+    got = build_wr_batch(op, local, remote, **args)  # type: ignore[arg-type]
+    assert got.specs() == want
+    assert len(want) < n or args["max_sge"] == 1 or seed % 2
+
+
+def test_runs_past_max_msg_size_or_with_local_neighbours_are_the_object_builders() -> None:
+    # three remote-adjacent 4 KiB rows against a 10 KiB message cap: cut inside a row
+    local = _spans([1, 1, 1], [0, 40960, 81920], [4096] * 3)
+    remote = _spans([2, 2, 2], [0, 4096, 8192], [4096] * 3)
+    want, got = _both(Op.WRITE, local, remote, max_msg_size=10240)
+    assert got == want and [s.nbytes for s in got] == [10240, 2048]
+    # adjacent on both sides (not merged by a planner): one entry, as the builder makes
+    local = _spans([1, 1, 3], [0, 4096, 0], [4096] * 3)
+    want, got = _both(Op.READ, local, remote)
+    assert got == want and len(got) == 1 and len(got[0].sges) == 2

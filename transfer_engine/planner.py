@@ -312,13 +312,14 @@ def pack_columns(extents: Columns, *, max_sge: int, max_wr_bytes: int,
     total = extents.nbytes
     block = extents.block
     uniform = (int(rs[0]), block) if extents.single and block > 0 else None
+    luniform = (int(ls[0]), block) if uniform is not None else None
     if remote_scatter and count <= max_sge and total <= max_wr_bytes:  # one request
-        return [WorkRequest(Extents(ls, lo, n), Extents(rs, ro, n, uniform), total,
-                            columns=extents)]
+        return [WorkRequest(Extents(ls, lo, n, luniform), Extents(rs, ro, n, uniform),
+                            total, columns=extents)]
     if remote_scatter and 0 < block <= max_wr_bytes:  # as many blocks as fit, in order
         per = min(max_sge, max_wr_bytes // block)
         parts = [extents.slice(i, i + per) for i in range(0, count, per)]
-        return [WorkRequest(Extents(part.lseg, part.loff, part.length),
+        return [WorkRequest(Extents(part.lseg, part.loff, part.length, luniform),
                             Extents(part.rseg, part.roff, part.length, uniform),
                             len(part) * block, columns=part) for part in parts]
     ends = np.cumsum(n)  # ends[k]: bytes of extents 0..k
@@ -336,7 +337,7 @@ def pack_columns(extents: Columns, *, max_sge: int, max_wr_bytes: int,
         end = max(i + 1, min(i + max_sge, fits, breaks[r]))
         nbytes = int(ends[end - 1]) - done
         part = extents.slice(i, end)
-        local = Extents(part.lseg, part.loff, part.length)
+        local = Extents(part.lseg, part.loff, part.length, luniform)
         if remote_scatter:
             remote: Sequence[ExtentRow] = Extents(part.rseg, part.roff, part.length, uniform)
         else:

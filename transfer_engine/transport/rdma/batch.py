@@ -6,9 +6,10 @@ request, more than a NIC needs to move 64 KiB. :class:`WrBatch` holds them as co
 (opcode, remote address, rkey, immediate, signaled flag, and the SGE list as three
 columns with per-request ends), and :func:`build_wr_batch` fills it with a fixed number
 of NumPy operations whatever the request count, in the common case of a work whose
-extents pair one local range with one remote range. Anything else (a remote range
-gathered from several local extents, an extent longer than ``max_msg_size``, an error to
-report precisely) takes ``plan.build_work_requests``, whose rules this follows.
+extents pair one local range with one remote range (remote ranges that continue each
+other included: they share a request). Anything else (local ranges to merge, an extent
+longer than ``max_msg_size``, an error to report precisely) takes
+``plan.build_work_requests``, whose rules this follows.
 
 Signaling: only the last request is signaled (an RC queue pair completes in order, so
 its completion covers the rest), plus every ``signal_every``-th one.
@@ -144,7 +145,12 @@ def build_wr_batch(op: Op, local: Sequence[Any], remote: Sequence[Any], *,
                    max_sge: int, max_msg_size: int, imm: int | None = None,
                    signal_every: int = 0, peer: str | None = None) -> WrBatch:
     """``build_work_requests`` as a :class:`WrBatch`: the same requests, the same
-    errors (``InvalidDescriptorError`` for unregistered or out-of-bounds extents)."""
+    errors (``InvalidDescriptorError`` for unregistered or out-of-bounds extents).
+
+    Rows that pair one local range with one remote range take a fixed number of NumPy
+    operations; remote ranges that continue each other become one request with a local
+    entry per row, as the object builder makes them. Blocks of one segment and one
+    length (the planner's ``uniform``) skip the per-row key lookup and length checks."""
     def slow() -> WrBatch:
         return WrBatch.from_specs(build_work_requests(
             op, local, remote, local_keys=local_keys, remote_keys=remote_keys,
@@ -152,41 +158,112 @@ def build_wr_batch(op: Op, local: Sequence[Any], remote: Sequence[Any], *,
             signal_every=signal_every, peer=peer))
     if op is Op.READ and imm is not None:
         raise ValueError("RDMA READ carries no immediate")
-    if len(local) != len(remote) or not len(local):
+    n = len(local)
+    if n != len(remote) or not n:
         return slow()
+    rows = _uniform_rows(local, remote, local_keys, remote_keys, max_msg_size)
+    if rows is None:
+        rows = _general_rows(local, remote, local_keys, remote_keys, max_msg_size)
+        if rows is None:
+            return slow()  # the precise error, or an extent cut over several requests
+    laddr, llen, lkey, raddr, rkey = rows
+    first = None
+    if n > 1:
+        follows = raddr[1:] == raddr[:-1] + (llen[:-1] if isinstance(llen, np.ndarray) else llen)
+        if isinstance(rkey, np.ndarray):
+            follows &= rkey[1:] == rkey[:-1]
+        if bool(follows.any()):  # remote ranges that continue each other share a request
+            first = _requests(follows, laddr, llen, lkey, max_sge, max_msg_size)
+            if first is None:
+                return slow()
+    count = n if first is None else len(first)
+    base_op = Opcode.READ if op is Op.READ else Opcode.WRITE
+    opcode = np.full(count, int(base_op), dtype=np.int64)
+    imms = np.zeros(count, dtype=np.int64)
+    if imm is not None:
+        opcode[-1] = int(Opcode.WRITE_WITH_IMM)
+        imms[-1] = imm
+    signaled = np.zeros(count, dtype=bool)
+    if signal_every > 0:
+        signaled[signal_every - 1::signal_every] = True
+    signaled[-1] = True
+    if first is None:
+        sge_end = np.arange(1, n + 1, dtype=np.int64)
+        req_raddr, req_rkey = raddr, rkey
+    else:
+        sge_end = np.append(first[1:], n)
+        req_raddr = raddr[first]
+        req_rkey = rkey[first] if isinstance(rkey, np.ndarray) else rkey
+    return WrBatch(opcode, req_raddr, _column(req_rkey, count), imms, signaled, sge_end,
+                   laddr, _column(llen, n), _column(lkey, n))
+
+
+_Rows = tuple[np.ndarray, Any, Any, np.ndarray, Any]  # laddr, llen, lkey, raddr, rkey
+
+
+def _column(value: Any, n: int) -> np.ndarray:
+    return value if isinstance(value, np.ndarray) else np.full(n, value, dtype=np.int64)
+
+
+def _uniform_rows(local: Any, remote: Any, local_keys: Mapping[int, MrKey],
+                  remote_keys: Mapping[int, MrKey], max_msg_size: int) -> _Rows | None:
+    """Addresses of blocks of one length between one local and one remote segment
+    (lengths and keys as scalars), or None when that is not known or a check fails."""
+    lu, ru = getattr(local, "uniform", None), getattr(remote, "uniform", None)
+    if lu is None or ru is None or lu[1] != ru[1]:
+        return None
+    lmr, rmr = local_keys.get(lu[0]), remote_keys.get(ru[0])
+    size = int(lu[1])
+    if lmr is None or rmr is None or not 0 < size <= max_msg_size:
+        return None
+    loff, roff = local.offset, remote.offset
+    if (int(loff.min()) < 0 or int(roff.min()) < 0 or int(loff.max()) > lmr.length - size
+            or int(roff.max()) > rmr.length - size):
+        return None
+    return loff + lmr.base, size, lmr.key, roff + rmr.base, rmr.key
+
+
+def _general_rows(local: Sequence[Any], remote: Sequence[Any],
+                  local_keys: Mapping[int, MrKey], remote_keys: Mapping[int, MrKey],
+                  max_msg_size: int) -> _Rows | None:
+    """Per-row addresses, lengths and keys of rows that pair one local with one remote
+    range of the same length, or None (lengths differ, a key unknown, a check fails)."""
     lseg, loff, llen = _columns(local)
     rseg, roff, rlen = _columns(remote)
-    lu, ru = getattr(local, "uniform", None), getattr(remote, "uniform", None)
-    if not (lu is not None and ru is not None and lu[1] == ru[1]) and not (
-            llen is rlen or np.array_equal(llen, rlen)):
-        return slow()
+    if not (llen is rlen or np.array_equal(llen, rlen)):
+        return None
     lk, rk = _keys(lseg, local_keys), _keys(rseg, remote_keys)
     if lk is None or rk is None:
-        return slow()
+        return None
     lbase, lsize, lkey = lk
     rbase, rsize, rkey = rk
     bad = ((llen <= 0) | (loff < 0) | (roff < 0) | (loff + llen > lsize)
            | (roff + llen > rsize) | (llen > max_msg_size))
     if bool(bad.any()):
-        return slow()  # the precise error, or an extent cut over several requests
-    raddr = rbase + roff
-    n = len(llen)
-    if n > 1:
-        follows = raddr[1:] == raddr[:-1] + llen[:-1]
-        if np.ndim(rkey):
-            follows &= rkey[1:] == rkey[:-1]
-        if bool(follows.any()):
-            return slow()  # remote ranges that continue each other share a request
-    base_op = Opcode.READ if op is Op.READ else Opcode.WRITE
-    opcode = np.full(n, int(base_op), dtype=np.int64)
-    imms = np.zeros(n, dtype=np.int64)
-    if imm is not None:
-        opcode[-1] = int(Opcode.WRITE_WITH_IMM)
-        imms[-1] = imm
-    signaled = np.zeros(n, dtype=bool)
-    if signal_every > 0:
-        signaled[signal_every - 1::signal_every] = True
-    signaled[-1] = True
-    return WrBatch(opcode, raddr, rkey if np.ndim(rkey) else np.full(n, rkey),
-                   imms, signaled, np.arange(1, n + 1, dtype=np.int64),
-                   lbase + loff, llen, lkey if np.ndim(lkey) else np.full(n, lkey))
+        return None
+    return lbase + loff, llen, lkey, rbase + roff, rkey
+
+
+def _requests(follows: np.ndarray, laddr: np.ndarray, llen: Any, lkey: Any, max_sge: int,
+              max_msg_size: int) -> np.ndarray | None:
+    """The first row of each request when rows whose remote ranges continue each other
+    share one (at most ``max_sge`` entries), or None where the object builder would do
+    otherwise: local ranges that continue each other under one key (one merged entry)
+    or a request past ``max_msg_size`` (cut inside a row)."""
+    n = len(laddr)
+    lengths = _column(llen, n)
+    local_follows = follows & (laddr[1:] == laddr[:-1] + lengths[:-1])
+    if isinstance(lkey, np.ndarray):
+        local_follows &= lkey[1:] == lkey[:-1]
+    if bool(local_follows.any()):
+        return None
+    starts = np.empty(n, dtype=bool)
+    starts[0] = True
+    np.logical_not(follows, out=starts[1:])
+    index = np.arange(n)
+    run_start = np.maximum.accumulate(np.where(starts, index, 0))
+    starts |= (index - run_start) % max_sge == 0
+    first = np.flatnonzero(starts)
+    if int(np.add.reduceat(lengths, first).max()) > max_msg_size:
+        return None
+    return first

@@ -212,26 +212,27 @@ class RdmaRail(Rail):
                 self._transport.defer(self.device, self._on_complete,
                                       Completion(work, exc.with_context(peer=self.peer)))
                 continue
-            if len(specs) > self._transport.sq_depth:
+            count = len(specs)
+            if count > self._transport.sq_depth:
                 self._backlog.popleft()
-                err = ProtocolError(f"work needs {len(specs)} work requests; the send "
+                err = ProtocolError(f"work needs {count} work requests; the send "
                                     f"queue holds {self._transport.sq_depth}",
                                     peer=self.peer, transport="rdma", op=str(work.op))
                 self._transport.defer(self.device, self._on_complete, Completion(work, err))
                 continue
-            if len(specs) > self._free_wr:
+            if count > self._free_wr:
                 if slot is not None:
                     self._notify_free.append(slot)
                 return
             self._backlog.popleft()
             wr_id = self._transport.new_wr_id(self)
-            self._inflight[wr_id] = (work, len(specs), slot, origin)
-            self._free_wr -= len(specs)
+            self._inflight[wr_id] = (work, count, slot, origin)
+            self._free_wr -= count
             try:  # the SEND's entry points at its notify slot (see _specs)
                 self.device.post_send(self._qp, wr_id, specs, self.peer)
             except ProtocolError as exc:  # this work's values, not the rail: fail it
                 self._inflight.pop(wr_id, None)
-                self._free_wr += len(specs)
+                self._free_wr += count
                 self._transport.forget_wr_ids([wr_id])
                 if slot is not None:
                     self._notify_free.append(slot)
@@ -240,7 +241,7 @@ class RdmaRail(Rail):
                 continue
             except TransferError as exc:
                 self._inflight.pop(wr_id, None)
-                self._free_wr += len(specs)
+                self._free_wr += count
                 self._transport.forget_wr_ids([wr_id])
                 self._transport.defer(self.device, self._fail_from, wr_id, exc, work, True,
                                       origin)

@@ -105,7 +105,7 @@ class RdmaTransport(Transport):
 
     def __init__(self, devices: str | list[str] | None = None, rails_per_nic: int = 2,
                  host: str = "127.0.0.1", port: int = 0, advertise: str | None = None,
-                 gid_index: int | None = None, slice_size: int = 4 << 20,
+                 gid_index: int | None = None, slice_size: int = 16 << 20,
                  max_notify: int = 4096, sq_depth: int = 1024, recv_depth: int = 256,
                  notify_slots: int = 64, relaxed_ordering: bool = True,
                  poll_interval: float = 0.2, provider: str | None = None,
