@@ -67,6 +67,7 @@ from transfer_engine.descriptor import Extent, Op
 from transfer_engine.errors import NotSupportedError, PeerLostError, ProtocolError
 from transfer_engine.transport.base import Completion, Immediate, Work
 from transfer_engine.transport.rdma import RdmaRail
+from transfer_engine.transport.rdma.placement import RouteSettings
 from transfer_engine.transport.rdma.plan import (
     MrKey,
     Opcode,
@@ -255,7 +256,7 @@ def test_a_device_that_fails_to_open_closes_what_it_opened(
     fake = types.SimpleNamespace(**{**vars(v), "Context": _Ctx, **stand_ins})
     fake_pyverbs(monkeypatch, fake)
     with pytest.raises(NotSupportedError) as info:
-        Device("fake0", gid_index=None, cq_depth=64, relaxed_ordering=False,
+        Device("fake0", route=RouteSettings(), cq_depth=64, relaxed_ordering=False,
                on_wc=lambda wc: None, poll_interval=0.01)
     assert f"Failed to create {failing}" in str(info.value) and "fake0" in str(info.value)
     assert closed == {"PD": ["Context"], "CQ": ["CompChannel", "PD", "Context"]}[failing]
@@ -294,6 +295,10 @@ def test_rtr_attributes_roce(v: Any) -> None:
     assert (ah.is_global, ah.port_num, ah.dlid) == (1, 1, 0)
     assert (str(ah.dgid), ah.sgid_index) == (gid, 3)
     assert ah.hop_limit == 255  # pyverbs' own default (1) would not cross a router
+    assert (ah.traffic_class, ah.sl) == (0, 0)
+    marked = rtr_attr(_peer(gid), 4096, port=1, gid_index=3, max_dest_rd_atomic=16,
+                      traffic_class=106, service_level=3).ah_attr
+    assert (marked.traffic_class, marked.sl) == (106, 3)
 
 
 def test_rtr_attributes_without_gid_are_local(v: Any) -> None:
@@ -530,7 +535,7 @@ def test_no_device_is_not_supported_with_the_reason(v: Any) -> None:
     if not _no_device():
         pytest.skip("an RDMA device is listed; this checks the message without one")
     with pytest.raises(NotSupportedError) as info:
-        open_devices(None, gid_index=None, cq_depth=16, relaxed_ordering=False,
+        open_devices(None, route=RouteSettings(), cq_depth=16, relaxed_ordering=False,
                      on_wc=None, poll_interval=0.1)
     text = str(info.value)
     assert info.value.transport == "rdma"

@@ -192,6 +192,12 @@ class Columns:
             self._nbytes = int(self.length.sum())
         return self._nbytes
 
+    def remote_ids(self) -> list[int]:
+        """The peer's segments these rows touch."""
+        if self.single or len(self.rseg) <= 1:
+            return [int(self.rseg[0])] if len(self.rseg) else []
+        return [int(v) for v in np.unique(self.rseg)]
+
     def slice(self, start: int, end: int) -> Columns:
         iov = self.iov
         return Columns(self.lseg[start:end], self.loff[start:end], self.rseg[start:end],

@@ -31,7 +31,8 @@ from typing import Any
 from transfer_engine.errors import TransferEngineError
 
 __all__ = ["Nic", "Gpu", "Topology", "TopologyFileError", "discover", "load",
-           "load_topology_file", "parse_topology", "preferred_nics", "stripe_weights",
+           "load_topology_file", "nearest_nics", "parse_topology", "preferred_nics",
+           "stripe_weights",
            "normalize_bus_id", "nvml_gpu_bus_ids", "TOPOLOGY_ENV"]
 
 TOPOLOGY_ENV = "TE_TOPOLOGY_FILE"
@@ -284,17 +285,11 @@ def _location(topology: Topology, location: str) -> tuple[int, str]:
     raise ValueError(f"location must be 'cpu', 'cpu:N' or 'cuda:N', got {location!r}")
 
 
-def preferred_nics(topology: Topology, location: str, *,
-                   only_active: bool = True) -> list[str]:
-    """NIC names for memory at ``location``, best first.
-
-    Tiers: same PCIe switch or root port as the GPU (they share a bridge below the host
-    bridge), then same NUMA node, then the rest; within a tier, more shared bridges,
-    then faster links, then name. A file's preference list for the location wins;
-    NICs it does not name follow in inferred order.
-    """
+def _ranker(topology: Topology, location: str) -> Callable[[Nic], tuple[int, int, float, str]]:
+    """Orders NICs for memory at ``location``: tier (0 same PCIe switch or root port as
+    the GPU, 1 same NUMA node, 2 the rest), then more shared bridges, faster links,
+    name."""
     numa, path = _location(topology, location)
-    nics = topology.active_nics() if only_active else list(topology.nics)
 
     def rank(nic: Nic) -> tuple[int, int, float, str]:
         depth = _common_depth(path, nic.pci_path)
@@ -305,14 +300,44 @@ def preferred_nics(topology: Topology, location: str, *,
         else:
             tier = 2
         return tier, -depth, -nic.link_rate_gbps, nic.name
+    return rank
 
-    inferred = [n.name for n in sorted(nics, key=rank)]
+
+def preferred_nics(topology: Topology, location: str, *,
+                   only_active: bool = True) -> list[str]:
+    """NIC names for memory at ``location``, best first.
+
+    Tiers: same PCIe switch or root port as the GPU (they share a bridge below the host
+    bridge), then same NUMA node, then the rest; within a tier, more shared bridges,
+    then faster links, then name. A file's preference list for the location wins;
+    NICs it does not name follow in inferred order.
+    """
+    nics = topology.active_nics() if only_active else list(topology.nics)
+    inferred = [n.name for n in sorted(nics, key=_ranker(topology, location))]
     if location not in topology.preferences:
         return inferred
     preferred, others = topology.preferences[location]
     allowed = set(inferred)
     head = [n for n in preferred + others if n in allowed]
     return list(dict.fromkeys(head + inferred))
+
+
+def nearest_nics(topology: Topology, location: str, names: Sequence[str]) -> list[str]:
+    """Those of ``names`` that memory at ``location`` should use: a file's preferred
+    list for the location where it names any of them, else the best tier the topology
+    knows of them (same PCIe switch, else same NUMA node); all of ``names`` when the
+    topology places none of them nearer than the others. Order: ``names``'."""
+    wanted = list(dict.fromkeys(names))
+    if location in topology.preferences:
+        chosen = set(topology.preferences[location][0]) & set(wanted)
+        if chosen:
+            return [n for n in wanted if n in chosen]
+    rank = _ranker(topology, location)
+    tiers = {nic.name: rank(nic)[0] for nic in topology.nics if nic.name in wanted}
+    best = min(tiers.values(), default=2)
+    if best == 2:
+        return wanted
+    return [n for n in wanted if tiers.get(n) == best]
 
 
 def stripe_weights(nics: Sequence[Nic]) -> list[float]:

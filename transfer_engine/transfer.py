@@ -156,6 +156,7 @@ class Transfers(EngineState):
                 return
             xfer.peer.demote(name)
         transport = self._transports[name]
+        rails = transport.carriers(rails, xfer.local_segments, xfer.extents.remote_ids())
         if len(rails) > 1:
             # the least busy of the active rails first: a transfer smaller than two
             # shares goes to an idle rail, and a lone caller keeps to one warm connection

@@ -35,7 +35,7 @@ Protocol (who calls what, in which order):
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -238,6 +238,13 @@ class Transport(abc.ABC):
         ``segments``) before a rail posts it, done once per request on the caller's
         thread; the rail finds it as ``Work.prepared``. Nothing by default."""
         return None
+
+    def carriers(self, rails: Sequence[Rail], segments: Sequence[Segment],
+                 remote_ids: Iterable[int]) -> list[Rail]:
+        """Those of a peer's open ``rails`` that can carry a transfer between local
+        ``segments`` and the peer's segments ``remote_ids`` (a transport whose memory
+        regions live on some NICs only picks those); all of them by default."""
+        return list(rails)
 
     def revived(self, rail: Rail) -> Rail | None:
         """A rail this transport opened again on the path of the broken ``rail`` (a NIC

@@ -40,6 +40,7 @@ from transfer_engine.transport.rdma.emulated import (
     VerbsError,
     WorkCompletion,
 )
+from transfer_engine.transport.rdma.placement import RouteSettings
 from transfer_engine.transport.rdma.plan import CqRoom, QpInfo, WrSpec
 
 if TYPE_CHECKING:
@@ -69,11 +70,11 @@ class EmulatedDevice:
     lid = 0
     gid_index = 0
 
-    def __init__(self, name: str, *, gid_index: int | None = None, cq_depth: int,
+    def __init__(self, name: str, *, route: RouteSettings | None = None, cq_depth: int,
                  relaxed_ordering: bool = False, on_wc: Any,
                  poll_interval: float = 0.2, copy: bool = True,
                  on_event: Callable[[EmulatedDevice, int], None] | None = None) -> None:
-        self.name = name
+        self.name, self.route = name, route or RouteSettings()  # one fabric: no routes
         self.nic = Nic(name, copy=copy)
         self.gid = self.nic.gid
         self.mtu = Nic.mtu

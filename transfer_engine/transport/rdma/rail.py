@@ -7,6 +7,8 @@ import collections
 import logging
 import socket
 import threading
+import time
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -42,6 +44,7 @@ from transfer_engine.transport.rdma.verbs import Device
 log = logging.getLogger(__name__)
 
 WORK_PIECES = 256  # extents per engine work: at most this many verbs requests (< sq_depth)
+ABSENT_S = 5.0  # how long a peer's "segment not on this NIC" answer is believed
 
 
 class RailOwner(Protocol):
@@ -80,7 +83,7 @@ class RdmaRail(Rail):
 
     __slots__ = ("peer", "index", "device", "remote_device", "_transport", "_qp", "_sock",
                  "_on_complete", "_lock", "_state", "_backlog", "_inflight", "_free_wr",
-                 "_remote_keys", "_notify_mr", "_notify_free", "_max_sge", "_max_msg",
+                 "_remote_keys", "_absent", "_notify_mr", "_notify_free", "_max_sge", "_max_msg",
                  "weight")
 
     def __init__(self, transport: RailOwner, peer: str, index: int, device: Device,
@@ -98,6 +101,7 @@ class RdmaRail(Rail):
         self._inflight: dict[int, tuple[Work, int, int | None, int]] = {}
         self._free_wr = transport.sq_depth
         self._remote_keys = remote_keys
+        self._absent: dict[int, float] = {}  # segment id -> until when it is not there
         slot = NOTIFY_HEADER.size + transport.max_notify
         self._notify_mr = device.alloc_mr(transport.notify_slots * slot)
         self._notify_free = list(range(transport.notify_slots))
@@ -140,6 +144,26 @@ class RdmaRail(Rail):
                 raise cls(f"rail {self._state.lower()}", peer=self.peer, transport="rdma")
             self._backlog.append((work, self.index))
             self._pump()
+
+    def holds_remote(self, ids: Sequence[int]) -> bool:
+        """Whether the peer has these segments registered on this rail's remote NIC.
+        Unknown ones are asked for once; a "not there" is believed for ``ABSENT_S``
+        (the peer may register a segment on one more NIC later)."""
+        keys = self._remote_keys
+        unknown = [sid for sid in ids if sid not in keys]
+        if not unknown:
+            return True
+        now = time.monotonic()
+        if any(self._absent.get(sid, 0.0) > now for sid in unknown):
+            return False
+        try:
+            self._fetch_keys(sorted(unknown))
+        except TransferError:
+            return False  # a broken side channel: the rail is no carrier now
+        missing = [sid for sid in unknown if sid not in keys]
+        for sid in missing:
+            self._absent[sid] = now + ABSENT_S
+        return not missing
 
     def _fetch_keys(self, ids: list[int]) -> None:
         with self._transport.side_lock(self):

@@ -12,7 +12,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,7 +30,6 @@ from transfer_engine.errors import (
     NotSupportedError,
     PeerLostError,
     ProtocolError,
-    RegistrationError,
     TransferError,
     TransferTimeout,
     error_code,
@@ -45,6 +44,12 @@ from transfer_engine.transport.base import (
     Transport,
 )
 from transfer_engine.transport.rdma.inbound import _RECV_BIT, _Inbound
+from transfer_engine.transport.rdma.placement import (
+    MrTable,
+    RouteSettings,
+    memory_location,
+    placement_of,
+)
 from transfer_engine.transport.rdma.plan import (
     NOTIFY_HEADER,
     ImmUnwrapper,
@@ -86,6 +91,12 @@ class RdmaTransport(Transport):
         address peers dial (default: ``host``, or this host's name for a wildcard).
     :param port: side-channel port; 0 picks a free one.
     :param gid_index: GID table index (RoCE needs the right one); None picks one.
+    :param traffic_class / service_level: a global route's traffic class and the
+        service level of every queue pair (see ``placement.RouteSettings``; None reads
+        ``$TE_RDMA_TRAFFIC_CLASS`` / ``$TE_RDMA_SERVICE_LEVEL``, default 0).
+    :param placement: ``"nearest"`` registers a segment on the NICs nearest its memory
+        (``nic_topology``, default ``topology.load()``), ``"all"`` on every NIC; None
+        reads ``$TE_RDMA_PLACEMENT``, default ``"nearest"``.
     :param slice_size: bytes per work request the planner aims for.
     :param max_notify: largest notification payload in bytes.
     :param sq_depth / recv_depth: send / receive queue entries per QP.
@@ -109,14 +120,19 @@ class RdmaTransport(Transport):
                  max_notify: int = 4096, sq_depth: int = 1024, recv_depth: int = 256,
                  notify_slots: int = 64, relaxed_ordering: bool = True,
                  poll_interval: float = 0.2, provider: str | None = None,
-                 emulated_copy: bool = True, cq_depth: int = 1 << 16) -> None:
+                 emulated_copy: bool = True, cq_depth: int = 1 << 16,
+                 traffic_class: int | None = None, service_level: int | None = None,
+                 placement: str | None = None,
+                 nic_topology: topology.Topology | None = None) -> None:
         provider = provider or os.environ.get("TE_RDMA_PROVIDER") or "pyverbs"
         if provider not in PROVIDERS:
             raise NotSupportedError(f"unknown RDMA provider {provider!r}; known: "
                                     f"{list(PROVIDERS)}", transport="rdma")
         self.provider = provider
+        self.placement = placement_of(placement)
+        self.route = RouteSettings.resolve(gid_index, traffic_class, service_level)
         names = devices.split(",") if isinstance(devices, str) else devices
-        kwargs: dict[str, Any] = {"gid_index": gid_index, "cq_depth": cq_depth,
+        kwargs: dict[str, Any] = {"route": self.route, "cq_depth": cq_depth,
                                   "relaxed_ordering": relaxed_ordering,
                                   "on_wc": self._on_wc, "poll_interval": poll_interval}
         if provider == "emulated":
@@ -130,9 +146,9 @@ class RdmaTransport(Transport):
             rdma_verbs.import_pyverbs()  # NotSupportedError with the reason and remedy
             self._devices = list(rdma_verbs.open_devices(names, **kwargs))
         self._by_name = {d.name: d for d in self._devices}
-        nics = topology.discover().nics  # link rates for the striping weights
+        self._topology = nic_topology or topology.load()  # placement and link rates
         for dev in self._devices:
-            nic = next((n for n in nics if n.name == dev.name), None)
+            nic = self._topology.nic(dev.name)
             dev.link_rate_gbps = nic.link_rate_gbps if nic else 0.0
         self._side_socks: set[socket.socket] = set()
         self.rails_per_nic, self.slice_size = rails_per_nic, slice_size
@@ -148,8 +164,7 @@ class RdmaTransport(Transport):
         self._peer_rails: dict[str, list[RdmaRail]] = {}
         self._inbound: dict[tuple[str, int], _Inbound] = {}
         self._side_locks: dict[int, threading.Lock] = {}
-        self._mrs: dict[int, dict[str, tuple[Any, MrKey, MrKey]]] = {}
-        self._local_keys: dict[str, dict[int, MrKey]] = {d.name: {} for d in self._devices}
+        self._regions = MrTable(self._devices)
         self._unwrap = ImmUnwrapper()
         self._seen: collections.OrderedDict[tuple[str, bytes, int, int], None] = (
             collections.OrderedDict())
@@ -190,32 +205,37 @@ class RdmaTransport(Transport):
         return info
 
     def register(self, segment: Segment) -> dict[str, Any]:
-        out: dict[str, list[int]] = {}
-        done: dict[str, tuple[Any, MrKey, MrKey]] = {}
-        try:
-            for dev in self._devices:
-                mr, base = dev.register(segment.address, segment.length, segment.device,
-                                        writable=segment.writable, segment=segment.name)
-                done[dev.name] = (mr, MrKey(base, segment.length, mr.lkey),
-                                  MrKey(base, segment.length, mr.rkey))
-                out[dev.name] = [base, segment.length, mr.rkey]
-        except RegistrationError:
-            for mr, _, _ in done.values():
-                mr.close()  # nothing stays registered
-            raise
-        with self._lock:
-            self._mrs[segment.id] = done
-            for name, (_, lkey, _) in done.items():
-                self._local_keys[name][segment.id] = lkey
-        return {"mrs": out}
+        devices = self._devices
+        if self.placement == "nearest" and len(devices) > 1:
+            where = memory_location(segment.address, segment.length, segment.device)
+            names = set(topology.nearest_nics(self._topology, where,
+                                              [d.name for d in devices]))
+            devices = [d for d in devices if d.name in names]
+        return {"mrs": self._regions.register(segment, devices)}
 
     def deregister(self, segment: Segment) -> None:
-        with self._lock:
-            done = self._mrs.pop(segment.id, {})
-            for name in done:
-                self._local_keys[name].pop(segment.id, None)
-        for mr, _, _ in done.values():
-            mr.close()  # later remote access fails with REM_ACCESS_ERR at the initiator
+        self._regions.deregister(segment.id)
+
+    def carriers(self, rails: Sequence[Rail], segments: Sequence[Segment],
+                 remote_ids: Iterable[int]) -> list[Rail]:
+        """The rails whose NICs hold the regions of both sides. Where none does, the
+        local segments are registered on the NICs of rails that reach the peer's
+        regions, once (logged); where no rail reaches them, all rails (the transfer
+        then fails on the unregistered remote segment, naming it)."""
+        ids, remote = [s.id for s in segments], list(remote_ids)
+        ours = [r for r in rails if isinstance(r, RdmaRail)]
+        both: list[Rail] = [r for r in ours if self._regions.holds(r.device.name, ids)
+                            and r.holds_remote(remote)]
+        if both or not ours:
+            return both or list(rails)
+        reach = [r for r in ours if r.holds_remote(remote)]
+        for dev in {r.device.name: r.device for r in reach}.values():
+            log.info("rdma: registering %s on %s too: the peer's memory is reached "
+                     "from there", [s.name for s in segments], dev.name)
+            for seg in segments:
+                self._regions.extend(seg, dev)
+        both = [r for r in reach if self._regions.holds(r.device.name, ids)]
+        return both or list(rails)
 
     def reachable(self, peer_meta: dict[str, Any]) -> bool:
         info = peer_meta.get("transports", {}).get("rdma")
@@ -325,10 +345,7 @@ class RdmaTransport(Transport):
             dev.stop()  # pollers first: nothing touches a QP being destroyed
         for conn in inbound:
             conn.close()
-        for done in self._mrs.values():
-            for mr, _, _ in done.values():
-                mr.close()
-        self._mrs.clear()
+        self._regions.close()
         for dev in self._devices:
             dev.close()
 
@@ -362,7 +379,7 @@ class RdmaTransport(Transport):
     # --- helpers the rails use --------------------------------------------------------
 
     def local_keys(self, device: str) -> dict[int, MrKey]:
-        return self._local_keys[device]
+        return self._regions.local_keys(device)
 
     def new_wr_id(self, rail: RdmaRail) -> int:
         wr_id = next(self._wr_ids)
@@ -486,12 +503,6 @@ class RdmaTransport(Transport):
             except RuntimeError:
                 sock.close()
 
-    def _segments_for(self, device: str, ids: list[int] | None) -> dict[int, list[int]]:
-        with self._lock:
-            return {sid: [r.base, r.length, r.key] for sid, d in self._mrs.items()
-                    if (ids is None or sid in ids) and device in d
-                    for r in (d[device][2],)}
-
     def _serve(self, sock: socket.socket) -> None:
         conn: _Inbound | None = None
         peer: str | None = None
@@ -516,11 +527,11 @@ class RdmaTransport(Transport):
             with self._lock:
                 self._inbound[(peer, conn.key)] = conn
             _send_frame(sock, {"qp": dev.qp_info(conn.qp, psn).to_wire(), "proof": proof,
-                               "segments": self._segments_for(want, None)})
+                               "segments": self._regions.remote_keys(want, None)})
             while not self._closed:
                 msg = _recv_frame(sock, peer)
                 ids = [int(i) for i in msg.get("ids", [])]
-                _send_frame(sock, {"segments": self._segments_for(want, ids)})
+                _send_frame(sock, {"segments": self._regions.remote_keys(want, ids)})
         except _SideRefused:
             try:  # a bare refusal: a stranger learns nothing
                 _send_frame(sock, {"error": error_code(AuthenticationError("")),

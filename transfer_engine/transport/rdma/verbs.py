@@ -47,6 +47,7 @@ from transfer_engine.errors import (
     TransferError,
 )
 from transfer_engine.transport.rdma.batch import WrBatch
+from transfer_engine.transport.rdma.placement import RouteSettings
 from transfer_engine.transport.rdma.plan import CqRoom, Opcode, QpInfo, WrSpec, mtu_enum
 
 if TYPE_CHECKING:
@@ -221,18 +222,20 @@ def init_attr(port: int) -> Any:
 
 
 def rtr_attr(theirs: QpInfo, mtu: int, *, port: int, gid_index: int,
-             max_dest_rd_atomic: int) -> Any:
+             max_dest_rd_atomic: int, traffic_class: int = 0, service_level: int = 0) -> Any:
     """INIT -> RTR against the peer's QP (``mtu`` in bytes). A non-zero GID makes the
-    path global (RoCE always; IB with a GRH)."""
+    path global (RoCE always; IB with a GRH), in ``traffic_class``."""
     v = verbs()
     is_global = 1 if theirs.gid.replace(":", "").strip("0") else 0
     gr = (v.GlobalRoute(dgid=v.GID(theirs.gid), sgid_index=gid_index,
-                        hop_limit=_HOP_LIMIT) if is_global else None)
+                        hop_limit=_HOP_LIMIT, traffic_class=traffic_class)
+          if is_global else None)
     attr = v.QPAttr(qp_state=v.e.IBV_QPS_RTR)
     attr.path_mtu = mtu_enum(mtu)
     attr.dest_qp_num, attr.rq_psn = theirs.qp_num, theirs.psn
     attr.max_dest_rd_atomic, attr.min_rnr_timer = max_dest_rd_atomic, 12
-    attr.ah_attr = v.AHAttr(dlid=theirs.lid, is_global=is_global, port_num=port, gr=gr)
+    attr.ah_attr = v.AHAttr(dlid=theirs.lid, is_global=is_global, port_num=port, gr=gr,
+                            sl=service_level)
     return attr
 
 
@@ -280,10 +283,10 @@ class Device:
     """One opened NIC: context, protection domain, one CQ with its completion channel,
     and the thread that reads completions."""
 
-    def __init__(self, name: str, *, gid_index: int | None, cq_depth: int,
+    def __init__(self, name: str, *, route: RouteSettings, cq_depth: int,
                  relaxed_ordering: bool, on_wc: Any, poll_interval: float) -> None:
         v = verbs()
-        self.name = name
+        self.name, self.route = name, route
         opened: list[Any] = []  # closed in reverse if opening fails partway
         try:
             with translate(NotSupportedError, f"opening RDMA device {name}"):
@@ -295,7 +298,7 @@ class Device:
                 self.mtu = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}.get(port.active_mtu,
                                                                             1024)
                 self.max_msg_size = int(port.max_msg_sz) or (1 << 30)
-                self.gid_index = self._gid_index(port, gid_index)
+                self.gid_index = self._gid_index(port, route.gid_index)
                 self.gid = str(self.ctx.query_gid(self.port, self.gid_index))
                 self.pd = v.PD(self.ctx)
                 opened.append(self.pd)
@@ -405,7 +408,9 @@ class Device:
         with translate(ConnectError, f"connecting queue pair on {self.name}", peer=peer,
                        op="connect"):
             qp.to_rtr(rtr_attr(theirs, mtu, port=self.port, gid_index=self.gid_index,
-                               max_dest_rd_atomic=self.max_rd_atomic))
+                               max_dest_rd_atomic=self.max_rd_atomic,
+                               traffic_class=self.route.traffic_class,
+                               service_level=self.route.service_level))
             qp.to_rts(rts_attr(psn, self.max_init_rd_atomic))
 
     def post_send(self, qp: Any, wr_id: int, specs: Sequence[WrSpec] | WrBatch,
