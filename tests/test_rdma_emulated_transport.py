@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -147,6 +148,38 @@ def test_remote_access_error_fails_that_transfer_only(
     h = a.write(peer, [(Descriptor(seg, 0, MiB), Descriptor(remote, 0, MiB))])
     h.wait(10)
     assert h.transport == "rdma" and np.array_equal(src[:MiB], dst[:MiB])
+
+
+def test_rails_a_refused_key_left_in_error_are_opened_again(
+        make_engine: Callable[..., Engine]) -> None:
+    """Each refused key leaves the queue pair it used in error, as on hardware: more
+    refusals than the peer has rails must not cost the peer its RDMA path. Failed rails
+    open again on their NIC pairs in the background, and later transfers are exact."""
+    a, b, peer, seg, remote, src, dst = _pair(make_engine)
+    gone = b.register(np.zeros(MiB, dtype=np.uint8), name="gone")
+    target = peer.segment("gone")
+    a.write(peer, [(Descriptor(seg, 0, 4096), Descriptor(target, 0, 4096))]).wait(10)
+    gone.close()
+    rails = list(peer.rails["rdma"])
+    for _ in range(len(rails) + 2):  # rails that knew its key refuse, later ones know
+        with pytest.raises(InvalidDescriptorError, match="REM_ACCESS_ERR|not registered"):
+            a.write(peer, [(Descriptor(seg, 0, 4096), Descriptor(target, 0, 4096))]
+                    ).wait(10)
+        time.sleep(0.3)  # a reopen's turn
+    deadline = time.monotonic() + 20
+    moved = 0
+    while time.monotonic() < deadline and moved < 8:
+        off = moved * MiB
+        h = a.write(peer, [(Descriptor(seg, off, MiB), Descriptor(remote, off, MiB))])
+        h.wait(10)
+        assert h.transport == "rdma"
+        moved += 1
+    assert np.array_equal(src[:8 * MiB], dst[:8 * MiB])
+    live = [r for r in peer.rails["rdma"] if not r.closed]
+    assert len(live) == len(rails)
+    assert cast(Any, a.transports["rdma"])._reopener.reopened >= 2
+    assert {(r.device.name, r.remote_device) for r in live} == {
+        (r.device.name, r.remote_device) for r in rails}
 
 
 def test_two_processes(make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch,

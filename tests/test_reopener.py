@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from transfer_engine.transport.tcp_nics import Reopener
+from transfer_engine.transport.reopen import Reopener
 
 
 def _wait(cond: threading.Event, timeout: float = 5.0) -> None:

@@ -66,6 +66,7 @@ from transfer_engine.segment import Segment
 from transfer_engine.topology import Topology
 from transfer_engine.transport.base import Capabilities, Host, OnComplete, Rail, Transport, Work
 from transfer_engine.transport.iovec import host_rows
+from transfer_engine.transport.reopen import Reopener
 from transfer_engine.transport.stream import (
     KIND_READ,
     KIND_WRITE,
@@ -86,7 +87,6 @@ from transfer_engine.transport.stream.process import ServeProcess, serve_mode
 from transfer_engine.transport.tcp_nics import (
     NicEndpoint,
     RateMeter,
-    Reopener,
     StallWatch,
     local_nics,
     pair_nics,

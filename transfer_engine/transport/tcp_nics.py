@@ -31,15 +31,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from transfer_engine.topology import Topology, load, preferred_nics
 
-__all__ = ["NicEndpoint", "local_nics", "pair_nics", "RateMeter", "Reopener", "StallWatch",
+__all__ = ["NicEndpoint", "local_nics", "pair_nics", "RateMeter", "StallWatch",
            "link_up", "NICS_ENV"]
 
 log = logging.getLogger(__name__)
-R = TypeVar("R")
 
 NICS_ENV = "TE_TCP_NICS"  # "auto" (every active NIC with an address) or "eth0,eth1"
 
@@ -238,89 +237,3 @@ class StallWatch:
             self._thread.join(5)
 
 
-@dataclass(eq=False)
-class _Broken(Generic[R]):
-    open: Callable[[], R]  # opens the same path again (raises while it cannot)
-    alive: Callable[[], bool]  # whether the rail's peer is still in use
-    due: float
-    tries: int = 0
-
-
-class Reopener(Generic[R]):
-    """Opens broken rails' paths again on one background thread, each every ``retry``
-    seconds (at most ``max_tries`` times) while its ``alive`` says so; :meth:`revived`
-    hands over the rail that replaced a broken one."""
-
-    def __init__(self, name: str, retry: float = 1.0, max_tries: int = 600) -> None:
-        if not retry > 0:
-            raise ValueError("retry must be positive")
-        self.name = name
-        self.retry = retry
-        self.max_tries = max_tries
-        self.reopened = 0
-        self._broken: dict[object, _Broken[R]] = {}
-        self._revived: dict[object, R] = {}
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    def schedule(self, broken: object, open_again: Callable[[], R],
-                 alive: Callable[[], bool]) -> None:
-        with self._cond:
-            if self._closed or broken in self._broken:
-                return
-            self._broken[broken] = _Broken(open_again, alive, time.monotonic() + self.retry)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name=f"te-{self.name}-reopen")
-                self._thread.start()
-            self._cond.notify()
-
-    def revived(self, broken: object) -> R | None:
-        with self._cond:
-            return self._revived.pop(broken, None)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if self._closed:
-                    return
-                now = time.monotonic()
-                due = [(k, b) for k, b in self._broken.items() if b.due <= now]
-                if not due:
-                    wait = min((b.due for b in self._broken.values()), default=now + 60)
-                    self._cond.wait(max(0.01, wait - now))
-                    continue
-            for key, broken in due:
-                self._try(key, broken)
-
-    def _try(self, key: object, broken: _Broken[R]) -> None:
-        rail: R | None = None
-        if broken.alive():
-            try:
-                rail = broken.open()
-            except Exception as exc:  # noqa: BLE001 - any failure: try again later
-                log.debug("%s: reopening a rail failed: %s", self.name, exc)
-        broken.tries += 1
-        with self._cond:
-            if rail is not None and not self._closed:
-                del self._broken[key]
-                self._revived[key] = rail
-                self.reopened += 1
-                return
-            if not broken.alive() or broken.tries >= self.max_tries or self._closed:
-                self._broken.pop(key, None)
-            else:
-                broken.due = time.monotonic() + self.retry
-        if rail is not None:  # closed meanwhile
-            getattr(rail, "close", lambda: None)()
-
-    def close(self) -> None:
-        """Stops retrying; rails revived and not taken are the caller's to close."""
-        with self._cond:
-            self._closed = True
-            self._broken.clear()
-            self._revived.clear()
-            self._cond.notify()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(5)

@@ -8,7 +8,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -61,6 +61,7 @@ class RailOwner(Protocol):
     def sibling(self, rail: RdmaRail) -> RdmaRail | None: ...
     def forget_wr_ids(self, wr_ids: list[int]) -> None: ...
     def note_failure(self, peer: str) -> None: ...
+    def rail_failed(self, rail: RdmaRail) -> None: ...
     def forget_rail(self, rail: RdmaRail) -> None: ...
 
 
@@ -84,7 +85,7 @@ class RdmaRail(Rail):
     __slots__ = ("peer", "index", "device", "remote_device", "_transport", "_qp", "_sock",
                  "_on_complete", "_lock", "_state", "_backlog", "_inflight", "_free_wr",
                  "_remote_keys", "_absent", "_notify_mr", "_notify_free", "_max_sge", "_max_msg",
-                 "weight")
+                 "weight", "reopen")
 
     def __init__(self, transport: RailOwner, peer: str, index: int, device: Device,
                  remote_device: str, qp: Any, sock: socket.socket,
@@ -107,6 +108,7 @@ class RdmaRail(Rail):
         self._notify_free = list(range(transport.notify_slots))
         self._max_sge = device.max_sge
         self._max_msg = device.max_msg_size
+        self.reopen: Callable[[], RdmaRail] | None = None  # this NIC pair, opened again
 
     @property
     def closed(self) -> bool:
@@ -296,7 +298,8 @@ class RdmaRail(Rail):
         ``origin``: the rail the culprit's immediate stands for (this one's if None)."""
         origin = self.index if origin is None else origin
         with self._lock:
-            if self._state == "OPEN":
+            failed = self._state == "OPEN"
+            if failed:
                 self._state = "FAILED"
             # in posting order, each with the rail its immediate stands for (adopted
             # work keeps its first rail's, so the target counts it once)
@@ -306,6 +309,8 @@ class RdmaRail(Rail):
             self._inflight.clear()
             self._backlog.clear()
         self._transport.note_failure(self.peer)
+        if failed:
+            self._transport.rail_failed(self)
         items = ([(culprit, origin)] if retry and culprit is not None else []) + rest
         if not retry and culprit is not None:
             self._on_complete(Completion(culprit, err))
@@ -326,6 +331,15 @@ class RdmaRail(Rail):
             self._on_complete(Completion(work, err if work is culprit else PeerLostError(
                 "rail failed and no other rdma rail reaches the peer", peer=self.peer,
                 op=str(work.op), transport="rdma")))
+
+    def side_alive(self) -> bool:
+        """Whether the side channel is still connected (the peer is up)."""
+        try:
+            return bool(self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            return True  # nothing to read: connected
+        except OSError:
+            return False
 
     def fail(self, err: TransferError) -> None:
         """The path is gone (a lost NIC): unfinished work moves to a sibling rail."""

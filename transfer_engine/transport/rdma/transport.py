@@ -5,6 +5,7 @@ rails to peers and the completions of every NIC.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import os
@@ -64,6 +65,7 @@ from transfer_engine.transport.rdma.side import (
 )
 from transfer_engine.transport.rdma.side_server import SideServer
 from transfer_engine.transport.rdma.verbs import Device
+from transfer_engine.transport.reopen import Reopener
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +164,7 @@ class RdmaTransport(SideServer, Transport):
         self._peer_failures: collections.Counter[str] = collections.Counter()
         self._dead: set[str] = set()  # devices lost to an asynchronous event
         self._rail_numbers: collections.Counter[str] = collections.Counter()
+        self._reopener: Reopener[RdmaRail] = Reopener("rdma", retry=0.2, max_tries=300)
         self._closed = False
 
     # --- Transport interface ----------------------------------------------------------
@@ -238,8 +241,9 @@ class RdmaTransport(SideServer, Transport):
             self._host is not None and info.get("host_id") == self._host.host_id)
 
     def connect(self, peer: str, info: dict[str, Any], on_complete: OnComplete,
-                timeout: float | None = 10.0, credential: Credential | None = None
-                ) -> Rail:
+                timeout: float | None = 10.0, credential: Credential | None = None,
+                pair: tuple[int, int] | None = None) -> RdmaRail:
+        """A rail to ``peer`` on the next NIC pair (``pair``: these NIC indexes)."""
         if self._closed or self._host is None:
             raise ClosedError("transport is closed or not started", peer=peer,
                               transport="rdma", op="connect")
@@ -258,7 +262,7 @@ class RdmaTransport(SideServer, Transport):
             index = self._rail_numbers[peer]
             self._rail_numbers[peer] += 1
             self._peer_rails.setdefault(peer, [])
-        li, ri = stripe_pairs(len(self._devices), len(remote_devs), index)
+        li, ri = pair or stripe_pairs(len(self._devices), len(remote_devs), index)
         dev, remote_dev = self._devices[li], str(remote_devs[ri])
         hostport = endpoint[len("tcp://"):].rsplit(":", 1)
         qp = dev.create_qp(send_wr=self.sq_depth, recv_wr=1, send_sge=dev.max_sge)
@@ -306,12 +310,33 @@ class RdmaTransport(SideServer, Transport):
         with self._lock:
             self._peer_rails[peer].append(rail)
             self._side_locks[id(rail)] = threading.Lock()
+        rail.reopen = functools.partial(self._reopen, rail, peer, info, on_complete, timeout,
+                                        credential, (li, ri))
         return rail
+
+    def _reopen(self, broken: RdmaRail, *args: Any) -> RdmaRail:
+        rail = self.connect(*args)
+        broken.close()
+        return rail
+
+    def rail_failed(self, rail: RdmaRail) -> None:
+        """Has a failed rail's NIC pair opened again in the background, while the
+        peer's side channel is up: a queue pair in error stays in error, whatever put it
+        there (a refused key, a path that broke), and without this each such error
+        would leave the peer one rail fewer for good."""
+        if self._closed or rail.reopen is None or rail.device.name in self._dead:
+            return
+        self._reopener.schedule(rail, rail.reopen, lambda: not self._closed and (
+            rail.device.name not in self._dead and rail.side_alive()))
+
+    def revived(self, rail: Rail) -> Rail | None:
+        return self._reopener.revived(rail)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._reopener.close()
         with self._lock:
             rails = [r for rs in self._peer_rails.values() for r in rs]
             inbound = list(self._inbound.values())
