@@ -56,6 +56,7 @@ from transfer_engine.notify import ImmediateCounter, Notification
 from transfer_engine.peer import Peer
 from transfer_engine.peers import Peers
 from transfer_engine.segment import Segment, describe_memory
+from transfer_engine.staging import Staging
 from transfer_engine.state import LiveTransfer, TrafficPolicy
 from transfer_engine.transfer import Transfers
 from transfer_engine.transport import load_transport
@@ -120,6 +121,7 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
     """
 
     _watchdog: Watchdog | None = None  # started with the first transfer
+    _staging_area: Staging | None = None  # bounces for device memory, made on first need
 
     def __init__(self, name: str, *, host: str = "127.0.0.1", port: int = 0,
                  transports: Sequence[str | Transport] | None = None,
@@ -274,7 +276,8 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
         deregisters on ``close()`` (or at the end of a ``with`` block).
 
         ``obj``: a CPU torch tensor, a numpy array, a writable buffer (bytearray,
-        memoryview, mmap) or a raw ``(address, length)`` tuple (the caller keeps that
+        memoryview, mmap), a CUDA tensor or array, or a raw ``(address, length)``
+        tuple (``(address, length, "cuda:N")`` for device memory; the caller keeps that
         memory alive). Raises :class:`RegistrationError`; nothing stays registered.
         """
         self._check_open("register")
@@ -377,6 +380,8 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
             for xfer in live:
                 self._finish(xfer, ClosedError("engine closed", peer=xfer.peer.name,
                                                op=str(xfer.op)))
+            if self._staging_area is not None:
+                self._staging_area.close()
         finally:
             self._stack.close()
 

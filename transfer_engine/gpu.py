@@ -6,12 +6,12 @@ on ``libcuda.so.1``. Nothing here is imported by ``import transfer_engine``. Eve
 entry point raises ``NotSupportedError`` saying what is missing when there is no CUDA.
 
 Used today: the RDMA transport registers GPU memory through a dma-buf (:func:`dmabuf_fd`)
-and falls back to nvidia-peermem. Not yet wired into a transport (the shm and TCP
-transports refuse device memory with ``NotSupportedError``): mapping a same-host peer's
-GPU memory (:func:`export_ipc`, :class:`IpcMapping`) and staging device memory through
-pinned host buffers (:class:`StagingPool`), overlapping the device copy of chunk ``k+1``
-with the send of chunk ``k`` (:func:`overlapped`, :func:`send_device_memory`,
-:func:`recv_device_memory`); their GPU tests run where a GPU is.
+and falls back to nvidia-peermem; :mod:`transfer_engine.devmem` copies device ranges
+through host bounces for tcp and shm (:mod:`transfer_engine.staging`). Not yet wired into
+a transport: mapping a same-host peer's GPU memory (:func:`export_ipc`,
+:class:`IpcMapping`) and the overlapped pinned staging of :class:`StagingPool`
+(:func:`overlapped`, :func:`send_device_memory`, :func:`recv_device_memory`); their GPU
+tests run where a GPU is.
 """
 
 from __future__ import annotations

@@ -41,11 +41,17 @@ def _is_torch_tensor(obj: object) -> bool:
 
 def describe_memory(obj: Any, length: int | None = None) -> MemoryInfo:
     """Finds address, length and device of ``obj`` without copying it."""
-    if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(v, int) for v in obj):
-        address, nbytes = obj
+    if (isinstance(obj, tuple) and len(obj) in (2, 3)
+            and all(isinstance(v, int) for v in obj[:2])):
+        address, nbytes = obj[:2]
+        device = obj[2] if len(obj) == 3 else "cpu"
         if address <= 0 or nbytes <= 0:
             raise RegistrationError(f"raw memory needs address > 0 and length > 0, got {obj}")
-        return MemoryInfo(address, nbytes, "cpu", True, None)
+        if device != "cpu" and not (isinstance(device, str) and device.startswith("cuda:")
+                                    and device[5:].isdigit()):
+            raise RegistrationError(f"raw memory's device must be 'cpu' or 'cuda:N', got "
+                                    f"{device!r}")
+        return MemoryInfo(address, nbytes, device, True, None)
     if _is_torch_tensor(obj):
         if not obj.is_contiguous():
             raise RegistrationError("tensor is not contiguous; register its base tensor")

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from transfer_engine.control.tickets import TicketBook
     from transfer_engine.latency import Latencies
     from transfer_engine.notify import ImmediateCounter
+    from transfer_engine.staging import Staged, Staging
     from transfer_engine.transport.base import Completion, Transport
     from transfer_engine.watchdog import Watchdog
 
@@ -78,6 +79,7 @@ class LiveTransfer:
     posted: list[tuple[Rail, Work]] | None = None  # the current attempt's work
     posting: bool = False  # rail.post calls of ``posted`` under way
     stopping: TransferError | None = None  # why it was cancelled (or timed out)
+    staged: Staged | None = None  # device memory moved through a bounce (staging.py)
 
 
 class EngineState:
@@ -117,6 +119,7 @@ class EngineState:
         _wr_ids: itertools.count[int]
         _counter: ImmediateCounter
         _watchdog: Watchdog | None
+        _staging_area: Staging | None
 
         def metadata(self) -> dict[str, Any]: ...
         def _check_open(self, op: str) -> None: ...

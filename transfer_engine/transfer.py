@@ -27,6 +27,7 @@ from transfer_engine.handle import TransferHandle
 from transfer_engine.peer import Peer
 from transfer_engine.planner import plan_columns
 from transfer_engine.segment import Segment
+from transfer_engine.staging import Staging, finish_read
 from transfer_engine.state import EngineState, LiveTransfer
 from transfer_engine.transport.base import Completion, Immediate, Rail, Transport, Work
 from transfer_engine.validate import Pairs, validate
@@ -164,6 +165,17 @@ class Transfers(EngineState):
             rails = sorted(rails[:transport.active(rails)], key=lambda rail: rail.inflight)
             rails = rails[:transport.spread(rails)]
         caps = transport.capabilities
+        if (not caps.device_memory and xfer.staged is None
+                and any(seg.device != "cpu" for seg in xfer.local_segments)):
+            try:  # device memory over a host-memory transport: through a bounce
+                xfer.extents, xfer.staged = self._staging().stage(
+                    xfer.op, xfer.extents, xfer.local_segments)
+            except TransferError as exc:
+                self._finish(xfer, exc.with_context(peer=xfer.peer.name, op=str(xfer.op),
+                                                    transport=name))
+                return
+            xfer.staged.bounce.pin()
+            xfer.local_segments.append(xfer.staged.bounce)
         weights = [float(getattr(rail, "weight", 1.0)) for rail in rails]
         plan = plan_columns(xfer.extents, num_rails=len(rails), slice_size=caps.slice_size,
                             max_sge=caps.max_sge, max_wr_bytes=caps.max_wr_bytes,
@@ -172,12 +184,6 @@ class Transfers(EngineState):
         transfer_id = next(self._transfer_ids)  # fresh per attempt: counts never mix
         notify_pending = xfer.notify is not None and xfer.op is Op.WRITE
         works: list[Work] = []
-        host = all(seg.device == "cpu" for seg in xfer.local_segments)
-        if not host and not caps.device_memory:
-            self._finish(xfer, NotSupportedError(
-                f"{name} cannot move device memory", peer=xfer.peer.name, op=str(xfer.op),
-                transport=name))
-            return
         for wr in plan.requests:
             imm = None
             if wr.imm and xfer.op is Op.WRITE and xfer.notify is not None:
@@ -279,6 +285,13 @@ class Transfers(EngineState):
             xfer.finished = True
             if error is not None and xfer.stopping is not None:
                 error = xfer.stopping  # the cancel said why, whatever failed after it
+        if xfer.staged is not None:  # a READ's bytes onto the device, then the bounce back
+            if error is None and xfer.op is Op.READ:
+                error = finish_read(xfer.staged)
+                if error is not None:
+                    error = error.with_context(peer=xfer.peer.name, op=str(xfer.op))
+            xfer.staged.finish()
+        with xfer.lock:
             segments, xfer.local_segments = xfer.local_segments, []
         for seg in segments:
             seg.unpin()
@@ -301,6 +314,12 @@ class Transfers(EngineState):
                     self.traffic.record(xfer.peer.name, xfer.transports[0], latency, True,
                                         xfer.handle.nbytes)
         xfer.handle._finish(error)
+
+    def _staging(self) -> Staging:
+        with self._lock:
+            if self._staging_area is None:
+                self._staging_area = Staging(lambda buf, name: self.register(buf, name))
+            return self._staging_area
 
     def _route(self, peer: Peer) -> list[str]:
         """The transports a new transfer to ``peer`` tries, best first: the peer's

@@ -147,11 +147,13 @@ class TEConnectorWorker:
     def register_kv_caches(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
         """Registers every layer tensor once and publishes the manifest."""
         if self.engine is None:
+            # a serving process has no device runtime: GPU KV is served from threads
+            on_gpu = any(str(t.device) != "cpu" for t in kv_caches.values())
             with unpinned():  # the engine's threads start here
                 self.engine = Engine(self.engine_name, host=self.config.host,
                                      port=self.config.port,
                                      transports=self.config.transports,
-                                     serve=self.config.serve,
+                                     serve="thread" if on_gpu else self.config.serve,
                                      timeout=self.config.timeout_s,
                                      auth=self.config.auth())
         seen: dict[int, Segment] = {}
@@ -168,7 +170,10 @@ class TEConnectorWorker:
             end = layout.segment_offset + layout.extent
             seg = seen.get(address)
             if seg is None or seg.length < end:
-                seg = self.engine.register((address, max(length, end)), name=f"kv/{name}")
+                device = str(tensor.device)  # GPU KV: staged where a transport must
+                seg = self.engine.register((address, max(length, end),
+                                            "cpu" if device == "cpu" else device),
+                                           name=f"kv/{name}")
                 seen[address] = seg
             self._tensors.append(tensor)  # alive while registered
             self._layers[name] = (seg, layout)

@@ -18,7 +18,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
 import msgpack
@@ -49,6 +49,7 @@ from transfer_engine.transport.stream.io import (
     set_stall_timeout,
     tune_socket,
 )
+from transfer_engine.transport.stream.targets import Targets, stage
 from transfer_engine.transport.stream.wire import (
     ANSWER,
     FLAG_IMM,
@@ -132,50 +133,11 @@ def _refuse(conn: Connection, seg: Segment, ranges: Iterable[Sequence[int]], wri
                                  segment=seg.name)
 
 
-class Targets:
-    """Where one request's bytes land (or come from) in the target's memory, checked
-    and pinned: ``iov`` rows of (address, length) for gathered I/O, and the same ranges
-    as memoryviews when iterated (made on demand: the fast paths never need them).
-    ``headroom``, when set, is ``iov`` with a spare row in front (for an answer's head)."""
-
-    __slots__ = ("iov", "nbytes", "headroom", "_segs", "_ids")
-
-    def __init__(self, iov: np.ndarray, nbytes: int, segs: dict[int, Segment],
-                 ids: np.ndarray | None = None, headroom: np.ndarray | None = None) -> None:
-        self.iov = iov
-        self.headroom = headroom
-        self.nbytes = nbytes
-        self._segs = segs
-        self._ids = ids  # each row's segment id; None: every row is in the one segment
-
-    def __len__(self) -> int:
-        return len(self.iov)
-
-    @property
-    def segments(self) -> dict[int, Segment]:
-        """The request's segments by id."""
-        return self._segs
-
-    @property
-    def ids(self) -> np.ndarray | None:
-        """Each row's segment id; None when every row is in the one segment."""
-        return self._ids
-
-    def __iter__(self) -> Iterator[memoryview]:
-        if not len(self.iov):
-            return
-        ids = ([next(iter(self._segs))] * len(self.iov) if self._ids is None
-               else self._ids.tolist())
-        bases = {i: (seg.view(), seg.address) for i, seg in self._segs.items()}
-        for seg_id, (address, length) in zip(ids, self.iov.tolist(), strict=True):
-            view, base = bases[seg_id]
-            yield view[address - base:address - base + length]
-
-
 class StreamServer:
     """Accepts rails and serves their requests against the host's segments."""
 
     transport_name = "stream"
+    stages_device = True  # device segments served through a bounce (targets.stage)
 
     def __init__(self, listener: socket.socket, host: Host, buffer_bytes: int,
                  stall_timeout: float = STALL_TIMEOUT) -> None:
@@ -441,7 +403,11 @@ class StreamServer:
                                               pinned)
             else:
                 views = self._resolve(conn, op, remote, nbytes, low, high, pinned)
+            views, landed = stage(views, op, conn.peer)  # a READ's device bytes copied
         except TransferError as exc:
+            for seg in pinned:
+                seg.unpin()
+            pinned.clear()
             if op is Op.WRITE:
                 self.refuse_write(conn, nbytes)
             send_bytes(sock, self._answer(wr_id, exc))
@@ -451,6 +417,8 @@ class StreamServer:
                 try:
                     if nbytes:
                         self.land(conn, views, local)
+                        if landed is not None:
+                            landed()
                 except TransferError as exc:
                     send_bytes(sock, self._answer(wr_id, exc))
                     return
@@ -536,7 +504,7 @@ class StreamServer:
              pinned: list[Any]) -> None:
         """Pins host-memory ``segs`` into ``pinned``; raises (nothing pinned) otherwise."""
         for seg in segs.values():
-            if seg.device != "cpu":
+            if seg.device != "cpu" and not self.stages_device:
                 raise NotSupportedError(f"{seg.device} memory is not reachable over "
                                         f"{self.transport_name}", peer=conn.peer, op=opname,
                                         transport=self.transport_name, segment=seg.name)

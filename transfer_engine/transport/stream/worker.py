@@ -211,6 +211,8 @@ def direct_rows(views: Targets) -> np.ndarray | None:
 class ServeTcpServer(TcpServer):
     """:class:`TcpServer` over the application's memory from outside its process."""
 
+    stages_device = False  # no device runtime here: device segments are refused
+
     def __init__(self, listener: socket.socket, host: ProxyHost, mem_fd: int,
                  buffer_bytes: int, congestion: str | None, stall_timeout: float) -> None:
         self._mem = mem_fd
@@ -257,6 +259,8 @@ class ServeShmServer(ShmServer):
     """:class:`ShmServer` over the application's memory from outside its process: the
     initiator's bytes are copied to and from shared pages directly, and through bounce
     buffers and the mem file for the rest."""
+
+    stages_device = False
 
     def __init__(self, listener: socket.socket, host: ProxyHost, mem_fd: int,
                  stall_timeout: float) -> None:

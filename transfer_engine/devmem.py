@@ -1,0 +1,96 @@
+"""Copies between device memory and host memory, for transports that only reach host
+memory (tcp, shm): the engine and the stream servers stage device segments through
+host bounce buffers with these (see :mod:`transfer_engine.staging`).
+
+A device is named as segments name it (``"cuda:N"``). CUDA devices copy with cupy: one
+``cudaMemcpyAsync`` per range on a stream of the device's own, then one synchronize, so
+a request's ranges cost one wait. :func:`install` puts another copier in place for a
+device name: a stand-in device in tests (whose addresses the host cannot dereference),
+or a runtime of the application's choosing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from transfer_engine.errors import NotSupportedError, TransferError
+
+__all__ = ["Copier", "CudaCopier", "copier", "install", "Row"]
+
+Row = tuple[int, int, int]  # (device address, host address, length)
+
+
+class Copier(Protocol):
+    """Moves bytes between one device's memory and host memory; raises
+    ``TransferError`` when a copy fails. Returns once every row is copied."""
+
+    def to_host(self, rows: Sequence[Row]) -> None: ...
+    def to_device(self, rows: Sequence[Row]) -> None: ...
+
+
+_installed: dict[str, Copier] = {}
+_cuda: dict[str, CudaCopier] = {}
+_lock = threading.Lock()
+
+
+def install(device: str, impl: Copier) -> Callable[[], None]:
+    """Uses ``impl`` for ``device``'s copies from now on; returns the undo."""
+    with _lock:
+        before = _installed.get(device)
+        _installed[device] = impl
+
+    def undo() -> None:
+        with _lock:
+            if before is None:
+                _installed.pop(device, None)
+            else:
+                _installed[device] = before
+    return undo
+
+
+def copier(device: str) -> Copier:
+    """The copier of ``device``; ``NotSupportedError`` saying what is missing."""
+    with _lock:
+        found = _installed.get(device)
+        if found is not None:
+            return found
+        if not device.startswith("cuda"):
+            raise NotSupportedError(f"no copier for {device} memory")
+        cuda = _cuda.get(device)
+        if cuda is None:
+            cuda = _cuda[device] = CudaCopier(device)
+        return cuda
+
+
+class CudaCopier:
+    """cupy's runtime copies on a stream of the device's own."""
+
+    _D2H, _H2D = 2, 1  # cudaMemcpyKind
+
+    def __init__(self, device: str) -> None:
+        from transfer_engine import gpu  # lazy: needs CUDA
+
+        self._cp = gpu.require_cuda()
+        self._index = int(device.partition(":")[2] or 0)
+        with self._cp.cuda.Device(self._index):
+            self._stream = self._cp.cuda.Stream(non_blocking=True)
+        self._lock = threading.Lock()  # one request's copies at a time on the stream
+
+    def _copy(self, rows: Sequence[Row], kind: int) -> None:
+        cp = self._cp
+        try:
+            with self._lock, cp.cuda.Device(self._index):
+                for dev, host, n in rows:
+                    dst, src = (host, dev) if kind == self._D2H else (dev, host)
+                    cp.cuda.runtime.memcpyAsync(dst, src, n, kind, self._stream.ptr)
+                self._stream.synchronize()
+        except Exception as exc:  # cupy's CUDARuntimeError and kin
+            raise TransferError(f"cuda:{self._index} copy failed: {exc}") from exc
+
+    def to_host(self, rows: Sequence[Row]) -> None:
+        self._copy(rows, self._D2H)
+
+    def to_device(self, rows: Sequence[Row]) -> None:
+        self._copy(rows, self._H2D)

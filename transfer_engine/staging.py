@@ -1,0 +1,175 @@
+"""Device memory over transports that reach host memory only: staging through host
+bounce buffers.
+
+The initiator's side (:class:`Staging`, one per engine): a transfer whose local segments
+are device memory, going over a transport without ``device_memory`` (tcp, shm), is
+rewritten to move the same bytes from (WRITE) or into (READ) a bounce segment, a host
+buffer the engine registered for this; a WRITE's bytes are copied off the device before
+the first is sent, a READ's onto it after the last has landed and before the transfer
+counts as done. Bounce segments are kept for reuse by size (powers of two from 1 MiB)
+up to ``$TE_STAGING_BYTES`` (default 1 GiB) in all; a transfer that would need more
+fails with ``BusyError`` and moves nothing.
+
+The target's side is :func:`transfer_engine.transport.stream.targets.stage` (a stream
+server copies a request's device ranges through a buffer of its own).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from transfer_engine import devmem
+from transfer_engine.descriptor import Op
+from transfer_engine.errors import BusyError, TransferError
+from transfer_engine.planner import Columns
+from transfer_engine.segment import Segment
+
+__all__ = ["Staging", "Staged", "STAGING_ENV"]
+
+STAGING_ENV = "TE_STAGING_BYTES"
+_MIN_BOUNCE = 1 << 20
+
+
+@dataclass
+class Staged:
+    """One transfer's staging: its bounce segment and the device ranges it stands for,
+    one :data:`devmem.Row` list per device."""
+
+    bounce: Segment
+    rows: dict[str, list[devmem.Row]]
+    release: Callable[[], None]
+    done: bool = field(default=False)
+
+    def to_host(self) -> None:
+        for device, rows in self.rows.items():
+            devmem.copier(device).to_host(rows)
+
+    def to_device(self) -> None:
+        for device, rows in self.rows.items():
+            devmem.copier(device).to_device(rows)
+
+    def finish(self) -> None:
+        """Hands the bounce back (once)."""
+        if not self.done:
+            self.done = True
+            self.release()
+
+
+class Staging:
+    """The engine's bounce segments, made with ``register`` and kept for reuse."""
+
+    def __init__(self, register: Callable[[np.ndarray, str], Segment],
+                 limit: int | None = None) -> None:
+        self._register = register
+        self._limit = limit if limit is not None else int(
+            os.environ.get(STAGING_ENV, "") or (1 << 30))
+        self._lock = threading.Lock()
+        self._free: dict[int, list[Segment]] = {}
+        self._total = 0
+        self._count = 0
+        self._closed = False
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of bounce segments made so far (free or in use)."""
+        return self._total
+
+    def stage(self, op: Op, extents: Columns, segments: Sequence[Segment]
+              ) -> tuple[Columns, Staged]:
+        """``extents`` moved to a bounce segment (the same remote side, the local side
+        laid out back to back in the bounce), and the staging that stands for it. A
+        WRITE's bytes are in the bounce on return. Raises ``BusyError`` (bounces full)
+        or the copier's ``TransferError``; nothing is held then."""
+        nbytes = extents.nbytes
+        bounce = self._take(nbytes)
+        try:
+            lengths = extents.length.astype(np.int64, copy=False)
+            starts = np.zeros(len(lengths), dtype=np.int64)
+            np.cumsum(lengths[:-1], out=starts[1:])
+            by_id = {seg.id: seg for seg in segments}
+            rows: dict[str, list[devmem.Row]] = {}
+            for seg_id, off, n, at in zip(extents.lseg.tolist(), extents.loff.tolist(),
+                                          lengths.tolist(), starts.tolist(), strict=True):
+                seg = by_id[seg_id]
+                if seg.device == "cpu":  # host memory beside device memory: copied too
+                    rows.setdefault("cpu", []).append((seg.address + off,
+                                                       bounce.address + at, n))
+                else:
+                    rows.setdefault(seg.device, []).append((seg.address + off,
+                                                            bounce.address + at, n))
+            staged = Staged(bounce, rows, lambda: self._give(bounce))
+            host = rows.pop("cpu", None)
+            if op is Op.WRITE:
+                staged.to_host()
+                for src, dst, n in host or ():
+                    _memmove(dst, src, n)
+            elif host:
+                rows["cpu"] = host
+            local = np.full(len(lengths), bounce.id, dtype=np.int64)
+            cols = Columns(local, starts, extents.rseg, extents.roff, extents.length,
+                           single=bool(extents.single), nbytes=nbytes, block=extents.block)
+            return cols, staged
+        except BaseException:
+            self._give(bounce)
+            raise
+
+    def _take(self, nbytes: int) -> Segment:
+        size = max(_MIN_BOUNCE, 1 << max(0, (nbytes - 1).bit_length()))
+        with self._lock:
+            if self._closed:
+                raise BusyError("staging is closed")
+            free = self._free.get(size)
+            if free:
+                return free.pop()
+            if self._total + size > self._limit:
+                raise BusyError(f"staging {nbytes} bytes of device memory would take "
+                                f"{self._total + size} bytes of bounce buffers, past "
+                                f"${STAGING_ENV}={self._limit}")
+            self._total += size
+            self._count += 1
+            name = f"te-staging-{self._count}"
+        try:
+            return self._register(np.empty(size, dtype=np.uint8), name)
+        except BaseException:
+            with self._lock:
+                self._total -= size
+            raise
+
+    def _give(self, bounce: Segment) -> None:
+        with self._lock:
+            if not self._closed and not bounce.closed:
+                self._free.setdefault(bounce.length, []).append(bounce)
+                return
+        bounce.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            segs = [s for free in self._free.values() for s in free]
+            self._free.clear()
+        for seg in segs:
+            seg.close()
+
+
+def _memmove(dst: int, src: int, n: int) -> None:
+    import ctypes
+    ctypes.memmove(dst, src, n)
+
+
+def finish_read(staged: Staged) -> TransferError | None:
+    """A READ's landed bytes onto the device (and host ranges); the error, if any."""
+    try:
+        host = staged.rows.pop("cpu", None)
+        staged.to_device()
+        for dst, src, n in host or ():
+            _memmove(dst, src, n)
+        return None
+    except TransferError as exc:
+        return exc
+    finally:
+        staged.finish()

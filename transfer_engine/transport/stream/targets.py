@@ -1,0 +1,110 @@
+"""Where a served request's bytes land or come from: :class:`Targets`, and
+:func:`stage`, which puts a host bounce in place of device memory.
+
+A stream server moves bytes with system calls (``recvmsg``, ``sendmsg``,
+``process_vm_readv``) that reach host memory only. A request whose target ranges lie in
+device memory is served through a bounce buffer of its own: a READ's ranges are copied
+off the device into it before the payload is sent, a WRITE's payload lands in it and is
+copied onto the device before the answer (so the initiator's success means the bytes
+are on the device), with the device's copier (:mod:`transfer_engine.devmem`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from transfer_engine import devmem
+from transfer_engine.descriptor import Op
+from transfer_engine.errors import TransferError
+from transfer_engine.segment import Segment
+
+__all__ = ["Targets", "stage"]
+
+
+class Targets:
+    """Where one request's bytes land (or come from) in the target's memory, checked
+    and pinned: ``iov`` rows of (address, length) for gathered I/O, and the same ranges
+    as memoryviews when iterated (made on demand: the fast paths never need them).
+    ``headroom``, when set, is ``iov`` with a spare row in front (for an answer's head)."""
+
+    __slots__ = ("iov", "nbytes", "headroom", "keep", "_segs", "_ids")
+
+    def __init__(self, iov: np.ndarray, nbytes: int, segs: dict[int, Segment],
+                 ids: np.ndarray | None = None, headroom: np.ndarray | None = None) -> None:
+        self.iov = iov
+        self.headroom = headroom
+        self.keep: object = None  # what must live as long as the rows (a bounce)
+        self.nbytes = nbytes
+        self._segs = segs
+        self._ids = ids  # each row's segment id; None: every row is in the one segment
+
+    def __len__(self) -> int:
+        return len(self.iov)
+
+    @property
+    def segments(self) -> dict[int, Segment]:
+        """The request's segments by id."""
+        return self._segs
+
+    @property
+    def ids(self) -> np.ndarray | None:
+        """Each row's segment id; None when every row is in the one segment."""
+        return self._ids
+
+    def __iter__(self) -> Iterator[memoryview]:
+        if not len(self.iov):
+            return
+        ids = ([next(iter(self._segs))] * len(self.iov) if self._ids is None
+               else self._ids.tolist())
+        bases = {i: (seg.view(), seg.address) for i, seg in self._segs.items()}
+        for seg_id, (address, length) in zip(ids, self.iov.tolist(), strict=True):
+            view, base = bases[seg_id]
+            yield view[address - base:address - base + length]
+
+
+def stage(views: Targets, op: Op, peer: str | None = None
+          ) -> tuple[Targets, Callable[[], None] | None]:
+    """``views`` itself when all of it is host memory; else the same bytes in a bounce
+    and, for a WRITE, what copies them onto the device once they landed. A READ's bytes
+    are in the bounce on return. The copier's ``TransferError`` names the peer."""
+    segs = views.segments
+    if all(seg.device == "cpu" for seg in segs.values()):
+        return views, None
+    iov = views.iov
+    lengths = iov[:, 1].astype(np.int64)
+    bounce = np.empty(max(1, views.nbytes), dtype=np.uint8)
+    base = bounce.ctypes.data
+    starts = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    ids = views.ids
+    rows: dict[str, list[devmem.Row]] = {}
+    only = next(iter(segs.values()))
+    for i, (address, n) in enumerate(iov.tolist()):
+        seg = only if ids is None else segs[int(ids[i])]
+        rows.setdefault(seg.device, []).append((address, base + int(starts[i]), n))
+    host = rows.pop("cpu", [])
+    out = np.empty((len(lengths) + 1, 2), dtype=np.uint64)
+    out[1:, 0] = starts + base
+    out[1:, 1] = lengths
+    staged = Targets(out[1:], views.nbytes, {}, headroom=out)
+    staged.keep = bounce
+
+    def copy(to_device: bool) -> None:
+        try:
+            for device, dev_rows in rows.items():
+                mover = devmem.copier(device)
+                (mover.to_device if to_device else mover.to_host)(dev_rows)
+        except TransferError as exc:
+            raise exc.with_context(peer=peer, op=str(op)) from None
+        for address, at, n in host:
+            if to_device:
+                ctypes.memmove(address, at, n)
+            else:
+                ctypes.memmove(at, address, n)
+    if op is Op.READ:
+        copy(False)
+        return staged, None
+    return staged, lambda: copy(True)
