@@ -208,3 +208,30 @@ def test_raw_device_memory_registers_with_its_device(gpu: StandInGpu,
     assert seg.device == "cuda:0"
     with pytest.raises(RegistrationError, match="'cpu' or 'cuda:N'"):
         a.register((dev.address, MiB, "npu"), name="odd")
+
+
+def test_a_peer_cannot_make_the_server_stage_past_its_budget(
+        gpu: StandInGpu, make_engine: Callable[..., Engine],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Server bounces are bounded for all connections together: a request past the
+    budget is answered BusyError (its payload consumed), later ones are served."""
+    monkeypatch.setenv("TE_STAGING_BYTES", str(MiB // 2))  # requests are >= 1 MiB
+    a = make_engine("a", transports=["tcp"])
+    b = make_engine("b", transports=["tcp"])
+    host = random_bytes(4 * MiB, 3)
+    far = gpu.alloc(4 * MiB)
+    hseg = a.register(host, name="h")
+    b.register(far, name="far")
+    peer = a.connect(b.endpoint)
+    remote = peer.segment("far")
+    with pytest.raises(BusyError, match="TE_STAGING_BYTES"):
+        a.write(peer, [(Descriptor(hseg, 0, 4 * MiB), Descriptor(remote, 0, 4 * MiB))],
+                ).wait(10)
+    q = MiB // 4
+    for _ in range(3):
+        a.write(peer, [(Descriptor(hseg, 0, q), Descriptor(remote, 0, q))]).wait(10)
+    a.read(peer, [(Descriptor(hseg, MiB, q), Descriptor(remote, 0, q))]).wait(10)
+    assert np.array_equal(far.download()[:q], host[:q])
+    assert np.array_equal(host[MiB:MiB + q], host[:q])
+    from transfer_engine.transport.stream import targets
+    assert targets._held[0] == 0

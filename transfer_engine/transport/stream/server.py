@@ -49,7 +49,7 @@ from transfer_engine.transport.stream.io import (
     set_stall_timeout,
     tune_socket,
 )
-from transfer_engine.transport.stream.targets import Targets, stage
+from transfer_engine.transport.stream.targets import Targets, stage, unstage
 from transfer_engine.transport.stream.wire import (
     ANSWER,
     FLAG_IMM,
@@ -432,6 +432,7 @@ class StreamServer:
             else:
                 self.serve(conn, wr_id, views, local)
         finally:
+            unstage(views)
             for seg in pinned:
                 seg.unpin()
             pinned.clear()

@@ -12,16 +12,25 @@ are on the device), with the device's copier (:mod:`transfer_engine.devmem`).
 from __future__ import annotations
 
 import ctypes
+import os
+import threading
 from collections.abc import Callable, Iterator
 
 import numpy as np
 
 from transfer_engine import devmem
 from transfer_engine.descriptor import Op
-from transfer_engine.errors import TransferError
+from transfer_engine.errors import BusyError, TransferError
 from transfer_engine.segment import Segment
 
-__all__ = ["Targets", "stage"]
+__all__ = ["Targets", "stage", "unstage"]
+
+_budget = threading.Lock()
+_held = [0]  # bytes of server bounces in use, all connections together
+
+
+def _limit() -> int:
+    return int(os.environ.get("TE_STAGING_BYTES", "") or (1 << 30))
 
 
 class Targets:
@@ -73,6 +82,36 @@ def stage(views: Targets, op: Op, peer: str | None = None
     segs = views.segments
     if all(seg.device == "cpu" for seg in segs.values()):
         return views, None
+    nbytes = views.nbytes
+    with _budget:  # a bounce per request: bounded, whatever the peers ask for
+        if _held[0] + nbytes > _limit():
+            raise BusyError(f"device staging of {nbytes} bytes would pass "
+                            f"$TE_STAGING_BYTES={_limit()} (in use: {_held[0]})",
+                            peer=peer, op=str(op))
+        _held[0] += nbytes
+    try:
+        return _stage(views, op, peer)
+    except BaseException:
+        _give(nbytes)
+        raise
+
+
+def unstage(views: Targets) -> None:
+    """Hands a staged request's bounce back (once); nothing for host memory."""
+    if isinstance(views.keep, np.ndarray):
+        size = views.nbytes
+        views.keep = None
+        _give(size)
+
+
+def _give(nbytes: int) -> None:
+    with _budget:
+        _held[0] -= nbytes
+
+
+def _stage(views: Targets, op: Op, peer: str | None
+           ) -> tuple[Targets, Callable[[], None] | None]:
+    segs = views.segments
     iov = views.iov
     lengths = iov[:, 1].astype(np.int64)
     bounce = np.empty(max(1, views.nbytes), dtype=np.uint8)
