@@ -64,6 +64,18 @@ def _moved(a: Engine, b: Engine, src: np.ndarray, dst: np.ndarray, seg: Any,
             assert np.array_equal(back[lo:lo + 16384], dst[ro:ro + 16384])
 
 
+def _pair(make_engine: Callable[..., Engine], ours: str, theirs: str) -> tuple[Any, ...]:
+    """Engines a and b whose memory is nearest ``ours`` and ``theirs``, b's ``dst``
+    segment reached from a's ``src``."""
+    src, dst = random_bytes(8 * MiB, 1), random_bytes(8 * MiB, 2)
+    ta, tb = _rdma(_topology(_where(src), ours)), _rdma(_topology(_where(dst), theirs))
+    a = make_engine("a", transports=[ta])
+    b = make_engine("b", transports=[tb])
+    seg = a.register(src, name="src")
+    b.register(dst, name="dst")
+    return a, b, ta, src, dst, seg, a.connect(b.endpoint)
+
+
 def test_nearest_nics_by_pcie_switch_then_numa_then_all() -> None:
     nics = (Nic("far", numa_node=1, pci_path="pci0000:80/0000:80:01.0/0000:81:00.0"),
             Nic("numa", numa_node=0, pci_path="pci0000:00/0000:00:02.0/0000:02:00.0"),
@@ -85,13 +97,7 @@ def test_nearest_nics_by_pcie_switch_then_numa_then_all() -> None:
 
 def test_segment_registered_on_its_nearest_nic_only_and_carried_there(
         make_engine: Callable[..., Engine]) -> None:
-    src, dst = random_bytes(8 * MiB, 1), random_bytes(8 * MiB, 2)
-    ta, tb = _rdma(_topology(_where(src), "emu1")), _rdma(_topology(_where(dst), "emu1"))
-    a = make_engine("a", transports=[ta])
-    b = make_engine("b", transports=[tb])
-    seg = a.register(src, name="src")
-    b.register(dst, name="dst")
-    peer = a.connect(b.endpoint)
+    a, b, ta, src, dst, seg, peer = _pair(make_engine, "emu1", "emu1")
     assert set(peer.segment("dst").keys["rdma"]["mrs"]) == {"emu1"}
     assert set(seg.keys["rdma"]["mrs"]) == {"emu1"}
     before = _issued(ta)
@@ -105,13 +111,7 @@ def test_nearest_nics_that_do_not_pair_register_once_more_and_still_move(
         make_engine: Callable[..., Engine], caplog: pytest.LogCaptureFixture) -> None:
     """Our memory is near emu0, the peer's near its emu1; rails pair emu0-emu0 and
     emu1-emu1, so our segment goes on emu1 as well, once, and the bytes are exact."""
-    src, dst = random_bytes(8 * MiB, 1), random_bytes(8 * MiB, 2)
-    ta, tb = _rdma(_topology(_where(src), "emu0")), _rdma(_topology(_where(dst), "emu1"))
-    a = make_engine("a", transports=[ta])
-    b = make_engine("b", transports=[tb])
-    seg = a.register(src, name="src")
-    b.register(dst, name="dst")
-    peer = a.connect(b.endpoint)
+    a, b, ta, src, dst, seg, peer = _pair(make_engine, "emu0", "emu1")
     assert ta._regions.devices_of(seg.id) == ["emu0"]
     with caplog.at_level(logging.INFO, logger="transfer_engine.transport.rdma.transport"):
         _moved(a, b, src, dst, seg, peer)
