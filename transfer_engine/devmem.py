@@ -15,9 +15,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import numpy as np
+
 from transfer_engine.errors import NotSupportedError, TransferError
 
-__all__ = ["Copier", "CudaCopier", "copier", "install", "Row"]
+__all__ = ["Copier", "CudaCopier", "copier", "host_buffer", "install", "Row"]
 
 Row = tuple[int, int, int]  # (device address, host address, length)
 
@@ -62,6 +64,24 @@ def copier(device: str) -> Copier:
         if cuda is None:
             cuda = _cuda[device] = CudaCopier(device)
         return cuda
+
+
+def host_buffer(nbytes: int, device: str) -> np.ndarray:
+    """Host memory for staging ``device``'s bytes: page-locked (pinned) where CUDA
+    copies them, so that its copies run at full speed and truly asynchronously; plain
+    memory for an installed copier or where pinning fails."""
+    with _lock:
+        cuda = device.startswith("cuda") and device not in _installed
+    if cuda:
+        try:
+            from transfer_engine import gpu  # lazy: needs CUDA
+
+            cp = gpu.require_cuda()
+            pinned = cp.cuda.alloc_pinned_memory(nbytes)
+            return np.ndarray((nbytes,), dtype=np.uint8, buffer=pinned)  # as cupyx's
+        except Exception:  # noqa: BLE001 - no CUDA or no room to pin: plain memory works
+            pass
+    return np.empty(nbytes, dtype=np.uint8)
 
 
 class CudaCopier:

@@ -6,7 +6,8 @@ are device memory, going over a transport without ``device_memory`` (tcp, shm), 
 rewritten to move the same bytes from (WRITE) or into (READ) a bounce segment, a host
 buffer the engine registered for this; a WRITE's bytes are copied off the device before
 the first is sent, a READ's onto it after the last has landed and before the transfer
-counts as done. Bounce segments are kept for reuse by size (powers of two from 1 MiB)
+counts as done. Bounce segments (pinned where CUDA copies them, ``devmem.host_buffer``)
+are kept for reuse by size (powers of two from 1 MiB)
 up to ``$TE_STAGING_BYTES`` (default 1 GiB) in all; a transfer that would need more
 fails with ``BusyError`` and moves nothing.
 
@@ -86,7 +87,8 @@ class Staging:
         WRITE's bytes are in the bounce on return. Raises ``BusyError`` (bounces full)
         or the copier's ``TransferError``; nothing is held then."""
         nbytes = extents.nbytes
-        bounce = self._take(nbytes)
+        device = next((s.device for s in segments if s.device != "cpu"), "cpu")
+        bounce = self._take(nbytes, device)
         try:
             lengths = extents.length.astype(np.int64, copy=False)
             starts = np.zeros(len(lengths), dtype=np.int64)
@@ -118,7 +120,7 @@ class Staging:
             self._give(bounce)
             raise
 
-    def _take(self, nbytes: int) -> Segment:
+    def _take(self, nbytes: int, device: str) -> Segment:
         size = max(_MIN_BOUNCE, 1 << max(0, (nbytes - 1).bit_length()))
         with self._lock:
             if self._closed:
@@ -134,7 +136,7 @@ class Staging:
             self._count += 1
             name = f"te-staging-{self._count}"
         try:
-            return self._register(np.empty(size, dtype=np.uint8), name)
+            return self._register(devmem.host_buffer(size, device), name)
         except BaseException:
             with self._lock:
                 self._total -= size
