@@ -169,7 +169,7 @@ class RdmaTransport(SideServer, Transport):
 
     # --- Transport interface ----------------------------------------------------------
 
-    @property
+    @functools.cached_property
     def capabilities(self) -> Capabilities:
         # One engine work becomes as many verbs requests as it has remote ranges (SGE
         # lists packed by ``build_work_requests``), so a work may scatter remotely and
@@ -217,12 +217,21 @@ class RdmaTransport(SideServer, Transport):
         regions, once (logged); where no rail reaches them, all rails (the transfer
         then fails on the unregistered remote segment, naming it)."""
         ids, remote = [s.id for s in segments], list(remote_ids)
-        ours = [r for r in rails if isinstance(r, RdmaRail)]
-        both: list[Rail] = [r for r in ours if self._regions.holds(r.device.name, ids)
-                            and r.holds_remote(remote)]
-        if both or not ours:
-            return both or list(rails)
-        reach = [r for r in ours if r.holds_remote(remote)]
+        held = self._regions.local_keys
+        both: list[Rail] = []
+        for r in rails:  # per transfer: plain loops, no per-rail generator
+            if not isinstance(r, RdmaRail):
+                return list(rails)
+            keys = held(r.device.name)
+            for sid in ids:
+                if sid not in keys:
+                    break
+            else:
+                if r.holds_remote(remote):
+                    both.append(r)
+        if both or not rails:
+            return both
+        reach = [r for r in rails if isinstance(r, RdmaRail) and r.holds_remote(remote)]
         for dev in {r.device.name: r.device for r in reach}.values():
             log.info("rdma: registering %s on %s too: the peer's memory is reached "
                      "from there", [s.name for s in segments], dev.name)
