@@ -1,4 +1,6 @@
-"""Device memory over the host-memory transports (tcp, shm): staged through bounces.
+"""Device memory over the host-memory transports (tcp, shm): staged through bounces
+(over shm, device memory on both ends goes by device IPC instead: see
+``test_shm_device_ipc.py``).
 
 No GPU here: a stand-in device (``tests/helpers/standin_device.py``) plays it. Its
 memory is an address range the host cannot touch (a system call on it fails with

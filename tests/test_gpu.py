@@ -167,3 +167,30 @@ def test_gpu_kv_over_host_transports_is_staged_byte_exact(transport: str) -> Non
         moved = cp.asnumpy(there)
         for lo, ro in zip(offs.tolist(), offs[::-1].tolist(), strict=True):
             assert np.array_equal(moved[ro:ro + 16384], host[lo:lo + 16384])
+
+
+@pytest.mark.gpu
+def test_gpu_memory_between_processes_by_device_ipc(
+        spawn_peer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our CUDA memory and a peer process's, over shm: the peer maps ours by CUDA IPC
+    (no bounce on our side), byte-exact both ways."""
+    import cupy as cp
+
+    from transfer_engine import Descriptor, Engine
+
+    size = 8 << 20
+    monkeypatch.setenv("TE_PEER_DEVICE", "cuda")
+    _, endpoint = spawn_peer("gpu-peer", size, 31, "shm")
+    theirs = np.random.default_rng(31).integers(0, 256, size, dtype=np.uint8)
+    ours = np.random.default_rng(32).integers(0, 256, size, dtype=np.uint8)
+    src, back = cp.asarray(ours), cp.zeros(size, cp.uint8)
+    with Engine("gpu-a", transports=["shm"]) as a:
+        seg, bseg = a.register(src, name="src"), a.register(back, name="back")
+        peer = a.connect(endpoint)
+        remote = peer.segment("dst")
+        a.read(peer, [(Descriptor(bseg, 0, size), Descriptor(remote, 0, size))]).wait(60)
+        assert np.array_equal(cp.asnumpy(back), theirs)
+        a.write(peer, [(Descriptor(seg, 0, size), Descriptor(remote, 0, size))]).wait(60)
+        a.read(peer, [(Descriptor(bseg, 0, size), Descriptor(remote, 0, size))]).wait(60)
+        assert np.array_equal(cp.asnumpy(back), ours)
+        assert a._staging_area is None  # by IPC, no bounce here

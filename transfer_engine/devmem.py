@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -26,7 +26,13 @@ Row = tuple[int, int, int]  # (device address, host address, length)
 
 class Copier(Protocol):
     """Moves bytes between one device's memory and host memory; raises
-    ``TransferError`` when a copy fails. Returns once every row is copied."""
+    ``TransferError`` when a copy fails. Returns once every row is copied.
+
+    A copier may also offer device IPC between processes of one host (the shm
+    transport uses it where present): ``export_ipc(address, length)`` gives a
+    msgpack-able handle, ``open_ipc(handle)`` maps it here as ``(address, close)``, and
+    ``between(rows)`` copies ``(destination, source, length)`` rows of any memory of
+    this process, device or host."""
 
     def to_host(self, rows: Sequence[Row]) -> None: ...
     def to_device(self, rows: Sequence[Row]) -> None: ...
@@ -87,7 +93,7 @@ def host_buffer(nbytes: int, device: str) -> np.ndarray:
 class CudaCopier:
     """cupy's runtime copies on a stream of the device's own."""
 
-    _D2H, _H2D = 2, 1  # cudaMemcpyKind
+    _D2H, _H2D, _DEFAULT = 2, 1, 4  # cudaMemcpyKind
 
     def __init__(self, device: str) -> None:
         from transfer_engine import gpu  # lazy: needs CUDA
@@ -102,8 +108,8 @@ class CudaCopier:
         cp = self._cp
         try:
             with self._lock, cp.cuda.Device(self._index):
-                for dev, host, n in rows:
-                    dst, src = (host, dev) if kind == self._D2H else (dev, host)
+                for dev, host, n in rows:  # _DEFAULT: (source, destination) rows
+                    dst, src = (dev, host) if kind == self._H2D else (host, dev)
                     cp.cuda.runtime.memcpyAsync(dst, src, n, kind, self._stream.ptr)
                 self._stream.synchronize()
         except Exception as exc:  # cupy's CUDARuntimeError and kin
@@ -114,3 +120,29 @@ class CudaCopier:
 
     def to_device(self, rows: Sequence[Row]) -> None:
         self._copy(rows, self._H2D)
+
+    def between(self, rows: Sequence[Row]) -> None:
+        """``(destination, source, length)`` rows, unified addressing picking the path
+        (device to device over NVLink or PCIe, or either way with the host)."""
+        self._copy([(src, dst, n) for dst, src, n in rows], self._DEFAULT)
+
+    def export_ipc(self, address: int, length: int) -> dict[str, Any]:
+        from transfer_engine import gpu
+
+        try:
+            return gpu.export_ipc(address, length, self._index).to_wire()
+        except TransferError:
+            raise
+        except Exception as exc:  # cupy's errors: no IPC for this memory
+            raise TransferError(f"cuda:{self._index} IPC export failed: {exc}") from exc
+
+    def open_ipc(self, handle: dict[str, Any]) -> tuple[int, Callable[[], None]]:
+        from transfer_engine import gpu
+
+        try:
+            mapping = gpu.IpcMapping(gpu.IpcHandle.from_wire(handle))
+        except TransferError:
+            raise
+        except Exception as exc:
+            raise TransferError(f"cuda IPC open failed: {exc}") from exc
+        return mapping.address, mapping.close

@@ -7,11 +7,12 @@ entry point raises ``NotSupportedError`` saying what is missing when there is no
 
 Used today: the RDMA transport registers GPU memory through a dma-buf (:func:`dmabuf_fd`)
 and falls back to nvidia-peermem; :mod:`transfer_engine.devmem` copies device ranges
-through host bounces for tcp and shm (:mod:`transfer_engine.staging`). Not yet wired into
-a transport: mapping a same-host peer's GPU memory (:func:`export_ipc`,
-:class:`IpcMapping`) and the overlapped pinned staging of :class:`StagingPool`
-(:func:`overlapped`, :func:`send_device_memory`, :func:`recv_device_memory`); their GPU
-tests run where a GPU is.
+(through host bounces for tcp, :mod:`transfer_engine.staging`) and maps a same-host peer's
+GPU memory for shm (:func:`export_ipc`, :class:`IpcMapping`,
+:mod:`transfer_engine.transport.shm_ipc`). Not yet wired into a transport: the
+overlapped pinned staging of :class:`StagingPool` (:func:`overlapped`,
+:func:`send_device_memory`, :func:`recv_device_memory`); their GPU tests run where a GPU
+is.
 """
 
 from __future__ import annotations

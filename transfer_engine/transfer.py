@@ -166,7 +166,8 @@ class Transfers(EngineState):
             rails = rails[:transport.spread(rails)]
         caps = transport.capabilities
         if (not caps.device_memory and xfer.staged is None
-                and any(seg.device != "cpu" for seg in xfer.local_segments)):
+                and any(seg.device != "cpu" for seg in xfer.local_segments)
+                and not transport.reaches_device(rails, xfer.local_segments)):
             try:  # device memory over a host-memory transport: through a bounce
                 xfer.extents, xfer.staged = self._staging().stage(
                     xfer.op, xfer.extents, xfer.local_segments)

@@ -58,6 +58,7 @@ class StandInGpu:
     def __init__(self, index: int = 0) -> None:
         self.index = index
         self.copies = 0
+        self.exported = self.opened = self.closed_maps = self.device_to_device = 0
         self._allocs: list[tuple[int, int, np.ndarray]] = []  # (address, size, storage)
 
     def alloc(self, nbytes: int) -> DeviceArray:
@@ -87,6 +88,35 @@ class StandInGpu:
         for dev, host, n in rows:
             ctypes.memmove(self._storage(dev, n).ctypes.data, host, n)
             self.copies += 1
+
+    # device IPC: the stand-in's memory is this process's, so peers that map it must
+    # be engines of this process (CUDA itself refuses a handle in its own process)
+
+    def export_ipc(self, address: int, length: int) -> dict[str, Any]:
+        self._storage(address, length)  # ours, or ValueError
+        self.exported += 1
+        return {"address": address, "length": length}
+
+    def open_ipc(self, handle: dict[str, Any]) -> tuple[int, Any]:
+        address, length = int(handle["address"]), int(handle["length"])
+        self._storage(address, length)
+        self.opened += 1
+        return address, self._unmap
+
+    def _unmap(self) -> None:
+        self.closed_maps += 1
+
+    def _host_view(self, address: int, n: int) -> int:
+        for base, size, store in self._allocs:
+            if base <= address < base + size:
+                return int(store.ctypes.data) + address - base
+        return address  # host memory
+
+    def between(self, rows: Sequence[tuple[int, int, int]]) -> None:
+        for dst, src, n in rows:
+            ctypes.memmove(self._host_view(dst, n), self._host_view(src, n), n)
+            self.copies += 1
+            self.device_to_device += 1
 
     @contextmanager
     def installed(self) -> Iterator[StandInGpu]:

@@ -246,6 +246,12 @@ class Transport(abc.ABC):
         regions live on some NICs only picks those); all of them by default."""
         return list(rails)
 
+    def reaches_device(self, rails: Sequence[Rail], segments: Sequence[Segment]) -> bool:
+        """Whether ``rails`` move these local segments' device memory as it is, where
+        ``capabilities.device_memory`` is False (shm's device IPC); else the engine
+        stages it through host memory. False by default."""
+        return False
+
     def revived(self, rail: Rail) -> Rail | None:
         """A rail this transport opened again on the path of the broken ``rail`` (a NIC
         whose link came back), handed over once for the engine to use in its place;

@@ -65,6 +65,7 @@ from transfer_engine.planner import WorkRequest
 from transfer_engine.segment import Segment
 from transfer_engine.transport.base import Capabilities, Host, OnComplete, Rail, Transport, Work
 from transfer_engine.transport.iovec import host_rows
+from transfer_engine.transport.shm_ipc import DeviceTable, PeerDevices, ipc_copy
 from transfer_engine.transport.stream import (
     KIND_READ,
     KIND_WRITE,
@@ -250,8 +251,11 @@ class ShmRail(StreamRail):
     transport_name = "shm"
 
     def __init__(self, sock: socket.socket, peer: str, index: int, on_complete: OnComplete,
-                 host: Host, announced: np.ndarray) -> None:
+                 host: Host, announced: np.ndarray, devices: DeviceTable | None = None
+                 ) -> None:
         self._announced = announced  # the ranges the target knows of
+        self.devices = devices  # ours, announced for IPC (None: the peer maps none)
+        self._devices_said = -1  # the version of them the target knows
         super().__init__(sock, peer, index, on_complete, host)
 
     def _payload(self, work: Work) -> int:
@@ -262,6 +266,10 @@ class ShmRail(StreamRail):
         if ranges is not self._announced:  # a segment came or went: say so first
             send_bytes(self._sock, encode_announce(ranges))
             self._announced = ranges
+        devices = self.devices
+        if devices is not None and devices.version != self._devices_said:
+            self._devices_said, message = devices.announcement()
+            send_bytes(self._sock, message)
         if work.prepared is not None:  # (address, length) rows: the LOCAL_DT layout
             local = np.ascontiguousarray(work.prepared, dtype="<u8").tobytes()
         else:
@@ -280,6 +288,23 @@ class ShmRail(StreamRail):
 class ShmServer(StreamServer):
     transport_name = "shm"
 
+    def announce_devices(self, conn: Connection, body: bytes) -> None:
+        if conn.devices is None:
+            conn.devices = PeerDevices(conn.peer)
+        conn.devices.announce(body)
+
+    def _ipc_rows(self, conn: Connection, local: np.ndarray | None, write_to_peer: bool
+                  ) -> list[tuple[int, int, str]] | None:
+        if conn.devices is None or local is None:
+            return None
+        return conn.devices.translate(local, writable=write_to_peer)
+
+    def stage(self, conn: Connection, views: Targets, op: Op, local: np.ndarray | None
+              ) -> tuple[Targets, Callable[[], None] | None]:
+        if self._ipc_rows(conn, local, op is Op.READ) is not None:
+            return views, None  # device to device (or host) by IPC: no bounce here
+        return super().stage(conn, views, op, local)
+
     def vouch(self, conn: Connection) -> None:
         pid, uid, _ = peer_credentials(conn.sock)
         if pid <= 0 or pid != conn.pid:
@@ -292,6 +317,10 @@ class ShmServer(StreamServer):
         if local is None:
             raise NotSupportedError("shm request without initiator addresses",
                                     peer=conn.peer, op=op, transport="shm")
+        mapped = self._ipc_rows(conn, local, write_to_peer)
+        if mapped is not None:  # the initiator's device memory, mapped here
+            ipc_copy(views, mapped, write_to_peer, conn.peer, op)
+            return
         if outside_ranges(conn.ranges, local, writable=write_to_peer):
             raise InvalidDescriptorError("initiator range outside the segments it "
                                          "announced", peer=conn.peer, op=op,
@@ -365,11 +394,20 @@ class ShmTransport(Transport):
         self._server: ShmServer | None = None
         self._host: Host | None = None
         self._rails: list[ShmRail] = []
+        self._devices = DeviceTable()
         self._closed = False
 
     @property
     def capabilities(self) -> Capabilities:
         return self._caps
+
+    def reaches_device(self, rails: Sequence[Rail], segments: Sequence[Segment]) -> bool:
+        """Whether ``rails`` take these local segments' device memory as it is (every
+        rail's target maps device IPC, every device segment is exported for it, and
+        none is host memory), so that the engine need not stage it."""
+        devices = self._devices
+        return (all(isinstance(r, ShmRail) and r.devices is not None for r in rails)
+                and all(s.device != "cpu" and devices.has(s.id) for s in segments))
 
     def prepare(self, request: WorkRequest, segments: Sequence[Segment]) -> np.ndarray:
         """The request's local extents as ``(address, length)`` rows (host memory: the
@@ -399,16 +437,22 @@ class ShmTransport(Transport):
             raise
         if self._process is None:
             self._server = ShmServer(listener, host, 0, self._stall)
-        return {"path": self._path, "host_id": host.host_id, "pid": os.getpid()}
+        info = {"path": self._path, "host_id": host.host_id, "pid": os.getpid()}
+        if self._process is None:
+            info["ipc"] = True  # served here: device IPC mappings can be opened
+        return info
 
     def register(self, segment: Segment) -> dict[str, Any]:
         if self._process is not None:
             self._process.register(segment)
+        if segment.device != "cpu":
+            self._devices.add(segment)
         return {}
 
     def deregister(self, segment: Segment) -> None:
         if self._process is not None:
             self._process.deregister(segment)
+        self._devices.remove(segment.id)
 
     def reachable(self, peer_meta: dict[str, Any]) -> bool:
         info = peer_meta.get("transports", {}).get("shm")
@@ -434,7 +478,8 @@ class ShmTransport(Transport):
             sock.close()
             raise ConnectError(f"cannot open shm rail at {info.get('path')}: {exc}",
                                peer=peer, op="connect", transport=self.name) from exc
-        rail = ShmRail(sock, peer, len(self._rails), on_complete, self._host, announced)
+        rail = ShmRail(sock, peer, len(self._rails), on_complete, self._host, announced,
+                       self._devices if info.get("ipc") is True else None)
         self._rails.append(rail)
         return rail
 

@@ -18,7 +18,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
 import msgpack
@@ -58,6 +58,7 @@ from transfer_engine.transport.stream.wire import (
     HEADER,
     KIND_ANNOUNCE,
     KIND_ANSWER,
+    KIND_DEVICES,
     KIND_HELLO,
     KIND_READ,
     KIND_WRITE,
@@ -86,7 +87,8 @@ class Connection:
     its messages say), that peer's process, what the rail has pinned right now, and the
     initiator ranges it announced (shm)."""
 
-    __slots__ = ("sock", "peer", "pid", "ticket", "pinned", "ranges", "pidfd", "pump", "busy")
+    __slots__ = ("sock", "peer", "pid", "ticket", "pinned", "ranges", "pidfd", "pump", "busy",
+                 "devices")
 
     def __init__(self, sock: socket.socket, peer: str, pid: int,
                  ticket: Ticket | None = None) -> None:
@@ -99,6 +101,7 @@ class Connection:
         self.pidfd: int | None = None
         self.pump: pump.Pump | None = None  # serves the rail once it is open
         self.busy = False  # a pump worker is serving it (else the pump watches it)
+        self.devices: Any = None  # the initiator's device segments (shm IPC)
 
 
 class Refused(Exception):
@@ -171,6 +174,17 @@ class StreamServer:
               local: np.ndarray | None) -> None:
         """Moves a READ's bytes to the initiator and answers."""
         raise NotImplementedError
+
+    def announce_devices(self, conn: Connection, body: bytes) -> None:
+        """An initiator's device segments (shm IPC); refused by other transports."""
+        raise ProtocolError(f"{self.transport_name} takes no device announcement",
+                            peer=conn.peer)
+
+    def stage(self, conn: Connection, views: Targets, op: Op, local: np.ndarray | None
+              ) -> tuple[Targets, Callable[[], None] | None]:
+        """``views`` with device memory put behind a bounce (:func:`targets.stage`; a
+        READ's device bytes are copied on return)."""
+        return stage(views, op, conn.peer)
 
     def refuse_write(self, conn: Connection, nbytes: int) -> None:
         """Consumes the payload of a refused WRITE so the stream stays in step."""
@@ -317,6 +331,8 @@ class StreamServer:
                 conn.ticket.release()
             if conn.pidfd is not None:
                 os.close(conn.pidfd)
+            if conn.devices is not None:
+                conn.devices.close()
         sock.close()
         if held is not None:
             pump.release(held)
@@ -364,6 +380,11 @@ class StreamServer:
         if kind == KIND_ANNOUNCE:
             self._announce(conn, body_len)
             return
+        if kind == KIND_DEVICES:
+            if body_len > MAX_BODY:
+                raise ProtocolError("device announcement too large", peer=conn.peer)
+            self.announce_devices(conn, recv_exact(sock, body_len))
+            return
         if kind not in (KIND_WRITE, KIND_READ):
             raise ProtocolError(f"unknown request kind {kind}", peer=conn.peer)
         if n_remote > MAX_ENTRIES or n_local > MAX_ENTRIES or body_len > MAX_BODY:
@@ -403,7 +424,7 @@ class StreamServer:
                                               pinned)
             else:
                 views = self._resolve(conn, op, remote, nbytes, low, high, pinned)
-            views, landed = stage(views, op, conn.peer)  # a READ's device bytes copied
+            views, landed = self.stage(conn, views, op, local)
         except TransferError as exc:
             for seg in pinned:
                 seg.unpin()

@@ -68,6 +68,7 @@ from transfer_engine.transport.base import Work
 
 WIRE_VERSION = 4
 KIND_HELLO, KIND_WRITE, KIND_READ, KIND_ANNOUNCE, KIND_ANSWER = 1, 2, 3, 4, 0x81
+KIND_DEVICES = 5  # shm: the initiator's device segments and their IPC handles
 FLAG_IMM, FLAG_UNIFORM, FLAG_RESENT = 1, 2, 4
 HEADER = struct.Struct("<BBHHHIQQI")
 UNIFORM = struct.Struct("<QQ")  # segment, length of every entry
