@@ -12,6 +12,7 @@ server's). A GPU machine runs the same paths with CUDA in ``tests/test_gpu.py``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -237,3 +238,107 @@ def test_a_peer_cannot_make_the_server_stage_past_its_budget(
     assert np.array_equal(host[MiB:MiB + q], host[:q])
     from transfer_engine.transport.stream import targets
     assert targets._held[0] == 0
+
+
+class _Async:
+    """The stand-in with copies off the device that run on a thread of their own, one
+    piece at a time, each taking ``delay``: what a CUDA stream does."""
+
+    def __init__(self, gpu: StandInGpu, delay: float, fail_at: int | None = None) -> None:
+        import threading
+        self.gpu, self.delay, self.fail_at = gpu, delay, fail_at
+        self.log: list[tuple[str, int]] = []  # ("copied", piece) / ("waited", piece)
+        self._lock = threading.Lock()
+        self._queue: list[Any] = []
+        self.pieces = 0
+
+    def to_host(self, rows: Sequence[devmem.Row]) -> None:
+        self.gpu.to_host(rows)
+
+    to_device = StandInGpu.to_device
+
+    def to_host_async(self, rows: Sequence[devmem.Row]) -> Callable[[], None]:
+        import threading
+        import time
+        with self._lock:
+            piece = self.pieces
+            self.pieces += 1
+            before = self._queue[-1] if self._queue else None
+            done = threading.Event()
+            self._queue.append(done)
+        error: list[TransferError] = []
+
+        def run() -> None:  # in order, as on one stream
+            if before is not None:
+                before.wait(10)
+            time.sleep(self.delay)
+            if piece == self.fail_at:
+                error.append(TransferError("device copy failed: injected"))
+            else:
+                self.gpu.to_host(rows)
+            with self._lock:
+                self.log.append(("copied", piece))
+            done.set()
+        threading.Thread(target=run, daemon=True).start()
+
+        def wait() -> None:
+            done.wait(10)
+            with self._lock:
+                self.log.append(("waited", piece))
+            if error:
+                raise error[0]
+        return wait
+
+
+def test_copies_off_the_device_overlap_the_sends(gpu: StandInGpu,
+                                                 make_engine: Callable[..., Engine]
+                                                 ) -> None:
+    """A staged 16 MiB WRITE over tcp: the first 4 MiB piece is sent while later ones
+    are still being copied off the device; the bytes are exact."""
+    slow = _Async(gpu, delay=0.05)
+    undo = devmem.install("cuda:0", slow)  # type: ignore[arg-type]
+    try:
+        a = make_engine("a", transports=["tcp"])
+        b = make_engine("b", transports=["tcp"])
+        dev = gpu.alloc(16 * MiB)
+        data = random_bytes(16 * MiB, 12)
+        dev.upload(data)
+        dst = np.zeros(16 * MiB, dtype=np.uint8)
+        seg = a.register(dev, name="d")
+        b.register(dst, name="dst")
+        peer = a.connect(b.endpoint)
+        a.write(peer, [(Descriptor(seg, 0, 16 * MiB),
+                        Descriptor(peer.segment("dst"), 0, 16 * MiB))]).wait(30)
+        assert np.array_equal(dst, data)
+        assert slow.pieces == 4
+        first_sent = slow.log.index(("waited", 0))
+        assert first_sent < slow.log.index(("copied", 3))  # sent before the last copy
+    finally:
+        undo()
+
+
+def test_a_failed_asynchronous_copy_fails_the_write_and_frees_its_bounce(
+        gpu: StandInGpu, make_engine: Callable[..., Engine]) -> None:
+    slow = _Async(gpu, delay=0.01, fail_at=2)
+    undo = devmem.install("cuda:0", slow)  # type: ignore[arg-type]
+    try:
+        a = make_engine("a", transports=["tcp"])
+        b = make_engine("b", transports=["tcp"])
+        dev = gpu.alloc(16 * MiB)
+        dst = np.zeros(16 * MiB, dtype=np.uint8)
+        seg = a.register(dev, name="d")
+        b.register(dst, name="dst")
+        peer = a.connect(b.endpoint)
+        remote = peer.segment("dst")
+        with pytest.raises(TransferError, match="injected"):
+            a.write(peer, [(Descriptor(seg, 0, 16 * MiB), Descriptor(remote, 0, 16 * MiB))]
+                    ).wait(30)
+        assert ("copied", 3) in slow.log  # the bounce went back once all copies ended
+    finally:
+        undo()
+    data = random_bytes(16 * MiB, 13)
+    dev.upload(data)
+    a.write(peer, [(Descriptor(seg, 0, 16 * MiB), Descriptor(remote, 0, 16 * MiB))]
+            ).wait(30)
+    assert np.array_equal(dst, data)
+    assert a._staging_area is not None and a._staging_area.total_bytes == 16 * MiB

@@ -28,7 +28,9 @@ class Copier(Protocol):
     """Moves bytes between one device's memory and host memory; raises
     ``TransferError`` when a copy fails. Returns once every row is copied.
 
-    A copier may also offer device IPC between processes of one host (the shm
+    A copier may start copies off the device without waiting for them
+    (``to_host_async(rows)`` returns what waits), so that sends overlap them, and may
+    offer device IPC between processes of one host (the shm
     transport uses it where present): ``export_ipc(address, length)`` gives a
     msgpack-able handle, ``open_ipc(handle)`` maps it here as ``(address, close)``, and
     ``between(rows)`` copies ``(destination, source, length)`` rows of any memory of
@@ -120,6 +122,26 @@ class CudaCopier:
 
     def to_device(self, rows: Sequence[Row]) -> None:
         self._copy(rows, self._H2D)
+
+    def to_host_async(self, rows: Sequence[Row]) -> Callable[[], None]:
+        """Starts ``rows``' copies off the device; returns what waits for them (and
+        raises ``TransferError`` if they failed)."""
+        cp = self._cp
+        try:
+            with self._lock, cp.cuda.Device(self._index):
+                for dev, host, n in rows:
+                    cp.cuda.runtime.memcpyAsync(host, dev, n, self._D2H, self._stream.ptr)
+                event = cp.cuda.Event(disable_timing=True)
+                event.record(self._stream)
+        except Exception as exc:
+            raise TransferError(f"cuda:{self._index} copy failed: {exc}") from exc
+
+        def wait() -> None:
+            try:
+                event.synchronize()
+            except Exception as exc:
+                raise TransferError(f"cuda:{self._index} copy failed: {exc}") from exc
+        return wait
 
     def between(self, rows: Sequence[Row]) -> None:
         """``(destination, source, length)`` rows, unified addressing picking the path

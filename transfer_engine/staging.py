@@ -21,6 +21,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -34,30 +35,91 @@ __all__ = ["Staging", "Staged", "STAGING_ENV"]
 
 STAGING_ENV = "TE_STAGING_BYTES"
 _MIN_BOUNCE = 1 << 20
+CHUNK = 4 << 20  # bytes per asynchronous copy off the device (see Staged.to_host)
+
+
+def _once(wait: Callable[[], None]) -> Callable[[], None]:
+    """``wait`` run at most once; later calls return, or raise its error again."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        if not outcome:
+            try:
+                wait()
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+        if outcome[0] is not None:
+            raise outcome[0]
+    return run
 
 
 @dataclass
 class Staged:
     """One transfer's staging: its bounce segment and the device ranges it stands for,
-    one :data:`devmem.Row` list per device."""
+    one :data:`devmem.Row` list per device. A WRITE's copies off the device may still
+    run: ``pending`` holds, by bounce offset, what waits for each piece."""
 
     bounce: Segment
     rows: dict[str, list[devmem.Row]]
     release: Callable[[], None]
     done: bool = field(default=False)
+    pending: list[tuple[int, Callable[[], None]]] = field(default_factory=list)
 
     def to_host(self) -> None:
+        """Starts the copies off the device: asynchronous pieces of ``CHUNK`` bytes
+        where the copier can (so that the first piece is sent while later ones are
+        copied), else all of them now."""
+        base = self.bounce.address
         for device, rows in self.rows.items():
-            devmem.copier(device).to_host(rows)
+            mover = devmem.copier(device)
+            start_async = getattr(mover, "to_host_async", None)
+            if start_async is None:
+                mover.to_host(rows)
+                continue
+            piece: list[devmem.Row] = []
+            size = 0
+            for dev, host, n in rows:  # pieces of CHUNK bytes, a long row cut up
+                while n > 0:
+                    take = min(n, CHUNK - size)
+                    piece.append((dev, host, take))
+                    dev, host, n, size = dev + take, host + take, n - take, size + take
+                    if size >= CHUNK:
+                        self.pending.append((piece[0][1] - base,
+                                             _once(start_async(piece))))
+                        piece, size = [], 0
+            if piece:
+                self.pending.append((piece[0][1] - base, _once(start_async(piece))))
+        self.pending.sort(key=lambda p: p[0])
+
+    def ready_for(self, local: Any) -> None:
+        """Waits for the copies of the bounce bytes a work sends (its ``local``
+        extents); raises the copier's ``TransferError``."""
+        if not self.pending:
+            return
+        offset = getattr(local, "offset", None)
+        if offset is not None:
+            end = int((offset + local.length).max()) if len(offset) else 0
+        else:
+            end = max((off + n for _, off, n in local), default=0)
+        for start, wait in self.pending:
+            if start >= end:
+                break
+            wait()
 
     def to_device(self) -> None:
         for device, rows in self.rows.items():
             devmem.copier(device).to_device(rows)
 
     def finish(self) -> None:
-        """Hands the bounce back (once)."""
+        """Hands the bounce back (once), when no copy into it runs any more."""
         if not self.done:
             self.done = True
+            for _, wait in self.pending:
+                try:
+                    wait()
+                except TransferError:
+                    pass  # the transfer failed already; the bounce is quiet now
             self.release()
 
 
@@ -84,11 +146,13 @@ class Staging:
               ) -> tuple[Columns, Staged]:
         """``extents`` moved to a bounce segment (the same remote side, the local side
         laid out back to back in the bounce), and the staging that stands for it. A
-        WRITE's bytes are in the bounce on return. Raises ``BusyError`` (bounces full)
+        WRITE's copies off the device are under way on return (``Staged.ready_for``
+        waits for a work's). Raises ``BusyError`` (bounces full)
         or the copier's ``TransferError``; nothing is held then."""
         nbytes = extents.nbytes
         device = next((s.device for s in segments if s.device != "cpu"), "cpu")
         bounce = self._take(nbytes, device)
+        staged: Staged | None = None
         try:
             lengths = extents.length.astype(np.int64, copy=False)
             starts = np.zeros(len(lengths), dtype=np.int64)
@@ -97,13 +161,9 @@ class Staging:
             rows: dict[str, list[devmem.Row]] = {}
             for seg_id, off, n, at in zip(extents.lseg.tolist(), extents.loff.tolist(),
                                           lengths.tolist(), starts.tolist(), strict=True):
-                seg = by_id[seg_id]
-                if seg.device == "cpu":  # host memory beside device memory: copied too
-                    rows.setdefault("cpu", []).append((seg.address + off,
-                                                       bounce.address + at, n))
-                else:
-                    rows.setdefault(seg.device, []).append((seg.address + off,
-                                                            bounce.address + at, n))
+                seg = by_id[seg_id]  # host memory beside device memory: copied too
+                rows.setdefault(seg.device, []).append((seg.address + off,
+                                                        bounce.address + at, n))
             staged = Staged(bounce, rows, lambda: self._give(bounce))
             host = rows.pop("cpu", None)
             if op is Op.WRITE:
@@ -117,7 +177,10 @@ class Staging:
                            single=bool(extents.single), nbytes=nbytes, block=extents.block)
             return cols, staged
         except BaseException:
-            self._give(bounce)
+            if staged is not None:
+                staged.finish()  # once no copy into the bounce runs
+            else:
+                self._give(bounce)
             raise
 
     def _take(self, nbytes: int, device: str) -> Segment:

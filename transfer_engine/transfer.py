@@ -224,6 +224,8 @@ class Transfers(EngineState):
                 error = xfer.stopping
                 if error is None:
                     try:
+                        if xfer.staged is not None and xfer.op is Op.WRITE:
+                            xfer.staged.ready_for(work.local)  # copies overlap sends
                         rail.post(work)
                         continue
                     except TransferError as exc:
