@@ -371,7 +371,8 @@ def test_dead_prefill_is_a_load_error_and_an_unread_lease_runs_out(
     pre = prefill.generate(DEAD_PEER, 1, {"do_remote_decode": True})
     # The prefill engine died: nothing answers at its endpoint. Decode's handshake runs
     # out (timeout_s), the load is reported as failed, and vLLM recomputes the prompt.
-    params = dict(pre["params"], remote_endpoint="tcp://127.0.0.1:9")
+    params = dict(pre["params"], remote_endpoint="tcp://127.0.0.1:9",
+                  remote_endpoints=["tcp://127.0.0.1:9"])
     dec = decode.generate(DEAD_PEER, MAX_TOKENS, params)
     assert dec["tokens"] == ref["tokens"]
     conn = decode.call(op="stats")["connector"]

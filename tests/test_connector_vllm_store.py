@@ -307,7 +307,10 @@ def test_two_vllm_engines_share_a_prefix_through_the_store(tmp_path: Path) -> No
     model = tmp_path / "model"
     build_model(model)
     first, second = core_halves()
-    with Master(lease_s=5.0, node_interval=0.2) as master, \
+    # heartbeats every 0.5 s (dropped after 2 s of silence): three vLLM engines share
+    # two cores with the master and the node here, and a node dropped for a slow beat
+    # would fail the saves this test counts
+    with Master(lease_s=5.0, node_interval=0.5) as master, \
             StorageNode(master.endpoint, 64 << 20, name="vllm-store-node"):
         master.wait_nodes(1)
         extra = {"store": master.endpoint, "timeout_s": 5.0}

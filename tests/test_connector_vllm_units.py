@@ -276,6 +276,10 @@ HOSTILE: list[tuple[str, Any]] = [
     ("remote_request_id", 12), ("remote_request_id", ""), ("remote_engine_id", ["e"]),
     ("protocol_version", "2"), ("protocol_version", True), ("protocol_version", None),
     ("prompt_hash", None), ("prompt_hash", "0" * 32), ("prompt_hash", 5),
+    ("remote_endpoints", "tcp://p:1"), ("remote_endpoints", []), ("remote_endpoints", [5]),
+    ("remote_endpoints", ["tcp://p:1", "tcp://p:2"]),  # two prefill ranks, one decode
+    ("remote_endpoints", ["p:1"]), ("remote_endpoints", ["tcp://p:1"] * 65),
+    ("remote_endpoints", ["tcp://elsewhere:1"]),  # not the remote_endpoint it goes with
 ]
 
 
@@ -291,6 +295,40 @@ def test_hostile_kv_transfer_params_are_recomputed_not_fatal(key: str, value: An
     assert "bad" in decode.refused
     decode.update_state_after_alloc(req, blocks([1, 2, 3]), 0)
     assert decode.build_connector_meta().reqs_to_recv == {}
+
+
+def test_each_tensor_parallel_rank_loads_from_the_prefill_rank_of_its_number() -> None:
+    """Prefill names every rank's worker; a decode of the same size maps rank r to
+    prefill rank r (its KV heads); another size, or one endpoint for two ranks, is
+    refused (recomputed)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+
+    from transfer_engine.connectors.vllm.metadata import RecvSpec, TEHandshakeMetadata
+
+    def meta(ep: str) -> KVConnectorHandshakeMetadata:
+        return TEHandshakeMetadata(ep, "w", PROTOCOL_VERSION, "h")
+    wall = FakeClock()
+    prefill = TEConnectorScheduler("p", BLOCK, lease_s=30, wall_clock=wall, tp_size=2)
+    prefill.set_handshake({1: meta("tcp://p:2"), 0: meta("tcp://p:1")})
+    _, params = prefill.request_finished(
+        request("r", {"do_remote_decode": True}, computed=40), [7, 8, 9])
+    assert params is not None
+    assert params["remote_endpoints"] == ["tcp://p:1", "tcp://p:2"]
+    assert params["remote_endpoint"] == "tcp://p:1"
+    decode = TEConnectorScheduler("d", BLOCK, wall_clock=wall, tp_size=2)
+    req = request("two", dict(params))
+    assert decode.get_num_new_matched_tokens(req, 0) == (39, False)
+    decode.update_state_after_alloc(req, blocks([1, 2, 3]), 39)
+    spec = decode.build_connector_meta().reqs_to_recv["two"]
+    assert [spec.endpoint_for(r) for r in (0, 1)] == ["tcp://p:1", "tcp://p:2"]
+    four = TEConnectorScheduler("d4", BLOCK, wall_clock=wall, tp_size=4)
+    assert four.get_num_new_matched_tokens(request("four", dict(params)), 0) == (0, False)
+    assert "tensor-parallel" in four.refused["four"]
+    single = dict(params)
+    del single["remote_endpoints"]
+    assert decode.get_num_new_matched_tokens(request("one", single), 0) == (0, False)
+    assert "remote_endpoints absent" in decode.refused["one"]
+    assert RecvSpec("x", [1], [2], "tcp://p:9", "e", "r").endpoint_for(3) == "tcp://p:9"
 
 
 def test_params_of_another_prompt_are_refused() -> None:

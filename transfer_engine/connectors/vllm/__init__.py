@@ -18,13 +18,17 @@ Who calls what, in which order (S = scheduler side, W = worker side)::
                                      layer, block addresses from the tensor's strides)
                                      and a small manifest segment: protocol version,
                                      compatibility hash (model, dtype, block size,
-                                     layout) and every layer's block layout
+                                     layout, tensor-parallel size and rank) and every
+                                     layer's block layout
     prefill W  get_handshake_metadata -> endpoint, engine name, version, hash
-    prefill S  set_xfer_handshake_metadata   learns the worker's endpoint
+    prefill S  set_xfer_handshake_metadata   learns every rank's worker endpoint
     proxy      request to prefill with kv_transfer_params={"do_remote_decode": True},
                max_tokens=1
     prefill S  request_finished      holds the request's blocks (returns True) and
                                      answers kv_transfer_params: remote_endpoint,
+                                     remote_endpoints (every rank's, in rank order;
+                                     decode rank r loads from prefill rank r, and a
+                                     decode of another size refuses them),
                                      remote_engine_id, remote_request_id,
                                      remote_block_ids, remote_num_tokens, lease_expiry
                                      (wall clock, seconds since the epoch),

@@ -15,7 +15,10 @@ from transfer_engine.transport.stream.process import serve_mode
 #   1: pull over Engine.read; manifest segment "te-vllm/manifest"; lease in params.
 #   2: params carry prompt_hash, and decode checks every field (parse_remote_params).
 #   3: the manifest's layer layouts are transfer_engine.layout.BlockLayout.to_wire().
-PROTOCOL_VERSION = 3
+#   4: params list every prefill rank's endpoint (remote_endpoints); each decode rank
+#      loads from the prefill rank of its own number, and the manifest's compat names
+#      the rank (tp_rank), so a rank never loads another rank's heads.
+PROTOCOL_VERSION = 4
 MANIFEST_SEGMENT = "te-vllm/manifest"
 SENT_PREFIX = b"te-vllm/sent:"  # notification: the reader has every byte of a request
 

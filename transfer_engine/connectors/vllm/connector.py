@@ -78,11 +78,12 @@ class TransferEngineConnector(KVConnectorBase_V1):
                                 auth=self.config.auth())
             hash_block = getattr(kv_cache_config, "hash_block_size", None) or block_size
             groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config else 1
+            tp_size = vllm_config.parallel_config.tensor_parallel_size
             self.scheduler = TEConnectorScheduler(self.engine_id, block_size,
                                                   self.config.lease_s, store=lookup,
                                                   vllm_hashes=hash_block == block_size,
                                                   sync_load=self.config.load == "sync",
-                                                  kv_groups=groups)
+                                                  kv_groups=groups, tp_size=tp_size)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -92,7 +93,7 @@ class TransferEngineConnector(KVConnectorBase_V1):
                 config = dataclasses.replace(config, port=config.port + rank)
             mc = vllm_config.model_config
             compat = {"model": str(mc.model), "dtype": str(mc.dtype),
-                      "block_size": block_size,
+                      "block_size": block_size, "tp_rank": rank,
                       "tp_size": vllm_config.parallel_config.tensor_parallel_size}
             self.worker = TEConnectorWorker(
                 f"vllm-{self.engine_id}-tp{rank}-{next(self._ids)}", config, compat,

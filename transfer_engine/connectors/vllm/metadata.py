@@ -34,6 +34,12 @@ class RecvSpec:
     remote_request_id: str
     lease_expiry: float = math.inf  # wall clock: the blocks are the peer's after this
     sync: bool = False  # loaded before this step's forward, which computes with it
+    remote_endpoints: tuple[str, ...] = ()  # every prefill rank's, in rank order
+
+    def endpoint_for(self, rank: int) -> str:
+        """Where tensor-parallel rank ``rank`` loads from: the prefill rank of its own
+        number (its KV heads), or the one endpoint given."""
+        return self.remote_endpoints[rank] if self.remote_endpoints else self.remote_endpoint
 
 
 @dataclass
@@ -75,6 +81,7 @@ class RemoteParams:
     block_ids: list[int]
     num_tokens: int
     lease_expiry: float
+    endpoints: tuple[str, ...] = ()  # every prefill rank's, in rank order (tp > 1)
 
 
 def prompt_hash(prompt: Sequence[int], num_tokens: int) -> str:
@@ -97,19 +104,48 @@ def _integer(value: Any, key: str, low: int, high: int) -> int:
     return value
 
 
-def parse_remote_params(params: Any, prompt: Sequence[int], block_size: int, now: float
-                        ) -> RemoteParams:
+MAX_TP = 64
+
+
+def _endpoint(value: Any, key: str) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS or \
+            not value.startswith("tcp://") or ":" not in value[len("tcp://"):]:
+        raise ValueError(f"{key} {value!r:.80} is not tcp://host:port")
+    return value
+
+
+def _endpoints(params: dict[str, Any], tp_size: int) -> tuple[str, ...]:
+    """Every prefill rank's endpoint, one per decode rank: tensor parallel sizes must
+    match (a rank holds the KV heads of its number)."""
+    listed = params.get("remote_endpoints")
+    if listed is None:
+        if tp_size > 1:
+            raise ValueError(f"this decode runs {tp_size} tensor-parallel ranks and the "
+                             "params name one prefill endpoint (remote_endpoints absent)")
+        return ()
+    if not isinstance(listed, list) or not 0 < len(listed) <= MAX_TP:
+        raise ValueError(f"remote_endpoints must list 1 to {MAX_TP} endpoints")
+    if len(listed) != tp_size:
+        raise ValueError(f"prefill runs {len(listed)} tensor-parallel ranks, this decode "
+                         f"{tp_size}: KV heads split differently are not loaded")
+    return tuple(_endpoint(e, "a remote endpoint") for e in listed)
+
+
+def parse_remote_params(params: Any, prompt: Sequence[int], block_size: int, now: float,
+                        tp_size: int = 1) -> RemoteParams:
     """Checks kv_transfer_params from a client (they reach decode through the proxy,
-    or from anyone who can send a request); raises ValueError saying what is wrong."""
+    or from anyone who can send a request); raises ValueError saying what is wrong.
+    ``tp_size``: this decode's tensor-parallel ranks."""
     if not isinstance(params, dict):
         raise ValueError("kv_transfer_params is not a map")
     version = params.get("protocol_version")
     if isinstance(version, bool) or version != PROTOCOL_VERSION:
         raise ValueError(f"kv_transfer_params protocol version {version!r:.20}, this "
                          f"connector speaks {PROTOCOL_VERSION}")
-    endpoint = _text(params, "remote_endpoint")
-    if not endpoint.startswith("tcp://") or ":" not in endpoint[len("tcp://"):]:
-        raise ValueError(f"remote_endpoint {endpoint!r:.80} is not tcp://host:port")
+    endpoint = _endpoint(_text(params, "remote_endpoint"), "remote_endpoint")
+    endpoints = _endpoints(params, tp_size)
+    if endpoints and endpoints[0] != endpoint:
+        raise ValueError("remote_endpoints does not start with remote_endpoint")
     engine_id = _text(params, "remote_engine_id", required=False)
     request_id = _text(params, "remote_request_id")
     num_tokens = _integer(params.get("remote_num_tokens"), "remote_num_tokens", 1,
@@ -134,4 +170,5 @@ def parse_remote_params(params: Any, prompt: Sequence[int], block_size: int, now
         raise ValueError(f"lease_expiry is {lease - now:.0f} s away, more than any lease")
     if params.get("prompt_hash") != prompt_hash(prompt, num_tokens):
         raise ValueError("kv_transfer_params belong to another prompt (prompt_hash differs)")
-    return RemoteParams(endpoint, engine_id, request_id, block_ids, num_tokens, float(lease))
+    return RemoteParams(endpoint, engine_id, request_id, block_ids, num_tokens, float(lease),
+                        endpoints)

@@ -68,8 +68,10 @@ class TEConnectorScheduler:
                  endpoint: str | None = None,
                  wall_clock: Callable[[], float] = time.time,
                  store: Lookup | None = None, vllm_hashes: bool = True,
-                 sync_load: bool = True, kv_groups: int = 1) -> None:
+                 sync_load: bool = True, kv_groups: int = 1, tp_size: int = 1) -> None:
         self.engine_id = engine_id
+        self.tp_size = tp_size
+        self.endpoints: tuple[str, ...] = ()  # every rank's worker, in rank order
         self.block_size = block_size
         self.lease_s = lease_s
         self.endpoint = endpoint
@@ -104,6 +106,8 @@ class TEConnectorScheduler:
         meta = metadata.get(0)
         if isinstance(meta, TEHandshakeMetadata):
             self.endpoint = meta.endpoint
+        self.endpoints = tuple(m.endpoint for _, m in sorted(metadata.items())
+                               if isinstance(m, TEHandshakeMetadata))
         labels: list[str] = []
         for rank in sorted(metadata):
             m = metadata[rank]
@@ -204,7 +208,7 @@ class TEConnectorScheduler:
         try:
             now = self._wall()
             parsed = parse_remote_params(params, request.prompt_token_ids or (),
-                                         self.block_size, now)
+                                         self.block_size, now, self.tp_size)
             key = (parsed.endpoint, parsed.request_id)
             user = self._consumed.get(key)
             if user is not None and user[0] != rid and user[1] > now:
@@ -257,7 +261,7 @@ class TEConnectorScheduler:
         self._recv[request.request_id] = RecvSpec(
             request.request_id, [b.block_id for b in group[cached:end]], remote[cached:end],
             parsed.endpoint, parsed.engine_id, parsed.request_id, parsed.lease_expiry,
-            sync=self.sync_load)
+            sync=self.sync_load, remote_endpoints=parsed.endpoints)
 
     def _consume(self, key: tuple[str, str], rid: str, lease_expiry: float) -> None:
         """Remembers a hand-over as used until its lease ends (bounded: the oldest go
@@ -308,6 +312,7 @@ class TEConnectorScheduler:
             "do_remote_prefill": True, "do_remote_decode": False,
             "protocol_version": PROTOCOL_VERSION,
             "remote_endpoint": self.endpoint, "remote_engine_id": self.engine_id,
+            "remote_endpoints": list(self.endpoints or (self.endpoint,)),
             "remote_request_id": request.request_id,
             "remote_block_ids": [int(b) for b in block_ids[:needed]],
             "remote_num_tokens": num_tokens,

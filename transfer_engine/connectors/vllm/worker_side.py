@@ -259,7 +259,7 @@ class TEConnectorWorker:
                     recv.handshake = None
                     self._fail(recv, TransferTimeout(
                         f"handshake not done within {self.config.timeout_s} s",
-                        peer=recv.spec.remote_endpoint, op="load"))
+                        peer=recv.spec.endpoint_for(self.rank), op="load"))
         for recv in recvs:
             if recv.handle is not None:
                 self._settle(recv, recv.handle)
@@ -340,7 +340,7 @@ class TEConnectorWorker:
         """Tells prefill that a layer-wise load's blocks were read: a READ of one byte of
         its manifest, carrying the notification; not waited for."""
         assert self.engine is not None
-        info = self._peers.get(recv.spec.remote_endpoint)
+        info = self._peers.get(recv.spec.endpoint_for(self.rank))
         if info is None:
             return  # the peer is gone: prefill's lease frees the blocks
         try:
@@ -367,11 +367,11 @@ class TEConnectorWorker:
                 raise ProtocolError("no blocks to load")
             if len(spec.local_block_ids) != len(spec.remote_block_ids):
                 raise ProtocolError("local and remote block counts differ")
-            info = self._peers.get(spec.remote_endpoint)
+            info = self._peers.get(spec.endpoint_for(self.rank))
             if info is None:
                 assert self.engine is not None
                 recv.handshake = self._peers.handshake(
-                    self.engine, spec.remote_endpoint, self._layers, self.compat,
+                    self.engine, spec.endpoint_for(self.rank), self._layers, self.compat,
                     self.config.timeout_s)
             else:
                 self._issue(recv, info, timeout)
@@ -452,15 +452,16 @@ class TEConnectorWorker:
     def _fail(self, recv: _Recv, why: BaseException | str) -> None:
         recv.error = str(why)
         if isinstance(why, ConnectError | PeerLostError | TransferTimeout | ClosedError):
-            self._peers.forget(recv.spec.remote_endpoint)
+            self._peers.forget(recv.spec.endpoint_for(self.rank))
         log.error("request %s: KV load from %s failed: %s", recv.spec.request_id,
-                  recv.spec.remote_endpoint, why)
+                  recv.spec.endpoint_for(self.rank), why)
 
     def _after_handshake(self, recv: _Recv, fut: Future[RemoteKV],
                          timeout: float | None = None) -> None:
         recv.handshake = None
         try:
-            self._issue(recv, self._peers.settled(recv.spec.remote_endpoint, fut), timeout)
+            where = recv.spec.endpoint_for(self.rank)
+            self._issue(recv, self._peers.settled(where, fut), timeout)
         # Whatever broke the handshake (a refused peer, a timeout, the engine closing
         # under it), the request must come back as a load error, not end the engine.
         except Exception as exc:  # noqa: BLE001
