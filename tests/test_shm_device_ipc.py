@@ -18,7 +18,7 @@ import pytest
 from tests.helpers.standin_device import StandInGpu
 from tests.helpers.transport_contract import MiB, random_bytes
 from transfer_engine import Blocks, Descriptor, Engine
-from transfer_engine.errors import ProtocolError
+from transfer_engine.errors import InvalidDescriptorError, ProtocolError
 from transfer_engine.transport.shm_ipc import DeviceRange, PeerDevices, encode_devices
 from transfer_engine.transport.stream import targets
 from transfer_engine.transport.stream.wire import HEADER
@@ -147,6 +147,14 @@ def test_initiator_device_rows_are_checked_against_what_it_announced(
             peer.announce(bad)
     peer.close()
     assert gpu.closed_maps == gpu.opened
+    # an announcement larger than the memory its handle maps: refused, never copied past
+    liar = PeerDevices("liar")
+    liar.announce(encode_devices([DeviceRange(alloc.address, 64 * MiB, True, "cuda:0",
+                                              handle)])[HEADER.size:])
+    with pytest.raises(InvalidDescriptorError, match="maps only"):
+        liar.translate(np.array([[alloc.address + 32 * MiB, 4096]], dtype=np.uint64),
+                       writable=True)
+    assert gpu.closed_maps == gpu.opened  # the refused mapping was closed
 
 
 def test_other_transports_refuse_a_device_announcement(make_engine: Callable[..., Engine]

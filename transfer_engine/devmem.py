@@ -32,9 +32,11 @@ class Copier(Protocol):
     (``to_host_async(rows)`` returns what waits), so that sends overlap them, and may
     offer device IPC between processes of one host (the shm
     transport uses it where present): ``export_ipc(address, length)`` gives a
-    msgpack-able handle, ``open_ipc(handle)`` maps it here as ``(address, close)``, and
+    msgpack-able handle, ``open_ipc(handle)`` maps it here, and
     ``between(rows)`` copies ``(destination, source, length)`` rows of any memory of
-    this process, device or host."""
+    this process, device or host. ``open_ipc`` returns ``(address, bytes, close)``:
+    ``bytes`` is what the mapping really holds from ``address`` (not what the exporter
+    said), so that no copy strays past it into this process's own memory."""
 
     def to_host(self, rows: Sequence[Row]) -> None: ...
     def to_device(self, rows: Sequence[Row]) -> None: ...
@@ -158,7 +160,7 @@ class CudaCopier:
         except Exception as exc:  # cupy's errors: no IPC for this memory
             raise TransferError(f"cuda:{self._index} IPC export failed: {exc}") from exc
 
-    def open_ipc(self, handle: dict[str, Any]) -> tuple[int, Callable[[], None]]:
+    def open_ipc(self, handle: dict[str, Any]) -> tuple[int, int, Callable[[], None]]:
         from transfer_engine import gpu
 
         try:
@@ -167,4 +169,4 @@ class CudaCopier:
             raise
         except Exception as exc:
             raise TransferError(f"cuda IPC open failed: {exc}") from exc
-        return mapping.address, mapping.close
+        return mapping.address, mapping.mapped, mapping.close

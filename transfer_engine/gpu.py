@@ -163,6 +163,18 @@ class IpcMapping:
         self.address = self._base + handle.offset
         self.length = handle.length
         self._closed = False
+        try:  # what the allocation really holds from ``address``: a peer's word is not
+            lib = _libcuda()  # enough to bound copies into this process's own memory
+            base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+            fn = lib.cuMemGetAddressRange_v2
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
+            with cp.cuda.Device(handle.device):
+                _check(fn(ctypes.byref(base), ctypes.byref(size), self._base),
+                       "cuMemGetAddressRange")
+            self.mapped = int(size.value) - handle.offset
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         if self._closed:

@@ -97,11 +97,13 @@ class StandInGpu:
         self.exported += 1
         return {"address": address, "length": length}
 
-    def open_ipc(self, handle: dict[str, Any]) -> tuple[int, Any]:
-        address, length = int(handle["address"]), int(handle["length"])
-        self._storage(address, length)
-        self.opened += 1
-        return address, self._unmap
+    def open_ipc(self, handle: dict[str, Any]) -> tuple[int, int, Any]:
+        address = int(handle["address"])
+        for base, size, _ in self._allocs:
+            if base <= address < base + size:
+                self.opened += 1
+                return address, base + size - address, self._unmap
+        raise ValueError(f"{address:#x} is not stand-in device memory")
 
     def _unmap(self) -> None:
         self.closed_maps += 1

@@ -128,7 +128,7 @@ class PeerDevices:
         self.peer = peer
         self._ranges: list[DeviceRange] = []
         self._starts = np.empty(0, dtype=np.uint64)
-        self._maps: dict[tuple[int, int], tuple[int, Callable[[], None]]] = {}
+        self._maps: dict[tuple[int, int], tuple[int, int, Callable[[], None]]] = {}
 
     def announce(self, body: bytes) -> None:
         if len(body) > MAX_BODY:
@@ -136,7 +136,7 @@ class PeerDevices:
         ranges = _decode(body, self.peer)
         keep = {(e.start, e.length) for e in ranges}
         for key in [k for k in self._maps if k not in keep]:
-            self._maps.pop(key)[1]()
+            self._maps.pop(key)[2]()
         self._ranges = ranges
         self._starts = np.array([e.start for e in ranges], dtype=np.uint64)
 
@@ -166,15 +166,21 @@ class PeerDevices:
         if got is None:
             try:
                 opener = devmem.copier(entry.device).open_ipc  # type: ignore[attr-defined]
-                got = self._maps[key] = opener(entry.handle)
-            except (AttributeError, TransferError) as exc:
+                got = opener(entry.handle)
+            except (AttributeError, TransferError, ValueError) as exc:
                 raise NotSupportedError(f"cannot map the peer's {entry.device} memory "
                                         f"here: {exc}", peer=self.peer,
                                         transport="shm") from None
+            if got[1] < entry.length:  # an announcement larger than its memory
+                got[2]()
+                raise InvalidDescriptorError(
+                    f"announced device segment of {entry.length} bytes maps only "
+                    f"{got[1]}", peer=self.peer, transport="shm")
+            self._maps[key] = got
         return got[0]
 
     def close(self) -> None:
-        for _, closer in self._maps.values():
+        for _, _, closer in self._maps.values():
             try:
                 closer()
             except Exception:  # noqa: BLE001 - a mapping that will not close: logged
