@@ -194,3 +194,32 @@ def test_gpu_memory_between_processes_by_device_ipc(
         a.read(peer, [(Descriptor(bseg, 0, size), Descriptor(remote, 0, size))]).wait(60)
         assert np.array_equal(cp.asnumpy(back), ours)
         assert a._staging_area is None  # by IPC, no bounce here
+
+
+def _torch_cuda() -> Any:
+    try:
+        import torch
+    except ImportError:
+        pytest.skip("torch is not importable")
+    if not torch.cuda.is_available():
+        pytest.skip("torch finds no CUDA device (the torch copier needs one)")
+    return torch
+
+
+def test_torch_copier_round_trip_where_torch_has_cuda() -> None:
+    """Without cupy (a vLLM server's usual set-up) device copies go through torch;
+    runs wherever torch sees a GPU, with or without cupy."""
+    torch = _torch_cuda()
+    from transfer_engine.devmem import TorchCopier
+
+    rng = np.random.default_rng(9)
+    host = rng.integers(0, 256, (4 << 20) + 3, dtype=np.uint8)
+    back = np.zeros_like(host)
+    dev = torch.zeros(host.nbytes, dtype=torch.uint8, device="cuda:0")
+    copier = TorchCopier("cuda:0")
+    copier.to_device([(dev.data_ptr(), host.ctypes.data, host.nbytes)])
+    half = host.nbytes // 2
+    wait = copier.to_host_async([(dev.data_ptr(), back.ctypes.data, half)])
+    copier.to_host([(dev.data_ptr() + half, back.ctypes.data + half, host.nbytes - half)])
+    wait()
+    assert np.array_equal(back, host)

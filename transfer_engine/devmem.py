@@ -19,7 +19,7 @@ import numpy as np
 
 from transfer_engine.errors import NotSupportedError, TransferError
 
-__all__ = ["Copier", "CudaCopier", "copier", "host_buffer", "install", "Row"]
+__all__ = ["Copier", "CudaCopier", "TorchCopier", "copier", "host_buffer", "install", "Row"]
 
 Row = tuple[int, int, int]  # (device address, host address, length)
 
@@ -43,7 +43,7 @@ class Copier(Protocol):
 
 
 _installed: dict[str, Copier] = {}
-_cuda: dict[str, CudaCopier] = {}
+_cuda: dict[str, Copier] = {}
 _lock = threading.Lock()
 
 
@@ -72,7 +72,14 @@ def copier(device: str) -> Copier:
             raise NotSupportedError(f"no copier for {device} memory")
         cuda = _cuda.get(device)
         if cuda is None:
-            cuda = _cuda[device] = CudaCopier(device)
+            try:
+                cuda = CudaCopier(device)
+            except NotSupportedError as no_cupy:  # torch with CUDA does the copies too
+                try:
+                    cuda = TorchCopier(device)
+                except NotSupportedError:
+                    raise no_cupy from None
+            _cuda[device] = cuda
         return cuda
 
 
@@ -89,7 +96,14 @@ def host_buffer(nbytes: int, device: str) -> np.ndarray:
             cp = gpu.require_cuda()
             pinned = cp.cuda.alloc_pinned_memory(nbytes)
             return np.ndarray((nbytes,), dtype=np.uint8, buffer=pinned)  # as cupyx's
-        except Exception:  # noqa: BLE001 - no CUDA or no room to pin: plain memory works
+        except Exception:  # noqa: BLE001 - no cupy: torch's pinned memory, else plain
+            pass
+        try:
+            import torch
+
+            if torch.cuda.is_available():  # the array keeps the tensor alive
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+        except Exception:  # noqa: BLE001 - no room to pin: plain memory works
             pass
     return np.empty(nbytes, dtype=np.uint8)
 
@@ -170,3 +184,70 @@ class CudaCopier:
         except Exception as exc:
             raise TransferError(f"cuda IPC open failed: {exc}") from exc
         return mapping.address, mapping.mapped, mapping.close
+
+
+class _DeviceRange:
+    """``n`` bytes of device memory at ``address``, as the CUDA array interface shows
+    them (what ``torch.as_tensor`` takes without copying)."""
+
+    def __init__(self, address: int, n: int) -> None:
+        self.__cuda_array_interface__ = {"data": (address, False), "shape": (n,),
+                                         "typestr": "|u1", "version": 3}
+
+
+class TorchCopier:
+    """Copies with torch where cupy is absent (as in a vLLM server): device ranges seen
+    as tensors through the CUDA array interface, host ranges through ``frombuffer``,
+    ``copy_`` on a stream of the device's own. No IPC: same-host peers stage."""
+
+    def __init__(self, device: str) -> None:
+        try:
+            import torch
+        except ImportError:
+            raise NotSupportedError("neither cupy nor torch is importable") from None
+        if not torch.cuda.is_available():
+            raise NotSupportedError("torch finds no CUDA device")
+        self._torch = torch
+        self._device = torch.device(device)
+        self._stream = torch.cuda.Stream(device=self._device)
+        self._lock = threading.Lock()
+
+    def _pairs(self, rows: Sequence[Row], to_device: bool) -> list[tuple[Any, Any]]:
+        import ctypes
+
+        torch = self._torch
+        out = []
+        for dev, host, n in rows:
+            d = torch.as_tensor(_DeviceRange(dev, n), device=self._device)
+            h = torch.frombuffer((ctypes.c_uint8 * n).from_address(host), dtype=torch.uint8)
+            out.append((d, h) if to_device else (h, d))
+        return out
+
+    def _start(self, rows: Sequence[Row], to_device: bool) -> Any:
+        torch = self._torch
+        try:
+            with self._lock, torch.cuda.stream(self._stream):
+                for dst, src in self._pairs(rows, to_device):
+                    dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            return event
+        except Exception as exc:  # torch's RuntimeError and kin
+            raise TransferError(f"{self._device} copy failed: {exc}") from exc
+
+    def _wait(self, event: Any) -> None:
+        try:
+            event.synchronize()
+        except Exception as exc:
+            raise TransferError(f"{self._device} copy failed: {exc}") from exc
+
+    def to_host(self, rows: Sequence[Row]) -> None:
+        self._wait(self._start(rows, False))
+
+    def to_device(self, rows: Sequence[Row]) -> None:
+        self._wait(self._start(rows, True))
+
+    def to_host_async(self, rows: Sequence[Row]) -> Callable[[], None]:
+        event = self._start(rows, False)
+        return lambda: self._wait(event)
+
