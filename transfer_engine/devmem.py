@@ -11,6 +11,7 @@ or a runtime of the application's choosing.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -19,7 +20,8 @@ import numpy as np
 
 from transfer_engine.errors import NotSupportedError, TransferError
 
-__all__ = ["Copier", "CudaCopier", "TorchCopier", "copier", "host_buffer", "install", "Row"]
+__all__ = ["Copier", "CudaCopier", "HostCopier", "TorchCopier", "bounce_rows", "copier",
+           "host_buffer", "install", "move", "Row"]
 
 Row = tuple[int, int, int]  # (device address, host address, length)
 
@@ -62,12 +64,31 @@ def install(device: str, impl: Copier) -> Callable[[], None]:
     return undo
 
 
+class HostCopier:
+    """``"cpu"`` rows (host ranges beside device ones in a staged transfer): the same
+    moves by ``memmove``, so that every range takes one path."""
+
+    def to_host(self, rows: Sequence[Row]) -> None:
+        for src, dst, n in rows:
+            ctypes.memmove(dst, src, n)
+
+    def to_device(self, rows: Sequence[Row]) -> None:
+        for dst, src, n in rows:
+            ctypes.memmove(dst, src, n)
+
+
+_HOST = HostCopier()
+
+
 def copier(device: str) -> Copier:
-    """The copier of ``device``; ``NotSupportedError`` saying what is missing."""
+    """The copier of ``device`` (``"cpu"``: :class:`HostCopier`); ``NotSupportedError``
+    saying what is missing."""
     with _lock:
         found = _installed.get(device)
         if found is not None:
             return found
+        if device == "cpu":
+            return _HOST
         if not device.startswith("cuda"):
             raise NotSupportedError(f"no copier for {device} memory")
         cuda = _cuda.get(device)
@@ -81,6 +102,26 @@ def copier(device: str) -> Copier:
                     raise no_cupy from None
             _cuda[device] = cuda
         return cuda
+
+
+def bounce_rows(addresses: Sequence[int], lengths: np.ndarray, devices: Sequence[str],
+                base: int) -> tuple[np.ndarray, dict[str, list[Row]]]:
+    """Ranges laid back to back in a bounce buffer at ``base``: each range's offset in
+    it, and the ``(range, bounce address, length)`` rows by device."""
+    starts = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    rows: dict[str, list[Row]] = {}
+    for address, n, at, device in zip(addresses, lengths.tolist(), starts.tolist(), devices,
+                                      strict=True):
+        rows.setdefault(device, []).append((address, base + at, n))
+    return starts, rows
+
+
+def move(rows: dict[str, list[Row]], to_device: bool) -> None:
+    """Every device's rows, by its copier: onto the devices, or off them."""
+    for device, dev_rows in rows.items():
+        mover = copier(device)
+        (mover.to_device if to_device else mover.to_host)(dev_rows)
 
 
 def host_buffer(nbytes: int, device: str) -> np.ndarray:
@@ -122,47 +163,42 @@ class CudaCopier:
             self._stream = self._cp.cuda.Stream(non_blocking=True)
         self._lock = threading.Lock()  # one request's copies at a time on the stream
 
-    def _copy(self, rows: Sequence[Row], kind: int) -> None:
+    def _start(self, pieces: Sequence[Row], kind: int) -> Any:
+        """Queues ``(destination, source, length)`` copies on the stream; the event
+        after them."""
         cp = self._cp
         try:
             with self._lock, cp.cuda.Device(self._index):
-                for dev, host, n in rows:  # _DEFAULT: (source, destination) rows
-                    dst, src = (dev, host) if kind == self._H2D else (host, dev)
+                for dst, src, n in pieces:
                     cp.cuda.runtime.memcpyAsync(dst, src, n, kind, self._stream.ptr)
-                self._stream.synchronize()
+                event = cp.cuda.Event(disable_timing=True)
+                event.record(self._stream)
+            return event
         except Exception as exc:  # cupy's CUDARuntimeError and kin
             raise TransferError(f"cuda:{self._index} copy failed: {exc}") from exc
 
+    def _wait(self, event: Any) -> None:
+        try:
+            event.synchronize()
+        except Exception as exc:
+            raise TransferError(f"cuda:{self._index} copy failed: {exc}") from exc
+
     def to_host(self, rows: Sequence[Row]) -> None:
-        self._copy(rows, self._D2H)
+        self.to_host_async(rows)()
 
     def to_device(self, rows: Sequence[Row]) -> None:
-        self._copy(rows, self._H2D)
+        self._wait(self._start(rows, self._H2D))  # (device, host): destination first
 
     def to_host_async(self, rows: Sequence[Row]) -> Callable[[], None]:
         """Starts ``rows``' copies off the device; returns what waits for them (and
         raises ``TransferError`` if they failed)."""
-        cp = self._cp
-        try:
-            with self._lock, cp.cuda.Device(self._index):
-                for dev, host, n in rows:
-                    cp.cuda.runtime.memcpyAsync(host, dev, n, self._D2H, self._stream.ptr)
-                event = cp.cuda.Event(disable_timing=True)
-                event.record(self._stream)
-        except Exception as exc:
-            raise TransferError(f"cuda:{self._index} copy failed: {exc}") from exc
-
-        def wait() -> None:
-            try:
-                event.synchronize()
-            except Exception as exc:
-                raise TransferError(f"cuda:{self._index} copy failed: {exc}") from exc
-        return wait
+        event = self._start([(host, dev, n) for dev, host, n in rows], self._D2H)
+        return lambda: self._wait(event)
 
     def between(self, rows: Sequence[Row]) -> None:
         """``(destination, source, length)`` rows, unified addressing picking the path
         (device to device over NVLink or PCIe, or either way with the host)."""
-        self._copy([(src, dst, n) for dst, src, n in rows], self._DEFAULT)
+        self._wait(self._start(rows, self._DEFAULT))
 
     def export_ipc(self, address: int, length: int) -> dict[str, Any]:
         from transfer_engine import gpu
@@ -213,8 +249,6 @@ class TorchCopier:
         self._lock = threading.Lock()
 
     def _pairs(self, rows: Sequence[Row], to_device: bool) -> list[tuple[Any, Any]]:
-        import ctypes
-
         torch = self._torch
         out = []
         for dev, host, n in rows:

@@ -4,9 +4,10 @@ bounce buffers.
 The initiator's side (:class:`Staging`, one per engine): a transfer whose local segments
 are device memory, going over a transport without ``device_memory`` (tcp, shm), is
 rewritten to move the same bytes from (WRITE) or into (READ) a bounce segment, a host
-buffer the engine registered for this; a WRITE's bytes are copied off the device before
-the first is sent, a READ's onto it after the last has landed and before the transfer
-counts as done. Bounce segments (pinned where CUDA copies them, ``devmem.host_buffer``)
+buffer the engine registered for this; a WRITE's bytes are copied off the device in
+pieces, each before it is sent (later pieces are copied while earlier ones are on the
+wire), a READ's onto it after the last has landed and before the transfer counts as
+done. Bounce segments (pinned where CUDA copies them, ``devmem.host_buffer``)
 are kept for reuse by size (powers of two from 1 MiB)
 up to ``$TE_STAGING_BYTES`` (default 1 GiB) in all; a transfer that would need more
 fails with ``BusyError`` and moves nothing.
@@ -31,11 +32,17 @@ from transfer_engine.errors import BusyError, TransferError
 from transfer_engine.planner import Columns
 from transfer_engine.segment import Segment
 
-__all__ = ["Staging", "Staged", "STAGING_ENV"]
+__all__ = ["Staging", "Staged", "STAGING_ENV", "limit_bytes"]
 
 STAGING_ENV = "TE_STAGING_BYTES"
 _MIN_BOUNCE = 1 << 20
 CHUNK = 4 << 20  # bytes per asynchronous copy off the device (see Staged.to_host)
+
+
+def limit_bytes() -> int:
+    """``$TE_STAGING_BYTES``: the bounce bytes in use an engine's staging, and a stream
+    server's, may reach (default 1 GiB)."""
+    return int(os.environ.get(STAGING_ENV, "") or (1 << 30))
 
 
 def _once(wait: Callable[[], None]) -> Callable[[], None]:
@@ -108,8 +115,9 @@ class Staged:
             wait()
 
     def to_device(self) -> None:
-        for device, rows in self.rows.items():
-            devmem.copier(device).to_device(rows)
+        """A READ's landed bytes onto the device (and host ranges); raises the
+        copier's ``TransferError``."""
+        devmem.move(self.rows, to_device=True)
 
     def finish(self) -> None:
         """Hands the bounce back (once), when no copy into it runs any more."""
@@ -129,8 +137,7 @@ class Staging:
     def __init__(self, register: Callable[[np.ndarray, str], Segment],
                  limit: int | None = None) -> None:
         self._register = register
-        self._limit = limit if limit is not None else int(
-            os.environ.get(STAGING_ENV, "") or (1 << 30))
+        self._limit = limit if limit is not None else limit_bytes()
         self._lock = threading.Lock()
         self._free: dict[int, list[Segment]] = {}
         self._total = 0
@@ -155,23 +162,15 @@ class Staging:
         staged: Staged | None = None
         try:
             lengths = extents.length.astype(np.int64, copy=False)
-            starts = np.zeros(len(lengths), dtype=np.int64)
-            np.cumsum(lengths[:-1], out=starts[1:])
             by_id = {seg.id: seg for seg in segments}
-            rows: dict[str, list[devmem.Row]] = {}
-            for seg_id, off, n, at in zip(extents.lseg.tolist(), extents.loff.tolist(),
-                                          lengths.tolist(), starts.tolist(), strict=True):
-                seg = by_id[seg_id]  # host memory beside device memory: copied too
-                rows.setdefault(seg.device, []).append((seg.address + off,
-                                                        bounce.address + at, n))
+            owners = [by_id[sid] for sid in extents.lseg.tolist()]  # host ones copied too
+            starts, rows = devmem.bounce_rows(
+                [seg.address + off for seg, off in zip(owners, extents.loff.tolist(),
+                                                      strict=True)],
+                lengths, [seg.device for seg in owners], bounce.address)
             staged = Staged(bounce, rows, lambda: self._give(bounce))
-            host = rows.pop("cpu", None)
             if op is Op.WRITE:
                 staged.to_host()
-                for src, dst, n in host or ():
-                    _memmove(dst, src, n)
-            elif host:
-                rows["cpu"] = host
             local = np.full(len(lengths), bounce.id, dtype=np.int64)
             cols = Columns(local, starts, extents.rseg, extents.roff, extents.length,
                            single=bool(extents.single), nbytes=nbytes, block=extents.block)
@@ -219,22 +218,3 @@ class Staging:
             self._free.clear()
         for seg in segs:
             seg.close()
-
-
-def _memmove(dst: int, src: int, n: int) -> None:
-    import ctypes
-    ctypes.memmove(dst, src, n)
-
-
-def finish_read(staged: Staged) -> TransferError | None:
-    """A READ's landed bytes onto the device (and host ranges); the error, if any."""
-    try:
-        host = staged.rows.pop("cpu", None)
-        staged.to_device()
-        for dst, src, n in host or ():
-            _memmove(dst, src, n)
-        return None
-    except TransferError as exc:
-        return exc
-    finally:
-        staged.finish()

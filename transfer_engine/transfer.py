@@ -27,7 +27,7 @@ from transfer_engine.handle import TransferHandle
 from transfer_engine.peer import Peer
 from transfer_engine.planner import plan_columns
 from transfer_engine.segment import Segment
-from transfer_engine.staging import Staging, finish_read
+from transfer_engine.staging import Staging
 from transfer_engine.state import EngineState, LiveTransfer
 from transfer_engine.transport.base import Completion, Immediate, Rail, Transport, Work
 from transfer_engine.validate import Pairs, validate
@@ -290,9 +290,10 @@ class Transfers(EngineState):
                 error = xfer.stopping  # the cancel said why, whatever failed after it
         if xfer.staged is not None:  # a READ's bytes onto the device, then the bounce back
             if error is None and xfer.op is Op.READ:
-                error = finish_read(xfer.staged)
-                if error is not None:
-                    error = error.with_context(peer=xfer.peer.name, op=str(xfer.op))
+                try:
+                    xfer.staged.to_device()
+                except TransferError as exc:
+                    error = exc.with_context(peer=xfer.peer.name, op=str(xfer.op))
             xfer.staged.finish()
         with xfer.lock:
             segments, xfer.local_segments = xfer.local_segments, []

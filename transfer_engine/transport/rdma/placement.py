@@ -17,7 +17,6 @@ transport's arguments, else ``$TE_RDMA_GID_INDEX``, ``$TE_RDMA_TRAFFIC_CLASS``,
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 import threading
@@ -34,37 +33,25 @@ __all__ = ["PLACEMENTS", "MrTable", "RouteSettings", "memory_node", "memory_loca
 
 PLACEMENTS = ("nearest", "all")
 _MOVE_PAGES = 279  # x86_64; other architectures answer "unknown" (see memory_node)
-_libc: ctypes.CDLL | None = None
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _syscall() -> ctypes.CDLL | None:
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6",
-                                use_errno=True)
-        except OSError:
-            return None
-    return _libc
-
-
-def memory_node(address: int, length: int, samples: int = 3) -> int:
+def memory_node(address: int, length: int) -> int:
     """The NUMA node holding most of the sampled pages of ``[address, address+length)``
     (first, middle, last), or -1 when unknown: pages not yet touched, no NUMA, or a
     kernel or architecture without ``move_pages``. Never raises, never faults a page in.
     """
-    libc = _syscall()
-    if libc is None or length <= 0 or os.uname().machine != "x86_64":
+    if length <= 0 or os.uname().machine != "x86_64":
         return -1
     page = mmap.PAGESIZE
     first = address - address % page
     last = address + length - 1
     points = sorted({first, first + (last - first) // 2 // page * page,
-                     last - last % page})[:max(1, samples)]
+                     last - last % page})
     count = len(points)
     pages = (ctypes.c_void_p * count)(*points)
     status = (ctypes.c_int * count)()
-    rc = libc.syscall(_MOVE_PAGES, 0, ctypes.c_ulong(count), pages, None, status, 0)
+    rc = _libc.syscall(_MOVE_PAGES, 0, ctypes.c_ulong(count), pages, None, status, 0)
     if rc != 0:
         return -1
     nodes = [s for s in status if s >= 0]

@@ -13,7 +13,7 @@ import socket
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 from transfer_engine import topology
 from transfer_engine.control.tickets import (
@@ -217,21 +217,15 @@ class RdmaTransport(SideServer, Transport):
         regions, once (logged); where no rail reaches them, all rails (the transfer
         then fails on the unregistered remote segment, naming it)."""
         ids, remote = [s.id for s in segments], list(remote_ids)
-        held = self._regions.local_keys
-        both: list[Rail] = []
-        for r in rails:  # per transfer: plain loops, no per-rail generator
-            if not isinstance(r, RdmaRail):
-                return list(rails)
-            keys = held(r.device.name)
-            for sid in ids:
-                if sid not in keys:
-                    break
-            else:
-                if r.holds_remote(remote):
-                    both.append(r)
-        if both or not rails:
+        if not all(isinstance(r, RdmaRail) for r in rails):
+            return list(rails)
+        ours = cast("list[RdmaRail]", list(rails))
+        holds = self._regions.holds
+        both: list[Rail] = [r for r in ours if holds(r.device.name, ids)
+                            and r.holds_remote(remote)]
+        if both or not ours:
             return both
-        reach = [r for r in rails if isinstance(r, RdmaRail) and r.holds_remote(remote)]
+        reach = [r for r in ours if r.holds_remote(remote)]
         for dev in {r.device.name: r.device for r in reach}.values():
             log.info("rdma: registering %s on %s too: the peer's memory is reached "
                      "from there", [s.name for s in segments], dev.name)

@@ -11,8 +11,6 @@ are on the device), with the device's copier (:mod:`transfer_engine.devmem`).
 
 from __future__ import annotations
 
-import ctypes
-import os
 import threading
 from collections.abc import Callable, Iterator
 
@@ -22,15 +20,12 @@ from transfer_engine import devmem
 from transfer_engine.descriptor import Op
 from transfer_engine.errors import BusyError, TransferError
 from transfer_engine.segment import Segment
+from transfer_engine.staging import STAGING_ENV, limit_bytes
 
 __all__ = ["Targets", "stage", "unstage"]
 
 _budget = threading.Lock()
 _held = [0]  # bytes of server bounces in use, all connections together
-
-
-def _limit() -> int:
-    return int(os.environ.get("TE_STAGING_BYTES", "") or (1 << 30))
 
 
 class Targets:
@@ -83,10 +78,11 @@ def stage(views: Targets, op: Op, peer: str | None = None
     if all(seg.device == "cpu" for seg in segs.values()):
         return views, None
     nbytes = views.nbytes
+    limit = limit_bytes()
     with _budget:  # a bounce per request: bounded, whatever the peers ask for
-        if _held[0] + nbytes > _limit():
+        if _held[0] + nbytes > limit:
             raise BusyError(f"device staging of {nbytes} bytes would pass "
-                            f"$TE_STAGING_BYTES={_limit()} (in use: {_held[0]})",
+                            f"${STAGING_ENV}={limit} (in use: {_held[0]})",
                             peer=peer, op=str(op))
         _held[0] += nbytes
     try:
@@ -116,15 +112,10 @@ def _stage(views: Targets, op: Op, peer: str | None
     lengths = iov[:, 1].astype(np.int64)
     bounce = np.empty(max(1, views.nbytes), dtype=np.uint8)
     base = bounce.ctypes.data
-    starts = np.zeros(len(lengths), dtype=np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
     ids = views.ids
-    rows: dict[str, list[devmem.Row]] = {}
-    only = next(iter(segs.values()))
-    for i, (address, n) in enumerate(iov.tolist()):
-        seg = only if ids is None else segs[int(ids[i])]
-        rows.setdefault(seg.device, []).append((address, base + int(starts[i]), n))
-    host = rows.pop("cpu", [])
+    devices = ([next(iter(segs.values())).device] * len(lengths) if ids is None
+               else [segs[i].device for i in ids.tolist()])
+    starts, rows = devmem.bounce_rows(iov[:, 0].tolist(), lengths, devices, base)
     out = np.empty((len(lengths) + 1, 2), dtype=np.uint64)
     out[1:, 0] = starts + base
     out[1:, 1] = lengths
@@ -133,16 +124,9 @@ def _stage(views: Targets, op: Op, peer: str | None
 
     def copy(to_device: bool) -> None:
         try:
-            for device, dev_rows in rows.items():
-                mover = devmem.copier(device)
-                (mover.to_device if to_device else mover.to_host)(dev_rows)
+            devmem.move(rows, to_device)
         except TransferError as exc:
             raise exc.with_context(peer=peer, op=str(op)) from None
-        for address, at, n in host:
-            if to_device:
-                ctypes.memmove(address, at, n)
-            else:
-                ctypes.memmove(at, address, n)
     if op is Op.READ:
         copy(False)
         return staged, None
