@@ -129,6 +129,8 @@ class PeerDevices:
         self._ranges: list[DeviceRange] = []
         self._starts = np.empty(0, dtype=np.uint64)
         self._maps: dict[tuple[int, int], tuple[int, int, Callable[[], None]]] = {}
+        # the last request's answer: the server asks once to stage, once to copy
+        self._last: tuple[Any, bool, list[tuple[int, int, str]] | None] = (None, False, None)
 
     def announce(self, body: bytes) -> None:
         if len(body) > MAX_BODY:
@@ -139,6 +141,7 @@ class PeerDevices:
             self._maps.pop(key)[2]()
         self._ranges = ranges
         self._starts = np.array([e.start for e in ranges], dtype=np.uint64)
+        self._last = (None, False, None)
 
     def translate(self, local: np.ndarray, writable: bool
                   ) -> list[tuple[int, int, str]] | None:
@@ -147,6 +150,15 @@ class PeerDevices:
         segment (writable when ``writable``)."""
         if not self._ranges or not len(local):
             return None
+        last, was_writable, answer = self._last
+        if last is local and was_writable == writable:
+            return answer
+        out = self._translate(local, writable)
+        self._last = (local, writable, out)
+        return out
+
+    def _translate(self, local: np.ndarray, writable: bool
+                   ) -> list[tuple[int, int, str]] | None:
         out = []
         for address, length in local.tolist():
             i = int(np.searchsorted(self._starts, np.uint64(address), side="right")) - 1

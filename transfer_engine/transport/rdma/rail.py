@@ -152,8 +152,6 @@ class RdmaRail(Rail):
         Unknown ones are asked for once; a "not there" is believed for ``ABSENT_S``
         (the peer may register a segment on one more NIC later)."""
         keys = self._remote_keys
-        if len(ids) == 1 and ids[0] in keys:  # the usual case, per transfer
-            return True
         unknown = [sid for sid in ids if sid not in keys]
         if not unknown:
             return True
