@@ -290,7 +290,7 @@ class ShmServer(StreamServer):
 
     def announce_devices(self, conn: Connection, body: bytes) -> None:
         if conn.devices is None:
-            conn.devices = PeerDevices(conn.peer)
+            conn.devices = PeerDevices(conn.peer, same_process=conn.pid == os.getpid())
         conn.devices.announce(body)
 
     def _ipc_rows(self, conn: Connection, local: np.ndarray | None, write_to_peer: bool

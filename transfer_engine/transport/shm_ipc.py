@@ -122,10 +122,13 @@ def _decode(body: bytes, peer: str) -> list[DeviceRange]:
 
 class PeerDevices:
     """The device segments one initiator announced on a rail, and their mappings in
-    this process (opened on first use, closed with the rail)."""
+    this process (opened on first use, closed with the rail). An initiator in this very
+    process (two engines in one, as the kernel's credentials vouch) needs no mapping:
+    CUDA refuses to open a process's own handles, and its addresses are valid here."""
 
-    def __init__(self, peer: str) -> None:
+    def __init__(self, peer: str, same_process: bool = False) -> None:
         self.peer = peer
+        self._same_process = same_process
         self._ranges: list[DeviceRange] = []
         self._starts = np.empty(0, dtype=np.uint64)
         self._maps: dict[tuple[int, int], tuple[int, int, Callable[[], None]]] = {}
@@ -173,6 +176,8 @@ class PeerDevices:
         return out
 
     def _map(self, entry: DeviceRange) -> int:
+        if self._same_process:
+            return entry.start
         key = (entry.start, entry.length)
         got = self._maps.get(key)
         if got is None:
