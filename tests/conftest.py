@@ -37,6 +37,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 reasons[marker] = check() if check else f"no {marker} device check available"
             if reasons[marker]:
                 item.add_marker(pytest.mark.skip(reason=reasons[marker]))
+    if "gpu" in reasons and reasons["gpu"] is None:
+        _start_cuda()
+
+
+def _start_cuda() -> None:
+    """CUDA's driver opens descriptors of its own (eventfds, a pipe) the first time a
+    process uses a device, pinned memory or a stream, and keeps them: opened here,
+    before the first test, the leak check does not count them as a test's."""
+    try:
+        import cupy as cp  # noqa: PLC0415
+
+        cp.zeros(1, dtype=cp.uint8).get()
+        cp.cuda.Stream(non_blocking=True).synchronize()
+        cp.cuda.alloc_pinned_memory(1 << 12)
+    except Exception:  # noqa: BLE001 - cupy absent or failing: its tests say why
+        pass
+    try:
+        import torch  # noqa: PLC0415
+
+        if torch.cuda.is_available():
+            pinned = torch.ones(1 << 12, dtype=torch.uint8, pin_memory=True)
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                pinned.to("cuda", non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            event.synchronize()
+    except Exception:  # noqa: BLE001 - torch absent or without CUDA
+        pass
 
 
 def _engine_threads() -> list[threading.Thread]:

@@ -141,32 +141,40 @@ def test_gpu_memory_registers_with_rdma() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("copies", ["cupy", "torch"])
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_gpu_kv_over_host_transports_is_staged_byte_exact(transport: str) -> None:
+def test_gpu_kv_over_host_transports_is_staged_byte_exact(transport: str,
+                                                          copies: str) -> None:
     """CUDA memory on both sides over tcp and shm: the engine's bounces on the
-    initiator, the stream server's on the target, cupy's copies in between."""
+    initiator, the stream server's on the target, cupy's copies in between (or torch's,
+    as in a server without cupy)."""
     import cupy as cp
 
-    from transfer_engine import Blocks, Engine
+    from transfer_engine import Blocks, Engine, devmem
 
+    undo = (devmem.install("cuda:0", devmem.TorchCopier("cuda:0")) if copies == "torch"
+            else (lambda: None))
     rng = np.random.default_rng(7)
     host = rng.integers(0, 256, 8 << 20, dtype=np.uint8)
     src, there, back = cp.asarray(host), cp.zeros(8 << 20, cp.uint8), cp.zeros(8 << 20,
                                                                              cp.uint8)
-    with Engine("gpu-a", transports=[transport]) as a, \
-            Engine("gpu-b", transports=[transport]) as b:
-        seg, bseg = a.register(src, name="src"), a.register(back, name="back")
-        b.register(there, name="there")
-        peer = a.connect(b.endpoint)
-        remote = peer.segment("there")
-        offs = rng.permutation(512) * 16384
-        a.write(peer, Blocks(seg, remote, offs, offs[::-1].copy(), 16384),
-                notify=b"kv").wait(60)
-        a.read(peer, Blocks(bseg, remote, offs, offs[::-1].copy(), 16384)).wait(60)
-        assert np.array_equal(cp.asnumpy(back), host)
-        moved = cp.asnumpy(there)
-        for lo, ro in zip(offs.tolist(), offs[::-1].tolist(), strict=True):
-            assert np.array_equal(moved[ro:ro + 16384], host[lo:lo + 16384])
+    try:
+        with Engine("gpu-a", transports=[transport]) as a, \
+                Engine("gpu-b", transports=[transport]) as b:
+            seg, bseg = a.register(src, name="src"), a.register(back, name="back")
+            b.register(there, name="there")
+            peer = a.connect(b.endpoint)
+            remote = peer.segment("there")
+            offs = rng.permutation(512) * 16384
+            a.write(peer, Blocks(seg, remote, offs, offs[::-1].copy(), 16384),
+                    notify=b"kv").wait(60)
+            a.read(peer, Blocks(bseg, remote, offs, offs[::-1].copy(), 16384)).wait(60)
+            assert np.array_equal(cp.asnumpy(back), host)
+            moved = cp.asnumpy(there)
+            for lo, ro in zip(offs.tolist(), offs[::-1].tolist(), strict=True):
+                assert np.array_equal(moved[ro:ro + 16384], host[lo:lo + 16384])
+    finally:
+        undo()
 
 
 @pytest.mark.gpu
