@@ -238,9 +238,14 @@ def run_initiator(a: argparse.Namespace, endpoint: str,
         close_unused(transports)
         raise
     with eng:
-        local = np.empty(a.buffer_size, dtype=np.uint8)
-        fill_random(local, a.seed + 1)  # not the target's bytes, and never zeros
-        with eng.register(local, name="bench-local") as seg:
+        if a.use_vram:
+            from bench import vram
+
+            local_mem: Any = vram.device_buffer(a.buffer_size, a.gpu_id, a.seed + 1)
+        else:
+            local_mem = np.empty(a.buffer_size, dtype=np.uint8)
+            fill_random(local_mem, a.seed + 1)  # not the target's bytes, and never zeros
+        with eng.register(local_mem, name="bench-local") as seg:
             peer = eng.connect(endpoint, timeout=30)
             rseg = peer.segment(SEGMENT_NAME)
             layout = make_layout(a, seg.length, rseg.length)
@@ -284,6 +289,8 @@ def run_initiator(a: argparse.Namespace, endpoint: str,
                     run["baseline_memcpy_gbps"] = memcpy_gbps(
                         bs, duration=max(0.5, min(a.duration, 2.0)),
                         contiguous=a.contiguous)
+                    if a.use_vram:  # one batch's bytes, each way over PCIe
+                        run.update(vram.copy_baseline(bs * a.batch_size, a.gpu_id))
                 runs.append(run)
                 print(row(f"run {i + 1}", run, a.baseline), flush=True)
             if nics:  # the batches _verify checks, moved for real this time
@@ -293,6 +300,7 @@ def run_initiator(a: argparse.Namespace, endpoint: str,
                 for t in range(a.threads):
                     for k in sorted({0, layout.reached[t] - 1}):
                         submit(peer, layout.pairs[t][k]).wait(WAIT_TIMEOUT)
+            local = vram.to_host(local_mem) if a.use_vram else local_mem
             verified = _verify(eng, peer, seg, local, rseg, layout, a)
             stats = dict(eng.stats)
             used = peer.transport

@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "host_us_per_wr and host_cpu_s_per_gb, the CPU time of the "
                         "engine's own threads (the emulated NICs' threads left out); "
                         "the verified batches are moved for real")
+    p.add_argument("--use_vram", action="store_true",
+                   help="register GPU memory (cuda:--gpu_id, through torch) on both sides "
+                        "instead of host memory; --baseline then also measures device<->"
+                        "pinned host copies")
+    p.add_argument("--gpu_id", type=int, default=0, help="the CUDA device of --use_vram")
     p.add_argument("--warmup", type=float, default=0.5, help="seconds before each run")
     p.add_argument("--seed", type=int, default=1234,
                    help="the target fills its buffer from this seed (checks READs)")
@@ -168,6 +173,9 @@ def check_flags(a: argparse.Namespace) -> None:
             load_topology_file(a.nic_priority_matrix)
         except (OSError, ValueError) as exc:
             raise UsageError(f"--nic_priority_matrix: {exc}") from None
+    if a.use_vram and a.emulated:
+        raise UsageError("--use_vram with --emulated: the emulated NICs move host memory "
+                         "only")
     if a.emulated and a.protocol != "rdma":
         raise UsageError("--emulated is for --protocol rdma")
     if a.protocol == "rdma" and (a.rails is not None or a.slice_size is not None

@@ -53,7 +53,7 @@ def summarize(a: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
         "block_size": a.block_size, "batch_size": a.batch_size, "threads": a.threads,
         "rails": res["rails"], "congestion": res.get("congestion"), "spread": a.spread,
         "api": a.api, "slice_size": a.slice_size, "emulated": a.emulated,
-        "contiguous": a.contiguous,
+        "contiguous": a.contiguous, "use_vram": a.use_vram,
         "duration": a.duration, "repeat": a.repeat, "buffer_size": a.buffer_size,
         "coalescable_pairs": res["coalescable_pairs"],
         "authenticated": control_signed(),  # main() says for runs with --secret-file
@@ -79,6 +79,10 @@ def summarize(a: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
                                          if r["baseline_socket_gbps"]])
         out["ratio_vs_memcpy"] = median([r["gbps"] / r["baseline_memcpy_gbps"] for r in runs
                                          if r["baseline_memcpy_gbps"]])
+        for way in ("d2h", "h2d"):  # --use_vram: device <-> pinned host copies
+            if f"baseline_{way}_gbps" in runs[0]:
+                out[f"baseline_{way}_gbps"] = median([r[f"baseline_{way}_gbps"]
+                                                      for r in runs])
     out["verified"] = res["verified"]
     out["runs"] = runs
     out["engine_stats"] = res["engine_stats"]
@@ -98,6 +102,9 @@ def print_summary(a: argparse.Namespace, out: dict[str, Any]) -> None:
         extra.append(f"vs socket {out['ratio_vs_socket']:.2f}x"
                      + (f" (socket under {sock_cc})" if sock_cc else ""))
         extra.append(f"vs memcpy {out['ratio_vs_memcpy']:.2f}x")
+        if "baseline_d2h_gbps" in out:
+            extra.append(f"GPU copies D2H {out['baseline_d2h_gbps']:.1f} GB/s, "
+                         f"H2D {out['baseline_h2d_gbps']:.1f} GB/s")
     if out.get("host_us_per_wr") is not None:
         extra.append(f"host {out['host_us_per_wr']:.2f} us/WR, "
                      f"{out['host_cpu_s_per_gb']:.4f} cpu s/GB (emulated NIC, counting)")

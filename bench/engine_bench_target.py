@@ -33,8 +33,13 @@ def run_target(a: argparse.Namespace, *, watch_parent: bool = False) -> int:
     from transfer_engine import Engine
 
     transports = make_transports(a)
-    buf = np.empty(a.buffer_size, dtype=np.uint8)
-    fill_random(buf, a.seed)  # pre-faults every page
+    if a.use_vram:
+        from bench.vram import device_buffer
+
+        buf: Any = device_buffer(a.buffer_size, a.gpu_id, a.seed)
+    else:
+        buf = np.empty(a.buffer_size, dtype=np.uint8)
+        fill_random(buf, a.seed)  # pre-faults every page
     stop = threading.Event()
 
     def on_usr1(signum: int, frame: Any) -> None:
@@ -90,6 +95,8 @@ class LocalTarget:
             args += ["--device_name", a.device_name]
         if a.emulated:
             args += ["--emulated"]
+        if a.use_vram:
+            args += ["--use_vram", "--gpu_id", str(a.gpu_id)]
         if a.auto_discovery:
             args += ["--auto_discovery"]
         self.name: str | None = None  # its registry name, with --metadata_server

@@ -81,6 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             authenticated = control_signed()
         if a.mode == "target":
             return run_target(a, watch_parent=a._child)
+        if a.use_vram:  # fail before starting anything
+            from bench.vram import require
+
+            require(a.gpu_id)
         if a.protocol == "rdma":  # fail before starting anything
             close_unused(make_transports(a))
         if a.local:

@@ -49,6 +49,23 @@ def test_rdma_without_device_is_a_clear_usage_error(capsys: pytest.CaptureFixtur
     assert err.startswith("transfer_engine_bench: error: --protocol rdma needs device mlx5_0")
 
 
+def test_use_vram_says_what_is_missing(capsys: pytest.CaptureFixture[str]) -> None:
+    """GPU memory needs torch with CUDA; the emulated NICs move host memory only. Where a
+    GPU is, scripts/gpu_check.sh runs --use_vram for real."""
+    assert main(["--local", "--use_vram", "--protocol", "rdma", "--emulated"]) == 2
+    assert "--emulated" in capsys.readouterr().err
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return
+    except ImportError:
+        pass
+    assert main(["--local", "--use_vram", "--duration", "0.3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("transfer_engine_bench: error: --use_vram")
+
+
 def test_metadata_server_other_than_p2p_or_a_registry_is_refused(
         capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["--local", "--metadata_server", "redis://127.0.0.1:6379"])
