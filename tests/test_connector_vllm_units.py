@@ -121,6 +121,43 @@ def test_layout_from_strides_gpu_cpu_and_permuted() -> None:
         vllm_layout((10, 16, 8), (256, 16, 1), 4, 10)
 
 
+def test_heads_are_found_where_one_dimension_has_their_number() -> None:
+    """The heads dimension is the one of this rank's KV heads' size: a piece per token
+    in the GPU layout, a run per block in the CPU one, also for one head; two
+    dimensions of that size (16 heads, 16 tokens a block) leave the heads unknown."""
+    from transfer_engine.connectors.vllm.blocks import head_range
+
+    def heads(shape: tuple[int, ...], kv_heads: int | None) -> Any:
+        t = torch.zeros(shape)
+        return vllm_layout(t.shape, t.stride(), 4, 10, "float32", kv_heads).heads
+
+    assert heads((2, 10, 16, 4, 8), 4) == (16, 4, 32)
+    assert heads((10, 4, 16, 16), 4) == (1, 4, 1024)
+    assert heads((2, 10, 16, 1, 8), 1) == (16, 1, 32)
+    assert heads((10, 1, 16, 16), 1) == (1, 1, 1024)
+    assert heads((10, 16, 16, 16), 16) is None
+    assert heads((10, 16, 40), None) is None  # MLA: no heads to split
+    assert head_range(1, 2, 2, 4) == (2, 2)
+    assert head_range(3, 4, 1, 2) == (1, 1)  # fewer heads than ranks: shared
+    assert head_range(0, 3, 1, 2) is None
+
+
+def test_a_prefill_rank_frees_blocks_once_every_reader_said_so() -> None:
+    from transfer_engine.connectors.vllm.sent import MAX_PENDING, SentNotes, sent_note
+
+    notes = SentNotes()
+    assert notes.add(sent_note("one")) == "one"
+    assert notes.add(sent_note("two", 0, 2)) is None
+    assert notes.add(sent_note("two", 0, 2)) is None  # the same reader twice
+    assert notes.add(sent_note("two", 1, 2)) == "two"
+    for bad in (b"te-vllm/sent-of:zz", b"te-vllm/sent-of:3/2:x", b"te-vllm/sent-of:0/99:x",
+                b"te-vllm/sent-of:-1/2:x", b"te-vllm/sent-of:1/2", b"other"):
+        assert notes.add(bad) is None
+    for i in range(MAX_PENDING + 10):  # readers that never all come: bounded
+        notes.add(sent_note(f"r{i}", 0, 2))
+    assert len(notes._heard) <= MAX_PENDING
+
+
 def test_layout_signature_names_what_must_match() -> None:
     from transfer_engine.connectors.vllm.blocks import layout_signature
     a = torch.empty(2, 10, 16, 4, 8, dtype=torch.float16)
@@ -299,8 +336,9 @@ def test_hostile_kv_transfer_params_are_recomputed_not_fatal(key: str, value: An
 
 def test_each_tensor_parallel_rank_loads_from_the_prefill_rank_of_its_number() -> None:
     """Prefill names every rank's worker; a decode of the same size maps rank r to
-    prefill rank r (its KV heads); another size, or one endpoint for two ranks, is
-    refused (recomputed)."""
+    prefill rank r (its KV heads), one of twice the size ranks 2r and 2r + 1 (each a
+    half of rank r's heads, each one of its two readers); a size that prefill's does not
+    divide, or one endpoint for two ranks, is refused (recomputed)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 
     from transfer_engine.connectors.vllm.metadata import RecvSpec, TEHandshakeMetadata
@@ -321,9 +359,17 @@ def test_each_tensor_parallel_rank_loads_from_the_prefill_rank_of_its_number() -
     decode.update_state_after_alloc(req, blocks([1, 2, 3]), 39)
     spec = decode.build_connector_meta().reqs_to_recv["two"]
     assert [spec.endpoint_for(r) for r in (0, 1)] == ["tcp://p:1", "tcp://p:2"]
+    assert [spec.reader(r) for r in (0, 1)] == [(0, 1), (0, 1)]
     four = TEConnectorScheduler("d4", BLOCK, wall_clock=wall, tp_size=4)
-    assert four.get_num_new_matched_tokens(request("four", dict(params)), 0) == (0, False)
-    assert "tensor-parallel" in four.refused["four"]
+    assert four.get_num_new_matched_tokens(request("four", dict(params)), 0) == (39, False)
+    four.update_state_after_alloc(request("four", dict(params)), blocks([1, 2, 3]), 39)
+    spec4 = four.build_connector_meta().reqs_to_recv["four"]
+    assert [spec4.endpoint_for(r) for r in range(4)] == ["tcp://p:1"] * 2 + ["tcp://p:2"] * 2
+    assert [spec4.reader(r) for r in range(4)] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    for size in (1, 3):  # more prefill ranks than decode ones, or not a divisor
+        other = TEConnectorScheduler(f"d{size}", BLOCK, wall_clock=wall, tp_size=size)
+        assert other.get_num_new_matched_tokens(request("o", dict(params)), 0) == (0, False)
+        assert "must divide" in other.refused["o"]
     single = dict(params)
     del single["remote_endpoints"]
     assert decode.get_num_new_matched_tokens(request("one", single), 0) == (0, False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import random
 from typing import Any
 
@@ -17,6 +18,8 @@ from transfer_engine.layout import (
     block_extents,
     block_major_layout,
     block_runs,
+    head_pieces,
+    head_split,
     kv_blocks,
     pair_runs,
     pairs_for_blocks,
@@ -487,3 +490,54 @@ def test_pair_runs_merge_ids_that_go_up_together() -> None:
     assert pair_runs([1, 2, 3], [7, 9, 10]) == [(1, 7, 1), (2, 9, 2)]  # remote jumps
     with pytest.raises(ValueError):
         pair_runs([1, 2], [1])
+
+
+def _with_heads(a: np.ndarray, block_dim: int, kv_dim: int | None, heads_dim: int
+                ) -> BlockLayout:
+    lay = BlockLayout.from_strides(a.shape, a.strides, a.itemsize, block_dim=block_dim,
+                                   kv_dim=kv_dim, dtype=str(a.dtype))
+    split = head_split(a.shape, a.strides, a.itemsize, heads_dim, lay.block_bytes)
+    assert split is not None
+    return dataclasses.replace(lay, heads=split)
+
+
+@pytest.mark.parametrize("shape,block_dim,kv_dim,heads_dim", [
+    ((2, 10, 16, 4, 8), 1, 0, 3),  # vLLM's GPU layout: a head is a piece per token
+    ((10, 4, 16, 16), 0, None, 1),  # its CPU layout: a head is one run per block
+], ids=["gpu-layout", "cpu-layout"])
+def test_head_pieces_read_a_slice_of_another_ranks_heads(
+        shape: tuple[int, ...], block_dim: int, kv_dim: int | None, heads_dim: int) -> None:
+    """A rank holding heads first..first+count of a block takes exactly those out of
+    a peer's block holding all of them: byte-for-byte what slicing the tensor gives."""
+    full = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+    big = _with_heads(full, block_dim, kv_dim, heads_dim)
+    src = full.view(np.uint8).reshape(-1)
+    for first, count in ((0, 2), (2, 2), (1, 1), (3, 1), (0, 4)):
+        want = np.ascontiguousarray(np.take(full, range(first, first + count),
+                                            axis=heads_dim))
+        got = np.full_like(want, np.nan)
+        small = _with_heads(got, block_dim, kv_dim, heads_dim)
+        loffs, roffs, n = head_pieces(small, big, 0, first, count)
+        dst = got.view(np.uint8).reshape(-1)
+        for b in range(small.num_blocks):
+            for p in range(len(small.parts)):
+                lb, rb = small.offset(b, p), big.offset(b, p)
+                for lo, ro in zip(loffs.tolist(), roffs.tolist(), strict=True):
+                    dst[lb + lo:lb + lo + n] = src[rb + ro:rb + ro + n]
+        assert np.array_equal(got, want)
+
+
+def test_head_pieces_refuse_what_does_not_line_up() -> None:
+    a = np.zeros((2, 10, 16, 4, 8), dtype=np.float32)
+    big = _with_heads(a, 1, 0, 3)
+    small = _with_heads(np.zeros((2, 10, 16, 2, 8), dtype=np.float32), 1, 0, 3)
+    with pytest.raises(ValueError, match="heads 0..2 of 2 here, 3..5 of 4 there"):
+        head_pieces(small, big, 0, 3, 2)
+    other_dim = _with_heads(np.zeros((2, 10, 16, 2, 4), dtype=np.float32), 1, 0, 3)
+    with pytest.raises(ValueError, match="laid out differently"):
+        head_pieces(other_dim, big, 0, 0, 2)
+    with pytest.raises(ValueError, match="not known"):
+        head_pieces(dataclasses.replace(small, heads=None), big, 0, 0, 2)
+    with pytest.raises(ValueError, match="do not make a part"):
+        dataclasses.replace(small, heads=(16, 3, 32))
+    assert BlockLayout.from_wire(big.to_wire()) == big

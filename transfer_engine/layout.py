@@ -33,8 +33,9 @@ from transfer_engine.errors import InvalidDescriptorError
 if TYPE_CHECKING:
     from transfer_engine.segment import RemoteSegment, Segment
 
-__all__ = ["BlockLayout", "vllm_gpu_layout", "block_major_layout", "vllm_cpu_layout",
-           "block_runs", "block_extents", "pair_runs", "pairs_for_blocks", "kv_blocks"]
+__all__ = ["BlockLayout", "head_split", "head_pieces", "vllm_gpu_layout",
+           "block_major_layout", "vllm_cpu_layout", "block_runs", "block_extents",
+           "pair_runs", "pairs_for_blocks", "kv_blocks"]
 
 # (logical rank among the block's interior dims, size), in memory order (outer first)
 PartShape = tuple[tuple[int, int], ...]
@@ -54,6 +55,11 @@ class BlockLayout:
     :param part_shape: memory-order shape of one part, checked between peers when both
         know it (``None``: not checked).
     :param dtype: element type name, checked between peers when both know it.
+    :param heads: ``(outer, count, unit)`` where a part's bytes are ``outer`` runs of
+        ``count`` attention heads of ``unit`` contiguous bytes each (``outer`` 1 when the
+        heads are the part's outermost dimension, as in vLLM's CPU layout; the block's
+        tokens in its GPU layout): what lets a peer holding other heads of the same
+        model take a slice of them (:func:`head_pieces`). None: not known.
 
     Blocks never overlap each other or another part (checked here).
     """
@@ -65,8 +71,14 @@ class BlockLayout:
     segment_offset: int = 0
     part_shape: PartShape | None = None
     dtype: str | None = None
+    heads: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
+        if self.heads is not None and (
+                min(self.heads) < 1
+                or self.heads[0] * self.heads[1] * self.heads[2] != self.block_bytes):
+            raise ValueError(f"heads {self.heads} (outer, count, unit bytes) do not make "
+                             f"a part of {self.block_bytes} bytes")
         if self.num_blocks < 1:
             raise ValueError(f"a layout needs at least one block, got {self.num_blocks}")
         if self.block_bytes < 1:
@@ -136,17 +148,22 @@ class BlockLayout:
                 "segment_offset": self.segment_offset,
                 "part_shape": None if self.part_shape is None
                 else [list(d) for d in self.part_shape],
-                "dtype": self.dtype}
+                "dtype": self.dtype,
+                "heads": None if self.heads is None else list(self.heads)}
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> BlockLayout:
         shape = data.get("part_shape")
         dtype = data.get("dtype")
+        heads = data.get("heads")
+        if heads is not None and (not isinstance(heads, list | tuple) or len(heads) != 3):
+            raise ValueError(f"heads must be (outer, count, unit), got {heads!r:.40}")
         return cls(int(data["num_blocks"]), int(data["block_stride"]),
                    int(data["block_bytes"]), tuple(int(p) for p in data["parts"]),
                    int(data.get("segment_offset", 0)),
                    None if shape is None else tuple((int(r), int(n)) for r, n in shape),
-                   None if dtype is None else str(dtype))
+                   None if dtype is None else str(dtype),
+                   None if heads is None else (int(heads[0]), int(heads[1]), int(heads[2])))
 
     @classmethod
     def from_strides(cls, shape: Sequence[int], strides: Sequence[int], itemsize: int, *,
@@ -220,6 +237,49 @@ class BlockLayout:
         return cls.from_strides(shape, strides, itemsize, block_dim=block_dim,
                                 kv_dim=kv_dim, segment_offset=segment_offset,
                                 dtype=_dtype_name(t))
+
+
+def head_split(shape: Sequence[int], strides: Sequence[int], itemsize: int,
+               heads_dim: int, block_bytes: int) -> tuple[int, int, int] | None:
+    """``(outer, count, unit)`` of a dense block part whose heads are dimension
+    ``heads_dim`` of a tensor of ``shape``/``strides`` (bytes): the dims of the part
+    with a larger stride multiply into ``outer``, those with a smaller one into
+    ``unit``. None where the dims do not make such a part (a block or K/V dimension
+    given as the heads one, say)."""
+    count = int(shape[heads_dim])
+    unit = int(strides[heads_dim]) if count > 1 else 0
+    if count == 1:  # a lone head's stride says nothing; the dense dims after it do
+        unit = itemsize
+        for d, n in enumerate(shape):
+            if d > heads_dim and n > 1 and strides[d] < block_bytes:
+                unit *= int(n)
+    if unit < 1 or block_bytes % (count * unit):
+        return None
+    return block_bytes // (count * unit), count, unit
+
+
+def head_pieces(local: BlockLayout, remote: BlockLayout, local_first: int,
+                remote_first: int, count: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Where heads ``local_first .. +count`` of a local block part and heads
+    ``remote_first .. +count`` of a remote one lie, relative to the part's start: the
+    pieces' local offsets, remote offsets and their common length. Raises
+    ``ValueError`` saying why the two layouts cannot trade heads."""
+    if local.heads is None or remote.heads is None:
+        raise ValueError("the heads of a block are not known on both sides")
+    (lo, lc, lu), (ro, rc, ru) = local.heads, remote.heads
+    if (lo, lu) != (ro, ru) or len(local.parts) != len(remote.parts) or (
+            local.dtype is not None and remote.dtype is not None
+            and local.dtype != remote.dtype):
+        raise ValueError(f"heads laid out differently: {lo} x heads x {lu} bytes, "
+                         f"{len(local.parts)} parts, {local.dtype} here; {ro} x heads x "
+                         f"{ru} bytes, {len(remote.parts)} parts, {remote.dtype} there")
+    if count < 1 or local_first < 0 or remote_first < 0 or local_first + count > lc \
+            or remote_first + count > rc:
+        raise ValueError(f"heads {local_first}..{local_first + count} of {lc} here, "
+                         f"{remote_first}..{remote_first + count} of {rc} there")
+    outer = np.arange(lo, dtype=np.int64)
+    return (outer * (lc * lu) + local_first * lu, outer * (rc * ru) + remote_first * ru,
+            count * lu)
 
 
 def _dim(d: int, ndim: int, what: str) -> int:

@@ -18,8 +18,9 @@ Who calls what, in which order (S = scheduler side, W = worker side)::
                                      layer, block addresses from the tensor's strides)
                                      and a small manifest segment: protocol version,
                                      compatibility hash (model, dtype, block size,
-                                     layout, tensor-parallel size and rank) and every
-                                     layer's block layout
+                                     layout, the model's KV heads), which heads this
+                                     rank holds, and every layer's block layout
+                                     (where a block's heads lie in it included)
     prefill W  get_handshake_metadata -> endpoint, engine name, version, hash
     prefill S  set_xfer_handshake_metadata   learns every rank's worker endpoint
     proxy      request to prefill with kv_transfer_params={"do_remote_decode": True},
@@ -27,8 +28,9 @@ Who calls what, in which order (S = scheduler side, W = worker side)::
     prefill S  request_finished      holds the request's blocks (returns True) and
                                      answers kv_transfer_params: remote_endpoint,
                                      remote_endpoints (every rank's, in rank order;
-                                     decode rank r loads from prefill rank r, and a
-                                     decode of another size refuses them),
+                                     decode rank r of D loads its heads from prefill
+                                     rank r*P//D of P, and a decode whose size P does
+                                     not divide refuses them),
                                      remote_engine_id, remote_request_id,
                                      remote_block_ids, remote_num_tokens, lease_expiry
                                      (wall clock, seconds since the epoch),
@@ -61,8 +63,9 @@ Who calls what, in which order (S = scheduler side, W = worker side)::
                                      load "async": returns at once; a slow or dead peer
                                      never stalls the forward, and the request is
                                      admitted at the step after its READ ends
-    prefill W  (notification)        the blocks were read: report finished_sending,
-                                     vLLM frees them; or the lease ran out: the same
+    prefill W  (notification)        the blocks were read (by every decode rank
+                                     reading them): report finished_sending, vLLM
+                                     frees them; or the lease ran out: the same
     decode W   get_transfer_results  (async) finished_recving; a failed READ is also
                                      in failed_recving and its blocks in
                                      get_block_ids_with_load_errors, so vLLM

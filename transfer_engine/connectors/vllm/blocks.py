@@ -3,16 +3,18 @@ found from the tensor's strides alone), and the order a layered load reads layer
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from transfer_engine.layout import BlockLayout
+from transfer_engine.layout import BlockLayout, head_split
 
-__all__ = ["allocation", "layer_groups", "layout_signature", "vllm_layout"]
+__all__ = ["allocation", "head_range", "layer_groups", "layout_signature", "vllm_layout"]
 
 
 def vllm_layout(shape: Sequence[int], strides: Sequence[int], itemsize: int,
-                num_blocks: int, dtype: str | None = None) -> BlockLayout:
+                num_blocks: int, dtype: str | None = None,
+                kv_heads: int | None = None) -> BlockLayout:
     """The block layout of a KV tensor of ``shape``/``strides`` (in elements) holding
     ``num_blocks`` blocks, whatever the attention backend put where.
 
@@ -20,7 +22,8 @@ def vllm_layout(shape: Sequence[int], strides: Sequence[int], itemsize: int,
     size 2 is K/V and ``num_blocks`` is 2 too, the later one). A dimension with a larger
     stride than a block's is K/V (its entries are the layout's parts); the others are
     the block's interior, which must be dense. Raises ``ValueError`` naming what does
-    not fit.
+    not fit. With ``kv_heads`` (this worker's), the one interior dimension of that size
+    is the heads one (``BlockLayout.heads``); none or several such: heads unknown.
     """
     shape, strides = [int(n) for n in shape], [int(s) for s in strides]
     if len(shape) != len(strides):
@@ -35,9 +38,28 @@ def vllm_layout(shape: Sequence[int], strides: Sequence[int], itemsize: int,
     if len(outer) > 1:
         raise ValueError(f"tensor of shape {tuple(shape)}, strides {tuple(strides)}: "
                          f"dimensions {outer} both lie outside a block; one (K/V) can")
-    return BlockLayout.from_strides(shape, [s * itemsize for s in strides], itemsize,
-                                    block_dim=block_dim,
-                                    kv_dim=outer[0] if outer else None, dtype=dtype)
+    byte_strides = [s * itemsize for s in strides]
+    layout = BlockLayout.from_strides(shape, byte_strides, itemsize, block_dim=block_dim,
+                                      kv_dim=outer[0] if outer else None, dtype=dtype)
+    if kv_heads is None:
+        return layout
+    inside = [d for d, n in enumerate(shape) if n == kv_heads and d != block_dim
+              and d not in outer and (n > 1 or d > block_dim)]
+    split = (head_split(shape, byte_strides, itemsize, inside[0], layout.block_bytes)
+             if len(inside) == 1 else None)
+    return dataclasses.replace(layout, heads=split) if split else layout
+
+
+def head_range(rank: int, tp_size: int, local: int, total: int) -> tuple[int, int] | None:
+    """The model's KV heads ``(first, count)`` that tensor-parallel ``rank`` of
+    ``tp_size`` holds, ``local`` of ``total``: a slice of its own, or one head shared
+    with other ranks where the model has fewer heads than ranks. None where the numbers
+    fit neither."""
+    if local * tp_size == total:
+        return rank * local, local
+    if local == 1 and total < tp_size and tp_size % total == 0:
+        return rank * total // tp_size, 1
+    return None
 
 
 def allocation(tensor: Any, extent: int) -> tuple[int, int]:
@@ -58,6 +80,9 @@ def layout_signature(layout: BlockLayout) -> str:
     """What must match between two layers for their blocks to be copied byte for byte
     (the element type, a part's shape in memory order, and the number of parts), as a
     string both sides put in their compatibility hash."""
+    if layout.heads is not None:  # any count of heads: peers may hold others
+        outer, _, unit = layout.heads
+        return f"{layout.dtype}[{outer}xheadsx{unit}B]x{len(layout.parts)}"
     shape = "x".join(str(n) for _, n in layout.part_shape or ())
     return f"{layout.dtype}[{shape}]x{len(layout.parts)}"
 

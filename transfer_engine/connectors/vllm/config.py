@@ -18,9 +18,15 @@ from transfer_engine.transport.stream.process import serve_mode
 #   4: params list every prefill rank's endpoint (remote_endpoints); each decode rank
 #      loads from the prefill rank of its own number, and the manifest's compat names
 #      the rank (tp_rank), so a rank never loads another rank's heads.
-PROTOCOL_VERSION = 4
+#   5: tensor-parallel sizes may differ (decode's a multiple of prefill's): the manifest
+#      says which of the model's KV heads a worker holds and where a block's heads lie,
+#      and a decode rank reads its heads' slice of a prefill rank's blocks; a prefill
+#      rank read by several decode ranks frees its blocks once each has said so.
+PROTOCOL_VERSION = 5
 MANIFEST_SEGMENT = "te-vllm/manifest"
 SENT_PREFIX = b"te-vllm/sent:"  # notification: the reader has every byte of a request
+# ... one of several readers (decode ranks reading slices of one prefill rank's blocks)
+SENT_OF_PREFIX = b"te-vllm/sent-of:"
 
 
 def _all_cpus() -> set[int]:

@@ -48,6 +48,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _kv_heads(model_config: Any, parallel_config: Any) -> tuple[int, int] | None:
+    """(this rank's KV heads, the model's), or None where there are none to split (an
+    MLA latent cache, the same on every rank) or the model does not say."""
+    if getattr(model_config, "use_mla", False):
+        return None
+    try:
+        return (int(model_config.get_num_kv_heads(parallel_config)),
+                int(model_config.get_total_num_kv_heads()))
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 class TransferEngineConnector(KVConnectorBase_V1):
     """vLLM's entry point: forwards to :class:`TEConnectorScheduler` (SCHEDULER role)
     or :class:`TEConnectorWorker` (WORKER role)."""
@@ -91,13 +103,16 @@ class TransferEngineConnector(KVConnectorBase_V1):
             config = self.config
             if config.port:
                 config = dataclasses.replace(config, port=config.port + rank)
-            mc = vllm_config.model_config
+            mc, pc = vllm_config.model_config, vllm_config.parallel_config
+            kv_heads = _kv_heads(mc, pc)
+            # which heads a rank holds is checked apart (worker placement), so ranks of
+            # prefill and decode of other tensor-parallel sizes may trade them
             compat = {"model": str(mc.model), "dtype": str(mc.dtype),
-                      "block_size": block_size, "tp_rank": rank,
-                      "tp_size": vllm_config.parallel_config.tensor_parallel_size}
+                      "block_size": block_size,
+                      "kv_heads": kv_heads[1] if kv_heads else None}
             self.worker = TEConnectorWorker(
                 f"vllm-{self.engine_id}-tp{rank}-{next(self._ids)}", config, compat,
-                rank=rank)
+                rank=rank, tp_size=int(pc.tensor_parallel_size), kv_heads=kv_heads)
 
     # worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -35,11 +35,21 @@ class RecvSpec:
     lease_expiry: float = math.inf  # wall clock: the blocks are the peer's after this
     sync: bool = False  # loaded before this step's forward, which computes with it
     remote_endpoints: tuple[str, ...] = ()  # every prefill rank's, in rank order
+    decode_tp: int = 1  # this decode's tensor-parallel ranks (a multiple of prefill's)
 
     def endpoint_for(self, rank: int) -> str:
-        """Where tensor-parallel rank ``rank`` loads from: the prefill rank of its own
-        number (its KV heads), or the one endpoint given."""
-        return self.remote_endpoints[rank] if self.remote_endpoints else self.remote_endpoint
+        """Where tensor-parallel rank ``rank`` loads from: the prefill rank that holds
+        its KV heads (of its own number where both sides run as many ranks), or the one
+        endpoint given."""
+        if not self.remote_endpoints:
+            return self.remote_endpoint
+        return self.remote_endpoints[rank * len(self.remote_endpoints) // self.decode_tp]
+
+    def reader(self, rank: int) -> tuple[int, int]:
+        """``(k, n)``: rank ``rank`` is reader ``k`` of the ``n`` decode ranks that read
+        slices of one prefill rank's blocks."""
+        n = max(1, self.decode_tp // max(1, len(self.remote_endpoints)))
+        return rank % n, n
 
 
 @dataclass
@@ -115,8 +125,9 @@ def _endpoint(value: Any, key: str) -> str:
 
 
 def _endpoints(params: dict[str, Any], tp_size: int) -> tuple[str, ...]:
-    """Every prefill rank's endpoint, one per decode rank: tensor parallel sizes must
-    match (a rank holds the KV heads of its number)."""
+    """Every prefill rank's endpoint: as many as this decode's ranks, or fewer that
+    divide them (each decode rank reads its heads from the prefill rank holding them;
+    more prefill ranks than decode ones would need several reads per rank, not done)."""
     listed = params.get("remote_endpoints")
     if listed is None:
         if tp_size > 1:
@@ -125,9 +136,10 @@ def _endpoints(params: dict[str, Any], tp_size: int) -> tuple[str, ...]:
         return ()
     if not isinstance(listed, list) or not 0 < len(listed) <= MAX_TP:
         raise ValueError(f"remote_endpoints must list 1 to {MAX_TP} endpoints")
-    if len(listed) != tp_size:
+    if len(listed) > tp_size or tp_size % len(listed):
         raise ValueError(f"prefill runs {len(listed)} tensor-parallel ranks, this decode "
-                         f"{tp_size}: KV heads split differently are not loaded")
+                         f"{tp_size}: a decode rank loads its KV heads from one prefill "
+                         "rank, so prefill's ranks must divide decode's")
     return tuple(_endpoint(e, "a remote endpoint") for e in listed)
 
 

@@ -20,23 +20,76 @@ from transfer_engine.connectors.vllm.metadata import RecvSpec
 from transfer_engine.descriptor import Blocks, Descriptor
 from transfer_engine.engine import Engine
 from transfer_engine.errors import ProtocolError
-from transfer_engine.layout import BlockLayout, pair_runs
+from transfer_engine.layout import BlockLayout, head_pieces, pair_runs
 from transfer_engine.peer import Peer
 from transfer_engine.segment import RemoteSegment, Segment
 
-__all__ = ["Layers", "RemoteKV", "RemotePeers", "manifest"]
+__all__ = ["Layers", "Placement", "RemoteKV", "RemotePeers", "manifest"]
 
 Layers = Mapping[str, tuple[Segment, BlockLayout]]  # layer -> (its segment, its layout)
 # a manifest is a few hundred bytes per layer; a peer that claims more is not read
 MAX_MANIFEST_BYTES = 4 << 20
 
 
-def manifest(layers: Layers, compat: dict[str, Any]) -> bytes:
+@dataclass(frozen=True)
+class Placement:
+    """Which of the model's KV heads a worker holds: tensor-parallel rank ``tp_rank`` of
+    ``tp_size``, heads ``first .. first + count`` (``heads`` None: not known)."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    heads: tuple[int, int] | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"tp_rank": self.tp_rank, "tp_size": self.tp_size,
+                "heads": None if self.heads is None else list(self.heads)}
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Placement:
+        heads = data.get("heads")
+        if heads is not None:
+            first, count = (int(h) for h in heads)
+            if first < 0 or count < 1:
+                raise ValueError(f"heads {heads!r:.40}")
+            heads = (first, count)
+        return cls(int(data["tp_rank"]), int(data["tp_size"]), heads)
+
+
+def manifest(layers: Layers, compat: dict[str, Any], placement: Placement = Placement()
+             ) -> bytes:
     """What a worker publishes in its ``MANIFEST_SEGMENT`` for decoders to check and
     plan their READs by."""
     return bytes(msgpack.packb({
         "version": PROTOCOL_VERSION, "compat": compat, "hash": compat_hash(compat),
+        "placement": placement.to_wire(),
         "layers": {n: [seg.name, layout.to_wire()] for n, (seg, layout) in layers.items()}}))
+
+
+def _head_slices(ours: Placement, theirs: Placement, layers: Layers,
+                 remote: dict[str, tuple[str, BlockLayout]]
+                 ) -> dict[str, tuple[np.ndarray, np.ndarray, int]] | None:
+    """The pieces of each layer's block parts to read where the peer holds other heads
+    than ours (None: the same ones, read whole); raises ``ValueError`` saying why our
+    heads cannot be read there."""
+    if ours.heads is None or theirs.heads is None:
+        if (ours.tp_rank, ours.tp_size) != (theirs.tp_rank, theirs.tp_size):
+            raise ValueError(f"tensor-parallel rank {ours.tp_rank} of {ours.tp_size} here, "
+                             f"{theirs.tp_rank} of {theirs.tp_size} there, and which KV "
+                             "heads each holds is not known")
+        return None
+    if ours.heads == theirs.heads:
+        return None
+    (first, count), (rfirst, rcount) = ours.heads, theirs.heads
+    if not (rfirst <= first and first + count <= rfirst + rcount):
+        raise ValueError(f"we hold KV heads {first}..{first + count}, the peer "
+                         f"{rfirst}..{rfirst + rcount}")
+    out = {}
+    for name, (_, layout) in layers.items():
+        rlayout = remote[name][1]
+        if layout.heads is None or layout.heads[1] != count:
+            raise ValueError(f"layer {name!r}: where its {count} heads lie is not known")
+        out[name] = head_pieces(layout, rlayout, 0, first - rfirst, count)
+    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,15 +114,19 @@ class RemoteKV:
 
     peer: Peer
     layouts: dict[str, tuple[str, BlockLayout]]  # layer -> (segment name, layout)
+    # layer -> where our heads lie in a block part here and there (None: whole parts)
+    slices: dict[str, tuple[np.ndarray, np.ndarray, int]] | None = None
     # layers (None: all) -> their parts, grouped by segment pair (see _parts)
     _cache: dict[tuple[str, ...] | None, list[_Parts]] = dataclasses.field(
         default_factory=dict)
 
     @classmethod
     def connect(cls, engine: Engine, endpoint: str, layers: Layers,
-                compat: dict[str, Any], timeout: float) -> RemoteKV:
+                compat: dict[str, Any], timeout: float,
+                placement: Placement = Placement()) -> RemoteKV:
         """Connects to the worker at ``endpoint``, reads its manifest and checks it
-        against ours (``layers``, ``compat``); raises ``ProtocolError`` naming the
+        against ours (``layers``, ``compat``, ``placement``: the heads we hold, read
+        whole or sliced out of the peer's blocks); raises ``ProtocolError`` naming the
         mismatch."""
         peer = engine.connect(endpoint, timeout=timeout)
         mseg = peer.segment(MANIFEST_SEGMENT)
@@ -89,20 +146,33 @@ class RemoteKV:
                                     peer=peer.name)
             remote = {n: (str(v[0]), BlockLayout.from_wire(v[1]))
                       for n, v in data["layers"].items()}
-        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+            where = Placement.from_wire(data.get("placement") or {"tp_rank": 0,
+                                                                  "tp_size": 1})
+        except (ValueError, KeyError, TypeError, AttributeError,
+                msgpack.UnpackException) as exc:
             raise ProtocolError(f"malformed KV manifest: {exc}", peer=peer.name) from exc
         if data.get("hash") != compat_hash(compat):
             raise ProtocolError("incompatible KV caches, refusing to transfer: "
                                 + describe_mismatch(compat, theirs), peer=peer.name)
-        for name, (seg_name, layout) in remote.items():
+        for name, (seg_name, _) in remote.items():
             if name not in layers:
                 raise ProtocolError(f"peer has layer {name!r}, we do not", peer=peer.name)
-            why = layers[name][1].compatible(layout)
-            if why is not None:
-                raise ProtocolError(f"layer {name!r} cannot take the peer's blocks: {why}",
-                                    peer=peer.name)
             peer.segment(seg_name)  # known now, so building a READ asks nothing
-        return cls(peer, remote)
+        if set(layers) != set(remote):
+            raise ProtocolError(f"peer lacks layers {sorted(set(layers) - set(remote))}",
+                                peer=peer.name)
+        try:
+            slices = _head_slices(placement, where, layers, remote)
+        except ValueError as exc:
+            raise ProtocolError(f"cannot read our KV heads there: {exc}",
+                                peer=peer.name) from None
+        if slices is None:
+            for name, (_, layout) in remote.items():
+                why = layers[name][1].compatible(layout)
+                if why is not None:
+                    raise ProtocolError(f"layer {name!r} cannot take the peer's blocks: "
+                                        f"{why}", peer=peer.name)
+        return cls(peer, remote, slices)
 
     def check_ids(self, layers: Layers, spec: RecvSpec) -> None:
         """Every block id of a load, local and remote, inside every layer."""
@@ -129,12 +199,21 @@ class RemoteKV:
             seg, layout = layers[name]
             rname, rlayout = self.layouts[name]
             rseg = self.peer.segment(rname)
-            runs = layout.contiguous and rlayout.contiguous
+            sliced = self.slices[name] if self.slices is not None else None
+            runs = layout.contiguous and rlayout.contiguous and sliced is None
             entry = rows.setdefault((id(seg), id(rseg), runs), (seg, rseg, []))
             for loff, roff in zip(layout.parts, rlayout.parts, strict=True):
-                entry[2].append((layout.segment_offset + loff, layout.block_stride,
-                                 rlayout.segment_offset + roff, rlayout.block_stride,
-                                 layout.block_bytes))
+                if sliced is None:
+                    entry[2].append((layout.segment_offset + loff, layout.block_stride,
+                                     rlayout.segment_offset + roff, rlayout.block_stride,
+                                     layout.block_bytes))
+                    continue
+                for lpiece, rpiece in zip(sliced[0].tolist(), sliced[1].tolist(),
+                                          strict=True):  # our heads' pieces of the part
+                    entry[2].append((layout.segment_offset + loff + lpiece,
+                                     layout.block_stride,
+                                     rlayout.segment_offset + roff + rpiece,
+                                     rlayout.block_stride, sliced[2]))
         got = []
         for (_, _, runs), (seg, rseg, parts) in rows.items():
             cols = np.array(parts, dtype=np.int64).reshape(-1, 5).T[:, :, None]
@@ -159,7 +238,8 @@ class RemoteKV:
             if p.runs:
                 lb, rb, count = runs[0], runs[1], p.length * runs[2]
             else:
-                (lb, rb), count = single, np.broadcast_to(p.length, (len(p.length), len(lb)))
+                lb, rb = single
+                count = np.broadcast_to(p.length, (len(p.length), len(lb)))
             out.append(Blocks(p.local, p.remote, (p.local_base + lb * p.local_stride).ravel(),
                               (p.remote_base + rb * p.remote_stride).ravel(), count.ravel()))
         return out
@@ -181,7 +261,8 @@ class RemotePeers:
         return self._known.get(endpoint)
 
     def handshake(self, engine: Engine, endpoint: str, layers: Layers,
-                  compat: dict[str, Any], timeout: float) -> Future[RemoteKV]:
+                  compat: dict[str, Any], timeout: float,
+                  placement: Placement = Placement()) -> Future[RemoteKV]:
         """The handshake with ``endpoint``: the one under way, or a new one."""
         fut = self._handshakes.get(endpoint)
         if fut is None:
@@ -190,7 +271,7 @@ class RemotePeers:
                     max_workers=4, thread_name_prefix=f"te-vllm-handshake-{self._name}",
                     initializer=self._initializer)
             fut = self._executor.submit(RemoteKV.connect, engine, endpoint, layers,
-                                        compat, timeout)
+                                        compat, timeout, placement)
             self._handshakes[endpoint] = fut
         return fut
 

@@ -261,7 +261,7 @@ class TEConnectorScheduler:
         self._recv[request.request_id] = RecvSpec(
             request.request_id, [b.block_id for b in group[cached:end]], remote[cached:end],
             parsed.endpoint, parsed.engine_id, parsed.request_id, parsed.lease_expiry,
-            sync=self.sync_load, remote_endpoints=parsed.endpoints)
+            sync=self.sync_load, remote_endpoints=parsed.endpoints, decode_tp=self.tp_size)
 
     def _consume(self, key: tuple[str, str], rid: str, lease_expiry: float) -> None:
         """Remembers a hand-over as used until its lease ends (bounded: the oldest go

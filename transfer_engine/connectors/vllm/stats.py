@@ -6,6 +6,7 @@ workers, logs a summary with its throughput line and exports them to Prometheus
 from __future__ import annotations
 
 import copy
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,29 @@ TIMES = (
      "in a step with sync loads, how long its forward waited for their KV, before it "
      "and at each layer"),
 )
+def worker_counters() -> dict[str, Any]:
+    """A worker's cumulative counters (those INTERVAL_COUNTS reports the changes of)
+    and its latest load times."""
+    out: dict[str, Any] = dict.fromkeys(INTERVAL_COUNTS.values(), 0)
+    out["recv_seconds"] = deque(maxlen=1024)
+    return out
+
+
+def interval(counters: dict[str, Any], reported: dict[str, int],
+             times: dict[str, deque[float]]) -> dict[str, Any] | None:
+    """The change of ``counters`` since ``reported`` (then brought up to date) and the
+    ``times`` observed since (then cleared), or None when nothing happened."""
+    out: dict[str, Any] = {}
+    for key, stat in INTERVAL_COUNTS.items():
+        value = int(counters[stat])
+        out[key] = value - reported[stat]
+        reported[stat] = value
+    for key, seen in times.items():
+        out[key] = list(seen)
+        seen.clear()
+    return out if any(out.values()) else None
+
+
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 

@@ -7,8 +7,9 @@ block hashes where the request has them at this block size (they also cover LoRA
 multimodal inputs and cache salts), otherwise :func:`kvstore.block_hashes` over the
 token ids. A block is stored as one value per *piece* (one layer's K or V of one tensor
 parallel rank): a piece's key mixes the block's key with its label, which starts with
-the worker's compatibility hash (model, dtype, block size, TP size, layouts), so
-different models or layouts never share a key.
+the worker's compatibility hash (model, dtype, block size, KV heads, layouts) and its
+tensor-parallel rank and size, so different models, layouts or splits of the heads
+never share a key.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from kvstore.client import Client
 from transfer_engine.connectors.compat import compat_hash
 from transfer_engine.connectors.vllm.blocks import (
     allocation,
+    head_range,
     layer_groups,
     layout_signature,
     vllm_layout,
@@ -32,7 +33,6 @@ from transfer_engine.connectors.vllm.blocks import (
 from transfer_engine.connectors.vllm.config import (
     MANIFEST_SEGMENT,
     PROTOCOL_VERSION,
-    SENT_PREFIX,
     TEConnectorConfig,
     unpin_current_thread,
     unpinned,
@@ -41,8 +41,14 @@ from transfer_engine.connectors.vllm.metadata import (
     RecvSpec,
     TEHandshakeMetadata,
 )
-from transfer_engine.connectors.vllm.remote import RemoteKV, RemotePeers, manifest
-from transfer_engine.connectors.vllm.stats import INTERVAL_COUNTS, TIMES
+from transfer_engine.connectors.vllm.remote import Placement, RemoteKV, RemotePeers, manifest
+from transfer_engine.connectors.vllm.sent import SentNotes, sent_note
+from transfer_engine.connectors.vllm.stats import (
+    INTERVAL_COUNTS,
+    TIMES,
+    interval,
+    worker_counters,
+)
 from transfer_engine.connectors.vllm.store import StoreIO, StoreJobs, StoreLoad, StoreSave
 from transfer_engine.descriptor import Descriptor
 from transfer_engine.engine import Engine
@@ -60,9 +66,7 @@ from transfer_engine.segment import Segment
 
 log = logging.getLogger(__name__)
 
-
 _WORKERS: weakref.WeakSet[TEConnectorWorker] = weakref.WeakSet()
-
 
 
 def live_workers() -> list[TEConnectorWorker]:
@@ -95,13 +99,19 @@ class TEConnectorWorker:
     :param clock: monotonic clock for leases held here (tests pass a fake one).
     :param wall_clock: ``time.time``-like clock the peers' lease expiries are read by.
     :param rank: tensor parallel rank (store mode keys each rank's pieces apart).
+    :param tp_size: tensor parallel ranks; ``kv_heads``: (this rank's KV heads, the
+        model's), where known (a decode rank then reads its heads out of the blocks of
+        a prefill rank holding more).
     """
 
     def __init__(self, engine_name: str, config: TEConnectorConfig,
                  compat: dict[str, Any], clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time, rank: int = 0) -> None:
+                 wall_clock: Callable[[], float] = time.time, rank: int = 0,
+                 tp_size: int = 1, kv_heads: tuple[int, int] | None = None) -> None:
         self.engine_name = engine_name
-        self.rank = rank
+        self.rank, self._tp, self._kv_heads = rank, tp_size, kv_heads
+        self.placement = Placement(rank, tp_size, kv_heads and head_range(rank, tp_size,
+                                                                          *kv_heads))
         self.config = config
         self.compat = dict(compat)
         self._clock = clock
@@ -114,19 +124,12 @@ class TEConnectorWorker:
         self._recving: dict[str, _Recv] = {}
         self._sending: dict[str, float] = {}  # request id -> lease deadline
         self._sent_early: set[str] = set()  # notified before its metadata arrived
+        self._notes = SentNotes()  # readers heard from, per request
         self._failed_blocks: set[int] = set()
         self._lock = threading.Lock()
         self._store_client: Client | None = None
-        self.stats: dict[str, Any] = {"recv_requests": 0, "recv_failed": 0,
-                                      "recv_bytes": 0,
-                                      "recv_seconds": deque(maxlen=1024),  # latest
-                                      "held_requests": 0, "sent_requests": 0,
-                                      "lease_expired": 0,
-                                      "store_loads": 0, "store_load_failed": 0,
-                                      "store_load_bytes": 0, "store_saves": 0,
-                                      "store_save_failed": 0, "store_save_bytes": 0,
-                                      "recv_sync": 0, "recv_layered": 0}
-        self._reported = {k: 0 for k in INTERVAL_COUNTS.values()}  # by interval_stats
+        self.stats = worker_counters()
+        self._reported = dict.fromkeys(INTERVAL_COUNTS.values(), 0)  # by interval_stats
         self._times: dict[str, deque[float]] = {  # since the last interval_stats
             key: deque(maxlen=4096) for key, _, _ in TIMES}
         self._held_at: dict[str, float] = {}  # request id -> when prefill held it
@@ -159,7 +162,8 @@ class TEConnectorWorker:
         seen: dict[int, Segment] = {}
         for name, tensor in kv_caches.items():
             layout = vllm_layout(tuple(tensor.shape), tuple(tensor.stride()),
-                                 tensor.element_size(), num_blocks, str(tensor.dtype))
+                                 tensor.element_size(), num_blocks, str(tensor.dtype),
+                                 self._kv_heads[0] if self._kv_heads else None)
             # one segment per allocation, not per layer: vLLM's layers are often views
             # of one tensor, and a segment that starts where the allocation starts is
             # one a serving process can share in place (an interior one it reaches
@@ -182,7 +186,7 @@ class TEConnectorWorker:
         self.compat["layouts"] = sorted({layout_signature(layout)
                                          for _, layout in self._layers.values()})
         self.compat["num_layers"] = len(self._layers)
-        self._manifest = manifest(self._layers, self.compat)
+        self._manifest = manifest(self._layers, self.compat, self.placement)
         self._manifest_buf = np.frombuffer(bytearray(self._manifest), dtype=np.uint8)
         self.engine.register(self._manifest_buf, name=MANIFEST_SEGMENT)
         self.engine.on_notify(self._on_notify)
@@ -198,7 +202,8 @@ class TEConnectorWorker:
                                     timeout=self.config.store_timeout_s,
                                     auth=self.config.auth())
         self._store = StoreJobs(
-            StoreIO(self._store_client, self._layers, f"{self.hash[:16]}/tp{self.rank}"),
+            StoreIO(self._store_client, self._layers, f"{self.hash[:16]}/tp{self.rank}"
+                    + (f"of{self._tp}" if self._tp > 1 else "")),
             self.stats, (self.stats["recv_seconds"], self._times["store_load_seconds"]),
             self.engine_name, initializer=unpin_current_thread)
 
@@ -350,7 +355,8 @@ class TEConnectorWorker:
             self.engine.read(info.peer, [(Descriptor(self._scratch, 0, 1),
                                           Descriptor(info.peer.segment(MANIFEST_SEGMENT),
                                                      0, 1))],
-                             notify=SENT_PREFIX + recv.spec.remote_request_id.encode())
+                             notify=sent_note(recv.spec.remote_request_id,
+                                              *recv.spec.reader(self.rank)))
         except TransferEngineError as exc:
             log.warning("request %s: could not tell %s its blocks were read (%s); its "
                         "lease frees them", recv.spec.request_id, info.peer.name, exc)
@@ -372,7 +378,7 @@ class TEConnectorWorker:
                 assert self.engine is not None
                 recv.handshake = self._peers.handshake(
                     self.engine, spec.endpoint_for(self.rank), self._layers, self.compat,
-                    self.config.timeout_s)
+                    self.config.timeout_s, self.placement)
             else:
                 self._issue(recv, info, timeout)
         except (TransferEngineError, KeyError, ValueError) as exc:
@@ -417,7 +423,8 @@ class TEConnectorWorker:
         if not (recv.deadline and groups and len(groups) > 1 and len(local) > 1):
             recv.handle = self.engine.read(
                 info.peer, info.pairs(self._layers, local, remote),
-                notify=SENT_PREFIX + spec.remote_request_id.encode(), timeout=timeout)
+                notify=sent_note(spec.remote_request_id, *spec.reader(self.rank)),
+                timeout=timeout)
             return
         # Layer by layer: first the last block of every layer (this step's forward
         # writes its new tokens' KV there when the block is partial, before it waits for
@@ -493,10 +500,10 @@ class TEConnectorWorker:
                 self._held_at[rid] = time.monotonic()
 
     def _on_notify(self, note: Any) -> None:
-        payload: bytes = note.payload
-        if payload.startswith(SENT_PREFIX):
-            with self._lock:
-                self._sent_early.add(payload[len(SENT_PREFIX):].decode())
+        with self._lock:
+            rid = self._notes.add(note.payload)
+            if rid is not None:
+                self._sent_early.add(rid)
 
     @property
     def held(self) -> int:
@@ -568,16 +575,8 @@ class TEConnectorWorker:
     def interval_stats(self) -> dict[str, Any] | None:
         """What happened since the last call, as :class:`~.stats.TEConnectorStats`
         data (vLLM asks once per step), or None when nothing did."""
-        out: dict[str, Any] = {}
-        for key, stat in INTERVAL_COUNTS.items():
-            value = int(self.stats[stat])
-            out[key] = value - self._reported[stat]
-            self._reported[stat] = value
         with self._lock:
-            for key, times in self._times.items():
-                out[key] = list(times)
-                times.clear()
-        return out if any(out.values()) else None
+            return interval(self.stats, self._reported, self._times)
 
     def take_failed_blocks(self) -> set[int]:
         out, self._failed_blocks = self._failed_blocks, set()
