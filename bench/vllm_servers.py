@@ -23,9 +23,10 @@ WORDS = ("the a of to and in is it that for on was with as by at from this be ar
          "slow red green blue one two three four five six seven eight nine ten").split()
 
 
-def build_model(path: Path) -> None:
-    """A 2-layer Llama (hidden 128, head dim 64) with random weights and a word-level
-    tokenizer, saved in Hugging Face format."""
+def build_model(path: Path, kv_heads: int = 1) -> None:
+    """A 2-layer Llama (hidden 128, two attention heads of dim 64 sharing ``kv_heads``
+    KV heads) with random weights and a word-level tokenizer, saved in Hugging Face
+    format."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -39,7 +40,8 @@ def build_model(path: Path) -> None:
                             eos_token="</s>").save_pretrained(path)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(vocab), hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=kv_heads,
                          max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
                          initializer_range=0.2)
     LlamaForCausalLM(config).save_pretrained(path)
