@@ -12,6 +12,7 @@ or a runtime of the application's choosing.
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -24,6 +25,8 @@ __all__ = ["Copier", "CudaCopier", "HostCopier", "TorchCopier", "bounce_rows", "
            "host_buffer", "install", "move", "Row"]
 
 Row = tuple[int, int, int]  # (device address, host address, length)
+
+log = logging.getLogger(__name__)
 
 
 class Copier(Protocol):
@@ -149,10 +152,35 @@ def host_buffer(nbytes: int, device: str) -> np.ndarray:
     return np.empty(nbytes, dtype=np.uint8)
 
 
+# One thread block per row: 16-byte loads and stores where the row allows, bytes
+# elsewhere. A batch of small device-to-device rows (a KV block per layer, K and V
+# apart) costs one launch instead of a runtime call per row.
+_GATHER = r"""
+extern "C" __global__ void te_gather(const unsigned long long* rows, int n) {
+    int r = blockIdx.x;
+    if (r >= n) return;
+    unsigned char* d = (unsigned char*)rows[r];
+    const unsigned char* s = (const unsigned char*)rows[n + r];
+    unsigned long long len = rows[2 * n + r];
+    if ((((unsigned long long)d | (unsigned long long)s | len) & 15ULL) == 0) {
+        uint4* d4 = (uint4*)d;
+        const uint4* s4 = (const uint4*)s;
+        for (unsigned long long i = threadIdx.x; i < (len >> 4); i += blockDim.x)
+            d4[i] = s4[i];
+    } else {
+        for (unsigned long long i = threadIdx.x; i < len; i += blockDim.x) d[i] = s[i];
+    }
+}
+"""
+GATHER_MIN_ROWS = 8  # fewer rows: a runtime copy each
+GATHER_MAX_MEAN = 1 << 20  # larger rows: the runtime's copies use the whole device
+
+
 class CudaCopier:
     """cupy's runtime copies on a stream of the device's own."""
 
     _D2H, _H2D, _DEFAULT = 2, 1, 4  # cudaMemcpyKind
+    _gather: Any = None  # the compiled kernel; False once it failed
 
     def __init__(self, device: str) -> None:
         from transfer_engine import gpu  # lazy: needs CUDA
@@ -195,10 +223,37 @@ class CudaCopier:
         event = self._start([(host, dev, n) for dev, host, n in rows], self._D2H)
         return lambda: self._wait(event)
 
-    def between(self, rows: Sequence[Row]) -> None:
+    def between(self, rows: Sequence[Row], on_device: bool = False) -> None:
         """``(destination, source, length)`` rows, unified addressing picking the path
-        (device to device over NVLink or PCIe, or either way with the host)."""
+        (device to device over NVLink or PCIe, or either way with the host).
+        ``on_device``: every row lies in this device's memory (its own or mapped), so
+        many small rows go in one kernel launch."""
+        if on_device and len(rows) >= GATHER_MIN_ROWS and self._gather is not False \
+                and sum(n for _, _, n in rows) <= GATHER_MAX_MEAN * len(rows):
+            try:
+                self._gather_rows(rows)
+                return
+            except TransferError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - no compiler here: runtime copies
+                log.warning("cuda:%d: batched device copies unavailable (%s); copying "
+                            "row by row", self._index, exc)
+                CudaCopier._gather = False
         self._wait(self._start(rows, self._DEFAULT))
+
+    def _gather_rows(self, rows: Sequence[Row]) -> None:
+        cp = self._cp
+        table = np.array(rows, dtype=np.uint64).T.copy()  # destinations, sources, lengths
+        with self._lock, cp.cuda.Device(self._index):
+            if CudaCopier._gather is None:
+                CudaCopier._gather = cp.RawKernel(_GATHER, "te_gather")
+            with self._stream:
+                on_gpu = cp.asarray(table.reshape(-1))
+                CudaCopier._gather((len(rows),), (256,), (on_gpu, np.int32(len(rows))))
+                event = cp.cuda.Event(disable_timing=True)
+                event.record(self._stream)
+        self._wait(event)  # the row table lives until the kernel is done
+        del on_gpu
 
     def export_ipc(self, address: int, length: int) -> dict[str, Any]:
         from transfer_engine import gpu

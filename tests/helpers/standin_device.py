@@ -114,7 +114,8 @@ class StandInGpu:
                 return int(store.ctypes.data) + address - base
         return address  # host memory
 
-    def between(self, rows: Sequence[tuple[int, int, int]]) -> None:
+    def between(self, rows: Sequence[tuple[int, int, int]], on_device: bool = False
+                ) -> None:
         for dst, src, n in rows:
             ctypes.memmove(self._host_view(dst, n), self._host_view(src, n), n)
             self.copies += 1

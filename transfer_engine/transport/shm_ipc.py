@@ -228,8 +228,11 @@ def ipc_copy(views: Targets, theirs: list[tuple[int, int, str]], write_to_peer: 
             i, at_ours = i + 1, 0
         if at_theirs == tn:
             j, at_theirs = j + 1, 0
+    device = theirs[0][2]
+    on_device = (all(t[2] == device for t in theirs)
+                 and all(seg.device == device for seg in views.segments.values()))
     try:
-        devmem.copier(theirs[0][2]).between(pieces)  # type: ignore[attr-defined]
+        devmem.copier(device).between(pieces, on_device)  # type: ignore[attr-defined]
     except TransferError as exc:
         raise exc.with_context(peer=peer, op=op, transport="shm") from None
     except AttributeError:
