@@ -1,0 +1,120 @@
+"""Tensor-parallel ranks of different sizes, through the vLLM connector's workers: decode
+ranks read their own KV heads out of the blocks of a prefill rank holding more (vLLM's
+GPU and CPU layouts), prefill frees the blocks once every reader said so, and heads
+nobody can place are not read. Workers in this process, real engines on loopback, KV
+caches as CPU torch tensors (as in ``test_connector_vllm.py``)."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from typing import Any
+
+import pytest
+
+from tests.helpers.clock import FakeClock
+
+with warnings.catch_warnings():  # vLLM and torch warn at import; not our concern here
+    warnings.simplefilter("ignore")
+    if os.environ.get("TE_VLLM_REQUIRED") == "1":  # scripts/test.sh: fail, never skip
+        import torch
+        import vllm  # noqa: F401
+    else:
+        pytest.importorskip("vllm", reason="vllm is not installed (scripts/setup_vllm.sh)")
+        torch = pytest.importorskip("torch")
+
+    from tests.helpers.vllm_workers import COMPAT, NUM_BLOCKS, spec, wait_results
+    from transfer_engine.connectors.vllm import RecvSpec, TEConnectorConfig, TEConnectorWorker
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::DeprecationWarning", "ignore::FutureWarning")
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def _heads_caches(layout: str, seed: int, heads: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = ((2, NUM_BLOCKS, 16, heads, 8) if layout == "gpu"
+             else (NUM_BLOCKS, heads, 16, 2 * 8))
+    return {f"layers.{i}.attn": torch.randn(*shape, generator=gen) for i in range(3)}
+
+
+def _heads_of(t: Any, b: int, first: int, count: int) -> Any:
+    return (t[:, b, :, first:first + count] if t.shape[0] == 2
+            else t[b, first:first + count])
+
+
+@pytest.mark.parametrize("layout", ["gpu", "cpu"])
+def test_decode_ranks_read_their_heads_out_of_a_prefill_rank_holding_more(
+        layout: str, clock: FakeClock) -> None:
+    """Prefill at tensor-parallel size 1 (all four KV heads), decode at 2 (two heads a
+    rank): each decode rank reads its own heads' slice of the same prefill blocks, and
+    prefill frees them only once both ranks said they had read them."""
+    cfg = TEConnectorConfig(transports=("tcp",), timeout_s=2.0)
+    prefill = TEConnectorWorker("p-tp1", cfg, COMPAT, clock, kv_heads=(4, 4))
+    ranks = [TEConnectorWorker(f"d-tp2-{r}", cfg, COMPAT, clock, rank=r, tp_size=2,
+                               kv_heads=(2, 4)) for r in (0, 1)]
+    try:
+        pk = _heads_caches(layout, 1, 4)
+        prefill.register_kv_caches(pk, NUM_BLOCKS)
+        dks = [_heads_caches(layout, 2 + r, 2) for r in (0, 1)]
+        for worker, dk in zip(ranks, dks, strict=True):
+            worker.register_kv_caches(dk, NUM_BLOCKS)
+        assert prefill.engine is not None
+        remote, local = [3, 4, 5, 20], [40, 41, 7, 8]
+        prefill.hold({"r": 30.0})
+        for r, worker in enumerate(ranks):
+            worker.start_load([RecvSpec("r", local, remote, prefill.engine.endpoint, "p",
+                                        "r", remote_endpoints=(prefill.engine.endpoint,),
+                                        decode_tp=2)])
+            assert not wait_results(worker, "finished_recving", "r").failed_recving
+            for name in pk:
+                for lb, rb in zip(local, remote, strict=True):
+                    assert torch.equal(_heads_of(dks[r][name], lb, 0, 2),
+                                       _heads_of(pk[name], rb, 2 * r, 2))
+            time.sleep(0.2)
+            freed = prefill.results().finished_sending
+            assert freed == (set() if r == 0 else {"r"}), (r, freed)
+    finally:
+        for worker in ranks:
+            worker.close()
+        prefill.close()
+
+
+def test_heads_nobody_can_place_are_not_read(clock: FakeClock,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    """A decode rank of another tensor-parallel size whose peer does not say which KV
+    heads it holds (or holds other ones) loads nothing: recomputed, saying why."""
+    cfg = TEConnectorConfig(transports=("tcp",), timeout_s=2.0)
+    prefill = TEConnectorWorker("p-unknown", cfg, COMPAT, clock)  # heads not known
+    other = TEConnectorWorker("p-other", cfg, COMPAT, clock, rank=1, tp_size=2,
+                              kv_heads=(2, 4))  # heads 2..4
+    decode = TEConnectorWorker("d-r0", cfg, COMPAT, clock, rank=0, tp_size=2,
+                               kv_heads=(2, 4))  # wants heads 0..2
+    try:
+        prefill.register_kv_caches(_heads_caches("gpu", 1, 4), NUM_BLOCKS)
+        other.register_kv_caches(_heads_caches("gpu", 3, 2), NUM_BLOCKS)
+        decode.register_kv_caches(_heads_caches("gpu", 2, 2), NUM_BLOCKS)
+        decode.start_load([spec(prefill, "a", [1], [1])])
+        assert wait_results(decode, "finished_recving", "a").failed_recving == {"a"}
+        assert "incompatible KV caches" in caplog.text  # its layouts name 4 heads
+        decode.start_load([spec(other, "b", [2], [2])])
+        assert wait_results(decode, "finished_recving", "b").failed_recving == {"b"}
+        assert "we hold KV heads 0..2, the peer 2..4" in caplog.text
+        # neither says which heads: only the same rank of the same size is read
+        blind = TEConnectorWorker("d-blind", cfg, COMPAT, clock, rank=0, tp_size=2)
+        blind.register_kv_caches(_heads_caches("gpu", 4, 4), NUM_BLOCKS)
+        try:
+            blind.start_load([spec(prefill, "c", [3], [3])])
+            assert wait_results(blind, "finished_recving", "c").failed_recving == {"c"}
+            assert "which KV heads each holds is not known" in caplog.text
+        finally:
+            blind.close()
+    finally:
+        decode.close()
+        other.close()
+        prefill.close()
