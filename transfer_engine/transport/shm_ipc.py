@@ -162,17 +162,26 @@ class PeerDevices:
 
     def _translate(self, local: np.ndarray, writable: bool
                    ) -> list[tuple[int, int, str]] | None:
+        if local.dtype.names:  # the wire's (address, length) records
+            addresses, lengths = local["address"], local["length"]
+        else:
+            addresses, lengths = local[:, 0], local[:, 1]
+        found = np.searchsorted(self._starts, addresses.astype(np.uint64),
+                                side="right").astype(np.int64) - 1
+        if len(found) and found.min() < 0:
+            return None
         out = []
-        for address, length in local.tolist():
-            i = int(np.searchsorted(self._starts, np.uint64(address), side="right")) - 1
-            if i < 0:
-                return None
+        bases: dict[int, int] = {}
+        for address, length, i in zip(addresses.tolist(), lengths.tolist(), found.tolist(),
+                                      strict=True):
             entry = self._ranges[i]
             if (address + length > entry.start + entry.length or length <= 0
                     or (writable and not entry.writable)):
                 return None
-            base = self._map(entry)
-            out.append((base + address - entry.start, length, entry.device))
+            base = bases.get(i)
+            if base is None:
+                base = bases[i] = self._map(entry) - entry.start
+            out.append((base + address, length, entry.device))
         return out
 
     def _map(self, entry: DeviceRange) -> int:
