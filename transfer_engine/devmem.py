@@ -176,6 +176,15 @@ GATHER_MIN_ROWS = 8  # fewer rows: a runtime copy each
 GATHER_MAX_MEAN = 1 << 20  # larger rows: the runtime's copies use the whole device
 
 
+def _synchronize(event: Any, device: str) -> None:
+    """Waits for the copies before ``event`` (cupy's or torch's); ``TransferError`` if
+    they failed."""
+    try:
+        event.synchronize()
+    except Exception as exc:  # the runtime's errors, whichever library raised them
+        raise TransferError(f"{device} copy failed: {exc}") from exc
+
+
 class CudaCopier:
     """cupy's runtime copies on a stream of the device's own."""
 
@@ -206,10 +215,7 @@ class CudaCopier:
             raise TransferError(f"cuda:{self._index} copy failed: {exc}") from exc
 
     def _wait(self, event: Any) -> None:
-        try:
-            event.synchronize()
-        except Exception as exc:
-            raise TransferError(f"cuda:{self._index} copy failed: {exc}") from exc
+        _synchronize(event, f"cuda:{self._index}")
 
     def to_host(self, rows: Sequence[Row]) -> None:
         self.to_host_async(rows)()
@@ -252,8 +258,7 @@ class CudaCopier:
                 CudaCopier._gather((len(rows),), (256,), (on_gpu, np.int32(len(rows))))
                 event = cp.cuda.Event(disable_timing=True)
                 event.record(self._stream)
-        self._wait(event)  # the row table lives until the kernel is done
-        del on_gpu
+        self._wait(event)  # the row table (on_gpu) lives until the kernel is done
 
     def export_ipc(self, address: int, length: int) -> dict[str, Any]:
         from transfer_engine import gpu
@@ -325,10 +330,7 @@ class TorchCopier:
             raise TransferError(f"{self._device} copy failed: {exc}") from exc
 
     def _wait(self, event: Any) -> None:
-        try:
-            event.synchronize()
-        except Exception as exc:
-            raise TransferError(f"{self._device} copy failed: {exc}") from exc
+        _synchronize(event, str(self._device))
 
     def to_host(self, rows: Sequence[Row]) -> None:
         self._wait(self._start(rows, False))

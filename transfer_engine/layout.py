@@ -247,8 +247,9 @@ def head_split(shape: Sequence[int], strides: Sequence[int], itemsize: int,
     ``unit``. None where the dims do not make such a part (a block or K/V dimension
     given as the heads one, say)."""
     count = int(shape[heads_dim])
-    unit = int(strides[heads_dim]) if count > 1 else 0
-    if count == 1:  # a lone head's stride says nothing; the dense dims after it do
+    if count > 1:
+        unit = int(strides[heads_dim])
+    else:  # a lone head's stride says nothing; the dense dims after it do
         unit = itemsize
         for d, n in enumerate(shape):
             if d > heads_dim and n > 1 and strides[d] < block_bytes:

@@ -146,8 +146,8 @@ class RemoteKV:
                                     peer=peer.name)
             remote = {n: (str(v[0]), BlockLayout.from_wire(v[1]))
                       for n, v in data["layers"].items()}
-            where = Placement.from_wire(data.get("placement") or {"tp_rank": 0,
-                                                                  "tp_size": 1})
+            where = (Placement() if data.get("placement") is None
+                     else Placement.from_wire(data["placement"]))
         except (ValueError, KeyError, TypeError, AttributeError,
                 msgpack.UnpackException) as exc:
             raise ProtocolError(f"malformed KV manifest: {exc}", peer=peer.name) from exc

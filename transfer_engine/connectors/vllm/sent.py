@@ -43,8 +43,7 @@ class SentNotes:
             return None
         rid = rid_bytes.decode(errors="replace")
         want, heard = self._heard.get(rid, (readers, set()))
-        if want != readers:  # readers disagree on their number: keep the larger
-            want = max(want, readers)
+        want = max(want, readers)  # readers that disagree on their number: the larger
         heard.add(reader)
         if len(heard) >= want:
             self._heard.pop(rid, None)

@@ -64,6 +64,8 @@ TIMES = (
      "in a step with sync loads, how long its forward waited for their KV, before it "
      "and at each layer"),
 )
+
+
 def worker_counters() -> dict[str, Any]:
     """A worker's cumulative counters (those INTERVAL_COUNTS reports the changes of)
     and its latest load times."""
