@@ -1,6 +1,7 @@
 """P/D serving benchmark on vLLM (CPU build): fresh prompts sent straight to decode
-(it prefills them itself: "local") and through ``scripts/pd_proxy.py``'s hand-offs, on
-an idle decode server and on one decoding other streams, per transport. Reports, per
+(it prefills them itself: "local") and through ``scripts/pd_proxy.py``'s hand-offs (the
+first-token one with prefill's push and with decode's read), on an idle decode server
+and on one decoding other streams, per transport. Reports, per
 route, time to the first and to the second token (p50/p90), the running streams'
 inter-token gap p99 while each kind of request is in flight, and the hand-off's phases
 from the connector's own metrics (decode's load, prefill's wait for decode to read);
@@ -37,6 +38,9 @@ from typing import Any
 from bench.vllm_servers import by_source, http_json, stream_times, te_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
+HANDOFFS = {"first": ["--handoff", "first"],
+            "first-pull": ["--handoff", "first", "--no-push"],
+            "sequential": ["--handoff", "sequential", "--no-push"]}
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -70,8 +74,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--transports", nargs="+", default=["shm", "tcp"],
                     help="the connector's transport, one pair of servers each")
-    ap.add_argument("--handoffs", nargs="+", default=["first", "sequential"],
-                    choices=["first", "sequential"], help="the router's hand-offs")
+    ap.add_argument("--handoffs", nargs="+", default=["first", "first-pull", "sequential"],
+                    choices=list(HANDOFFS),
+                    help="the router's hand-offs: first (prefill pushes the KV layer by "
+                         "layer), first-pull (decode reads it), sequential")
     ap.add_argument("--load", choices=("sync", "async"), default="sync",
                     help="how decode's connector loads prefill's KV")
     ap.add_argument("--prefill-serve", choices=("process", "thread"), default="process",
@@ -142,7 +148,7 @@ def run_transport(args: argparse.Namespace, transport: str) -> list[dict[str, An
         for handoff in args.handoffs:
             cmd = [sys.executable, str(ROOT / "scripts" / "pd_proxy.py"), "--port", "0",
                    "--prefill", f"http://127.0.0.1:{ports['prefill']}", "--decode",
-                   f"http://127.0.0.1:{ports['decode']}", "--handoff", handoff,
+                   f"http://127.0.0.1:{ports['decode']}", *HANDOFFS[handoff],
                    "--local-below", "0"]
             stack.enter_context(servers.launched(cmd, tmp / f"proxy-{handoff}.log",
                                              dict(os.environ)))
@@ -284,6 +290,8 @@ def one_load(args: argparse.Namespace, transport: str, streams: int,
         "loads": int(grew(0, "te_kv_loads_total")),
         "sync_loads": int(grew(0, "te_kv_sync_loads_total")),
         "layered_loads": int(grew(0, "te_kv_layered_loads_total")),
+        "pushed_loads": int(grew(0, "te_kv_pushed_loads_total")),
+        "push_failures": int(grew(1, "te_kv_push_failures_total")),
         "load_failures": int(grew(0, "te_kv_load_failures_total")),
         "load_ms_mean": round(grew(0, "te_kv_load_seconds_sum") / loads * 1e3, 1)
         if loads else None,

@@ -17,6 +17,13 @@ field it does not know), and every request when the tokenizer cannot be loaded, 
 the sequential hand-off (``--handoff sequential`` for all): decode gets the original
 request with prefill's ``kv_transfer_params`` and its answer is relayed.
 
+Prefill pushes the KV layer by layer, as its forward computes it, into a room of the
+decode server's staging memory (``--no-push``: decode reads it from prefill's blocks):
+the router asks each decode server once where its connector workers are, then names
+them and a fresh unguessable room id in prefill's ``kv_transfer_params``; decode
+copies the room into its blocks when the request reaches it, and reads instead where
+the room is not whole or not that request's.
+
 Prompts of at most ``--local-below`` uncached tokens go straight to decode, and so does
 every request while no prefill server can take it (one log line each).
 
@@ -56,6 +63,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import secrets
 import sys
 import time
 import urllib.parse
@@ -76,7 +84,7 @@ from pd_proxy_routing import (  # noqa: E402
     make_router,
     request_of,
 )
-from pd_proxy_upstream import UpstreamError, post_json  # noqa: E402
+from pd_proxy_upstream import DecodeWorkers, UpstreamError, post_json  # noqa: E402
 
 from scheduler.errors import NoInstanceError  # noqa: E402
 from scheduler.handoff import SAMPLING_FIELDS, TextAssembler, unsupported  # noqa: E402
@@ -93,6 +101,7 @@ class Proxy(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     handoff = "first"  # or "sequential"
     tokenizers = Tokenizers()
+    push: DecodeWorkers | None = DecodeWorkers()  # None: prefill never pushes
 
     def _error(self, code: int, message: str) -> None:
         data = json.dumps({"error": {"message": message, "code": code}}).encode()
@@ -174,6 +183,18 @@ class Proxy(BaseHTTPRequestHandler):
             fleet.prefill_done(d.prefill, d.decode, now)
         fleet.decode_done(d.decode, d.kv_tokens, now, local_prefill=d.local)
 
+    def _handover(self, request: dict[str, Any], d: Decision) -> dict[str, Any]:
+        """prefill's kv_transfer_params: hand the KV over to decode, pushing it layer
+        by layer into a room of decode's (a fresh unguessable id) once decode's
+        workers are known."""
+        params: dict[str, Any] = {"do_remote_decode": True}
+        if self.push is not None:
+            workers = self.push.get(self.router.fleet.decode.urls[d.decode],
+                                    request.get("model"))
+            if workers:
+                params["push"] = {"room": secrets.token_urlsafe(24), "to": workers}
+        return params
+
     def _prefill(self, pre: dict[str, Any], d: Decision, failed: set[str],
                  errors: list[str], need_params: bool = True,
                  ended: Any = None) -> dict[str, Any] | None:
@@ -228,7 +249,7 @@ class Proxy(BaseHTTPRequestHandler):
         decode_body = request
         if d.prefill is not None:
             pre = dict(request, max_tokens=1, stream=False,
-                       kv_transfer_params={"do_remote_decode": True})
+                       kv_transfer_params=self._handover(request, d))
             pre.pop("max_completion_tokens", None)
             pre.pop("stream_options", None)
             answer = self._prefill(pre, d, failed, errors, ended=first_ended)
@@ -274,7 +295,7 @@ class Proxy(BaseHTTPRequestHandler):
         pre.update(max_tokens=1, stream=False, return_token_ids=True,
                    min_tokens=min(1, min_tokens))
         if max_tokens != 1:  # the whole answer otherwise: nothing to hand over
-            pre["kv_transfer_params"] = {"do_remote_decode": True}
+            pre["kv_transfer_params"] = self._handover(request, d)
         answer = self._prefill(pre, d, failed, errors, need_params=max_tokens != 1,
                                ended=first_ended)
         if answer is None:
@@ -463,6 +484,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="first (default): prefill's first token goes to the client at "
                          "once and decode continues after it; sequential: decode "
                          "answers the whole request after prefill")
+    ap.add_argument("--no-push", action="store_true",
+                    help="decode always reads the KV from prefill's blocks; by default "
+                         "prefill pushes it layer by layer into a room decode reserved "
+                         "(where both connectors take pushes)")
     ap.add_argument("--tokenizer", help="the served model's tokenizer (a path or hub "
                     "name; default: the model path decode's /v1/models names)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream call")
@@ -473,6 +498,7 @@ def main(argv: list[str] | None = None) -> None:
                                local_prefill_tokens=args.local_below)
     Proxy.timeout = args.timeout
     Proxy.handoff = args.handoff
+    Proxy.push = None if args.no_push else DecodeWorkers()
     Proxy.tokenizers = Tokenizers(args.tokenizer)
     store = subscription = None
     try:
@@ -481,6 +507,9 @@ def main(argv: list[str] | None = None) -> None:
             subscription = Proxy.router.fleet.watch(store)
         with ThreadingHTTPServer((args.host, args.port), Proxy) as server:
             fleet = Proxy.router.fleet
+            if Proxy.push is not None:  # where decode's workers are, asked at once
+                for url in fleet.decode.urls:
+                    Proxy.push.get(url, None)
             print(f"pd_proxy on http://{args.host}:{server.server_port} policy "
                   f"{Proxy.router.policy}: prefill {fleet.prefill.names}, decode "
                   f"{fleet.decode.names}{' + registry ' + args.registry if store else ''}",

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import http.client
 import json
+import sys
+import threading
+import time
 import urllib.parse
 from typing import Any
 
-__all__ = ["UpstreamError", "post_json", "get_json"]
+__all__ = ["DecodeWorkers", "UpstreamError", "post_json", "get_json"]
 
 
 class UpstreamError(Exception):
@@ -43,3 +46,68 @@ def get_json(base: str, path: str, timeout: float) -> Any:
         return json.loads(data)
     finally:
         conn.close()
+
+
+class DecodeWorkers:
+    """Where each decode server's connector workers listen, asked of the server once
+    (a one-token request whose kv_transfer_params ask for them, in the background;
+    tried every second while the server does not answer, for ``wait_s``): prefill
+    pushes a request's KV to them. Unknown until the answer is in, and for a server
+    whose connector does not say (prefill then pushes nothing, decode reads)."""
+
+    RETRY_S = 30.0  # a server that did not say is asked again after this
+
+    def __init__(self, timeout: float = 30.0, wait_s: float = 600.0) -> None:
+        self._timeout = timeout
+        self._wait_s = wait_s
+        self._known: dict[str, tuple[list[str], float]] = {}  # url -> (workers, when)
+        self._asking: set[str] = set()
+        self._lock = threading.Lock()
+
+    def get(self, url: str, model: Any) -> list[str] | None:
+        with self._lock:
+            known, when = self._known.get(url, (None, 0.0))
+            if url in self._asking or known or (
+                    known is not None and time.monotonic() - when < self.RETRY_S):
+                return known or None
+            self._asking.add(url)
+        threading.Thread(target=self._ask, args=(url, model), daemon=True,
+                         name="pd-proxy-probe").start()
+        return None
+
+    def forget(self, url: str) -> None:
+        """Ask again at the next request (the server restarted, or a push failed)."""
+        with self._lock:
+            self._known.pop(url, None)
+
+    def _ask(self, url: str, model: Any) -> None:
+        found: list[str] = []
+        body = {"prompt": ".", "max_tokens": 1, "stream": False,
+                "kv_transfer_params": {"te_probe": True}}
+        if model is not None:
+            body["model"] = model
+        give_up = time.monotonic() + self._wait_s
+        while True:
+            try:
+                conn, resp = post_json(url, "/v1/completions", body, self._timeout)
+                try:
+                    answer = json.loads(resp.read()) if resp.status == 200 else None
+                finally:
+                    conn.close()
+                if answer is not None:
+                    listed = ((answer.get("kv_transfer_params") or {}).get("te_endpoints")
+                              if isinstance(answer, dict) else None)
+                    if isinstance(listed, list) and all(
+                            isinstance(e, str) for e in listed):
+                        found = listed
+                    break
+            except (OSError, http.client.HTTPException, ValueError):
+                pass
+            if time.monotonic() + 1.0 > give_up:
+                break
+            time.sleep(1.0)  # not up yet
+        sys.stderr.write(f"pd_proxy: decode {url}: connector workers {found or 'unknown'}"
+                         f"{'' if found else ' (prefill will not push to it)'}\n")
+        with self._lock:
+            self._asking.discard(url)
+            self._known[url] = (found, time.monotonic())

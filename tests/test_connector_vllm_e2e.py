@@ -27,6 +27,7 @@ import json
 import os
 import random
 import re
+import secrets
 import statistics
 import sys
 import time
@@ -104,7 +105,9 @@ def pd_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
     proxies = {handoff: [sys.executable, str(ROOT / "scripts" / "pd_proxy.py"), "--port",
                          "0", "--prefill", f"http://127.0.0.1:{ports['prefill']}",
                          "--decode", f"http://127.0.0.1:{ports['decode']}"]
-               + {"first": [], "sequential": ["--handoff", "sequential", "--local-below", "0"],
+               + {"first": [],
+                  "sequential": ["--handoff", "sequential", "--local-below", "0",
+                                 "--no-push"],
                   "first-all": ["--local-below", "0"]}[handoff]
                for handoff in ("first", "sequential", "first-all")}
     with contextlib.ExitStack() as stack:
@@ -125,6 +128,11 @@ def pd_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
                 assert time.monotonic() < deadline, log.read_text()
                 time.sleep(0.1)
             ports[handoff] = int(found.group(1))
+        for handoff in ("first", "first-all"):  # they learn where decode's workers are
+            deadline = time.monotonic() + 60
+            while "connector workers [" not in logs[handoff].read_text():
+                assert time.monotonic() < deadline, logs[handoff].read_text()
+                time.sleep(0.1)
         from transformers import AutoTokenizer
 
         yield {"ports": ports, "model": str(model), "logs": logs,
@@ -170,9 +178,13 @@ def test_proxy_between_vllm_servers(pd_servers: dict[str, Any]) -> None:
         time.sleep(0.2)
     grew = {k: v - te_before[0].get(k, 0) for k, v in dec.items()}
     assert grew["te_kv_loads_total"] == grew["te_kv_sync_loads_total"] == 4, grew
-    # each load after decode's first forward (which taught it the layer order) went
-    # layer by layer
-    assert grew["te_kv_layered_loads_total"] >= 3, grew
+    # the sequential proxy's loads (it asks for no push) after decode's first forward
+    # (which taught it the layer order) went layer by layer; the first-token proxy's
+    # were copied from the rooms prefill pushed them into, once it knew decode's
+    # workers (it asks the server at its first request)
+    assert grew["te_kv_layered_loads_total"] >= 1, grew
+    assert grew["te_kv_pushed_loads_total"] >= 1, grew
+    assert grew["te_kv_layered_loads_total"] + grew["te_kv_pushed_loads_total"] >= 3, grew
     assert grew.get("te_kv_load_failures_total", 0) == 0, grew
     assert grew["te_kv_load_bytes_total"] > 0 and grew["te_kv_load_seconds_count"] == 4, grew
     assert sent == 4, pre
@@ -211,6 +223,66 @@ def test_replayed_params_are_computed_not_loaded(pd_servers: dict[str, Any]) -> 
     tokens = ref["usage"]["prompt_tokens"]
     assert mid["external_kv_transfer"] - before.get("external_kv_transfer", 0) == tokens - 1
     assert after["external_kv_transfer"] == mid["external_kv_transfer"]  # not loaded
+
+
+def _te_grown(port: int, before: dict[str, float], key: str, least: float,
+              model: str) -> float:
+    """How much a connector counter of the server grew (waiting, a bounded while, for
+    it to reach ``least``: vLLM publishes a step's stats after the step)."""
+    deadline = time.monotonic() + 20
+    while True:
+        grown = te_metrics(port).get(key, 0) - before.get(key, 0)
+        if grown >= least or time.monotonic() > deadline:
+            return grown
+        completion(port, {"model": model, "prompt": "tick", "max_tokens": 1})
+        time.sleep(0.1)
+
+
+def test_pushed_kv_is_copied_once_and_only_for_its_prompt(pd_servers: dict[str, Any]
+                                                          ) -> None:
+    """The router's push, by hand: decode says where its workers are, prefill pushes a
+    request's KV into a room there, and decode copies it with no READ, answering as the
+    single server. The same params again (the room's id reused by another client) and
+    another prompt's params naming the room are never served from it: decode computes
+    or reads, and both answers stay exact."""
+    ports, model = pd_servers["ports"], pd_servers["model"]
+    status, raw = http_json(ports["decode"], "POST", "/v1/completions", {
+        "model": model, "prompt": ".", "max_tokens": 1,
+        "kv_transfer_params": {"te_probe": True}})
+    assert status == 200, raw
+    workers = json.loads(raw)["kv_transfer_params"]["te_endpoints"]
+    assert workers and all(w.startswith("tcp://") for w in workers), workers
+
+    def handed_over(prompt: str, room: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                "temperature": 0}
+        ask: dict[str, Any] = {"do_remote_decode": True}
+        if room is not None:
+            ask["push"] = {"room": room, "to": workers}
+        status, raw = http_json(ports["prefill"], "POST", "/v1/completions",
+                                dict(body, max_tokens=1, kv_transfer_params=ask))
+        assert status == 200, raw
+        return body, json.loads(raw)["kv_transfer_params"]
+
+    for i in range(2):  # connections both ways, then the measured push
+        room = secrets.token_urlsafe(24)
+        body, params = handed_over(f"push {i} " + PROMPTS[1], room)
+        assert params["push_room"] == room
+        before = te_metrics(ports["decode"])
+        assert completion(ports["decode"], dict(body, kv_transfer_params=params)) == \
+            completion(ports["prefill"], body)
+    assert _te_grown(ports["decode"], before, "te_kv_pushed_loads_total", 1, model) == 1
+    mid = te_metrics(ports["decode"])
+    # the same params again: refused as a replay, computed
+    assert completion(ports["decode"], dict(body, kv_transfer_params=params)) == \
+        completion(ports["prefill"], body)
+    # another prompt's hand-over naming the room: not its prompt, read from prefill
+    other, params2 = handed_over("push other " + PROMPTS[1], None)
+    assert completion(ports["decode"], dict(other, kv_transfer_params=dict(
+        params2, push_room=room))) == completion(ports["prefill"], other)
+    assert _te_grown(ports["decode"], mid, "te_kv_loads_total", 1, model) == 1
+    assert te_metrics(ports["decode"]).get("te_kv_pushed_loads_total") == \
+        mid["te_kv_pushed_loads_total"]
 
 
 def test_first_token_handoff_is_the_single_servers_answer(pd_servers: dict[str, Any]

@@ -268,7 +268,7 @@ def before_later_reads(worker: Any, action: Callable[[], None]) -> None:
 def early_sent_notes(worker: Any) -> set[str]:
     """The request ids of the decoders' "sent" notifications a vLLM connector worker
     keeps until it holds those requests itself."""
-    early: set[str] = worker._sent_early
+    early: set[str] = worker._holds._sent_early
     return early
 
 

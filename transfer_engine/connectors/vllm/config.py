@@ -115,6 +115,12 @@ class TEConnectorConfig:
         step's forward waits for the read: milliseconds). ``"async"``: read beside
         the forward; the request is admitted at the step after the read ends, which
         costs it a step and never delays running streams.
+    :param push: prefill pushes a request's KV layer by layer into a room decode
+        reserved, where the router asks for it (``push`` in kv_transfer_params); decode
+        then copies it into its blocks with no READ (see ``push.py``). False: prefill
+        never pushes, decode always reads.
+    :param push_mib: decode's staging memory for pushed KV, MiB per worker (0: it
+        takes no pushes). Host KV caches only.
     """
 
     host: str = "127.0.0.1"
@@ -127,6 +133,8 @@ class TEConnectorConfig:
     store_timeout_s: float = 5.0
     secret_file: str | None = None
     load: str = "sync"
+    push: bool = True
+    push_mib: int = 256
 
     def __post_init__(self) -> None:
         if self.serve is not None:
@@ -142,6 +150,8 @@ class TEConnectorConfig:
         if self.load not in LOAD_MODES:
             raise ValueError(f"load must be one of {', '.join(LOAD_MODES)}, got "
                              f"{self.load!r:.40}")
+        if not 0 <= self.push_mib <= 1 << 20:
+            raise ValueError(f"push_mib must be in [0, {1 << 20}], got {self.push_mib}")
         if self.secret_file is not None and not os.path.isfile(self.secret_file):
             raise ValueError(f"secret_file {self.secret_file!r} is not a readable file")
 
@@ -155,7 +165,7 @@ class TEConnectorConfig:
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> TEConnectorConfig:
         known = {"host", "port", "transports", "lease_s", "timeout_s", "serve", "store",
-                 "store_timeout_s", "secret_file", "load"}
+                 "store_timeout_s", "secret_file", "load", "push", "push_mib"}
         unknown = set(extra) - known
         if unknown:
             raise ValueError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
@@ -175,7 +185,17 @@ class TEConnectorConfig:
                    store=extra.get("store"),
                    store_timeout_s=float(extra.get("store_timeout_s", cls.store_timeout_s)),
                    secret_file=extra.get("secret_file"),
-                   load=str(extra.get("load", cls.load)))
+                   load=str(extra.get("load", cls.load)),
+                   push=_flag(extra.get("push", cls.push), "push"),
+                   push_mib=int(extra.get("push_mib", cls.push_mib)))
+
+
+def _flag(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    raise ValueError(f"{key} must be true or false, got {value!r:.40}")
 
 
 def _check_store_address(address: str) -> None:

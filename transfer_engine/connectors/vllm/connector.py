@@ -95,7 +95,8 @@ class TransferEngineConnector(KVConnectorBase_V1):
                                                   self.config.lease_s, store=lookup,
                                                   vllm_hashes=hash_block == block_size,
                                                   sync_load=self.config.load == "sync",
-                                                  kv_groups=groups, tp_size=tp_size)
+                                                  kv_groups=groups, tp_size=tp_size,
+                                                  push=self.config.push)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -112,7 +113,8 @@ class TransferEngineConnector(KVConnectorBase_V1):
                       "kv_heads": kv_heads[1] if kv_heads else None}
             self.worker = TEConnectorWorker(
                 f"vllm-{self.engine_id}-tp{rank}-{next(self._ids)}", config, compat,
-                rank=rank, tp_size=int(pc.tensor_parallel_size), kv_heads=kv_heads)
+                rank=rank, tp_size=int(pc.tensor_parallel_size), kv_heads=kv_heads,
+                takes_push=str(ktc.kv_role) != "kv_producer")
 
     # worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -135,6 +137,8 @@ class TransferEngineConnector(KVConnectorBase_V1):
         self.worker.start_step()
         if meta.reqs_to_send:
             self.worker.hold(meta.reqs_to_send)
+        if meta.reqs_to_push:
+            self.worker.start_push(meta.reqs_to_push.values())
         if meta.reqs_to_recv:
             specs = meta.reqs_to_recv.values()
             self.worker.start_load([s for s in specs if not s.sync])
@@ -153,7 +157,8 @@ class TransferEngineConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        return
+        if self.worker is not None:
+            self.worker.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
         if self.worker is not None:

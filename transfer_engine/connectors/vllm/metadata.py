@@ -19,6 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from transfer_engine.connectors.vllm.config import (
     PROTOCOL_VERSION,
 )
+from transfer_engine.connectors.vllm.push import PushSpec
+from transfer_engine.connectors.vllm.rooms import valid_room
 from transfer_engine.connectors.vllm.store import StoreLoad, StoreSave
 
 
@@ -36,6 +38,13 @@ class RecvSpec:
     sync: bool = False  # loaded before this step's forward, which computes with it
     remote_endpoints: tuple[str, ...] = ()  # every prefill rank's, in rank order
     decode_tp: int = 1  # this decode's tensor-parallel ranks (a multiple of prefill's)
+    # a pushed room the blocks may be in (push.py): its id, what it must hold (the
+    # prompt's hash, tokens and blocks as the params say) and where these blocks start
+    room: str = ""
+    prompt_hash: str = ""
+    num_tokens: int = 0
+    room_blocks: int = 0
+    first_block: int = 0
 
     def endpoint_for(self, rank: int) -> str:
         """Where tensor-parallel rank ``rank`` loads from: the prefill rank that holds
@@ -60,6 +69,7 @@ class TEConnectorMetadata(KVConnectorMetadata):
     reqs_to_send: dict[str, float] = field(default_factory=dict)  # req id -> lease (s)
     store_loads: dict[str, StoreLoad] = field(default_factory=dict)
     store_saves: dict[str, StoreSave] = field(default_factory=dict)
+    reqs_to_push: dict[str, PushSpec] = field(default_factory=dict)
 
 
 @dataclass
@@ -92,6 +102,8 @@ class RemoteParams:
     num_tokens: int
     lease_expiry: float
     endpoints: tuple[str, ...] = ()  # every prefill rank's, in rank order (tp > 1)
+    prompt_hash: str = ""
+    room: str = ""  # where prefill pushed the blocks to this decode, if it did
 
 
 def prompt_hash(prompt: Sequence[int], num_tokens: int) -> str:
@@ -180,7 +192,26 @@ def parse_remote_params(params: Any, prompt: Sequence[int], block_size: int, now
         raise ValueError("the prefill engine's lease on the blocks has expired")
     if lease > now + MAX_LEASE_S:
         raise ValueError(f"lease_expiry is {lease - now:.0f} s away, more than any lease")
-    if params.get("prompt_hash") != prompt_hash(prompt, num_tokens):
+    digest = prompt_hash(prompt, num_tokens)
+    if params.get("prompt_hash") != digest:
         raise ValueError("kv_transfer_params belong to another prompt (prompt_hash differs)")
+    room = params.get("push_room", "")
+    if room != "" and not valid_room(room):
+        raise ValueError("push_room must be a string of 16 to 128 characters")
     return RemoteParams(endpoint, engine_id, request_id, block_ids, num_tokens, float(lease),
-                        endpoints)
+                        endpoints, digest, room)
+
+
+def parse_push_params(params: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+    """Prefill: the room and decode's workers (by rank) the router asks it to push a
+    request's KV into; raises ValueError saying what is wrong."""
+    push = params.get("push")
+    if not isinstance(push, dict):
+        raise ValueError("push must be a map")
+    room = push.get("room")
+    if not valid_room(room):
+        raise ValueError("push room must be a string of 16 to 128 characters")
+    to = push.get("to")
+    if not isinstance(to, list) or not 0 < len(to) <= MAX_TP:
+        raise ValueError(f"push must name 1 to {MAX_TP} decode endpoints (to)")
+    return room, tuple(_endpoint(e, "a push endpoint") for e in to)

@@ -6,6 +6,7 @@ decoder's table of such peers."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from transfer_engine.connectors.vllm.config import MANIFEST_SEGMENT, PROTOCOL_VE
 from transfer_engine.connectors.vllm.metadata import RecvSpec
 from transfer_engine.descriptor import Blocks, Descriptor
 from transfer_engine.engine import Engine
-from transfer_engine.errors import ProtocolError
+from transfer_engine.errors import ClosedError, ProtocolError
 from transfer_engine.layout import BlockLayout, head_pieces, pair_runs
 from transfer_engine.peer import Peer
 from transfer_engine.segment import RemoteSegment, Segment
@@ -55,13 +56,14 @@ class Placement:
         return cls(int(data["tp_rank"]), int(data["tp_size"]), heads)
 
 
-def manifest(layers: Layers, compat: dict[str, Any], placement: Placement = Placement()
-             ) -> bytes:
+def manifest(layers: Layers, compat: dict[str, Any], placement: Placement = Placement(),
+             push: tuple[str, int] | None = None) -> bytes:
     """What a worker publishes in its ``MANIFEST_SEGMENT`` for decoders to check and
-    plan their READs by."""
+    plan their READs by (``push``: the segment prefill pushes KV into, and its size,
+    where this worker takes pushes)."""
     return bytes(msgpack.packb({
         "version": PROTOCOL_VERSION, "compat": compat, "hash": compat_hash(compat),
-        "placement": placement.to_wire(),
+        "placement": placement.to_wire(), "push": list(push) if push else None,
         "layers": {n: [seg.name, layout.to_wire()] for n, (seg, layout) in layers.items()}}))
 
 
@@ -116,6 +118,8 @@ class RemoteKV:
     layouts: dict[str, tuple[str, BlockLayout]]  # layer -> (segment name, layout)
     # layer -> where our heads lie in a block part here and there (None: whole parts)
     slices: dict[str, tuple[np.ndarray, np.ndarray, int]] | None = None
+    # the segment it takes pushed KV into and its size (None: it takes none)
+    push: tuple[str, int] | None = None
     # layers (None: all) -> their parts, grouped by segment pair (see _parts)
     _cache: dict[tuple[str, ...] | None, list[_Parts]] = dataclasses.field(
         default_factory=dict)
@@ -148,6 +152,11 @@ class RemoteKV:
                       for n, v in data["layers"].items()}
             where = (Placement() if data.get("placement") is None
                      else Placement.from_wire(data["placement"]))
+            push = data.get("push")
+            if push is not None:
+                push = (str(push[0]), int(push[1]))
+                if not 0 < push[1] <= peer.segment(push[0]).length:
+                    raise ValueError(f"push segment of {push[1]} bytes")
         except (ValueError, KeyError, TypeError, AttributeError,
                 msgpack.UnpackException) as exc:
             raise ProtocolError(f"malformed KV manifest: {exc}", peer=peer.name) from exc
@@ -172,7 +181,7 @@ class RemoteKV:
                 if why is not None:
                     raise ProtocolError(f"layer {name!r} cannot take the peer's blocks: "
                                         f"{why}", peer=peer.name)
-        return cls(peer, remote, slices)
+        return cls(peer, remote, slices, push)
 
     def check_ids(self, layers: Layers, spec: RecvSpec) -> None:
         """Every block id of a load, local and remote, inside every layer."""
@@ -254,8 +263,25 @@ class RemotePeers:
         self._name = name
         self._initializer = initializer
         self._known: dict[str, RemoteKV] = {}
+        self._closed = False
         self._handshakes: dict[str, Future[RemoteKV]] = {}  # endpoint -> under way
         self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()  # the forward's thread and engine threads shake
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=4, thread_name_prefix=f"te-vllm-handshake-{self._name}",
+                initializer=self._initializer)
+        return self._executor
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Runs ``fn(*args)`` on the pool (work that waits on the network, handed over
+        by a thread that must not); nothing once closed."""
+        with self._lock:
+            if self._closed:
+                return
+            self._pool().submit(fn, *args)
 
     def get(self, endpoint: str) -> RemoteKV | None:
         return self._known.get(endpoint)
@@ -264,23 +290,27 @@ class RemotePeers:
                   compat: dict[str, Any], timeout: float,
                   placement: Placement = Placement()) -> Future[RemoteKV]:
         """The handshake with ``endpoint``: the one under way, or a new one."""
-        fut = self._handshakes.get(endpoint)
-        if fut is None:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    max_workers=4, thread_name_prefix=f"te-vllm-handshake-{self._name}",
-                    initializer=self._initializer)
-            fut = self._executor.submit(RemoteKV.connect, engine, endpoint, layers,
-                                        compat, timeout, placement)
-            self._handshakes[endpoint] = fut
-        return fut
+        with self._lock:
+            fut = self._handshakes.get(endpoint)
+            if fut is None:
+                if self._closed:
+                    fut = Future()
+                    fut.set_exception(ClosedError("the connector is closing"))
+                    return fut
+                fut = self._pool().submit(RemoteKV.connect, engine, endpoint, layers,
+                                          compat, timeout, placement)
+                self._handshakes[endpoint] = fut
+            return fut
 
     def settled(self, endpoint: str, fut: Future[RemoteKV]) -> RemoteKV:
         """The peer ``fut`` (done) connected, kept for later loads; raises what broke
         the handshake (a failed one is tried again by a later load)."""
-        if self._handshakes.get(endpoint) is fut:
-            del self._handshakes[endpoint]
-        return self._known.setdefault(endpoint, fut.result())
+        with self._lock:
+            if self._handshakes.get(endpoint) is fut:
+                del self._handshakes[endpoint]
+        info = fut.result()
+        with self._lock:
+            return self._known.setdefault(endpoint, info)
 
     def forget(self, endpoint: str) -> None:
         """The next load from ``endpoint`` connects afresh."""
@@ -292,7 +322,9 @@ class RemotePeers:
     def close(self, engine_closed: Callable[[], None]) -> None:
         """Cancels handshakes not started, runs ``engine_closed`` (which fails the
         running ones), then waits for their threads."""
-        executor, self._executor = self._executor, None
+        with self._lock:
+            self._closed = True
+            executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
         self._known.clear()

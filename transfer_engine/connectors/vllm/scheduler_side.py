@@ -20,9 +20,11 @@ from transfer_engine.connectors.vllm.metadata import (
     RemoteParams,
     TEConnectorMetadata,
     TEHandshakeMetadata,
+    parse_push_params,
     parse_remote_params,
     prompt_hash,
 )
+from transfer_engine.connectors.vllm.push import PushSpec
 from transfer_engine.connectors.vllm.store import (
     StoreLoad,
     StoreSave,
@@ -68,7 +70,8 @@ class TEConnectorScheduler:
                  endpoint: str | None = None,
                  wall_clock: Callable[[], float] = time.time,
                  store: Lookup | None = None, vllm_hashes: bool = True,
-                 sync_load: bool = True, kv_groups: int = 1, tp_size: int = 1) -> None:
+                 sync_load: bool = True, kv_groups: int = 1, tp_size: int = 1,
+                 push: bool = True) -> None:
         self.engine_id = engine_id
         self.tp_size = tp_size
         self.endpoints: tuple[str, ...] = ()  # every rank's worker, in rank order
@@ -101,6 +104,12 @@ class TEConnectorScheduler:
         self._store_saves: dict[str, StoreSave] = {}
         self.store_errors = 0
         self._store_down_until = 0.0  # monotonic: no lookups before (the master failed)
+        self.push = push  # prefill pushes where the router asks
+        # prefill: requests allocated this step whose KV may be pushed (pushed only when
+        # the step prefills the whole prompt), and the room of each push started
+        self._push_alloc: dict[str, tuple[Request, str, tuple[str, ...], list[int]]] = {}
+        self._pushes: dict[str, PushSpec] = {}
+        self._rooms: dict[str, str] = {}  # request id -> room, until it finishes
 
     def set_handshake(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         meta = metadata.get(0)
@@ -243,6 +252,8 @@ class TEConnectorScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             self._store_alloc(request, blocks, num_external_tokens)
+            if params and params.get("do_remote_decode") and "push" in params:
+                self._push_allocated(request, blocks, params)
             return
         self._store_hits.pop(request.request_id, None)
         params["do_remote_prefill"] = False  # a preempted request recomputes
@@ -261,7 +272,27 @@ class TEConnectorScheduler:
         self._recv[request.request_id] = RecvSpec(
             request.request_id, [b.block_id for b in group[cached:end]], remote[cached:end],
             parsed.endpoint, parsed.engine_id, parsed.request_id, parsed.lease_expiry,
-            sync=self.sync_load, remote_endpoints=parsed.endpoints, decode_tp=self.tp_size)
+            sync=self.sync_load, remote_endpoints=parsed.endpoints, decode_tp=self.tp_size,
+            room=parsed.room, prompt_hash=parsed.prompt_hash, num_tokens=parsed.num_tokens,
+            room_blocks=len(remote), first_block=cached)
+
+    def _push_allocated(self, request: Request, blocks: KVCacheBlocks,
+                        params: dict[str, Any]) -> None:
+        """Prefill: the router asks for this request's KV to be pushed; remembered
+        until the step is built (its KV is pushed if that step prefills it whole)."""
+        rid = request.request_id
+        if not self.push or self.kv_groups > 1:
+            return
+        try:
+            room, to = parse_push_params(params)
+        except ValueError as exc:
+            log.warning("request %s: not pushing its KV: %s", rid, exc)
+            return
+        prompt = request.prompt_token_ids or ()
+        needed = -(-len(prompt) // self.block_size)
+        ids = [int(b.block_id) for b in blocks.blocks[0][:needed]]
+        if prompt and len(ids) == needed:
+            self._push_alloc[rid] = (request, room, to, ids)
 
     def _consume(self, key: tuple[str, str], rid: str, lease_expiry: float) -> None:
         """Remembers a hand-over as used until its lease ends (bounded: the oldest go
@@ -277,8 +308,20 @@ class TEConnectorScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None
                              ) -> TEConnectorMetadata:
+        for rid, (request, room, to, ids) in self._push_alloc.items():
+            prompt = request.prompt_token_ids or ()
+            scheduled = (scheduler_output.num_scheduled_tokens.get(rid, 0)
+                         if scheduler_output is not None else 0)
+            # vLLM has set the tokens it found cached, not yet added this step's
+            if request.num_computed_tokens + scheduled < len(prompt):
+                continue  # prefilled in chunks: decode reads the blocks
+            self._pushes[rid] = PushSpec(rid, room, to, ids, len(prompt),
+                                         prompt_hash(prompt, len(prompt)), self.lease_s)
+            self._rooms[rid] = room
+        self._push_alloc.clear()
         meta = TEConnectorMetadata(self._recv, self._send, self._store_loads,
-                                   self._store_saves)
+                                   self._store_saves, self._pushes)
+        self._pushes = {}
         self._recv, self._send = {}, {}
         self._store_loads, self._store_saves = {}, {}
         return meta
@@ -286,7 +329,15 @@ class TEConnectorScheduler:
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         saving = self._store_finished(request, block_ids)
+        room = self._rooms.pop(request.request_id, None)
+        ask = request.kv_transfer_params
+        if isinstance(ask, dict) and ask.get("te_probe") is True:
+            # the router asks where this server's workers are (to name them in a push)
+            known = self.endpoints or ((self.endpoint,) if self.endpoint else ())
+            return saving, {"te_endpoints": list(known)}
         held, params = self._remote_finished(request, block_ids)
+        if params is not None and room is not None:
+            params["push_room"] = room
         return held or saving, params
 
     def _remote_finished(self, request: Request, block_ids: list[int]

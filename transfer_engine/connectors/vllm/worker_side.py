@@ -41,8 +41,10 @@ from transfer_engine.connectors.vllm.metadata import (
     RecvSpec,
     TEHandshakeMetadata,
 )
+from transfer_engine.connectors.vllm.push import PushSide, PushSpec, parse_push
 from transfer_engine.connectors.vllm.remote import Placement, RemoteKV, RemotePeers, manifest
-from transfer_engine.connectors.vllm.sent import SentNotes, sent_note
+from transfer_engine.connectors.vllm.rooms import Staging
+from transfer_engine.connectors.vllm.sent import Holds, sent_note
 from transfer_engine.connectors.vllm.stats import (
     INTERVAL_COUNTS,
     TIMES,
@@ -87,6 +89,7 @@ class _Recv:
     # load may go layer by layer, an async one never)
     deadline: float = 0.0
     landed: float = 0.0  # time.monotonic() when the forward last found a part landed
+    pushed: bool = False  # copied out of a room prefill pushed it into: no READ
 
 
 class TEConnectorWorker:
@@ -107,7 +110,8 @@ class TEConnectorWorker:
     def __init__(self, engine_name: str, config: TEConnectorConfig,
                  compat: dict[str, Any], clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, rank: int = 0,
-                 tp_size: int = 1, kv_heads: tuple[int, int] | None = None) -> None:
+                 tp_size: int = 1, kv_heads: tuple[int, int] | None = None,
+                 takes_push: bool = True) -> None:
         self.engine_name = engine_name
         self.rank, self._tp, self._kv_heads = rank, tp_size, kv_heads
         self.placement = Placement(rank, tp_size, kv_heads and head_range(rank, tp_size,
@@ -122,9 +126,6 @@ class TEConnectorWorker:
         self._manifest = b""
         self._peers = RemotePeers(engine_name, initializer=unpin_current_thread)
         self._recving: dict[str, _Recv] = {}
-        self._sending: dict[str, float] = {}  # request id -> lease deadline
-        self._sent_early: set[str] = set()  # notified before its metadata arrived
-        self._notes = SentNotes()  # readers heard from, per request
         self._failed_blocks: set[int] = set()
         self._lock = threading.Lock()
         self._store_client: Client | None = None
@@ -132,7 +133,7 @@ class TEConnectorWorker:
         self._reported = dict.fromkeys(INTERVAL_COUNTS.values(), 0)  # by interval_stats
         self._times: dict[str, deque[float]] = {  # since the last interval_stats
             key: deque(maxlen=4096) for key, _, _ in TIMES}
-        self._held_at: dict[str, float] = {}  # request id -> when prefill held it
+        self._holds = Holds(clock, self.stats, self._times["held_seconds"], self._lock)
         self._store = StoreJobs(None, self.stats, (), engine_name)  # off until opened
         # layer-wise sync loads: the forward's layers in groups (layer_groups), learnt
         # from a step in which vLLM waited for every layer (until then a sync load
@@ -144,6 +145,8 @@ class TEConnectorWorker:
         self._layered: list[_Recv] = []
         self._scratch: Segment | None = None  # a few bytes a notification's READ lands in
         self._step_wait = 0.0  # seconds this step's forward waited for sync loads
+        self._takes_push = takes_push and config.push_mib > 0  # decode: a staging room
+        self._push: PushSide | None = None
         _WORKERS.add(self)
 
     # set-up
@@ -186,7 +189,17 @@ class TEConnectorWorker:
         self.compat["layouts"] = sorted({layout_signature(layout)
                                          for _, layout in self._layers.values()})
         self.compat["num_layers"] = len(self._layers)
-        self._manifest = manifest(self._layers, self.compat, self.placement)
+        if self.config.push:
+            self._push = PushSide(
+                self.engine, self._layers,
+                lambda where: self._peers.handshake(self.engine, where, self._layers,
+                                                    self.compat, self.config.timeout_s,
+                                                    self.placement),
+                self._peers.settled, self._peers.submit, self._scratch_segment, self.stats,
+                self.rank, self._tp, self._takes_push * (self.config.push_mib << 20),
+                self.config.timeout_s)
+        self._manifest = manifest(self._layers, self.compat, self.placement,
+                                  self._push.manifest_entry if self._push else None)
         self._manifest_buf = np.frombuffer(bytearray(self._manifest), dtype=np.uint8)
         self.engine.register(self._manifest_buf, name=MANIFEST_SEGMENT)
         self.engine.on_notify(self._on_notify)
@@ -215,6 +228,11 @@ class TEConnectorWorker:
     def layouts(self) -> dict[str, BlockLayout]:
         """The block layout of each registered layer, by layer name."""
         return {name: layout for name, (_, layout) in self._layers.items()}
+
+    @property
+    def staging(self) -> Staging | None:
+        """Decode's rooms for pushed KV (None: it takes no pushes)."""
+        return self._push.staging if self._push is not None else None
 
     @property
     def receiving(self) -> int:
@@ -308,6 +326,18 @@ class TEConnectorWorker:
         self._failed_blocks.update(recv.spec.local_block_ids)
         return False
 
+    # prefill: pushes
+    def start_push(self, specs: Iterable[PushSpec]) -> None:
+        """Asks decode for a room for each request this step prefills whole, to push
+        its layers into as the forward computes them."""
+        if self._push is not None:
+            self._push.start(list(specs))
+
+    def layer_saved(self, name: str) -> None:
+        """The forward has computed layer ``name``: it goes to pushes' rooms."""
+        if self._push is not None:
+            self._push.layer_done(name)
+
     def start_step(self) -> None:
         """A step's metadata is bound: its forward's layer waits are counted afresh."""
         self._waited.clear()
@@ -330,6 +360,8 @@ class TEConnectorWorker:
                 [name for name in self._waited if name in self._layers])]
             log.info("KV loads go layer by layer, in the forward's order")
         self._layer_waits.clear()
+        if self._push is not None:
+            self._push.forward_done()
         layered, self._layered = self._layered, []
         for recv in layered:
             for part in recv.parts:
@@ -341,6 +373,14 @@ class TEConnectorWorker:
                 self._times["load_wait_seconds"].append(self._step_wait)
             self._step_wait = 0.0
 
+    def _scratch_segment(self) -> Segment:
+        """A few bytes a notification's READ lands in."""
+        assert self.engine is not None
+        if self._scratch is None:
+            self._scratch = self.engine.register(np.zeros(64, dtype=np.uint8),
+                                                 name="te-vllm/scratch")
+        return self._scratch
+
     def _notify_read(self, recv: _Recv) -> None:
         """Tells prefill that a layer-wise load's blocks were read: a READ of one byte of
         its manifest, carrying the notification; not waited for."""
@@ -349,10 +389,7 @@ class TEConnectorWorker:
         if info is None:
             return  # the peer is gone: prefill's lease frees the blocks
         try:
-            if self._scratch is None:
-                self._scratch = self.engine.register(np.zeros(64, dtype=np.uint8),
-                                                     name="te-vllm/scratch")
-            self.engine.read(info.peer, [(Descriptor(self._scratch, 0, 1),
+            self.engine.read(info.peer, [(Descriptor(self._scratch_segment(), 0, 1),
                                           Descriptor(info.peer.segment(MANIFEST_SEGMENT),
                                                      0, 1))],
                              notify=sent_note(recv.spec.remote_request_id,
@@ -373,7 +410,12 @@ class TEConnectorWorker:
                 raise ProtocolError("no blocks to load")
             if len(spec.local_block_ids) != len(spec.remote_block_ids):
                 raise ProtocolError("local and remote block counts differ")
-            info = self._peers.get(spec.endpoint_for(self.rank))
+            where = spec.endpoint_for(self.rank)
+            if self._push is not None and self._push.take(spec, where):
+                recv.pushed = True
+                self._notify_read(recv)
+                return recv
+            info = self._peers.get(where)
             if info is None:
                 assert self.engine is not None
                 recv.handshake = self._peers.handshake(
@@ -390,6 +432,9 @@ class TEConnectorWorker:
         in the stats); logs why not."""
         if recv.error is not None:  # logged when it failed
             return False
+        if recv.pushed:
+            self._times["load_seconds"].append(time.monotonic() - recv.started)
+            return True
         handle = recv.handle
         failed = next((h for h in recv.parts if h.state is not TransferState.DONE), None)
         if failed is not None:
@@ -491,30 +536,24 @@ class TEConnectorWorker:
 
     # prefill: holds
     def hold(self, reqs: dict[str, float]) -> None:
-        now = self._clock()
-        with self._lock:
-            for rid, lease in reqs.items():
-                if rid not in self._sending:
-                    self.stats["held_requests"] += 1
-                self._sending[rid] = now + lease
-                self._held_at[rid] = time.monotonic()
+        self._holds.hold(reqs)
 
     def _on_notify(self, note: Any) -> None:
-        with self._lock:
-            rid = self._notes.add(note.payload)
-            if rid is not None:
-                self._sent_early.add(rid)
+        fields = parse_push(note.payload) if self._push is not None else None
+        if fields is not None:
+            assert self._push is not None
+            self._push.on_note(note.peer, fields)
+            return
+        self._holds.heard(note.payload)
 
     @property
     def held(self) -> int:
         """Requests whose blocks are held: for a decoder's read or a store save."""
-        with self._lock:
-            return len(set(self._sending) | self._store.saving())
+        return len(self._holds.held | self._store.saving())
 
     def results(self) -> KVConnectorTransferResults:
         self.finish_layered()
         out = KVConnectorTransferResults()
-        now = self._clock()
         saved: set[str] = set()
         if self._store.busy:
             stored = self._store.results()
@@ -523,31 +562,11 @@ class TEConnectorWorker:
             self._failed_blocks |= stored.failed_blocks
             saved = stored.saved
         saving = self._store.saving()
-        released: set[str] = set()
-        with self._lock:
-            for rid in list(self._sent_early):
-                if rid in self._sending:
-                    del self._sending[rid]
-                    self._sent_early.discard(rid)
-                    released.add(rid)
-                    self.stats["sent_requests"] += 1
-                    self._times["held_seconds"].append(
-                        time.monotonic() - self._held_at.pop(rid, time.monotonic()))
-            for rid, deadline in list(self._sending.items()):
-                if deadline <= now:
-                    del self._sending[rid]
-                    self._held_at.pop(rid, None)
-                    released.add(rid)
-                    self.stats["lease_expired"] += 1
-                    log.warning("request %s: lease ran out before the decoder read its "
-                                "blocks; freeing them", rid)
-            # notifications for requests never held here (aborted) must not pile up
-            if len(self._sent_early) > 4096:
-                self._sent_early.clear()
-            # a request's blocks are free once nothing holds them: neither a decoder's
-            # lease nor a save still reading them
-            out.finished_sending |= released - saving
-            out.finished_sending |= {r for r in saved if r not in self._sending}
+        released = self._holds.released()
+        # a request's blocks are free once nothing holds them: neither a decoder's lease
+        # nor a save still reading them
+        out.finished_sending |= released - saving
+        out.finished_sending |= saved - self._holds.held
         if self._recving or self._store.loading:
             # vLLM calls this once per step from a thread that hardly lets go of the
             # GIL while a request waits for its KV; without this the transfer threads
@@ -596,4 +615,4 @@ class TEConnectorWorker:
     def __repr__(self) -> str:
         return (f"<TEConnectorWorker {self.engine_name!r} layers={len(self._layers)} "
                 f"recving={len(self._recving)} handshakes={len(self._peers)} "
-                f"held={len(self._sending)}>")
+                f"held={len(self._holds.held)}>")

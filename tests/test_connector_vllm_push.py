@@ -1,0 +1,280 @@
+"""Layer-wise push through the vLLM connector's workers: prefill WRITEs each layer into a
+room decode reserved, decode copies the room into its blocks with no READ; a room that
+is not whole, not this request's, reused, forged or expired is never copied, and decode
+reads the blocks instead. Workers in this process, real engines on loopback, KV caches
+as CPU torch tensors in vLLM's CPU layout."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.helpers.clock import FakeClock
+
+with warnings.catch_warnings():  # vLLM and torch warn at import; not our concern here
+    warnings.simplefilter("ignore")
+    if os.environ.get("TE_VLLM_REQUIRED") == "1":  # scripts/test.sh: fail, never skip
+        import torch
+        import vllm  # noqa: F401
+    else:
+        pytest.importorskip("vllm", reason="vllm is not installed (scripts/setup_vllm.sh)")
+        torch = pytest.importorskip("torch")
+
+    import numpy as np
+
+    from tests.helpers.vllm_workers import (
+        COMPAT,
+        NUM_BLOCKS,
+        block_of,
+        cpu_caches,
+        gpu_caches,
+        wait_results,
+    )
+    from transfer_engine.connectors.vllm import RecvSpec, TEConnectorConfig, TEConnectorWorker
+    from transfer_engine.connectors.vllm.push import PUSH_SEGMENT, PushSpec, push_note
+    from transfer_engine.descriptor import Descriptor
+    from transfer_engine.engine import Engine
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::DeprecationWarning", "ignore::FutureWarning")
+
+HASH = "ab" * 16
+TOKENS = 40  # three blocks of 16
+
+
+def _until(what: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+@pytest.fixture(params=["cpu"])
+def pair(request: pytest.FixtureRequest) -> Iterator[
+        tuple[TEConnectorWorker, TEConnectorWorker, dict[str, Any], dict[str, Any]]]:
+    """Prefill and decode workers; KV in vLLM's CPU layout (``gpu``: its GPU layout,
+    K and V planes apart, in host memory)."""
+    clock = FakeClock()
+    cfg = TEConnectorConfig(transports=("tcp",), timeout_s=2.0, push_mib=8)
+    prefill = TEConnectorWorker("push-p", cfg, COMPAT, clock, takes_push=False)
+    decode = TEConnectorWorker("push-d", cfg, COMPAT, clock)
+    caches = gpu_caches if request.param == "gpu" else cpu_caches
+    pk, dk = caches(1), caches(2)
+    try:
+        prefill.register_kv_caches(pk, NUM_BLOCKS)
+        decode.register_kv_caches(dk, NUM_BLOCKS)
+        yield prefill, decode, pk, dk
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def _room(n: int = 0) -> str:
+    return f"room-{n:04d}-{os.urandom(8).hex()}"
+
+
+def _push(prefill: TEConnectorWorker, decode: TEConnectorWorker, room: str,
+          rid: str = "p1", blocks: tuple[int, ...] = (3, 4, 5), layers: int | None = None,
+          lease_s: float = 30.0) -> PushSpec:
+    """Prefill's side of a step that prefills ``rid`` whole: the ask, the forward's
+    layers (all, or the first ``layers``), its end (only when all were computed)."""
+    assert decode.engine is not None
+    spec = PushSpec(rid, room, (decode.engine.endpoint,), list(blocks), TOKENS, HASH,
+                    lease_s)
+    prefill.start_push([spec])
+    names = sorted(prefill.layouts)
+    for name in names[:layers]:
+        prefill.layer_saved(name)
+    if layers is None:
+        prefill.finish_layered()
+    return spec
+
+
+def _load(prefill: TEConnectorWorker, room: str, local: list[int], remote: list[int],
+          first: int = 0, digest: str = HASH, rid: str = "p1") -> RecvSpec:
+    assert prefill.engine is not None
+    return RecvSpec("d-" + rid, local, remote, prefill.engine.endpoint, "prefill-engine",
+                    rid, time.time() + 30, sync=True, room=room, prompt_hash=digest,
+                    num_tokens=TOKENS, room_blocks=3, first_block=first)
+
+
+def _same(pk: dict[str, Any], dk: dict[str, Any], local: list[int],
+          remote: list[int]) -> bool:
+    return all(torch.equal(block_of(dk[n], a), block_of(pk[n], b)) for n in pk
+               for a, b in zip(local, remote, strict=True))
+
+
+@pytest.mark.parametrize("pair", ["cpu", "gpu"], indirect=True)
+def test_pushed_layers_are_copied_into_decode_blocks_without_a_read(pair: Any) -> None:
+    """The whole flow: ask, grant, one WRITE per layer as the forward computes it,
+    then decode's load copies the room into its blocks byte for byte, reads nothing
+    from prefill, and tells prefill it may free the blocks; the room's range is free
+    again."""
+    prefill, decode, pk, dk = pair
+    room = _room()
+    prefill.hold({"p1": 30.0})
+    _push(prefill, decode, room)
+    assert decode.staging is not None
+    _until(lambda: decode.staging.whole(room))
+    assert prefill.stats["push_bytes"] == 3 * 3 * block_of(dk["layers.0.attn"], 0).nbytes
+    assert not _same(pk, dk, [10, 11, 12], [3, 4, 5])
+    decode.load_now([_load(prefill, room, [10, 11, 12], [3, 4, 5])])
+    assert decode.take_failed_blocks() == set()
+    assert _same(pk, dk, [10, 11, 12], [3, 4, 5])
+    assert decode.stats["recv_pushed"] == 1
+    assert decode.engine is not None and decode.engine.stats.get("read_bytes", 0) < 4096
+    wait_results(prefill, "finished_sending", "p1")
+    assert len(decode.staging) == 0
+
+
+def test_a_load_past_cached_blocks_copies_from_its_place_in_the_room(pair: Any) -> None:
+    """Decode had the first block cached: it copies the room's blocks 1 and 2 only."""
+    prefill, decode, pk, dk = pair
+    room = _room()
+    _push(prefill, decode, room)
+    _until(lambda: decode.staging.whole(room))
+    before = block_of(dk["layers.0.attn"], 20).clone()
+    decode.load_now([_load(prefill, room, [21, 22], [4, 5], first=1)])
+    assert _same(pk, dk, [21, 22], [4, 5]) and decode.stats["recv_pushed"] == 1
+    assert torch.equal(block_of(dk["layers.0.attn"], 20), before)
+
+
+@pytest.mark.parametrize("case", ["other prompt", "unknown room", "other endpoint"])
+def test_a_room_that_is_not_this_requests_is_not_copied(pair: Any, case: str) -> None:
+    """A load naming a room that holds another prompt, no room at all, or a room of
+    another prefill: decode reads the blocks from prefill instead, byte-exact."""
+    prefill, decode, pk, dk = pair
+    room = _room()
+    _push(prefill, decode, room)
+    _until(lambda: decode.staging.whole(room))
+    spec = _load(prefill, room, [30, 31, 32], [3, 4, 5],
+                 digest="cd" * 16 if case == "other prompt" else HASH)
+    if case == "unknown room":
+        spec.room = _room(1)
+    if case == "other endpoint":  # nothing listens there: the load fails, recomputed
+        spec.remote_endpoint = spec.remote_endpoint.replace("127.0.0.1", "127.0.0.2")
+        decode.load_now([spec])
+        assert decode.take_failed_blocks() == {30, 31, 32}
+        assert decode.stats["recv_pushed"] == 0 and decode.staging.whole(room)
+        return
+    decode.load_now([spec])
+    assert decode.take_failed_blocks() == set()
+    assert _same(pk, dk, [30, 31, 32], [3, 4, 5]) and decode.stats["recv_pushed"] == 0
+    assert decode.staging.whole(room)  # still there for its own request
+
+
+def test_a_room_is_copied_once(pair: Any) -> None:
+    """A second request naming the same room (a replay, or another client that learnt
+    the id) finds it gone and reads from prefill."""
+    prefill, decode, pk, dk = pair
+    room = _room()
+    _push(prefill, decode, room)
+    _until(lambda: decode.staging.whole(room))
+    decode.load_now([_load(prefill, room, [10, 11, 12], [3, 4, 5])])
+    dk["layers.0.attn"][40:43] = 0
+    decode.load_now([_load(prefill, room, [40, 41, 42], [3, 4, 5])])
+    assert decode.stats["recv_pushed"] == 1
+    assert _same(pk, dk, [40, 41, 42], [3, 4, 5])
+
+
+def test_a_room_not_whole_is_abandoned_and_freed_when_its_push_lands(pair: Any) -> None:
+    """The load comes while the push is still landing (one layer of three in): decode
+    reads from prefill; the room is never copied, and its range is free only once the
+    rest of the push has landed, so no late write lands in a range reused by another
+    request."""
+    prefill, decode, pk, dk = pair
+    room = _room()
+    _push(prefill, decode, room, layers=0)
+    assert prefill._push is not None and prefill._push.pusher is not None
+    _until(lambda: prefill._push.pusher._pushes[room].grant is not None)
+    prefill.layer_saved(sorted(prefill.layouts)[0])
+    _until(lambda: len(decode.staging._rooms[room].landed) == 1)
+    decode.load_now([_load(prefill, room, [10, 11, 12], [3, 4, 5])])
+    assert _same(pk, dk, [10, 11, 12], [3, 4, 5]) and decode.stats["recv_pushed"] == 0
+    assert len(decode.staging) == 1  # abandoned, its push still landing
+    for name in sorted(prefill.layouts)[1:]:
+        prefill.layer_saved(name)
+    prefill.finish_layered()
+    _until(lambda: len(decode.staging) == 0)
+
+
+def test_no_write_after_the_grant_runs_out(pair: Any) -> None:
+    """A lease too short to push in: prefill starts no WRITE, the room never becomes
+    whole, and decode reads from prefill."""
+    prefill, decode, pk, dk = pair
+    room = _room()
+    _push(prefill, decode, room, lease_s=0.5)
+    _until(lambda: prefill.stats["push_failed"] == 1)
+    assert prefill.stats["push_bytes"] == 0 and not decode.staging.whole(room)
+    decode.load_now([_load(prefill, room, [10, 11, 12], [3, 4, 5])])
+    assert _same(pk, dk, [10, 11, 12], [3, 4, 5]) and decode.stats["recv_pushed"] == 0
+
+
+def test_decode_without_staging_takes_no_push(pair: Any) -> None:
+    """A decode worker with ``push_mib: 0`` publishes no room segment: prefill gives
+    the push up at once and decode reads."""
+    prefill, _, pk, _ = pair
+    cfg = TEConnectorConfig(transports=("tcp",), timeout_s=2.0, push_mib=0)
+    decode = TEConnectorWorker("push-d0", cfg, COMPAT, FakeClock())
+    dk = cpu_caches(3)
+    try:
+        decode.register_kv_caches(dk, NUM_BLOCKS)
+        assert decode.staging is None
+        _push(prefill, decode, _room())
+        _until(lambda: prefill.stats["push_failed"] == 1)
+        assert prefill.stats["push_bytes"] == 0
+    finally:
+        decode.close()
+
+
+def _stranger(decode: TEConnectorWorker) -> tuple[Engine, Any, Any]:
+    """An engine of the cluster (it holds the secret) that is no prefill worker."""
+    assert decode.engine is not None
+    eng = Engine("stranger", transports=("tcp",))
+    peer = eng.connect(decode.engine.endpoint, timeout=2.0)
+    scratch = eng.register(np.zeros(8, dtype=np.uint8), name="s")
+    return eng, peer, scratch
+
+
+def _note(eng: Engine, peer: Any, scratch: Any, payload: bytes) -> None:
+    eng.read(peer, [(Descriptor(scratch, 0, 1), Descriptor(peer.segment(PUSH_SEGMENT), 0,
+                                                           1))], notify=payload).wait(2.0)
+
+
+def test_forged_asks_and_notes_are_refused(pair: Any) -> None:
+    """Another engine of the cluster sends malformed asks, an ask naming prefill's
+    endpoint as its own, a grant to prefill and a 'layers' note for a room it does
+    not own: each is refused or ignored, the real push still lands and is copied."""
+    prefill, decode, pk, dk = pair
+    room = _room()
+    eng, peer, scratch = _stranger(decode)
+    try:
+        assert prefill.engine is not None
+        bad = [b"te-vllm/push:\xc1", push_note("ask"), push_note("ask", room="short"),
+               push_note("ask", room=_room(2), bytes=1 << 40, blocks=3, tokens=40,
+                         prompt_hash=HASH, endpoint=prefill.engine.endpoint, lease_s=30),
+               push_note("ask", room=_room(3), bytes=-1, blocks=-3, tokens=40,
+                         prompt_hash=HASH, endpoint="x", lease_s=30)]
+        for payload in bad:
+            _note(eng, peer, scratch, payload)
+        _until(lambda: decode.stats["push_refused"] == 4)  # the undecodable one: ignored
+        # an impostor's ask naming prefill's endpoint: the engine there is not it
+        size = 3 * 3 * block_of(dk["layers.0.attn"], 0).nbytes
+        _note(eng, peer, scratch, push_note("ask", room=room, bytes=size, blocks=3,
+                                            tokens=TOKENS, prompt_hash=HASH,
+                                            endpoint=prefill.engine.endpoint, lease_s=30))
+        _until(lambda: decode.stats["push_refused"] == 5)
+        assert len(decode.staging) == 0
+        _push(prefill, decode, room)
+        _until(lambda: decode.staging.whole(room))
+        _note(eng, peer, scratch, push_note("layers", room=room, gen=1, layers=[0, 1, 2]))
+        _until(lambda: decode.staging.refused == 1)
+        decode.load_now([_load(prefill, room, [10, 11, 12], [3, 4, 5])])
+        assert _same(pk, dk, [10, 11, 12], [3, 4, 5]) and decode.stats["recv_pushed"] == 1
+    finally:
+        eng.close()
