@@ -117,6 +117,21 @@ def te_metrics(port: int) -> dict[str, float]:
     return vllm_metrics(port, "te_kv_")
 
 
+def te_grown(port: int, before: dict[str, float], key: str, least: float,
+             model: str, timeout: float = 20.0) -> float:
+    """How much a connector counter of the server grew since ``before``, waiting a
+    bounded while for it to reach ``least`` (vLLM publishes a step's stats after the
+    step: a one-token request makes the next one)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        grown = te_metrics(port).get(key, 0) - before.get(key, 0)
+        if grown >= least or time.monotonic() > deadline:
+            return grown
+        http_json(port, "POST", "/v1/completions",
+                  {"model": model, "prompt": "tick", "max_tokens": 1})
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def launched(cmd: list[str], log: Path, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
     """A process in its own session (vLLM's server starts engine processes under it),

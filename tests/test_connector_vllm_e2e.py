@@ -47,6 +47,7 @@ from bench.vllm_servers import (
     http_json,
     launched,
     stream_times,
+    te_grown,
     te_metrics,
     vllm_metrics,
     wait_healthy,
@@ -225,19 +226,6 @@ def test_replayed_params_are_computed_not_loaded(pd_servers: dict[str, Any]) -> 
     assert after["external_kv_transfer"] == mid["external_kv_transfer"]  # not loaded
 
 
-def _te_grown(port: int, before: dict[str, float], key: str, least: float,
-              model: str) -> float:
-    """How much a connector counter of the server grew (waiting, a bounded while, for
-    it to reach ``least``: vLLM publishes a step's stats after the step)."""
-    deadline = time.monotonic() + 20
-    while True:
-        grown = te_metrics(port).get(key, 0) - before.get(key, 0)
-        if grown >= least or time.monotonic() > deadline:
-            return grown
-        completion(port, {"model": model, "prompt": "tick", "max_tokens": 1})
-        time.sleep(0.1)
-
-
 def test_pushed_kv_is_copied_once_and_only_for_its_prompt(pd_servers: dict[str, Any]
                                                           ) -> None:
     """The router's push, by hand: decode says where its workers are, prefill pushes a
@@ -271,7 +259,7 @@ def test_pushed_kv_is_copied_once_and_only_for_its_prompt(pd_servers: dict[str, 
         before = te_metrics(ports["decode"])
         assert completion(ports["decode"], dict(body, kv_transfer_params=params)) == \
             completion(ports["prefill"], body)
-    assert _te_grown(ports["decode"], before, "te_kv_pushed_loads_total", 1, model) == 1
+    assert te_grown(ports["decode"], before, "te_kv_pushed_loads_total", 1, model) == 1
     mid = te_metrics(ports["decode"])
     # the same params again: refused as a replay, computed
     assert completion(ports["decode"], dict(body, kv_transfer_params=params)) == \
@@ -280,7 +268,7 @@ def test_pushed_kv_is_copied_once_and_only_for_its_prompt(pd_servers: dict[str, 
     other, params2 = handed_over("push other " + PROMPTS[1], None)
     assert completion(ports["decode"], dict(other, kv_transfer_params=dict(
         params2, push_room=room))) == completion(ports["prefill"], other)
-    assert _te_grown(ports["decode"], mid, "te_kv_loads_total", 1, model) == 1
+    assert te_grown(ports["decode"], mid, "te_kv_loads_total", 1, model) == 1
     assert te_metrics(ports["decode"]).get("te_kv_pushed_loads_total") == \
         mid["te_kv_pushed_loads_total"]
 

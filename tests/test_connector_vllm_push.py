@@ -1,8 +1,9 @@
 """Layer-wise push through the vLLM connector's workers: prefill WRITEs each layer into a
-room decode reserved, decode copies the room into its blocks with no READ; a room that
-is not whole, not this request's, reused, forged or expired is never copied, and decode
-reads the blocks instead. Workers in this process, real engines on loopback, KV caches
-as CPU torch tensors in vLLM's CPU layout."""
+room in its lane of decode's staging memory, decode copies the room into its blocks
+with no READ; a room that is not whole, not this request's, reused, forged or expired
+is never copied, and decode reads the blocks instead. Workers in this process, real
+engines on loopback, KV caches as CPU torch tensors (vLLM's CPU layout, and its GPU
+one in host memory)."""
 
 from __future__ import annotations
 
@@ -111,10 +112,10 @@ def _same(pk: dict[str, Any], dk: dict[str, Any], local: list[int],
 
 @pytest.mark.parametrize("pair", ["cpu", "gpu"], indirect=True)
 def test_pushed_layers_are_copied_into_decode_blocks_without_a_read(pair: Any) -> None:
-    """The whole flow: ask, grant, one WRITE per layer as the forward computes it,
-    then decode's load copies the room into its blocks byte for byte, reads nothing
-    from prefill, and tells prefill it may free the blocks; the room's range is free
-    again."""
+    """The whole flow: a lane asked for and granted, one WRITE per layer as the
+    forward computes it, then decode's load copies the room into its blocks byte for
+    byte, reads nothing from prefill, and tells prefill it may free the blocks; prefill
+    may write the room's range again."""
     prefill, decode, pk, dk = pair
     room = _room()
     prefill.hold({"p1": 30.0})
@@ -130,6 +131,11 @@ def test_pushed_layers_are_copied_into_decode_blocks_without_a_read(pair: Any) -
     assert decode.engine is not None and decode.engine.stats.get("read_bytes", 0) < 4096
     wait_results(prefill, "finished_sending", "p1")
     assert len(decode.staging) == 0
+    assert prefill._push is not None and prefill._push.pusher is not None
+    _until(lambda: len(prefill._push.pusher) == 0)  # the range is free again
+    room2 = _room(2)  # a second push goes straight into the lane
+    _push(prefill, decode, room2, rid="p2")
+    _until(lambda: decode.staging.whole(room2))
 
 
 def test_a_load_past_cached_blocks_copies_from_its_place_in_the_room(pair: Any) -> None:
@@ -184,31 +190,34 @@ def test_a_room_is_copied_once(pair: Any) -> None:
 
 def test_a_room_not_whole_is_abandoned_and_freed_when_its_push_lands(pair: Any) -> None:
     """The load comes while the push is still landing (one layer of three in): decode
-    reads from prefill; the room is never copied, and its range is free only once the
-    rest of the push has landed, so no late write lands in a range reused by another
-    request."""
+    waits a little, then reads from prefill; the room is never copied, and prefill
+    writes its range again only once the rest of its push has ended."""
     prefill, decode, pk, dk = pair
     room = _room()
     _push(prefill, decode, room, layers=0)
     assert prefill._push is not None and prefill._push.pusher is not None
-    _until(lambda: prefill._push.pusher._pushes[room].grant is not None)
+    _until(lambda: prefill._push.pusher._pushes["p1"].offset is not None)
     prefill.layer_saved(sorted(prefill.layouts)[0])
-    _until(lambda: len(decode.staging._rooms[room].landed) == 1)
+    _until(lambda: room in decode.staging._rooms
+           and len(decode.staging._rooms[room].landed) == 1)
     decode.load_now([_load(prefill, room, [10, 11, 12], [3, 4, 5])])
     assert _same(pk, dk, [10, 11, 12], [3, 4, 5]) and decode.stats["recv_pushed"] == 0
     assert len(decode.staging) == 1  # abandoned, its push still landing
+    prefill._push.read("p1")  # decode's word, before the push has ended
+    assert len(prefill._push.pusher) == 1
     for name in sorted(prefill.layouts)[1:]:
         prefill.layer_saved(name)
     prefill.finish_layered()
     _until(lambda: len(decode.staging) == 0)
+    _until(lambda: prefill._push.pusher.reap() or len(prefill._push.pusher) == 0)
 
 
-def test_no_write_after_the_grant_runs_out(pair: Any) -> None:
+def test_no_write_after_the_lease_runs_out(pair: Any) -> None:
     """A lease too short to push in: prefill starts no WRITE, the room never becomes
     whole, and decode reads from prefill."""
     prefill, decode, pk, dk = pair
     room = _room()
-    _push(prefill, decode, room, lease_s=0.5)
+    _push(prefill, decode, room, lease_s=0.001)
     _until(lambda: prefill.stats["push_failed"] == 1)
     assert prefill.stats["push_bytes"] == 0 and not decode.staging.whole(room)
     decode.load_now([_load(prefill, room, [10, 11, 12], [3, 4, 5])])
@@ -247,33 +256,32 @@ def _note(eng: Engine, peer: Any, scratch: Any, payload: bytes) -> None:
 
 
 def test_forged_asks_and_notes_are_refused(pair: Any) -> None:
-    """Another engine of the cluster sends malformed asks, an ask naming prefill's
-    endpoint as its own, a grant to prefill and a 'layers' note for a room it does
-    not own: each is refused or ignored, the real push still lands and is copied."""
+    """Another engine of the cluster sends malformed notes, asks for a lane naming
+    prefill's endpoint as its own, and writes a 'layers' note for the real room with no
+    lane of its own; prefill itself reuses a room id for another prompt: each is
+    refused or ignored, and the real push still lands and is copied once."""
     prefill, decode, pk, dk = pair
     room = _room()
     eng, peer, scratch = _stranger(decode)
     try:
-        assert prefill.engine is not None
-        bad = [b"te-vllm/push:\xc1", push_note("ask"), push_note("ask", room="short"),
-               push_note("ask", room=_room(2), bytes=1 << 40, blocks=3, tokens=40,
-                         prompt_hash=HASH, endpoint=prefill.engine.endpoint, lease_s=30),
-               push_note("ask", room=_room(3), bytes=-1, blocks=-3, tokens=40,
-                         prompt_hash=HASH, endpoint="x", lease_s=30)]
-        for payload in bad:
+        assert prefill.engine is not None and decode.staging is not None
+        for payload in (b"te-vllm/push:\xc1", push_note("ask-lane"),
+                        push_note("ask-lane", endpoint=7), push_note("nonsense")):
             _note(eng, peer, scratch, payload)
-        _until(lambda: decode.stats["push_refused"] == 4)  # the undecodable one: ignored
-        # an impostor's ask naming prefill's endpoint: the engine there is not it
-        size = 3 * 3 * block_of(dk["layers.0.attn"], 0).nbytes
-        _note(eng, peer, scratch, push_note("ask", room=room, bytes=size, blocks=3,
-                                            tokens=TOKENS, prompt_hash=HASH,
-                                            endpoint=prefill.engine.endpoint, lease_s=30))
-        _until(lambda: decode.stats["push_refused"] == 5)
-        assert len(decode.staging) == 0
+        # an impostor's lane ask naming prefill's endpoint: the engine there is not it
+        _note(eng, peer, scratch, push_note("ask-lane", endpoint=prefill.engine.endpoint))
+        _until(lambda: decode.stats["push_refused"] == 1)
         _push(prefill, decode, room)
         _until(lambda: decode.staging.whole(room))
-        _note(eng, peer, scratch, push_note("layers", room=room, gen=1, layers=[0, 1, 2]))
-        _until(lambda: decode.staging.refused == 1)
+        fields = dict(room=room, offset=0, blocks=3, tokens=TOKENS, prompt_hash=HASH,
+                      lease_s=30, layers=[0, 1, 2])
+        _note(eng, peer, scratch, push_note("layers", **fields))
+        _until(lambda: decode.staging.refused == 1)  # no lane of its own
+        # prefill's own note for that room id with another prompt: refused
+        pnote = decode.staging._rooms[room]
+        with pytest.raises(ValueError, match="another room"):
+            decode.staging.landed(pnote.peer, dict(fields, offset=pnote.offset,
+                                                   prompt_hash="cd" * 16))
         decode.load_now([_load(prefill, room, [10, 11, 12], [3, 4, 5])])
         assert _same(pk, dk, [10, 11, 12], [3, 4, 5]) and decode.stats["recv_pushed"] == 1
     finally:

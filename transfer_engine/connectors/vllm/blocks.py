@@ -4,12 +4,46 @@ found from the tensor's strides alone), and the order a layered load reads layer
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transfer_engine.layout import BlockLayout, head_split
 
-__all__ = ["allocation", "head_range", "layer_groups", "layout_signature", "vllm_layout"]
+if TYPE_CHECKING:
+    from transfer_engine.engine import Engine
+    from transfer_engine.segment import Segment
+
+__all__ = ["allocation", "head_range", "layer_groups", "layout_signature",
+           "register_layers", "vllm_layout"]
+
+log = logging.getLogger(__name__)
+
+
+def register_layers(engine: Engine, kv_caches: dict[str, Any], num_blocks: int,
+                    kv_heads: int | None) -> dict[str, tuple[Segment, BlockLayout]]:
+    """Registers vLLM's layer tensors with ``engine``: each layer's segment and block
+    layout. One segment per allocation, not per layer: vLLM's layers are often views of
+    one tensor, and a segment that starts where the allocation starts is one a serving
+    process can share in place (an interior one it reaches through a bounce copy)."""
+    seen: dict[int, Segment] = {}
+    out: dict[str, tuple[Segment, BlockLayout]] = {}
+    for name, tensor in kv_caches.items():
+        layout = vllm_layout(tuple(tensor.shape), tuple(tensor.stride()),
+                             tensor.element_size(), num_blocks, str(tensor.dtype), kv_heads)
+        address, length = allocation(tensor, layout.extent)
+        layout = dataclasses.replace(layout, segment_offset=int(tensor.data_ptr()) - address)
+        end = layout.segment_offset + layout.extent
+        seg = seen.get(address)
+        if seg is None or seg.length < end:
+            device = str(tensor.device)  # GPU KV: staged where a transport must
+            seg = engine.register((address, max(length, end),
+                                   "cpu" if device == "cpu" else device), name=f"kv/{name}")
+            seen[address] = seg
+        out[name] = (seg, layout)
+        log.info("layer %s: shape %s strides %s -> %s", name, tuple(tensor.shape),
+                 tuple(tensor.stride()), layout)
+    return out
 
 
 def vllm_layout(shape: Sequence[int], strides: Sequence[int], itemsize: int,

@@ -1,32 +1,34 @@
 """Layer-wise push: prefill WRITEs each layer's blocks, as soon as its forward has
-computed the layer, into a room decode reserved for the request in memory of its own
-(its staging segment); decode copies them into its blocks when the request reaches it,
-with no READ between its scheduler and the step's forward.
+computed the layer, into memory of decode's own (its staging segment); decode copies
+them into its blocks when the request reaches it, with no READ between its scheduler
+and the step's forward.
 
-The room is decode's, not its blocks: with the first-token hand-off decode sees the
-request only once prefill has sampled that token, long after the KV was computed, so
-there are no blocks to write into yet. A room lives in one staging segment per decode
-worker (``push_mib``), cut into ranges first-fit.
+The bytes go to decode's staging, not its blocks: with the first-token hand-off decode
+sees the request only once prefill has sampled that token, after the KV was computed,
+so there are no blocks to write into yet. The staging segment (``push_mib`` per decode
+worker) is cut into lanes of 64 MiB, one per prefill worker that pushes there.
 
 The exchange, on notifications between the two engines (authenticated like any):
 
-1. the router names a room (an unguessable id) and decode's workers in prefill's
-   kv_transfer_params (``push``); prefill's worker connects to decode's and *asks*
-   for the room (bytes, blocks, the prompt's hash, its own endpoint, a lease);
-2. decode reserves a range, connects back to the endpoint named and checks that the
-   engine there is the one that asked, then *grants* the range with a generation;
-3. prefill WRITEs each layer into the range once the layer is computed and the grant
-   is in; each WRITE's notification names the layers it carried and the generation,
-   and fires on decode once its bytes have landed (immediate counting);
-4. decode's load finds the room whole, checks it against the request's params (the
-   prefill endpoint, the prompt's hash, the tokens) and copies it into the blocks;
-   anything else (not asked, not granted, not whole yet, another peer's, expired) and
-   it READs from prefill's blocks as before, which prefill holds until told.
+1. once per pair of workers: prefill's worker connects to decode's and asks for a
+   *lane*, naming its own endpoint; decode connects back, checks that the engine there
+   is the one that asked, and grants a lane (or refuses: none left);
+2. per request: the router names a room (an unguessable id) and decode's workers in
+   prefill's kv_transfer_params (``push``); prefill places the room in its lane and
+   WRITEs each layer there once its forward has computed it. Each WRITE's
+   notification names the room, where it lies, what it holds (blocks, tokens, the
+   prompt's hash), its lease and the layers the WRITE carried, and fires on decode
+   once those bytes have landed (immediate counting), so no per-request round trip
+   waits on either side's Python;
+3. decode's load finds the room whole in the lane of the engine at the params' prefill
+   endpoint, for the same prompt, inside its lease, and copies it into the blocks,
+   once; anything else (no lane, not whole in time, another prompt's, expired, taken)
+   and it READs from prefill's blocks, which prefill holds until told.
 
-A range is used again only once every layer of its push has landed or its lease (and
-a margin) has passed; prefill starts no WRITE after the grant's lease, so no late
-write lands in a range that holds another request's KV, and a notification of an
-older generation counts for nothing.
+Prefill writes a range of its lane again only once every WRITE into it has ended and
+decode has said it read the request (or the room's lease and a margin have passed);
+decode never copies a room past its lease, and a room overwritten by its own lane's
+owner is dropped, so no late write lands in bytes a load still copies.
 """
 
 from __future__ import annotations
@@ -43,10 +45,10 @@ import numpy as np
 
 from transfer_engine.connectors.vllm.config import MANIFEST_SEGMENT
 from transfer_engine.connectors.vllm.rooms import (
-    MAX_LEASE_S,
+    MARGIN_S,
     MAX_ROOMS,
     Layers,
-    Room,
+    Ranges,
     Staging,
     checked_int,
     copy_room,
@@ -64,8 +66,8 @@ log = logging.getLogger(__name__)
 
 PUSH_NOTE = b"te-vllm/push:"  # notification prefix of the exchange
 PUSH_SEGMENT = "te-vllm/push"  # decode's staging segment
-# how long a load waits for the last layers of a granted room still landing (a READ
-# of the whole KV costs a few milliseconds more than that, on any link it waits for)
+# how long a load waits for the last layers of a room still landing (a READ of the
+# whole KV costs a few milliseconds more than that, on any link it waits for)
 LAND_WAIT_S = 0.02
 MAX_NOTE = 4096  # bytes of one push notification
 
@@ -101,91 +103,144 @@ class PushSpec:
 
 
 @dataclass(eq=False)
+class _Lane:
+    """Prefill's lane at one decode worker: asked for, then granted or refused."""
+
+    endpoint: str
+    peer: Any = None  # decode's RemoteKV, once connected
+    ranges: Ranges | None = None  # granted: where this worker's rooms may go
+    refused: bool = False
+    waiting: list[_Push] = field(default_factory=list)  # pushes before the grant
+
+
+@dataclass(eq=False)
 class _Push:
     spec: PushSpec
-    peer: Any  # decode's RemoteKV, once connected
+    lane: _Lane
     started: float
-    grant: tuple[int, int, float] | None = None  # offset, generation, deadline
+    length: int
+    offset: int | None = None  # the room, once placed in the lane
     done: list[str] = field(default_factory=list)  # layers computed, in order
     sent: int = 0  # of those, written
     forward_done: bool = False
+    ended: bool = False  # nothing more will be written
+    read: bool = False  # decode said it has the request's KV
+    handles: list[Any] = field(default_factory=list)
 
 
 class Pusher:
-    """Prefill's pushes in flight. The forward's thread reports layers as it computes
+    """Prefill's lanes and pushes. The forward's thread reports layers as it computes
     them; grants come on an engine thread; WRITEs go from whichever finds both."""
 
     def __init__(self, engine: Engine, layers: Layers, scratch: Callable[[], Segment],
-                 submit: Callable[..., Any], stats: dict[str, Any]) -> None:
+                 submit: Callable[..., Any], stats: dict[str, Any],
+                 forget: Callable[[str], None] = lambda endpoint: None) -> None:
         self._engine = engine
+        self._forget = forget
         self._layers = layers
         self._index = {name: i for i, name in enumerate(sorted(layers))}
         self._scratch = scratch
         self._submit = submit
         self._stats = stats
         self._lock = threading.Lock()
-        self._pushes: dict[str, _Push] = {}  # room -> push
+        self._lanes: dict[str, _Lane] = {}  # decode endpoint -> lane
+        self._pushes: dict[str, _Push] = {}  # request id -> push, until its range is free
         self._step: list[_Push] = []  # pushes whose layers this forward computes
+        sizes = {layout.block_bytes for _, layout in layers.values()}
+        self._block_bytes = sizes.pop() if len(sizes) == 1 else 0
 
-    def start(self, spec: PushSpec) -> _Push | None:
-        """A push whose layers this step's forward computes (None: one for its room
-        is under way already, or too many are); :meth:`ask` asks for its room."""
-        now = time.monotonic()
-        push = _Push(spec, None, now)
+    def __len__(self) -> int:
+        return len(self._pushes)
+
+    def start(self, spec: PushSpec, endpoint: str) -> _Lane | None:
+        """A push whose layers this step's forward computes; returns a lane to ask for
+        (a new one), else None."""
+        length = room_offsets(self._layers, len(spec.block_ids))[1]
         with self._lock:
-            for room, old in list(self._pushes.items()):
-                if now - old.started > old.spec.lease_s:
-                    del self._pushes[room]
-            if spec.room in self._pushes or len(self._pushes) >= MAX_ROOMS:
+            self._reap_locked()
+            if spec.request_id in self._pushes or len(self._pushes) >= MAX_ROOMS \
+                    or not self._block_bytes:
                 return None
-            self._pushes[spec.room] = push
+            lane = self._lanes.get(endpoint)
+            new = lane is None
+            if lane is None:
+                lane = self._lanes[endpoint] = _Lane(endpoint)
+            if lane.refused:
+                return None
+            push = _Push(spec, lane, time.monotonic(), length)
+            self._pushes[spec.request_id] = push
             self._step.append(push)
+            if lane.ranges is None:
+                lane.waiting.append(push)
+            else:
+                self._place(push)
         self._stats["push_started"] += 1
-        return push
+        return lane if new else None
 
-    def ask(self, push: _Push, peer: Any) -> None:
-        """Asks decode (``peer``, connected) for the push's room."""
+    def ask(self, lane: _Lane, peer: Any) -> None:
+        """Asks decode (``peer``, connected) for a lane."""
         try:
             if peer.push is None or peer.slices is not None:
                 raise ValueError("decode takes no pushes, or holds other KV heads")
-            segment, size = peer.push
-            _, length = room_offsets(self._layers, len(push.spec.block_ids))
-            if length > size // 2:
-                raise ValueError(f"{length} bytes do not fit decode's staging")
-            push.peer = peer
-            spec = push.spec
+            lane.peer = peer
             self._engine.read(peer.peer, [(Descriptor(self._scratch(), 0, 1),
-                                           Descriptor(peer.peer.segment(segment), 0, 1))],
-                              notify=push_note("ask", room=spec.room, bytes=length,
-                                               blocks=len(spec.block_ids),
-                                               tokens=spec.num_tokens,
-                                               prompt_hash=spec.prompt_hash,
-                                               endpoint=self._engine.endpoint,
-                                               lease_s=spec.lease_s))
-        except Exception as exc:  # noqa: BLE001 - decode pulls instead
-            self.end(push, f"not pushing to {push.spec.to}: {exc}")
+                                           Descriptor(peer.peer.segment(peer.push[0]), 0,
+                                                      1))],
+                              notify=push_note("ask-lane", endpoint=self._engine.endpoint))
+        except (TransferEngineError, ValueError) as exc:
+            self.refused(lane, str(exc))
+
+    def refused(self, lane: _Lane, why: str) -> None:
+        with self._lock:
+            lane.refused = True
+            waiting, lane.waiting = lane.waiting, []
+        for push in waiting:
+            self.end(push, f"no lane at {lane.endpoint}: {why}")
 
     def granted(self, peer: str, fields: dict[str, Any]) -> None:
-        """Decode's grant (an engine thread): writes what the forward has computed."""
+        """Decode's answer to a lane ask (an engine thread)."""
         with self._lock:
-            push = self._pushes.get(fields.get("room"))  # type: ignore[arg-type]
-            if push is None or push.peer is None or push.peer.peer.name != peer:
+            lane = next((ln for ln in self._lanes.values() if ln.peer is not None
+                         and ln.peer.peer.name == peer and ln.ranges is None
+                         and not ln.refused), None)
+            if lane is None:
                 return
             try:
                 offset = checked_int(fields, "offset", 0, 1 << 62)
-                gen = checked_int(fields, "gen", 1, 1 << 62)
-                expires = float(fields.get("expires_in", 0.0))
-                length = room_offsets(self._layers, len(push.spec.block_ids))[1]
-                if offset + length > push.peer.push[1] or not 0 < expires <= MAX_LEASE_S:
+                length = checked_int(fields, "length", 0, 1 << 40)
+                if offset + length > lane.peer.push[1]:
                     raise ValueError("outside decode's staging")
-            except (TypeError, ValueError) as exc:
-                log.warning("request %s: malformed grant from %s: %s", push.spec.request_id,
-                            peer, exc)
-                return
-            push.grant = (offset, gen, time.monotonic() + expires - 1.0)
-            ready = push.forward_done
-        if ready:
+            except ValueError as exc:
+                length, why = 0, f"malformed grant: {exc}"
+            else:
+                why = str(fields.get("why", ""))[:200]
+            if length:
+                lane.ranges = Ranges(offset, length)
+                waiting, lane.waiting = lane.waiting, []
+                for push in waiting:
+                    self._place(push)
+                ready = [p for p in waiting if p.forward_done and p.offset is not None]
+        if not length:
+            self.refused(lane, why or "refused")
+            return
+        for push in ready:
             self._submit(self._flush, push)
+
+    def _place(self, push: _Push) -> None:
+        """Puts a push's room in its lane (under the lock); one that does not fit is
+        not pushed."""
+        assert push.lane.ranges is not None
+        push.offset = push.lane.ranges.take(push.length)
+        if push.offset is None:
+            push.ended = True
+            self._step_drop(push)
+            self._stats["push_failed"] += 1
+            log.info("request %s: no room in the lane at %s; decode reads the blocks",
+                     push.spec.request_id, push.lane.endpoint)
+
+    def _step_drop(self, push: _Push) -> None:
+        if push in self._step:
+            self._step.remove(push)
 
     def layer_done(self, name: str) -> None:
         """The forward computed layer ``name`` of this step's pushes."""
@@ -194,113 +249,145 @@ class Pusher:
         with self._lock:
             ready = []
             for push in self._step:
+                if name in push.done:
+                    continue
                 push.done.append(name)
-                if push.grant is not None:
+                if push.offset is not None:
                     ready.append(push)
         for push in ready:
             self._flush(push)
 
     def forward_done(self) -> None:
-        """This step's forward is over: what is granted goes now, the rest when its
-        grant comes."""
+        """This step's forward is over: what is placed goes now, the rest once its
+        lane is granted."""
         with self._lock:
             step, self._step = self._step, []
             for push in step:
                 push.forward_done = True
         for push in step:
-            if push.grant is not None:
-                self._flush(push)
+            self._flush(push)
 
     def _flush(self, push: _Push) -> None:
         with self._lock:
-            grant = push.grant
+            if push.offset is None or push.ended:
+                return
             names = push.done[push.sent:]
             push.sent = len(push.done)
-            last = push.forward_done and push.sent >= len(self._layers)
-            if last and not names:  # every layer went before the forward's end
-                self._pushes.pop(push.spec.room, None)
-            if grant is None or not names or push.peer is None:
-                push.sent -= len(names)  # they go once the grant is in
+            if push.forward_done and push.sent >= len(self._layers):
+                push.ended = True
+            if not names:
                 return
-        offset, gen, deadline = grant
-        left = deadline - time.monotonic()
+        spec = push.spec
+        left = spec.lease_s - (time.monotonic() - push.started)
         if left <= 0:
-            self.end(push, "its grant ran out")
+            self.end(push, "its lease ran out before the push")
             return
         try:
-            self._engine.write(push.peer.peer, self._pairs(push, names, offset),
-                               notify=push_note("layers", room=push.spec.room, gen=gen,
-                                                layers=[self._index[n] for n in names]),
-                               timeout=left)
-            self._stats["push_bytes"] += sum(
-                len(self._layers[n][1].parts) * self._layers[n][1].block_bytes
-                for n in names) * len(push.spec.block_ids)
+            handle = self._engine.write(
+                push.lane.peer.peer, self._pairs(push, names),
+                notify=push_note("layers", room=spec.room, offset=push.offset,
+                                 blocks=len(spec.block_ids), tokens=spec.num_tokens,
+                                 prompt_hash=spec.prompt_hash, lease_s=spec.lease_s,
+                                 layers=[self._index[n] for n in names]),
+                timeout=left)
         except (TransferEngineError, ValueError) as exc:
+            with self._lock:  # the next push asks afresh (decode may have restarted)
+                if self._lanes.get(push.lane.endpoint) is push.lane:
+                    del self._lanes[push.lane.endpoint]
+            self._forget(push.lane.endpoint)
             self.end(push, f"push failed: {exc}")
             return
-        if last:
-            with self._lock:
-                self._pushes.pop(push.spec.room, None)
+        with self._lock:
+            push.handles.append(handle)
+        self._stats["push_bytes"] += sum(
+            len(self._layers[n][1].parts) for n in names) * self._block_bytes * len(
+                spec.block_ids)
 
-    def _pairs(self, push: _Push, names: list[str], offset: int) -> list[Blocks]:
+    def _pairs(self, push: _Push, names: list[str]) -> list[Blocks]:
         """A WRITE of the layers ``names`` of the request's blocks into its room."""
+        assert push.offset is not None
         ids = np.asarray(push.spec.block_ids, dtype=np.int64)
         n = len(ids)
         offsets, _ = room_offsets(self._layers, n)
-        remote = push.peer.peer.segment(push.peer.push[0])
+        remote = push.lane.peer.peer.segment(push.lane.peer.push[0])
         by_segment: dict[int, tuple[Segment, list[np.ndarray], list[np.ndarray]]] = {}
+        bb = self._block_bytes
         for name in names:
             seg, layout = self._layers[name]
             entry = by_segment.setdefault(id(seg), (seg, [], []))
-            bb = layout.block_bytes
             for k, part in enumerate(layout.parts):
                 entry[1].append(layout.segment_offset + part + ids * layout.block_stride)
-                entry[2].append(offset + offsets[name] + (k * n + np.arange(n)) * bb)
-        sizes = {layout.block_bytes for _, layout in self._layers.values()}
-        if len(sizes) != 1:
-            raise ValueError("layers of several block sizes")
-        size = sizes.pop()
-        return [Blocks(seg, remote, np.concatenate(loc), np.concatenate(rem), size)
+                entry[2].append(push.offset + offsets[name] + (k * n + np.arange(n)) * bb)
+        return [Blocks(seg, remote, np.concatenate(loc), np.concatenate(rem), bb)
                 for seg, loc, rem in by_segment.values()]
 
     def end(self, push: _Push, why: str) -> None:
+        """Writes no more of a push (decode reads those blocks)."""
         with self._lock:
-            self._pushes.pop(push.spec.room, None)
-            if push in self._step:
-                self._step.remove(push)
+            push.ended = True
+            self._step_drop(push)
         self._stats["push_failed"] += 1
         log.warning("request %s: %s; decode reads the blocks instead",
                     push.spec.request_id, why)
 
-    def __len__(self) -> int:
-        return len(self._pushes)
+    def read(self, request_id: str) -> None:
+        """Decode said it has the request's KV: its room's range may be written again
+        once the push's WRITEs have ended."""
+        with self._lock:
+            push = self._pushes.get(request_id)
+            if push is not None:
+                push.read = True
+            self._reap_locked()
+
+    def reap(self) -> None:
+        with self._lock:
+            self._reap_locked()
+
+    def _reap_locked(self) -> None:
+        now = time.monotonic()
+        for rid, push in list(self._pushes.items()):
+            expired = now - push.started > push.spec.lease_s + MARGIN_S
+            if not expired and not (push.ended and push.read
+                                    and all(h.done() for h in push.handles)):
+                continue
+            del self._pushes[rid]
+            self._step_drop(push)
+            if push in push.lane.waiting:
+                push.lane.waiting.remove(push)
+            if push.offset is not None and push.lane.ranges is not None:
+                push.lane.ranges.give(push.offset, push.length)
 
 
 # --- a worker's side of the exchange --------------------------------------------------
 
 class PushSide:
-    """One worker's part in pushes: decode's staging and its answers to asks (where it
-    takes pushes), prefill's pushes. The worker owns the engine, the peers' table and
-    the scratch bytes a notification's READ lands in; this holds no thread of its own
-    (the peers' pool runs what waits on the network).
+    """One worker's part in pushes: decode's staging and its answers to lane asks
+    (where it takes pushes), prefill's pushes. The worker owns the engine, the peers'
+    table and the scratch bytes a notification's READ lands in; this runs no thread of
+    its own (the peers' pool runs what waits on the network).
 
     :param connect: ``connect(endpoint)`` -> the handshake's future (a ``RemoteKV``).
     :param settle: ``settle(endpoint, future)`` -> the peer, kept for later loads.
+    :param known: ``known(endpoint)`` -> the peer if connected, else None.
     :param submit: runs a callable on the peers' pool.
     :param staging_bytes: decode's staging memory (0: takes no pushes).
+    :param forget: ``forget(endpoint)``: the next connection there is made afresh.
     """
 
     def __init__(self, engine: Engine, layers: Layers, connect: Callable[[str], Any],
-                 settle: Callable[[str, Any], Any], submit: Callable[..., Any],
-                 scratch: Callable[[], Segment], stats: dict[str, Any], rank: int,
-                 tp_size: int, staging_bytes: int, timeout: float) -> None:
+                 settle: Callable[[str, Any], Any], known: Callable[[str], Any],
+                 submit: Callable[..., Any], scratch: Callable[[], Segment],
+                 stats: dict[str, Any], rank: int, tp_size: int, staging_bytes: int,
+                 timeout: float, forget: Callable[[str], None] = lambda e: None) -> None:
         self._engine = engine
-        self._connect, self._settle, self._submit = connect, settle, submit
+        self._connect, self._settle, self._known = connect, settle, known
+        self._submit = submit
         self._scratch = scratch
         self._stats = stats
         self._rank, self._tp = rank, tp_size
         self._timeout = timeout
         self._layers = layers
+        self._granting: set[str] = set()  # peers whose lane ask is being answered
         host = all(seg.device == "cpu" for seg, _ in layers.values())
         if not host:
             log.info("KV in device memory: this worker neither pushes nor takes pushes "
@@ -310,55 +397,63 @@ class PushSide:
             buf = np.zeros(staging_bytes, dtype=np.uint8)
             self._buf = buf  # alive while registered
             self.staging = Staging(engine.register(buf, name=PUSH_SEGMENT), layers)
-        self.pusher = Pusher(engine, layers, scratch, submit, stats) if host else None
+        self.pusher = Pusher(engine, layers, scratch, submit, stats,
+                             forget) if host else None
 
     @property
     def manifest_entry(self) -> tuple[str, int] | None:
-        return (PUSH_SEGMENT, self.staging.segment.length) if self.staging is not None \
-            else None
+        if self.staging is None:
+            return None
+        return PUSH_SEGMENT, self.staging.segment.length
 
     # notifications (an engine thread)
     def on_note(self, peer: str, fields: dict[str, Any]) -> None:
         kind = fields["kind"]
         if kind == "layers" and self.staging is not None:
-            self.staging.landed(peer, fields)
-        elif kind == "grant" and self.pusher is not None:
-            self.pusher.granted(peer, fields)
-        elif kind == "ask" and self.staging is not None:
             try:
-                room = self.staging.reserve(peer, fields)
+                self.staging.landed(peer, fields)
             except ValueError as exc:
-                self._stats["push_refused"] += 1
-                log.warning("push asked by %s refused: %s", peer, exc)
+                log.warning("pushed KV from %s refused: %s", peer, exc)
+        elif kind == "lane" and self.pusher is not None:
+            self.pusher.granted(peer, fields)
+        elif kind == "ask-lane" and self.staging is not None:
+            endpoint = fields.get("endpoint")
+            if not isinstance(endpoint, str) or not endpoint.startswith("tcp://") \
+                    or len(endpoint) > 512 or peer in self._granting:
                 return
-            self._submit(self._grant, room)
+            self._granting.add(peer)
+            self._submit(self._grant, peer, endpoint)
 
-    def _grant(self, room: Room) -> None:
-        """Connects to the endpoint the asker named; grants the room only if the engine
-        there is the asker (so a load later trusts the room as that endpoint's)."""
+    def _grant(self, asker: str, endpoint: str) -> None:
+        """Connects to the endpoint the asker named and grants it a lane only if the
+        engine there is the asker (a load later trusts a room as that endpoint's)."""
         assert self.staging is not None
         try:
-            fut = self._connect(room.endpoint)
+            fut = self._connect(endpoint)
             fut.result(self._timeout)
-            info = self._settle(room.endpoint, fut)
-            if info.peer.name != room.peer:
-                raise ValueError(f"the engine at {room.endpoint} is {info.peer.name!r}, "
-                                 f"not the asker {room.peer!r}")
-            self.staging.granted(room)
+            info = self._settle(endpoint, fut)
+            if info.peer.name != asker:
+                raise ValueError(f"the engine at {endpoint} is {info.peer.name!r}, not "
+                                 f"{asker!r}")
+            try:
+                offset, length = self.staging.lane(asker)
+                answer = push_note("lane", offset=offset, length=length)
+            except ValueError as exc:
+                self._stats["push_refused"] += 1
+                answer = push_note("lane", offset=0, length=0, why=str(exc))
             self._engine.read(info.peer, [(Descriptor(self._scratch(), 0, 1),
                                            Descriptor(info.peer.segment(
-                                               MANIFEST_SEGMENT), 0, 1))],
-                              notify=push_note("grant", room=room.room, offset=room.offset,
-                                               gen=room.gen, expires_in=max(
-                                                   0.001, room.expires - time.monotonic())))
-        except Exception as exc:  # noqa: BLE001 - the room is not given; decode reads
-            self.staging.drop(room)
+                                               MANIFEST_SEGMENT), 0, 1))], notify=answer)
+        except Exception as exc:  # noqa: BLE001 - no lane: decode reads
             self._stats["push_refused"] += 1
-            log.warning("push room for %s not granted: %s", room.peer, exc)
+            log.warning("push lane for %s not granted: %s", asker, exc)
+        finally:
+            self._granting.discard(asker)
 
     # prefill
     def start(self, specs: list[PushSpec]) -> None:
-        """Asks decode for each request's room (prefill, before the forward)."""
+        """Places each request this step prefills whole in its lane at decode (asking
+        for the lane first where there is none)."""
         if self.pusher is None:
             return
         for spec in specs:
@@ -366,20 +461,20 @@ class PushSide:
                 log.info("request %s: decode runs %d ranks, prefill %d: not pushing",
                          spec.request_id, len(spec.to), self._tp)
                 continue
-            push = self.pusher.start(spec)
-            if push is not None:
-                self._submit(self._ask, push, spec.to[self._rank])
+            lane = self.pusher.start(spec, spec.to[self._rank])
+            if lane is not None:
+                self._submit(self._ask, lane)
 
-    def _ask(self, push: Any, endpoint: str) -> None:
+    def _ask(self, lane: Any) -> None:
         assert self.pusher is not None
         try:
-            fut = self._connect(endpoint)
+            fut = self._connect(lane.endpoint)
             fut.result(self._timeout)
-            info = self._settle(endpoint, fut)
+            info = self._settle(lane.endpoint, fut)
         except Exception as exc:  # noqa: BLE001 - decode reads the blocks instead
-            self.pusher.end(push, f"decode at {endpoint} not reached: {exc}")
+            self.pusher.refused(lane, f"decode not reached: {exc}")
             return
-        self.pusher.ask(push, info)
+        self.pusher.ask(lane, info)
 
     def layer_done(self, name: str) -> None:
         if self.pusher is not None:
@@ -388,27 +483,29 @@ class PushSide:
     def forward_done(self) -> None:
         if self.pusher is not None:
             self.pusher.forward_done()
+            self.pusher.reap()
+
+    def read(self, request_id: str) -> None:
+        if self.pusher is not None:
+            self.pusher.read(request_id)
 
     # decode
     def take(self, spec: Any, endpoint: str) -> bool:
         """Copies a load's blocks out of its pushed room, if that room is whole and
         this request's; False: read them from prefill instead."""
-        if self.staging is None or not spec.room:
+        info = self._known(endpoint)
+        if self.staging is None or not spec.room or info is None:
             return False
-        room = self.staging.take(spec.room, endpoint, spec.prompt_hash, spec.num_tokens,
-                                 spec.room_blocks, LAND_WAIT_S)
-        if room is None:
+        room = self.staging.take(spec.room, info.peer.name, spec.prompt_hash,
+                                 spec.num_tokens, spec.room_blocks, LAND_WAIT_S)
+        if room is None or spec.first_block + len(spec.local_block_ids) > room.blocks:
             return False
         try:
-            if spec.first_block + len(spec.local_block_ids) > room.blocks:
-                return False
             self._stats["recv_bytes"] += copy_room(
                 self.staging.view(room), self._layers, room.blocks, spec.first_block,
                 spec.local_block_ids)
-            self._stats["recv_pushed"] += 1
-            return True
         except (IndexError, ValueError) as exc:  # a block id outside the cache: read
             log.error("request %s: pushed KV not copied: %s", spec.request_id, exc)
             return False
-        finally:
-            self.staging.release(room)
+        self._stats["recv_pushed"] += 1
+        return True

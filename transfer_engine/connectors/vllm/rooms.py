@@ -1,6 +1,6 @@
-"""Decode's staging segment for pushed KV and the rooms in it (see ``push.py``): each
-room a range reserved for one request's push, used again only once that push has
-landed wholly or its lease and a margin have passed."""
+"""Decode's staging segment for pushed KV (see ``push.py``): a lane of it per prefill
+worker that pushes here, granted once, and in a lane the rooms of that worker's
+requests, which it places itself and announces with their bytes."""
 
 from __future__ import annotations
 
@@ -16,14 +16,15 @@ import numpy as np
 from transfer_engine.layout import BlockLayout
 from transfer_engine.segment import Segment
 
-__all__ = ["Room", "Staging", "copy_room", "room_offsets", "valid_room"]
+__all__ = ["Ranges", "Room", "Staging", "copy_room", "room_offsets", "valid_room"]
 
 Layers = Mapping[str, tuple[Segment, BlockLayout]]  # layer -> (its segment, its layout)
 
 ALIGN = 4096
 MAX_ROOMS = 4096  # rooms held by one decode worker at once
 MAX_LEASE_S = 120.0  # a room is held at most this long, whatever prefill asks
-MARGIN_S = 5.0  # after its lease, before a range not wholly landed is used again
+MARGIN_S = 5.0  # after a room's lease, before prefill writes over its range
+LANE_BYTES = 64 << 20  # one prefill worker's lane of decode's staging
 ROOM_CHARS = (16, 128)  # an unguessable id: at least 16 characters
 
 
@@ -52,24 +53,49 @@ def checked_int(fields: dict[str, Any], key: str, low: int, high: int) -> int:
     return value
 
 
+class Ranges:
+    """First-fit ranges of ``[offset, offset + length)``, aligned; not thread-safe."""
+
+    def __init__(self, offset: int, length: int) -> None:
+        self._free: list[tuple[int, int]] = [(offset, length)] if length > 0 else []
+
+    def take(self, length: int) -> int | None:
+        length = -(-length // ALIGN) * ALIGN
+        for i, (offset, size) in enumerate(self._free):
+            if size >= length:
+                if size == length:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + length, size - length)
+                return offset
+        return None
+
+    def give(self, offset: int, length: int) -> None:
+        length = -(-length // ALIGN) * ALIGN
+        merged: list[tuple[int, int]] = []
+        for start, size in sorted([*self._free, (offset, length)]):
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((start, size))
+        self._free = merged
+
+
 @dataclass(eq=False)
 class Room:
-    """A range of decode's staging reserved for one request's push."""
+    """One request's pushed KV in a lane: where, what it must hold, what has landed."""
 
     room: str
-    peer: str  # the engine that asked (checked to be the one at ``endpoint``)
-    endpoint: str
+    peer: str  # the prefill engine whose lane it is in
     offset: int
     length: int
-    gen: int
     blocks: int
     tokens: int
     prompt_hash: str
     layers: int
     expires: float  # monotonic
-    granted: bool = False  # the asker proved to be the engine at its endpoint
     landed: set[int] = field(default_factory=set)  # layer indexes whose bytes are in
-    abandoned: bool = False  # not used; its range waits for the push to land
+    abandoned: bool = False  # a load found it not whole: never copied
 
     @property
     def whole(self) -> bool:
@@ -77,20 +103,21 @@ class Room:
 
 
 class Staging:
-    """Decode's staging segment and the rooms in it. Thread-safe: notifications come
-    from the engine's threads, loads from the forward's."""
+    """Decode's staging segment, its lanes and the rooms in them. Thread-safe:
+    notifications come on the engine's threads, loads on the forward's."""
 
-    def __init__(self, segment: Segment, layers: Layers,
+    def __init__(self, segment: Segment, layers: Layers, lane_bytes: int = LANE_BYTES,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.segment = segment
         self._layers = layers
         self._names = sorted(layers)
         self._clock = clock
         self._lock = threading.Condition()  # notified as pushes land
-        self._free: list[tuple[int, int]] = [(0, segment.length)]  # (offset, length)
+        self.lane_bytes = min(lane_bytes, segment.length)
+        self._free = Ranges(0, segment.length // self.lane_bytes * self.lane_bytes)
+        self._lanes: dict[str, tuple[int, int]] = {}  # peer -> (offset, length)
         self._rooms: dict[str, Room] = {}
-        self._gen = 0
-        self.refused = 0
+        self.refused = 0  # notes refused
 
     def __len__(self) -> int:
         return len(self._rooms)
@@ -101,130 +128,97 @@ class Staging:
             room = self._rooms.get(room_id)
             return room is not None and room.whole
 
-    def reserve(self, peer: str, fields: dict[str, Any]) -> Room:
-        """A room for an ask from ``peer``; raises ValueError saying why not."""
-        room = fields.get("room")
-        if not valid_room(room):
-            raise ValueError("room id is not a string of 16 to 128 characters")
-        blocks = checked_int(fields, "blocks", 1, 1 << 20)
-        tokens = checked_int(fields, "tokens", 1, 1 << 30)
-        length = room_offsets(self._layers, blocks)[1]
-        if fields.get("bytes") != length:
-            raise ValueError(f"asks {fields.get('bytes')!r:.20} bytes for {blocks} blocks, "
-                             f"which take {length} here")
-        endpoint, digest = fields.get("endpoint"), fields.get("prompt_hash")
-        if not isinstance(endpoint, str) or not endpoint.startswith("tcp://") or \
-                len(endpoint) > 512 or not isinstance(digest, str) or len(digest) > 128:
-            raise ValueError("endpoint or prompt_hash malformed")
-        lease = fields.get("lease_s")
-        if isinstance(lease, bool) or not isinstance(lease, int | float) or \
-                not math.isfinite(lease) or lease <= 0:
-            raise ValueError(f"lease_s {lease!r:.20}")
-        now = self._clock()
+    def lane(self, peer: str) -> tuple[int, int]:
+        """The lane of prefill engine ``peer`` (granted once, for the worker's life);
+        raises ValueError when none is free."""
         with self._lock:
-            self._sweep(now)
-            if room in self._rooms:
-                raise ValueError("room id already taken")
-            if len(self._rooms) >= MAX_ROOMS:
-                raise ValueError(f"{MAX_ROOMS} rooms held already")
-            held = sum(r.length for r in self._rooms.values() if r.peer == peer)
-            if held + length > self.segment.length // 2:
-                raise ValueError("the peer holds half of the staging memory already")
-            offset = self._take(-(-length // ALIGN) * ALIGN)
-            if offset is None:
-                raise ValueError(f"no {length} bytes free in the staging memory")
-            self._gen += 1
-            out = Room(room, peer, endpoint, offset, length, self._gen, blocks, tokens,
-                       digest, len(self._names), now + min(float(lease), MAX_LEASE_S))
-            self._rooms[room] = out
-            return out
-
-    def granted(self, room: Room) -> None:
-        with self._lock:
-            room.granted = True
-
-    def drop(self, room: Room) -> None:
-        """A room whose grant could not be given: nothing was written to it."""
-        with self._lock:
-            if self._rooms.get(room.room) is room:
-                del self._rooms[room.room]
-                self._give(room)
+            lane = self._lanes.get(peer)
+            if lane is None:
+                offset = self._free.take(self.lane_bytes)
+                if offset is None:
+                    raise ValueError(f"all {len(self._lanes)} lanes of the staging memory "
+                                     "are taken")
+                lane = self._lanes[peer] = (offset, self.lane_bytes)
+            return lane
 
     def landed(self, peer: str, fields: dict[str, Any]) -> None:
-        """A WRITE of some layers of a room landed."""
+        """A WRITE of some layers of a room landed; the first one places the room.
+        Raises ValueError for a note that does not fit (counted in ``refused``)."""
         with self._lock:
-            room = self._rooms.get(fields.get("room"))  # type: ignore[arg-type]
-            if room is None or room.peer != peer or fields.get("gen") != room.gen:
+            try:
+                self._land(peer, fields)
+            except ValueError:
                 self.refused += 1
-                return
-            layers = fields.get("layers")
-            if not isinstance(layers, list):
-                self.refused += 1
-                return
-            room.landed.update(i for i in layers if isinstance(i, int)
-                               and not isinstance(i, bool) and 0 <= i < room.layers)
-            if room.whole:
-                self._lock.notify_all()
-            if room.abandoned and room.whole:
-                del self._rooms[room.room]
-                self._give(room)
+                raise
 
-    def take(self, room_id: str, endpoint: str, prompt_hash: str, tokens: int,
-             blocks: int, wait_s: float = 0.0) -> Room | None:
-        """The room a load may copy from: granted, whole (waiting up to ``wait_s`` for
-        its last layers to land), of the prefill at ``endpoint``, for this prompt,
-        inside its lease. It is the caller's until :meth:`release`. A room that is not
-        whole by then is abandoned (its range frees once its push lands); one that does
-        not match is left alone."""
+    def _land(self, peer: str, fields: dict[str, Any]) -> None:
+        lane = self._lanes.get(peer)
+        room_id = fields.get("room")
+        if lane is None or not valid_room(room_id):
+            raise ValueError("no lane of this peer's, or a malformed room id")
+        blocks = checked_int(fields, "blocks", 1, 1 << 20)
+        offset = checked_int(fields, "offset", lane[0], lane[0] + lane[1])
+        length = room_offsets(self._layers, blocks)[1]
+        if offset + length > lane[0] + lane[1]:
+            raise ValueError("the room runs past the peer's lane")
+        tokens = checked_int(fields, "tokens", 1, 1 << 30)
+        digest, layers = fields.get("prompt_hash"), fields.get("layers")
+        lease = fields.get("lease_s")
+        if not isinstance(digest, str) or len(digest) > 128 or not isinstance(layers, list) \
+                or isinstance(lease, bool) or not isinstance(lease, int | float) \
+                or not 0 < lease < math.inf:
+            raise ValueError("prompt_hash, layers or lease_s malformed")
+        room = self._rooms.get(room_id)  # type: ignore[arg-type]
+        key = (peer, offset, blocks, tokens, digest)
+        if room is not None and (room.peer, room.offset, room.blocks, room.tokens,
+                                 room.prompt_hash) != key:
+            raise ValueError("the room id is another room's")
+        now = self._clock()
+        if room is None:
+            # the peer writes a new room over whatever of its own it held there
+            for other in [r for r in self._rooms.values() if r.peer == peer
+                          and r.offset < offset + length and offset < r.offset + r.length]:
+                del self._rooms[other.room]
+            if len(self._rooms) >= MAX_ROOMS:
+                self._sweep(now)
+                if len(self._rooms) >= MAX_ROOMS:
+                    raise ValueError(f"{MAX_ROOMS} rooms held already")
+            room = Room(room_id, peer, offset, length, blocks, tokens, digest,  # type: ignore[arg-type]
+                        len(self._names), now + min(float(lease), MAX_LEASE_S))
+            self._rooms[room.room] = room
+        room.landed.update(i for i in layers if isinstance(i, int)
+                           and not isinstance(i, bool) and 0 <= i < room.layers)
+        if room.whole:
+            if room.abandoned:
+                del self._rooms[room.room]
+            self._lock.notify_all()
+
+    def take(self, room_id: str, peer: str, prompt_hash: str, tokens: int, blocks: int,
+             wait_s: float = 0.0) -> Room | None:
+        """The room a load may copy from: in the lane of ``peer`` (the engine at the
+        params' prefill endpoint), for this prompt, inside its lease, whole (waiting up
+        to ``wait_s`` for layers still landing). Taken once. A room not whole by then
+        is abandoned, never copied; one that does not match is left alone."""
         with self._lock:
             room = self._rooms.get(room_id)
-            if room is None or room.abandoned or not room.granted \
-                    or room.endpoint != endpoint or room.prompt_hash != prompt_hash \
-                    or room.tokens != tokens or room.blocks != blocks:
+            if room is None or room.abandoned or room.peer != peer \
+                    or room.prompt_hash != prompt_hash or room.tokens != tokens \
+                    or room.blocks != blocks:
                 return None
             if not room.whole and wait_s > 0:
                 self._lock.wait_for(lambda: room.whole, wait_s)
             if self._clock() >= room.expires or not room.whole:
                 room.abandoned = True
                 return None
-            del self._rooms[room_id]  # nobody else takes it
+            del self._rooms[room_id]
             return room
-
-    def release(self, room: Room) -> None:
-        with self._lock:
-            self._give(room)
 
     def view(self, room: Room) -> np.ndarray:
         return np.frombuffer(self.segment.view(room.offset, room.length), dtype=np.uint8)
 
     def _sweep(self, now: float) -> None:
-        for key, room in list(self._rooms.items()):
-            # past its lease no load takes it; past the margin too no WRITE of its push
-            # is still landing (prefill starts none after the lease)
-            if now >= room.expires + (MARGIN_S if not room.whole else 0.0):
-                del self._rooms[key]
-                self._give(room)
-
-    def _take(self, length: int) -> int | None:
-        for i, (offset, size) in enumerate(self._free):
-            if size >= length:
-                if size == length:
-                    del self._free[i]
-                else:
-                    self._free[i] = (offset + length, size - length)
-                return offset
-        return None
-
-    def _give(self, room: Room) -> None:
-        length = -(-room.length // ALIGN) * ALIGN
-        free = sorted([*self._free, (room.offset, length)])
-        merged: list[tuple[int, int]] = []
-        for offset, size in free:
-            if merged and merged[-1][0] + merged[-1][1] == offset:
-                merged[-1] = (merged[-1][0], merged[-1][1] + size)
-            else:
-                merged.append((offset, size))
-        self._free = merged
+        for key in [k for k, r in self._rooms.items() if now >= r.expires]:
+            del self._rooms[key]
 
 
 def copy_room(view: np.ndarray, layers: Layers, room_blocks: int, first: int,

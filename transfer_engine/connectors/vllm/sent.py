@@ -65,10 +65,13 @@ class SentNotes:
 
 class Holds:
     """Prefill's held requests: each until its readers have said they read it, or its
-    lease ran out. ``lock`` is the worker's (its counters are read under it)."""
+    lease ran out. ``lock`` is the worker's (its counters are read under it);
+    ``on_read(request_id)`` hears of each request read."""
 
     def __init__(self, clock: Callable[[], float], stats: dict[str, Any],
-                 held_seconds: deque[float], lock: threading.Lock) -> None:
+                 held_seconds: deque[float], lock: threading.Lock,
+                 on_read: Callable[[str], None] = lambda rid: None) -> None:
+        self.on_read = on_read
         self._clock = clock
         self._stats = stats
         self._held_seconds = held_seconds
@@ -93,6 +96,8 @@ class Holds:
             rid = self._notes.add(payload)
             if rid is not None:
                 self._sent_early.add(rid)
+        if rid is not None:
+            self.on_read(rid)
 
     @property
     def held(self) -> set[str]:

@@ -24,11 +24,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvstore.client import Client
 from transfer_engine.connectors.compat import compat_hash
 from transfer_engine.connectors.vllm.blocks import (
-    allocation,
     head_range,
     layer_groups,
     layout_signature,
-    vllm_layout,
+    register_layers,
 )
 from transfer_engine.connectors.vllm.config import (
     MANIFEST_SEGMENT,
@@ -162,30 +161,9 @@ class TEConnectorWorker:
                                      serve="thread" if on_gpu else self.config.serve,
                                      timeout=self.config.timeout_s,
                                      auth=self.config.auth())
-        seen: dict[int, Segment] = {}
-        for name, tensor in kv_caches.items():
-            layout = vllm_layout(tuple(tensor.shape), tuple(tensor.stride()),
-                                 tensor.element_size(), num_blocks, str(tensor.dtype),
-                                 self._kv_heads[0] if self._kv_heads else None)
-            # one segment per allocation, not per layer: vLLM's layers are often views
-            # of one tensor, and a segment that starts where the allocation starts is
-            # one a serving process can share in place (an interior one it reaches
-            # through a bounce copy)
-            address, length = allocation(tensor, layout.extent)
-            layout = dataclasses.replace(layout,
-                                         segment_offset=int(tensor.data_ptr()) - address)
-            end = layout.segment_offset + layout.extent
-            seg = seen.get(address)
-            if seg is None or seg.length < end:
-                device = str(tensor.device)  # GPU KV: staged where a transport must
-                seg = self.engine.register((address, max(length, end),
-                                            "cpu" if device == "cpu" else device),
-                                           name=f"kv/{name}")
-                seen[address] = seg
-            self._tensors.append(tensor)  # alive while registered
-            self._layers[name] = (seg, layout)
-            log.info("layer %s: shape %s strides %s -> %s", name, tuple(tensor.shape),
-                     tuple(tensor.stride()), layout)
+        self._layers.update(register_layers(self.engine, kv_caches, num_blocks,
+                                            self._kv_heads[0] if self._kv_heads else None))
+        self._tensors += kv_caches.values()  # alive while registered
         self.compat["layouts"] = sorted({layout_signature(layout)
                                          for _, layout in self._layers.values()})
         self.compat["num_layers"] = len(self._layers)
@@ -195,9 +173,11 @@ class TEConnectorWorker:
                 lambda where: self._peers.handshake(self.engine, where, self._layers,
                                                     self.compat, self.config.timeout_s,
                                                     self.placement),
-                self._peers.settled, self._peers.submit, self._scratch_segment, self.stats,
+                self._peers.settled, self._peers.get, self._peers.submit,
+                self._scratch_segment, self.stats,
                 self.rank, self._tp, self._takes_push * (self.config.push_mib << 20),
-                self.config.timeout_s)
+                self.config.timeout_s, self._peers.forget)
+            self._holds.on_read = self._push.read
         self._manifest = manifest(self._layers, self.compat, self.placement,
                                   self._push.manifest_entry if self._push else None)
         self._manifest_buf = np.frombuffer(bytearray(self._manifest), dtype=np.uint8)
