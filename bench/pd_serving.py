@@ -1,7 +1,7 @@
 """P/D serving benchmark on vLLM (CPU build): fresh prompts sent straight to decode
 (it prefills them itself: "local") and through ``scripts/pd_proxy.py``'s hand-offs (the
-first-token one with prefill's push and with decode's read), on an idle decode server
-and on one decoding other streams, per transport. Reports, per
+first-token one also with prefill's push: ``--handoffs first first-push``), on an idle
+decode server and on one decoding other streams, per transport. Reports, per
 route, time to the first and to the second token (p50/p90), the running streams'
 inter-token gap p99 while each kind of request is in flight, and the hand-off's phases
 from the connector's own metrics (decode's load, prefill's wait for decode to read);
@@ -39,8 +39,8 @@ from bench.vllm_servers import by_source, http_json, stream_times, te_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 HANDOFFS = {"first": ["--handoff", "first"],
-            "first-pull": ["--handoff", "first", "--no-push"],
-            "sequential": ["--handoff", "sequential", "--no-push"]}
+            "first-push": ["--handoff", "first", "--push"],
+            "sequential": ["--handoff", "sequential"]}
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -74,10 +74,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--transports", nargs="+", default=["shm", "tcp"],
                     help="the connector's transport, one pair of servers each")
-    ap.add_argument("--handoffs", nargs="+", default=["first", "first-pull", "sequential"],
+    ap.add_argument("--handoffs", nargs="+", default=["first", "sequential"],
                     choices=list(HANDOFFS),
-                    help="the router's hand-offs: first (prefill pushes the KV layer by "
-                         "layer), first-pull (decode reads it), sequential")
+                    help="the router's hand-offs: first (decode reads the KV), first-push "
+                         "(prefill pushes it layer by layer), sequential")
     ap.add_argument("--load", choices=("sync", "async"), default="sync",
                     help="how decode's connector loads prefill's KV")
     ap.add_argument("--prefill-serve", choices=("process", "thread"), default="process",

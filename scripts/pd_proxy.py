@@ -17,11 +17,11 @@ field it does not know), and every request when the tokenizer cannot be loaded, 
 the sequential hand-off (``--handoff sequential`` for all): decode gets the original
 request with prefill's ``kv_transfer_params`` and its answer is relayed.
 
-Prefill pushes the KV layer by layer, as its forward computes it, into a room of the
-decode server's staging memory (``--no-push``: decode reads it from prefill's blocks):
-the router asks each decode server once where its connector workers are, then names
-them and a fresh unguessable room id in prefill's ``kv_transfer_params``; decode
-copies the room into its blocks when the request reaches it, and reads instead where
+Decode reads the KV from prefill's blocks. With ``--push``, prefill pushes it layer by
+layer, as its forward computes it, into a room of the decode server's staging memory
+instead: the router asks each decode server once where its connector workers are,
+then names them and a fresh unguessable room id in prefill's ``kv_transfer_params``;
+decode copies the room into its blocks when the request reaches it, and reads where
 the room is not whole or not that request's.
 
 Prompts of at most ``--local-below`` uncached tokens go straight to decode, and so does
@@ -101,7 +101,7 @@ class Proxy(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     handoff = "first"  # or "sequential"
     tokenizers = Tokenizers()
-    push: DecodeWorkers | None = DecodeWorkers()  # None: prefill never pushes
+    push: DecodeWorkers | None = None  # where decode's workers are: prefill pushes
 
     def _error(self, code: int, message: str) -> None:
         data = json.dumps({"error": {"message": message, "code": code}}).encode()
@@ -484,10 +484,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="first (default): prefill's first token goes to the client at "
                          "once and decode continues after it; sequential: decode "
                          "answers the whole request after prefill")
-    ap.add_argument("--no-push", action="store_true",
-                    help="decode always reads the KV from prefill's blocks; by default "
-                         "prefill pushes it layer by layer into a room decode reserved "
-                         "(where both connectors take pushes)")
+    ap.add_argument("--push", action="store_true",
+                    help="prefill pushes the KV layer by layer into decode's staging "
+                         "memory (default: decode reads it from prefill's blocks; see "
+                         "the README for which is faster where)")
     ap.add_argument("--tokenizer", help="the served model's tokenizer (a path or hub "
                     "name; default: the model path decode's /v1/models names)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream call")
@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
                                local_prefill_tokens=args.local_below)
     Proxy.timeout = args.timeout
     Proxy.handoff = args.handoff
-    Proxy.push = None if args.no_push else DecodeWorkers()
+    Proxy.push = DecodeWorkers() if args.push else None
     Proxy.tokenizers = Tokenizers(args.tokenizer)
     store = subscription = None
     try:

@@ -83,10 +83,11 @@ LEASE_S = 3.0  # the prefill engine's lease: blocks nobody reads are held this l
 @pytest.fixture(scope="module")
 def pd_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The README's deployment as written: prefill and decode vLLM API servers and
-    ``scripts/pd_proxy.py`` in front, as the README gives it (the first-token
-    hand-off), with ``--handoff sequential`` and with ``--local-below 0`` (short
-    prompts disaggregated too, for the figures). The prefill server answers plain requests
-    as a single server does: it is the reference."""
+    ``scripts/pd_proxy.py`` in front: the first-token hand-off with ``--push`` (so
+    the hand-off tests run over prefill's push), ``--handoff sequential``, and the
+    README's own line with ``--local-below 0`` (short prompts disaggregated too, for
+    the figures). The prefill server answers plain requests as a single server does:
+    it is the reference."""
     tmp_path = tmp_path_factory.mktemp("pd")
     model = tmp_path / "model"
     build_byte_model(model)
@@ -106,9 +107,8 @@ def pd_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
     proxies = {handoff: [sys.executable, str(ROOT / "scripts" / "pd_proxy.py"), "--port",
                          "0", "--prefill", f"http://127.0.0.1:{ports['prefill']}",
                          "--decode", f"http://127.0.0.1:{ports['decode']}"]
-               + {"first": [],
-                  "sequential": ["--handoff", "sequential", "--local-below", "0",
-                                 "--no-push"],
+               + {"first": ["--push"],
+                  "sequential": ["--handoff", "sequential", "--local-below", "0"],
                   "first-all": ["--local-below", "0"]}[handoff]
                for handoff in ("first", "sequential", "first-all")}
     with contextlib.ExitStack() as stack:
@@ -129,7 +129,7 @@ def pd_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
                 assert time.monotonic() < deadline, log.read_text()
                 time.sleep(0.1)
             ports[handoff] = int(found.group(1))
-        for handoff in ("first", "first-all"):  # they learn where decode's workers are
+        for handoff in ("first",):  # it learns where decode's workers are, to push
             deadline = time.monotonic() + 60
             while "connector workers [" not in logs[handoff].read_text():
                 assert time.monotonic() < deadline, logs[handoff].read_text()
@@ -179,10 +179,9 @@ def test_proxy_between_vllm_servers(pd_servers: dict[str, Any]) -> None:
         time.sleep(0.2)
     grew = {k: v - te_before[0].get(k, 0) for k, v in dec.items()}
     assert grew["te_kv_loads_total"] == grew["te_kv_sync_loads_total"] == 4, grew
-    # the sequential proxy's loads (it asks for no push) after decode's first forward
-    # (which taught it the layer order) went layer by layer; the first-token proxy's
-    # were copied from the rooms prefill pushed them into, once it knew decode's
-    # workers (it asks the server at its first request)
+    # the sequential proxy's loads after decode's first forward (which taught it the
+    # layer order) read layer by layer; the first-token proxy's (--push) copied pushed
+    # KV (the first push to a decode worker may miss: its lane is being granted)
     assert grew["te_kv_layered_loads_total"] >= 1, grew
     assert grew["te_kv_pushed_loads_total"] >= 1, grew
     assert grew["te_kv_layered_loads_total"] + grew["te_kv_pushed_loads_total"] >= 3, grew
@@ -229,10 +228,10 @@ def test_replayed_params_are_computed_not_loaded(pd_servers: dict[str, Any]) -> 
 def test_pushed_kv_is_copied_once_and_only_for_its_prompt(pd_servers: dict[str, Any]
                                                           ) -> None:
     """The router's push, by hand: decode says where its workers are, prefill pushes a
-    request's KV into a room there, and decode copies it with no READ, answering as the
+    request's KV into a room there, decode copies it with no READ and answers as the
     single server. The same params again (the room's id reused by another client) and
     another prompt's params naming the room are never served from it: decode computes
-    or reads, and both answers stay exact."""
+    or reads, both answers exact."""
     ports, model = pd_servers["ports"], pd_servers["model"]
     status, raw = http_json(ports["decode"], "POST", "/v1/completions", {
         "model": model, "prompt": ".", "max_tokens": 1,
@@ -252,14 +251,18 @@ def test_pushed_kv_is_copied_once_and_only_for_its_prompt(pd_servers: dict[str, 
         assert status == 200, raw
         return body, json.loads(raw)["kv_transfer_params"]
 
-    for i in range(2):  # connections both ways, then the measured push
+    for i in range(4):  # a load may come before a push has landed: it reads instead
         room = secrets.token_urlsafe(24)
         body, params = handed_over(f"push {i} " + PROMPTS[1], room)
         assert params["push_room"] == room
         before = te_metrics(ports["decode"])
         assert completion(ports["decode"], dict(body, kv_transfer_params=params)) == \
             completion(ports["prefill"], body)
-    assert te_grown(ports["decode"], before, "te_kv_pushed_loads_total", 1, model) == 1
+        if te_grown(ports["decode"], before, "te_kv_pushed_loads_total", 1, model,
+                    timeout=3.0) == 1:
+            break
+    else:
+        raise AssertionError("no load was copied from a pushed room")
     mid = te_metrics(ports["decode"])
     # the same params again: refused as a replay, computed
     assert completion(ports["decode"], dict(body, kv_transfer_params=params)) == \

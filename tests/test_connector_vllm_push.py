@@ -286,3 +286,44 @@ def test_forged_asks_and_notes_are_refused(pair: Any) -> None:
         assert _same(pk, dk, [10, 11, 12], [3, 4, 5]) and decode.stats["recv_pushed"] == 1
     finally:
         eng.close()
+
+
+def test_ranges_are_first_fit_and_merge_when_given_back() -> None:
+    from transfer_engine.connectors.vllm.rooms import ALIGN, Ranges
+
+    r = Ranges(0, 4 * ALIGN)
+    a, b = r.take(ALIGN), r.take(2 * ALIGN - 1)  # rounded up to whole pages
+    assert (a, b) == (0, ALIGN) and r.take(2 * ALIGN) is None
+    r.give(a, ALIGN)
+    r.give(b, 2 * ALIGN)
+    assert r.take(4 * ALIGN) == 0
+
+
+@pytest.mark.parametrize("push", [
+    "x", {"room": "short", "to": ["tcp://127.0.0.1:1"]},
+    {"room": "r" * 20, "to": []}, {"room": "r" * 20, "to": ["http://a:1"]},
+    {"room": "r" * 20, "to": ["tcp://a:1"] * 65}, {"room": 5, "to": ["tcp://a:1"]}])
+def test_push_params_from_a_client_are_checked(push: Any) -> None:
+    """A client names the room and decode's workers: anything malformed is refused
+    (prefill then pushes nothing), as is a malformed room id in decode's params."""
+    from transfer_engine.connectors.vllm.config import PROTOCOL_VERSION
+    from transfer_engine.connectors.vllm.metadata import (
+        parse_push_params,
+        parse_remote_params,
+        prompt_hash,
+    )
+
+    with pytest.raises(ValueError):
+        parse_push_params({"push": push})
+    assert parse_push_params({"push": {"room": "r" * 20, "to": ["tcp://a:1"]}}) == (
+        "r" * 20, ("tcp://a:1",))
+    prompt = list(range(40))
+    good = {"protocol_version": PROTOCOL_VERSION, "remote_endpoint": "tcp://a:1",
+            "remote_request_id": "x", "remote_block_ids": [1, 2, 3],
+            "remote_num_tokens": 40, "lease_expiry": time.time() + 10,
+            "prompt_hash": prompt_hash(prompt, 40)}
+    assert parse_remote_params(dict(good, push_room="r" * 20), prompt, 16,
+                               time.time()).room == "r" * 20
+    for bad in ("short", 7, "r" * 200):
+        with pytest.raises(ValueError, match="push_room"):
+            parse_remote_params(dict(good, push_room=bad), prompt, 16, time.time())

@@ -69,6 +69,7 @@ PUSH_SEGMENT = "te-vllm/push"  # decode's staging segment
 # how long a load waits for the last layers of a room still landing (a READ of the
 # whole KV costs a few milliseconds more than that, on any link it waits for)
 LAND_WAIT_S = 0.02
+LANE_RETRY_S = 30.0  # a decode worker that refused a lane is asked again after this
 MAX_NOTE = 4096  # bytes of one push notification
 
 
@@ -109,7 +110,7 @@ class _Lane:
     endpoint: str
     peer: Any = None  # decode's RemoteKV, once connected
     ranges: Ranges | None = None  # granted: where this worker's rooms may go
-    refused: bool = False
+    refused: float = 0.0  # time.monotonic() when refused (asked again a while later)
     waiting: list[_Push] = field(default_factory=list)  # pushes before the grant
 
 
@@ -162,11 +163,13 @@ class Pusher:
                     or not self._block_bytes:
                 return None
             lane = self._lanes.get(endpoint)
+            if lane is not None and lane.refused:
+                if time.monotonic() - lane.refused < LANE_RETRY_S:
+                    return None
+                lane = None  # asked again: decode may have lanes free by now
             new = lane is None
             if lane is None:
                 lane = self._lanes[endpoint] = _Lane(endpoint)
-            if lane.refused:
-                return None
             push = _Push(spec, lane, time.monotonic(), length)
             self._pushes[spec.request_id] = push
             self._step.append(push)
@@ -192,7 +195,7 @@ class Pusher:
 
     def refused(self, lane: _Lane, why: str) -> None:
         with self._lock:
-            lane.refused = True
+            lane.refused = time.monotonic()
             waiting, lane.waiting = lane.waiting, []
         for push in waiting:
             self.end(push, f"no lane at {lane.endpoint}: {why}")
@@ -252,7 +255,10 @@ class Pusher:
                 if name in push.done:
                     continue
                 push.done.append(name)
-                if push.offset is not None:
+                # in groups of 1, 1, 2, 4, 8... layers: each WRITE's posting takes the
+                # forward's thread (and Python's lock) a while, so fewer of them
+                if push.offset is not None and len(push.done) - push.sent >= max(
+                        1, push.sent):
                     ready.append(push)
         for push in ready:
             self._flush(push)
