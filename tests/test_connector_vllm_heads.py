@@ -118,3 +118,45 @@ def test_heads_nobody_can_place_are_not_read(clock: FakeClock,
         decode.close()
         other.close()
         prefill.close()
+
+
+def test_mla_latent_blocks_are_read_whole_by_decode_ranks_of_another_size(
+        clock: FakeClock) -> None:
+    """An MLA latent cache is the same on every rank: decode ranks of tensor-parallel
+    size 2 each read prefill's (size 1) blocks whole, and prefill frees them once both
+    said so. A rank whose cache is not replicated still refuses to read it."""
+    from tests.helpers.vllm_workers import mla_caches
+
+    cfg = TEConnectorConfig(transports=("tcp",), timeout_s=2.0)
+    compat = dict(COMPAT, kv_heads=None)
+    prefill = TEConnectorWorker("p-mla", cfg, compat, clock, replicated=True)
+    ranks = [TEConnectorWorker(f"d-mla-{i}", cfg, compat, clock, rank=min(i, 1),
+                               tp_size=2, replicated=i < 2) for i in (0, 1, 2)]
+    try:
+        pk = mla_caches(1)
+        prefill.register_kv_caches(pk, NUM_BLOCKS)
+        dks = [mla_caches(2 + r) for r in (0, 1, 2)]
+        for worker, dk in zip(ranks, dks, strict=True):
+            worker.register_kv_caches(dk, NUM_BLOCKS)
+        assert prefill.engine is not None
+        remote, local = [3, 4, 20], [40, 7, 8]
+        prefill.hold({"m": 30.0})
+        for r, worker in enumerate(ranks):
+            worker.start_load([RecvSpec("m", local, remote, prefill.engine.endpoint, "p",
+                                        "m", remote_endpoints=(prefill.engine.endpoint,),
+                                        decode_tp=2)])
+            res = wait_results(worker, "finished_recving", "m")
+            if r == 2:  # not replicated: which heads it holds is not known
+                assert res.failed_recving == {"m"}
+                continue
+            assert not res.failed_recving
+            for name in pk:
+                for lb, rb in zip(local, remote, strict=True):
+                    assert torch.equal(dks[r][name][lb], pk[name][rb])
+            time.sleep(0.2)
+            freed = prefill.results().finished_sending
+            assert freed == (set() if r == 0 else {"m"}), (r, freed)
+    finally:
+        for worker in ranks:
+            worker.close()
+        prefill.close()

@@ -35,6 +35,7 @@ with warnings.catch_warnings():  # vLLM and torch warn at import; not our concer
         cpu_caches,
         gpu_caches,
         wait_results,
+        worker_pair,
     )
     from transfer_engine.connectors.vllm import RecvSpec, TEConnectorConfig, TEConnectorWorker
     from transfer_engine.connectors.vllm.push import PUSH_SEGMENT, PushSpec, push_note
@@ -60,19 +61,9 @@ def pair(request: pytest.FixtureRequest) -> Iterator[
         tuple[TEConnectorWorker, TEConnectorWorker, dict[str, Any], dict[str, Any]]]:
     """Prefill and decode workers; KV in vLLM's CPU layout (``gpu``: its GPU layout,
     K and V planes apart, in host memory)."""
-    clock = FakeClock()
-    cfg = TEConnectorConfig(transports=("tcp",), timeout_s=2.0, push_mib=8)
-    prefill = TEConnectorWorker("push-p", cfg, COMPAT, clock, takes_push=False)
-    decode = TEConnectorWorker("push-d", cfg, COMPAT, clock)
-    caches = gpu_caches if request.param == "gpu" else cpu_caches
-    pk, dk = caches(1), caches(2)
-    try:
-        prefill.register_kv_caches(pk, NUM_BLOCKS)
-        decode.register_kv_caches(dk, NUM_BLOCKS)
-        yield prefill, decode, pk, dk
-    finally:
-        decode.close()
-        prefill.close()
+    with worker_pair(FakeClock(), gpu_caches if request.param == "gpu" else cpu_caches,
+                     push_mib=8) as pair:
+        yield pair
 
 
 def _room(n: int = 0) -> str:

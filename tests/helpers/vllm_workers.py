@@ -5,7 +5,7 @@ Import it once vLLM and torch are known to import (the tests skip without them).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -47,13 +47,15 @@ def block_of(tensor: Any, b: int) -> Any:
 
 
 @contextmanager
-def worker_pair(clock: FakeClock) -> Iterator[tuple[TEConnectorWorker, TEConnectorWorker,
-                                                    dict[str, Any], dict[str, Any]]]:
-    """Prefill and decode workers with GPU-layout caches (seeds 1 and 2), registered."""
-    cfg = TEConnectorConfig(transports=("tcp",), timeout_s=2.0)
-    prefill = TEConnectorWorker("prefill-w", cfg, COMPAT, clock)
+def worker_pair(clock: FakeClock, caches: Callable[[int], dict[str, Any]] = gpu_caches,
+                **config: Any) -> Iterator[tuple[TEConnectorWorker, TEConnectorWorker,
+                                                 dict[str, Any], dict[str, Any]]]:
+    """Prefill and decode workers with ``caches`` (seeds 1 and 2; GPU-layout ones by
+    default) registered; ``config``: more of the connector's settings."""
+    cfg = TEConnectorConfig(transports=("tcp",), timeout_s=2.0, **config)
+    prefill = TEConnectorWorker("prefill-w", cfg, COMPAT, clock, takes_push=False)
     decode = TEConnectorWorker("decode-w", cfg, COMPAT, clock)
-    pk, dk = gpu_caches(1), gpu_caches(2)
+    pk, dk = caches(1), caches(2)
     try:
         prefill.register_kv_caches(pk, NUM_BLOCKS)
         decode.register_kv_caches(dk, NUM_BLOCKS)

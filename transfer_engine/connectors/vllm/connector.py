@@ -114,7 +114,8 @@ class TransferEngineConnector(KVConnectorBase_V1):
             self.worker = TEConnectorWorker(
                 f"vllm-{self.engine_id}-tp{rank}-{next(self._ids)}", config, compat,
                 rank=rank, tp_size=int(pc.tensor_parallel_size), kv_heads=kv_heads,
-                takes_push=str(ktc.kv_role) != "kv_producer")
+                takes_push=str(ktc.kv_role) != "kv_producer",
+                replicated=bool(getattr(mc, "use_mla", False)))
 
     # worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

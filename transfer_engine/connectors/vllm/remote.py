@@ -35,15 +35,19 @@ MAX_MANIFEST_BYTES = 4 << 20
 @dataclass(frozen=True)
 class Placement:
     """Which of the model's KV heads a worker holds: tensor-parallel rank ``tp_rank`` of
-    ``tp_size``, heads ``first .. first + count`` (``heads`` None: not known)."""
+    ``tp_size``, heads ``first .. first + count`` (``heads`` None: not known), or the
+    whole KV whatever its rank (``replicated``: an MLA latent cache, the same on every
+    rank)."""
 
     tp_rank: int = 0
     tp_size: int = 1
     heads: tuple[int, int] | None = None
+    replicated: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         return {"tp_rank": self.tp_rank, "tp_size": self.tp_size,
-                "heads": None if self.heads is None else list(self.heads)}
+                "heads": None if self.heads is None else list(self.heads),
+                "replicated": self.replicated}
 
     @classmethod
     def from_wire(cls, data: Any) -> Placement:
@@ -53,7 +57,8 @@ class Placement:
             if first < 0 or count < 1:
                 raise ValueError(f"heads {heads!r:.40}")
             heads = (first, count)
-        return cls(int(data["tp_rank"]), int(data["tp_size"]), heads)
+        return cls(int(data["tp_rank"]), int(data["tp_size"]), heads,
+                   data.get("replicated", False) is True)
 
 
 def manifest(layers: Layers, compat: dict[str, Any], placement: Placement = Placement(),
@@ -73,6 +78,8 @@ def _head_slices(ours: Placement, theirs: Placement, layers: Layers,
     """The pieces of each layer's block parts to read where the peer holds other heads
     than ours (None: the same ones, read whole); raises ``ValueError`` saying why our
     heads cannot be read there."""
+    if ours.replicated and theirs.replicated:
+        return None  # every rank holds the whole latent cache
     if ours.heads is None or theirs.heads is None:
         if (ours.tp_rank, ours.tp_size) != (theirs.tp_rank, theirs.tp_size):
             raise ValueError(f"tensor-parallel rank {ours.tp_rank} of {ours.tp_size} here, "

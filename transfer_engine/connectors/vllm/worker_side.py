@@ -103,18 +103,20 @@ class TEConnectorWorker:
     :param rank: tensor parallel rank (store mode keys each rank's pieces apart).
     :param tp_size: tensor parallel ranks; ``kv_heads``: (this rank's KV heads, the
         model's), where known (a decode rank then reads its heads out of the blocks of
-        a prefill rank holding more).
+        a prefill rank holding more); ``replicated``: every rank holds the whole KV (an
+        MLA latent cache, read whole); ``takes_push``: a staging segment for pushes.
     """
 
     def __init__(self, engine_name: str, config: TEConnectorConfig,
                  compat: dict[str, Any], clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, rank: int = 0,
                  tp_size: int = 1, kv_heads: tuple[int, int] | None = None,
-                 takes_push: bool = True) -> None:
+                 takes_push: bool = True, replicated: bool = False) -> None:
         self.engine_name = engine_name
         self.rank, self._tp, self._kv_heads = rank, tp_size, kv_heads
         self.placement = Placement(rank, tp_size, kv_heads and head_range(rank, tp_size,
-                                                                          *kv_heads))
+                                                                          *kv_heads),
+                                   replicated)
         self.config = config
         self.compat = dict(compat)
         self._clock = clock
