@@ -129,11 +129,13 @@ def pd_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
                 assert time.monotonic() < deadline, log.read_text()
                 time.sleep(0.1)
             ports[handoff] = int(found.group(1))
-        for handoff in ("first",):  # it learns where decode's workers are, to push
-            deadline = time.monotonic() + 60
-            while "connector workers [" not in logs[handoff].read_text():
-                assert time.monotonic() < deadline, logs[handoff].read_text()
-                time.sleep(0.1)
+        deadline = time.monotonic() + 60  # "first" learns where decode's workers are
+        while "connector workers [" not in logs["first"].read_text():
+            assert time.monotonic() < deadline, logs["first"].read_text()
+            time.sleep(0.1)
+        # prefill's lane at decode is granted at its first push, which reads instead
+        completion(ports["first"], {"model": str(model), "prompt": WARM_UP,
+                                    "max_tokens": 2})
         from transformers import AutoTokenizer
 
         yield {"ports": ports, "model": str(model), "logs": logs,
@@ -228,10 +230,9 @@ def test_replayed_params_are_computed_not_loaded(pd_servers: dict[str, Any]) -> 
 def test_pushed_kv_is_copied_once_and_only_for_its_prompt(pd_servers: dict[str, Any]
                                                           ) -> None:
     """The router's push, by hand: decode says where its workers are, prefill pushes a
-    request's KV into a room there, decode copies it with no READ and answers as the
-    single server. The same params again (the room's id reused by another client) and
-    another prompt's params naming the room are never served from it: decode computes
-    or reads, both answers exact."""
+    request's KV into a room there, decode copies it with no READ (the single server's
+    answer). The same params again (the room id reused by another client) and another
+    prompt's params naming the room are not served from it: computed or read, exact."""
     ports, model = pd_servers["ports"], pd_servers["model"]
     status, raw = http_json(ports["decode"], "POST", "/v1/completions", {
         "model": model, "prompt": ".", "max_tokens": 1,
@@ -263,8 +264,7 @@ def test_pushed_kv_is_copied_once_and_only_for_its_prompt(pd_servers: dict[str, 
             break
     else:
         raise AssertionError("no load was copied from a pushed room")
-    mid = te_metrics(ports["decode"])
-    # the same params again: refused as a replay, computed
+    mid = te_metrics(ports["decode"])  # the same params again: a replay, computed
     assert completion(ports["decode"], dict(body, kv_transfer_params=params)) == \
         completion(ports["prefill"], body)
     # another prompt's hand-over naming the room: not its prompt, read from prefill
