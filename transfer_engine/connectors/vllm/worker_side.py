@@ -310,8 +310,7 @@ class TEConnectorWorker:
 
     # prefill: pushes
     def start_push(self, specs: Iterable[PushSpec]) -> None:
-        """Asks decode for a room for each request this step prefills whole, to push
-        its layers into as the forward computes them."""
+        """Places each of this step's whole prefills in our lane at decode, to push to."""
         if self._push is not None:
             self._push.start(list(specs))
 
@@ -356,12 +355,13 @@ class TEConnectorWorker:
             self._step_wait = 0.0
 
     def _scratch_segment(self) -> Segment:
-        """A few bytes a notification's READ lands in."""
+        """A few bytes a notification's READ lands in (asked for by several threads)."""
         assert self.engine is not None
-        if self._scratch is None:
-            self._scratch = self.engine.register(np.zeros(64, dtype=np.uint8),
-                                                 name="te-vllm/scratch")
-        return self._scratch
+        with self._lock:
+            if self._scratch is None:
+                self._scratch = self.engine.register(np.zeros(64, dtype=np.uint8),
+                                                     name="te-vllm/scratch")
+            return self._scratch
 
     def _notify_read(self, recv: _Recv) -> None:
         """Tells prefill that a layer-wise load's blocks were read: a READ of one byte of
