@@ -232,6 +232,31 @@ def test_decode_without_staging_takes_no_push(pair: Any) -> None:
         decode.close()
 
 
+def test_a_decode_worker_out_of_lanes_refuses_and_is_read(pair: Any) -> None:
+    """Decode's staging holds one lane (8 MiB here), taken by the first prefill worker:
+    a second one is refused its lane, its pushes end at once, and decode reads its
+    blocks byte-exact; the first keeps pushing."""
+    prefill, decode, pk, dk = pair
+    cfg = TEConnectorConfig(transports=("tcp",), timeout_s=2.0)
+    second = TEConnectorWorker("push-p2", cfg, COMPAT, FakeClock(), takes_push=False)
+    sk = cpu_caches(5)
+    try:
+        second.register_kv_caches(sk, NUM_BLOCKS)
+        room = _room()
+        _push(prefill, decode, room)
+        _until(lambda: decode.staging.whole(room))
+        other = _room(1)
+        _push(second, decode, other, rid="s1")
+        _until(lambda: second.stats["push_failed"] == 1)
+        assert decode.stats["push_refused"] == 1 and second.stats["push_bytes"] == 0
+        decode.load_now([_load(second, other, [50, 51, 52], [3, 4, 5], rid="s1")])
+        assert _same(sk, dk, [50, 51, 52], [3, 4, 5]) and decode.stats["recv_pushed"] == 0
+        decode.load_now([_load(prefill, room, [10, 11, 12], [3, 4, 5])])
+        assert _same(pk, dk, [10, 11, 12], [3, 4, 5]) and decode.stats["recv_pushed"] == 1
+    finally:
+        second.close()
+
+
 def _stranger(decode: TEConnectorWorker) -> tuple[Engine, Any, Any]:
     """An engine of the cluster (it holds the secret) that is no prefill worker."""
     assert decode.engine is not None
