@@ -8,6 +8,7 @@ seeded random data.
 
 from __future__ import annotations
 
+import faulthandler
 import random
 import threading
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from transfer_engine import (
     RemoteSegment,
     Segment,
     TransferState,
+    TransferTimeout,
     UnknownPeerError,
 )
 
@@ -164,7 +166,11 @@ class TransportContract:
                       for k in range(0, n, 65536)][::-1]
             handles.append(pair.a.write(pair.peer, pieces, notify=key))
         for h in handles:
-            h.wait(30)
+            try:
+                h.wait(30)
+            except TransferTimeout:  # rare, seen only in full runs: what waits where
+                faulthandler.dump_traceback(all_threads=True)
+                raise
         for _ in range(50):
             if len(seen) >= len(expected):
                 break
