@@ -19,7 +19,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from transfer_engine.connectors.vllm.config import (
     PROTOCOL_VERSION,
 )
-from transfer_engine.connectors.vllm.push import PushSpec
 from transfer_engine.connectors.vllm.rooms import valid_room
 from transfer_engine.connectors.vllm.store import StoreLoad, StoreSave
 
@@ -59,6 +58,19 @@ class RecvSpec:
         slices of one prefill rank's blocks."""
         n = max(1, self.decode_tp // max(1, len(self.remote_endpoints)))
         return rank % n, n
+
+
+@dataclass(frozen=True)
+class PushSpec:
+    """Prefill: push the blocks of a request prefilled whole in this step."""
+
+    request_id: str
+    room: str
+    to: tuple[str, ...]  # decode's workers, by tensor-parallel rank
+    block_ids: list[int]
+    num_tokens: int
+    prompt_hash: str
+    lease_s: float
 
 
 @dataclass
@@ -129,7 +141,8 @@ def _integer(value: Any, key: str, low: int, high: int) -> int:
 MAX_TP = 64
 
 
-def _endpoint(value: Any, key: str) -> str:
+def checked_endpoint(value: Any, key: str) -> str:
+    """``value`` if it is ``tcp://host:port``, else ValueError naming ``key``."""
     if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS or \
             not value.startswith("tcp://") or ":" not in value[len("tcp://"):]:
         raise ValueError(f"{key} {value!r:.80} is not tcp://host:port")
@@ -152,7 +165,7 @@ def _endpoints(params: dict[str, Any], tp_size: int) -> tuple[str, ...]:
         raise ValueError(f"prefill runs {len(listed)} tensor-parallel ranks, this decode "
                          f"{tp_size}: a decode rank loads its KV heads from one prefill "
                          "rank, so prefill's ranks must divide decode's")
-    return tuple(_endpoint(e, "a remote endpoint") for e in listed)
+    return tuple(checked_endpoint(e, "a remote endpoint") for e in listed)
 
 
 def parse_remote_params(params: Any, prompt: Sequence[int], block_size: int, now: float,
@@ -166,7 +179,7 @@ def parse_remote_params(params: Any, prompt: Sequence[int], block_size: int, now
     if isinstance(version, bool) or version != PROTOCOL_VERSION:
         raise ValueError(f"kv_transfer_params protocol version {version!r:.20}, this "
                          f"connector speaks {PROTOCOL_VERSION}")
-    endpoint = _endpoint(_text(params, "remote_endpoint"), "remote_endpoint")
+    endpoint = checked_endpoint(_text(params, "remote_endpoint"), "remote_endpoint")
     endpoints = _endpoints(params, tp_size)
     if endpoints and endpoints[0] != endpoint:
         raise ValueError("remote_endpoints does not start with remote_endpoint")
@@ -214,4 +227,4 @@ def parse_push_params(params: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
     to = push.get("to")
     if not isinstance(to, list) or not 0 < len(to) <= MAX_TP:
         raise ValueError(f"push must name 1 to {MAX_TP} decode endpoints (to)")
-    return room, tuple(_endpoint(e, "a push endpoint") for e in to)
+    return room, tuple(checked_endpoint(e, "a push endpoint") for e in to)

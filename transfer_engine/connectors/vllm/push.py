@@ -44,6 +44,7 @@ import msgpack
 import numpy as np
 
 from transfer_engine.connectors.vllm.config import MANIFEST_SEGMENT
+from transfer_engine.connectors.vllm.metadata import PushSpec, checked_endpoint
 from transfer_engine.connectors.vllm.rooms import (
     MARGIN_S,
     MAX_ROOMS,
@@ -54,7 +55,7 @@ from transfer_engine.connectors.vllm.rooms import (
     copy_room,
     room_offsets,
 )
-from transfer_engine.descriptor import Blocks, Descriptor
+from transfer_engine.descriptor import Blocks
 from transfer_engine.engine import Engine
 from transfer_engine.errors import TransferEngineError
 from transfer_engine.segment import Segment
@@ -90,19 +91,6 @@ def parse_push(payload: bytes) -> dict[str, Any] | None:
 
 # --- prefill: pushing ---------------------------------------------------------------
 
-@dataclass(frozen=True)
-class PushSpec:
-    """Prefill: push the blocks of a request prefilled whole in this step."""
-
-    request_id: str
-    room: str
-    to: tuple[str, ...]  # decode's workers, by tensor-parallel rank
-    block_ids: list[int]
-    num_tokens: int
-    prompt_hash: str
-    lease_s: float
-
-
 @dataclass(eq=False)
 class _Lane:
     """Prefill's lane at one decode worker: asked for, then granted or refused."""
@@ -133,14 +121,14 @@ class Pusher:
     """Prefill's lanes and pushes. The forward's thread reports layers as it computes
     them; grants come on an engine thread; WRITEs go from whichever finds both."""
 
-    def __init__(self, engine: Engine, layers: Layers, scratch: Callable[[], Segment],
+    def __init__(self, engine: Engine, layers: Layers, tell: Callable[..., Any],
                  submit: Callable[..., Any], stats: dict[str, Any],
                  forget: Callable[[str], None] = lambda endpoint: None) -> None:
         self._engine = engine
         self._forget = forget
         self._layers = layers
         self._index = {name: i for i, name in enumerate(sorted(layers))}
-        self._scratch = scratch
+        self._tell = tell
         self._submit = submit
         self._stats = stats
         self._lock = threading.Lock()
@@ -186,10 +174,8 @@ class Pusher:
             if peer.push is None or peer.slices is not None:
                 raise ValueError("decode takes no pushes, or holds other KV heads")
             lane.peer = peer
-            self._engine.read(peer.peer, [(Descriptor(self._scratch(), 0, 1),
-                                           Descriptor(peer.peer.segment(peer.push[0]), 0,
-                                                      1))],
-                              notify=push_note("ask-lane", endpoint=self._engine.endpoint))
+            self._tell(peer.peer, peer.push[0],
+                       push_note("ask-lane", endpoint=self._engine.endpoint))
         except (TransferEngineError, ValueError) as exc:
             self.refused(lane, str(exc))
 
@@ -368,27 +354,28 @@ class Pusher:
 
 class PushSide:
     """One worker's part in pushes: decode's staging and its answers to lane asks
-    (where it takes pushes), prefill's pushes. The worker owns the engine, the peers'
-    table and the scratch bytes a notification's READ lands in; this runs no thread of
-    its own (the peers' pool runs what waits on the network).
+    (where it takes pushes), prefill's pushes. The worker owns the engine and the
+    peers' table; this runs no thread of its own (the peers' pool runs what waits on
+    the network).
 
     :param connect: ``connect(endpoint)`` -> the handshake's future (a ``RemoteKV``).
     :param settle: ``settle(endpoint, future)`` -> the peer, kept for later loads.
     :param known: ``known(endpoint)`` -> the peer if connected, else None.
     :param submit: runs a callable on the peers' pool.
+    :param tell: ``tell(peer, segment, payload)``: a notification to a peer.
     :param staging_bytes: decode's staging memory (0: takes no pushes).
     :param forget: ``forget(endpoint)``: the next connection there is made afresh.
     """
 
     def __init__(self, engine: Engine, layers: Layers, connect: Callable[[str], Any],
                  settle: Callable[[str, Any], Any], known: Callable[[str], Any],
-                 submit: Callable[..., Any], scratch: Callable[[], Segment],
+                 submit: Callable[..., Any], tell: Callable[..., Any],
                  stats: dict[str, Any], rank: int, tp_size: int, staging_bytes: int,
                  timeout: float, forget: Callable[[str], None] = lambda e: None) -> None:
         self._engine = engine
         self._connect, self._settle, self._known = connect, settle, known
         self._submit = submit
-        self._scratch = scratch
+        self._tell = tell
         self._stats = stats
         self._rank, self._tp = rank, tp_size
         self._timeout = timeout
@@ -403,7 +390,7 @@ class PushSide:
             buf = np.zeros(staging_bytes, dtype=np.uint8)
             self._buf = buf  # alive while registered
             self.staging = Staging(engine.register(buf, name=PUSH_SEGMENT), layers)
-        self.pusher = Pusher(engine, layers, scratch, submit, stats,
+        self.pusher = Pusher(engine, layers, tell, submit, stats,
                              forget) if host else None
 
     @property
@@ -411,6 +398,13 @@ class PushSide:
         if self.staging is None:
             return None
         return PUSH_SEGMENT, self.staging.segment.length
+
+    def _peer(self, endpoint: str) -> Any:
+        """The worker at ``endpoint``, connected (on the pool: it waits); raises what
+        broke the handshake."""
+        fut = self._connect(endpoint)
+        fut.result(self._timeout)
+        return self._settle(endpoint, fut)
 
     # notifications (an engine thread)
     def on_note(self, peer: str, fields: dict[str, Any]) -> None:
@@ -423,9 +417,11 @@ class PushSide:
         elif kind == "lane" and self.pusher is not None:
             self.pusher.granted(peer, fields)
         elif kind == "ask-lane" and self.staging is not None:
-            endpoint = fields.get("endpoint")
-            if not isinstance(endpoint, str) or not endpoint.startswith("tcp://") \
-                    or len(endpoint) > 512 or peer in self._granting:
+            try:
+                endpoint = checked_endpoint(fields.get("endpoint"), "endpoint")
+            except ValueError:
+                return
+            if peer in self._granting:
                 return
             self._granting.add(peer)
             self._submit(self._grant, peer, endpoint)
@@ -435,9 +431,7 @@ class PushSide:
         engine there is the asker (a load later trusts a room as that endpoint's)."""
         assert self.staging is not None
         try:
-            fut = self._connect(endpoint)
-            fut.result(self._timeout)
-            info = self._settle(endpoint, fut)
+            info = self._peer(endpoint)
             if info.peer.name != asker:
                 raise ValueError(f"the engine at {endpoint} is {info.peer.name!r}, not "
                                  f"{asker!r}")
@@ -447,9 +441,7 @@ class PushSide:
             except ValueError as exc:
                 self._stats["push_refused"] += 1
                 answer = push_note("lane", offset=0, length=0, why=str(exc))
-            self._engine.read(info.peer, [(Descriptor(self._scratch(), 0, 1),
-                                           Descriptor(info.peer.segment(
-                                               MANIFEST_SEGMENT), 0, 1))], notify=answer)
+            self._tell(info.peer, MANIFEST_SEGMENT, answer)
         except Exception as exc:  # noqa: BLE001 - no lane: decode reads
             self._stats["push_refused"] += 1
             log.warning("push lane for %s not granted: %s", asker, exc)
@@ -474,9 +466,7 @@ class PushSide:
     def _ask(self, lane: Any) -> None:
         assert self.pusher is not None
         try:
-            fut = self._connect(lane.endpoint)
-            fut.result(self._timeout)
-            info = self._settle(lane.endpoint, fut)
+            info = self._peer(lane.endpoint)
         except Exception as exc:  # noqa: BLE001 - decode reads the blocks instead
             self.pusher.refused(lane, f"decode not reached: {exc}")
             return

@@ -16,6 +16,7 @@ from transfer_engine.connectors.vllm.config import (
     PROTOCOL_VERSION,
 )
 from transfer_engine.connectors.vllm.metadata import (
+    PushSpec,
     RecvSpec,
     RemoteParams,
     TEConnectorMetadata,
@@ -24,7 +25,6 @@ from transfer_engine.connectors.vllm.metadata import (
     parse_remote_params,
     prompt_hash,
 )
-from transfer_engine.connectors.vllm.push import PushSpec
 from transfer_engine.connectors.vllm.store import (
     StoreLoad,
     StoreSave,

@@ -36,11 +36,8 @@ from transfer_engine.connectors.vllm.config import (
     unpin_current_thread,
     unpinned,
 )
-from transfer_engine.connectors.vllm.metadata import (
-    RecvSpec,
-    TEHandshakeMetadata,
-)
-from transfer_engine.connectors.vllm.push import PushSide, PushSpec, parse_push
+from transfer_engine.connectors.vllm.metadata import PushSpec, RecvSpec, TEHandshakeMetadata
+from transfer_engine.connectors.vllm.push import PushSide, parse_push
 from transfer_engine.connectors.vllm.remote import Placement, RemoteKV, RemotePeers, manifest
 from transfer_engine.connectors.vllm.rooms import Staging
 from transfer_engine.connectors.vllm.sent import Holds, sent_note
@@ -63,6 +60,7 @@ from transfer_engine.errors import (
 )
 from transfer_engine.handle import TransferHandle, TransferState
 from transfer_engine.layout import BlockLayout
+from transfer_engine.peer import Peer
 from transfer_engine.segment import Segment
 
 log = logging.getLogger(__name__)
@@ -176,7 +174,7 @@ class TEConnectorWorker:
                                                     self.compat, self.config.timeout_s,
                                                     self.placement),
                 self._peers.settled, self._peers.get, self._peers.submit,
-                self._scratch_segment, self.stats,
+                self._tell, self.stats,
                 self.rank, self._tp, self._takes_push * (self.config.push_mib << 20),
                 self.config.timeout_s, self._peers.forget)
             self._holds.on_read = self._push.read
@@ -354,28 +352,27 @@ class TEConnectorWorker:
                 self._times["load_wait_seconds"].append(self._step_wait)
             self._step_wait = 0.0
 
-    def _scratch_segment(self) -> Segment:
-        """A few bytes a notification's READ lands in (asked for by several threads)."""
+    def _tell(self, peer: Peer, segment: str, payload: bytes) -> TransferHandle:
+        """Sends ``payload`` to ``peer``: the notification of a READ of one byte of its
+        ``segment`` into our scratch bytes (several threads tell); not waited for."""
         assert self.engine is not None
         with self._lock:
             if self._scratch is None:
                 self._scratch = self.engine.register(np.zeros(64, dtype=np.uint8),
                                                      name="te-vllm/scratch")
-            return self._scratch
+        return self.engine.read(peer, [(Descriptor(self._scratch, 0, 1),
+                                        Descriptor(peer.segment(segment), 0, 1))],
+                                notify=payload)
 
     def _notify_read(self, recv: _Recv) -> None:
-        """Tells prefill that a layer-wise load's blocks were read: a READ of one byte of
-        its manifest, carrying the notification; not waited for."""
+        """Tells prefill that a load's blocks were read (a READ's own note did not)."""
         assert self.engine is not None
         info = self._peers.get(recv.spec.endpoint_for(self.rank))
         if info is None:
             return  # the peer is gone: prefill's lease frees the blocks
         try:
-            self.engine.read(info.peer, [(Descriptor(self._scratch_segment(), 0, 1),
-                                          Descriptor(info.peer.segment(MANIFEST_SEGMENT),
-                                                     0, 1))],
-                             notify=sent_note(recv.spec.remote_request_id,
-                                              *recv.spec.reader(self.rank)))
+            self._tell(info.peer, MANIFEST_SEGMENT, sent_note(
+                recv.spec.remote_request_id, *recv.spec.reader(self.rank)))
         except TransferEngineError as exc:
             log.warning("request %s: could not tell %s its blocks were read (%s); its "
                         "lease frees them", recv.spec.request_id, info.peer.name, exc)
@@ -548,7 +545,8 @@ class TEConnectorWorker:
         # a request's blocks are free once nothing holds them: neither a decoder's lease
         # nor a save still reading them
         out.finished_sending |= released - saving
-        out.finished_sending |= saved - self._holds.held
+        if saved:  # (the held set is copied under the lock: not at every step)
+            out.finished_sending |= saved - self._holds.held
         if self._recving or self._store.loading:
             # vLLM calls this once per step from a thread that hardly lets go of the
             # GIL while a request waits for its KV; without this the transfer threads
