@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import statistics
 import sys
 import tempfile
@@ -155,11 +154,8 @@ def run_transport(args: argparse.Namespace, transport: str) -> list[dict[str, An
         for role, proc in procs.items():
             servers.wait_healthy(ports[role], proc, tmp / f"{role}.log")
         for handoff in args.handoffs:
-            log = tmp / f"proxy-{handoff}.log"
-            while not (found := re.search(r"pd_proxy on http://[\d.]+:(\d+)",
-                                          log.read_text())):
-                time.sleep(0.1)
-            ports[handoff] = int(found.group(1))
+            ports[handoff] = int(servers.wait_in_log(
+                tmp / f"proxy-{handoff}.log", r"pd_proxy on http://[\d.]+:(\d+)").group(1))
         tok = AutoTokenizer.from_pretrained(model)
         rng = random.Random(7)
         name = str(model)

@@ -117,6 +117,16 @@ def te_metrics(port: int) -> dict[str, float]:
     return vllm_metrics(port, "te_kv_")
 
 
+def wait_in_log(log: Path, pattern: str, timeout: float = 60.0) -> re.Match[str]:
+    """The first match of ``pattern`` in the file ``log``, waited for (a process's line
+    saying it is ready); AssertionError with the log after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (found := re.search(pattern, log.read_text())):
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    return found
+
+
 def te_grown(port: int, before: dict[str, float], key: str, least: float,
              model: str, timeout: float = 20.0) -> float:
     """How much a connector counter of the server grew since ``before``, waiting a

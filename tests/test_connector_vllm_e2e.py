@@ -26,7 +26,6 @@ import importlib.util
 import json
 import os
 import random
-import re
 import secrets
 import statistics
 import sys
@@ -51,6 +50,7 @@ from bench.vllm_servers import (
     te_metrics,
     vllm_metrics,
     wait_healthy,
+    wait_in_log,
 )
 from tests.helpers.openai_answers import chat, completion
 from tests.helpers.vllm_engines import BLOCK_BYTES, BLOCK_SIZE, MAX_TOKENS, EngineProcess
@@ -123,16 +123,10 @@ def pd_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         for role, proc in procs.items():
             wait_healthy(ports[role], proc, tmp_path / f"{role}.log")
         for handoff, log in logs.items():
-            deadline = time.monotonic() + 30
-            while not (found := re.search(r"pd_proxy on http://[\d.]+:(\d+)",
-                                          log.read_text())):
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.1)
-            ports[handoff] = int(found.group(1))
-        deadline = time.monotonic() + 60  # "first" learns where decode's workers are
-        while "connector workers [" not in logs["first"].read_text():
-            assert time.monotonic() < deadline, logs["first"].read_text()
-            time.sleep(0.1)
+            ports[handoff] = int(wait_in_log(log, r"pd_proxy on http://[\d.]+:(\d+)",
+                                             30.0).group(1))
+        # "first" learns where decode's workers are
+        wait_in_log(logs["first"], r"connector workers \[")
         # prefill's lane at decode is granted at its first push, which reads instead
         completion(ports["first"], {"model": str(model), "prompt": WARM_UP,
                                     "max_tokens": 2})
@@ -170,15 +164,10 @@ def test_proxy_between_vllm_servers(pd_servers: dict[str, Any]) -> None:
         assert computed == requests, (handoff, before, after)
     # the connector's stats reached vLLM's /metrics: four loads in the admitting step,
     # their bytes and times on decode; four requests whose blocks were read on prefill
-    deadline = time.monotonic() + 30
-    while True:  # prefill learns of decode's read at a later step, /metrics after it
-        dec, pre = te_metrics(ports["decode"]), te_metrics(ports["prefill"])
-        sent = pre.get("te_kv_sent_requests_total", 0) - te_before[1].get(
-            "te_kv_sent_requests_total", 0)
-        if sent >= 4 or time.monotonic() > deadline:
-            break
-        completion(ports["prefill"], {"model": model, "prompt": "tick", "max_tokens": 1})
-        time.sleep(0.2)
+    # prefill learns of decode's read at a later step, /metrics after it
+    sent = te_grown(ports["prefill"], te_before[1], "te_kv_sent_requests_total", 4, model,
+                    timeout=30.0)
+    dec = te_metrics(ports["decode"])
     grew = {k: v - te_before[0].get(k, 0) for k, v in dec.items()}
     assert grew["te_kv_loads_total"] == grew["te_kv_sync_loads_total"] == 4, grew
     # the sequential proxy's loads after decode's first forward (which taught it the
@@ -189,7 +178,7 @@ def test_proxy_between_vllm_servers(pd_servers: dict[str, Any]) -> None:
     assert grew["te_kv_layered_loads_total"] + grew["te_kv_pushed_loads_total"] >= 3, grew
     assert grew.get("te_kv_load_failures_total", 0) == 0, grew
     assert grew["te_kv_load_bytes_total"] > 0 and grew["te_kv_load_seconds_count"] == 4, grew
-    assert sent == 4, pre
+    assert sent == 4, te_metrics(ports["prefill"])
 
     # a prompt under --local-below (default 64 tokens) is prefilled on decode
     body = {"model": model, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,

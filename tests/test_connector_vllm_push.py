@@ -38,7 +38,8 @@ with warnings.catch_warnings():  # vLLM and torch warn at import; not our concer
         worker_pair,
     )
     from transfer_engine.connectors.vllm import RecvSpec, TEConnectorConfig, TEConnectorWorker
-    from transfer_engine.connectors.vllm.push import PUSH_SEGMENT, PushSpec, push_note
+    from transfer_engine.connectors.vllm.metadata import PushSpec
+    from transfer_engine.connectors.vllm.push import PUSH_SEGMENT, push_note
     from transfer_engine.descriptor import Descriptor
     from transfer_engine.engine import Engine
 
