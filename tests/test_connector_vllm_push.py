@@ -258,6 +258,77 @@ def test_a_decode_worker_out_of_lanes_refuses_and_is_read(pair: Any) -> None:
         second.close()
 
 
+def test_an_idle_lane_is_taken_back_and_its_old_owner_asks_afresh(
+        pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One lane, two prefill workers. Once the first worker's lane is idle (here: at
+    once) and holds no room, the second is granted it as a new segment: the first
+    worker's next WRITE into its old lane fails at decode (the segment is closed) and
+    lands nothing, decode reads that request byte-exact, and the first worker asks
+    again at its next push, taking the lane back the same way. Every room copied is
+    the right one."""
+    from transfer_engine.connectors.vllm import push as push_module
+    monkeypatch.setattr(push_module, "LANE_RETRY_S", 0.0)
+    prefill, decode, pk, dk = pair
+    assert decode.staging is not None and decode.engine is not None
+    decode.staging.lane_idle_s = 0.0
+    cfg = TEConnectorConfig(transports=("tcp",), timeout_s=2.0)
+    second = TEConnectorWorker("push-p2", cfg, COMPAT, FakeClock(), takes_push=False)
+    sk = cpu_caches(5)
+    try:
+        second.register_kv_caches(sk, NUM_BLOCKS)
+        first = _room()
+        _push(prefill, decode, first)
+        _until(lambda: decode.staging.whole(first))
+        old = decode.staging.lanes()[prefill.engine.name][0]
+        other = _room(1)  # the first's room is held: the lane is not idle yet
+        _push(second, decode, other, rid="s1")
+        _until(lambda: second.stats["push_failed"] == 1)
+        decode.load_now([_load(prefill, first, [10, 11, 12], [3, 4, 5])])
+        assert _same(pk, dk, [10, 11, 12], [3, 4, 5]) and decode.stats["recv_pushed"] == 1
+
+        taken = _room(2)  # now idle: the second worker takes the lane
+        _push(second, decode, taken, rid="s2")
+        _until(lambda: decode.staging.whole(taken))
+        lanes = decode.staging.lanes()
+        assert list(lanes) == [second.engine.name] and lanes[second.engine.name][0] != old
+        assert old not in decode.engine.segments and decode.staging.revoked == 1
+
+        stale = _room(3)  # the first worker still writes into its old lane: refused
+        _push(prefill, decode, stale, rid="p2")
+        pusher = prefill._push.pusher
+        _until(lambda: pusher.reap() or decode.engine.endpoint not in pusher._lanes)
+        assert not decode.staging.whole(stale)
+        assert decode.staging.whole(taken)  # the second's room is untouched
+        decode.load_now([_load(second, taken, [50, 51, 52], [3, 4, 5], rid="s2")])
+        assert _same(sk, dk, [50, 51, 52], [3, 4, 5]) and decode.stats["recv_pushed"] == 2
+        decode.load_now([_load(prefill, stale, [20, 21, 22], [3, 4, 5], rid="p2")])
+        assert _same(pk, dk, [20, 21, 22], [3, 4, 5]) and decode.stats["recv_pushed"] == 2
+
+        again = _room(4)  # the first asks afresh and takes the idle lane back
+        _push(prefill, decode, again, rid="p3", blocks=(6, 7, 8))
+        _until(lambda: decode.staging.whole(again))
+        assert list(decode.staging.lanes()) == [prefill.engine.name]
+        decode.load_now([_load(prefill, again, [30, 31, 32], [6, 7, 8], rid="p3")])
+        assert _same(pk, dk, [30, 31, 32], [6, 7, 8]) and decode.stats["recv_pushed"] == 3
+    finally:
+        second.close()
+
+
+def test_a_second_ask_revokes_the_askers_old_lane(pair: Any) -> None:
+    """A worker asks only after dropping its lane: decode grants a fresh segment and
+    closes the old one, with the rooms in it."""
+    prefill, decode, _, _ = pair
+    assert decode.staging is not None and prefill.engine is not None
+    room = _room()
+    _push(prefill, decode, room)
+    _until(lambda: decode.staging.whole(room))
+    name, length = decode.staging.lanes()[prefill.engine.name]
+    fresh, fresh_length = decode.staging.lane(prefill.engine.name)
+    assert fresh != name and fresh_length == length
+    assert name not in decode.engine.segments and fresh in decode.engine.segments
+    assert not decode.staging.whole(room) and len(decode.staging) == 0
+
+
 def _stranger(decode: TEConnectorWorker) -> tuple[Engine, Any, Any]:
     """An engine of the cluster (it holds the secret) that is no prefill worker."""
     assert decode.engine is not None
@@ -296,9 +367,8 @@ def test_forged_asks_and_notes_are_refused(pair: Any) -> None:
         _until(lambda: decode.staging.refused == 1)  # no lane of its own
         # prefill's own note for that room id with another prompt: refused
         pnote = decode.staging._rooms[room]
-        with pytest.raises(ValueError, match="another room"):
-            decode.staging.landed(pnote.peer, dict(fields, offset=pnote.offset,
-                                                   prompt_hash="cd" * 16))
+        with pytest.raises(ValueError, match="another room"):  # offset: in its lane
+            decode.staging.landed(pnote.peer, dict(fields, prompt_hash="cd" * 16))
         decode.load_now([_load(prefill, room, [10, 11, 12], [3, 4, 5])])
         assert _same(pk, dk, [10, 11, 12], [3, 4, 5]) and decode.stats["recv_pushed"] == 1
     finally:

@@ -1,18 +1,22 @@
 """Layer-wise push: prefill WRITEs each layer's blocks, as soon as its forward has
-computed the layer, into memory of decode's own (its staging segment); decode copies
+computed the layer, into memory of decode's own (its staging memory); decode copies
 them into its blocks when the request reaches it, with no READ between its scheduler
 and the step's forward.
 
 The bytes go to decode's staging, not its blocks: with the first-token hand-off decode
 sees the request only once prefill has sampled that token, after the KV was computed,
-so there are no blocks to write into yet. The staging segment (``push_mib`` per decode
-worker) is cut into lanes of 64 MiB, one per prefill worker that pushes there.
+so there are no blocks to write into yet. The staging memory (``push_mib`` per decode
+worker) is cut into lanes of 64 MiB, one per prefill worker that pushes there, each
+registered as a segment of its own.
 
 The exchange, on notifications between the two engines (authenticated like any):
 
 1. once per pair of workers: prefill's worker connects to decode's and asks for a
    *lane*, naming its own endpoint; decode connects back, checks that the engine there
-   is the one that asked, and grants a lane (or refuses: none left);
+   is the one that asked, and grants a lane, naming its segment (or refuses: none
+   left, and none idle long enough to take back). A worker asks again only after a
+   push failed; decode then revokes its old lane (closing the segment fails every
+   write still coming) and grants a fresh one;
 2. per request: the router names a room (an unguessable id) and decode's workers in
    prefill's kv_transfer_params (``push``); prefill places the room in its lane and
    WRITEs each layer there once its forward has computed it. Each WRITE's
@@ -28,7 +32,9 @@ The exchange, on notifications between the two engines (authenticated like any):
 Prefill writes a range of its lane again only once every WRITE into it has ended and
 decode has said it read the request (or the room's lease and a margin have passed);
 decode never copies a room past its lease, and a room overwritten by its own lane's
-owner is dropped, so no late write lands in bytes a load still copies.
+owner is dropped, so no late write lands in bytes a load still copies. A lane taken
+back is a closed segment: a write still aimed at it fails at decode, and its worker
+asks afresh at its next push.
 """
 
 from __future__ import annotations
@@ -46,12 +52,12 @@ import numpy as np
 from transfer_engine.connectors.vllm.config import MANIFEST_SEGMENT
 from transfer_engine.connectors.vllm.metadata import PushSpec, checked_endpoint
 from transfer_engine.connectors.vllm.rooms import (
+    ALIGN,
     MARGIN_S,
     MAX_ROOMS,
     Layers,
     Ranges,
     Staging,
-    checked_int,
     copy_room,
     room_offsets,
 )
@@ -66,7 +72,7 @@ __all__ = ["PUSH_NOTE", "PUSH_SEGMENT", "PushSide", "PushSpec", "Pusher", "parse
 log = logging.getLogger(__name__)
 
 PUSH_NOTE = b"te-vllm/push:"  # notification prefix of the exchange
-PUSH_SEGMENT = "te-vllm/push"  # decode's staging segment
+PUSH_SEGMENT = "te-vllm/push"  # decode's door for lane asks; lanes: PUSH_SEGMENT/k.gen
 # how long a load waits for the last layers of a room still landing (a READ of the
 # whole KV costs a few milliseconds more than that, on any link it waits for)
 LAND_WAIT_S = 0.02
@@ -97,7 +103,9 @@ class _Lane:
 
     endpoint: str
     peer: Any = None  # decode's RemoteKV, once connected
-    ranges: Ranges | None = None  # granted: where this worker's rooms may go
+    granted: bool = False  # decode named the lane's segment
+    remote: Any = None  # that segment (a RemoteSegment), once looked up
+    ranges: Ranges | None = None  # ready: where in it this worker's rooms may go
     refused: float = 0.0  # time.monotonic() when refused (asked again a while later)
     waiting: list[_Push] = field(default_factory=list)  # pushes before the grant
 
@@ -187,33 +195,43 @@ class Pusher:
             self.end(push, f"no lane at {lane.endpoint}: {why}")
 
     def granted(self, peer: str, fields: dict[str, Any]) -> None:
-        """Decode's answer to a lane ask (an engine thread)."""
+        """Decode's answer to a lane ask (an engine thread): the lane's segment is
+        looked up on the pool (it may take a round trip)."""
         with self._lock:
             lane = next((ln for ln in self._lanes.values() if ln.peer is not None
-                         and ln.peer.peer.name == peer and ln.ranges is None
+                         and ln.peer.peer.name == peer and not ln.granted
                          and not ln.refused), None)
             if lane is None:
                 return
-            try:
-                offset = checked_int(fields, "offset", 0, 1 << 62)
-                length = checked_int(fields, "length", 0, 1 << 40)
-                if offset + length > lane.peer.push[1]:
-                    raise ValueError("outside decode's staging")
-            except ValueError as exc:
-                length, why = 0, f"malformed grant: {exc}"
-            else:
-                why = str(fields.get("why", ""))[:200]
-            if length:
-                lane.ranges = Ranges(offset, length)
-                waiting, lane.waiting = lane.waiting, []
-                for push in waiting:
-                    self._place(push)
-                ready = [p for p in waiting if p.forward_done and p.offset is not None]
-        if not length:
+            lane.granted = True
+        name, length = fields.get("segment"), fields.get("length")
+        if not isinstance(name, str) or not name or len(name) > 256 \
+                or isinstance(length, bool) or not isinstance(length, int) \
+                or not 0 < length <= 1 << 40:
+            why = str(fields.get("why", ""))[:200] if length == 0 else "malformed grant"
             self.refused(lane, why or "refused")
             return
+        self._submit(self._ready, lane, name, length)
+
+    def _ready(self, lane: _Lane, name: str, length: int) -> None:
+        """Looks the granted segment up; the pushes waiting for the lane go now."""
+        try:
+            remote = lane.peer.peer.segment(name)
+            if remote.length < length:
+                raise ValueError(f"segment {name} holds {remote.length} bytes, not "
+                                 f"{length}")
+        except (TransferEngineError, ValueError) as exc:
+            self.refused(lane, f"granted lane not found: {exc}")
+            return
+        with self._lock:
+            lane.remote = remote
+            lane.ranges = Ranges(0, length)
+            waiting, lane.waiting = lane.waiting, []
+            for push in waiting:
+                self._place(push)
+            ready = [p for p in waiting if p.forward_done and p.offset is not None]
         for push in ready:
-            self._submit(self._flush, push)
+            self._flush(push)
 
     def _place(self, push: _Push) -> None:
         """Puts a push's room in its lane (under the lock); one that does not fit is
@@ -301,7 +319,7 @@ class Pusher:
         ids = np.asarray(push.spec.block_ids, dtype=np.int64)
         n = len(ids)
         offsets, _ = room_offsets(self._layers, n)
-        remote = push.lane.peer.peer.segment(push.lane.peer.push[0])
+        remote = push.lane.remote
         by_segment: dict[int, tuple[Segment, list[np.ndarray], list[np.ndarray]]] = {}
         bb = self._block_bytes
         for name in names:
@@ -338,6 +356,12 @@ class Pusher:
     def _reap_locked(self) -> None:
         now = time.monotonic()
         for rid, push in list(self._pushes.items()):
+            if self._lanes.get(push.lane.endpoint) is push.lane and any(
+                    h.done() and h.error is not None for h in push.handles):
+                # decode took the lane back (or lost it): the next push asks afresh
+                del self._lanes[push.lane.endpoint]
+                log.info("push lane at %s dropped after a failed write",
+                         push.lane.endpoint)
             expired = now - push.started > push.spec.lease_s + MARGIN_S
             if not expired and not (push.ended and push.read
                                     and all(h.done() for h in push.handles)):
@@ -387,9 +411,13 @@ class PushSide:
                      "(decode reads the blocks)")
         self.staging: Staging | None = None
         if host and staging_bytes > 0:
-            buf = np.zeros(staging_bytes, dtype=np.uint8)
-            self._buf = buf  # alive while registered
-            self.staging = Staging(engine.register(buf, name=PUSH_SEGMENT), layers)
+            # lane asks come as notes on a small door of its own; each granted lane is
+            # a segment of its own (see rooms.py)
+            self._door = np.zeros(ALIGN, dtype=np.uint8)
+            self._buf = np.zeros(staging_bytes, dtype=np.uint8)  # alive while registered
+            engine.register(self._door, name=PUSH_SEGMENT)
+            self.staging = Staging(self._buf, lambda view, name: engine.register(
+                view, name=name), layers, PUSH_SEGMENT)
         self.pusher = Pusher(engine, layers, tell, submit, stats,
                              forget) if host else None
 
@@ -397,7 +425,7 @@ class PushSide:
     def manifest_entry(self) -> tuple[str, int] | None:
         if self.staging is None:
             return None
-        return PUSH_SEGMENT, self.staging.segment.length
+        return PUSH_SEGMENT, len(self._door)
 
     def _peer(self, endpoint: str) -> Any:
         """The worker at ``endpoint``, connected (on the pool: it waits); raises what
@@ -436,11 +464,11 @@ class PushSide:
                 raise ValueError(f"the engine at {endpoint} is {info.peer.name!r}, not "
                                  f"{asker!r}")
             try:
-                offset, length = self.staging.lane(asker)
-                answer = push_note("lane", offset=offset, length=length)
+                segment, length = self.staging.lane(asker)
+                answer = push_note("lane", segment=segment, length=length)
             except ValueError as exc:
                 self._stats["push_refused"] += 1
-                answer = push_note("lane", offset=0, length=0, why=str(exc))
+                answer = push_note("lane", segment="", length=0, why=str(exc))
             self._tell(info.peer, MANIFEST_SEGMENT, answer)
         except Exception as exc:  # noqa: BLE001 - no lane: decode reads
             self._stats["push_refused"] += 1

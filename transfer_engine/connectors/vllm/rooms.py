@@ -1,9 +1,14 @@
-"""Decode's staging segment for pushed KV (see ``push.py``): a lane of it per prefill
-worker that pushes here, granted once, and in a lane the rooms of that worker's
-requests, which it places itself and announces with their bytes."""
+"""Decode's staging memory for pushed KV (see ``push.py``): a lane of it per prefill
+worker that pushes here, each lane a segment of its own, and in a lane the rooms of that
+worker's requests, which it places itself and announces with their bytes.
+
+A lane is revoked by closing its segment: that waits for the writes into it and fails
+every later one at decode, so the range can go to another worker (or afresh to the same
+one) with no stale byte landing in it."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -16,7 +21,7 @@ import numpy as np
 from transfer_engine.layout import BlockLayout
 from transfer_engine.segment import Segment
 
-__all__ = ["Ranges", "Room", "Staging", "copy_room", "room_offsets", "valid_room"]
+__all__ = ["Lane", "Ranges", "Room", "Staging", "copy_room", "room_offsets", "valid_room"]
 
 Layers = Mapping[str, tuple[Segment, BlockLayout]]  # layer -> (its segment, its layout)
 
@@ -25,6 +30,8 @@ MAX_ROOMS = 4096  # rooms held by one decode worker at once
 MAX_LEASE_S = 120.0  # a room is held at most this long, whatever prefill asks
 MARGIN_S = 5.0  # after a room's lease, before prefill writes over its range
 LANE_BYTES = 64 << 20  # one prefill worker's lane of decode's staging
+# a lane quiet this long, with no room of its worker's held, may go to another worker
+LANE_IDLE_S = 60.0
 ROOM_CHARS = (16, 128)  # an unguessable id: at least 16 characters
 
 
@@ -102,44 +109,104 @@ class Room:
         return len(self.landed) == self.layers
 
 
-class Staging:
-    """Decode's staging segment, its lanes and the rooms in them. Thread-safe:
-    notifications come on the engine's threads, loads on the forward's."""
+@dataclass(eq=False)
+class Lane:
+    """A prefill worker's lane: its range of the staging memory, registered alone."""
 
-    def __init__(self, segment: Segment, layers: Layers, lane_bytes: int = LANE_BYTES,
+    peer: str  # the prefill engine it is granted to
+    offset: int  # in the staging memory
+    length: int
+    segment: Segment
+    last: float  # monotonic: when granted, or when a push into it last landed
+
+
+class Staging:
+    """Decode's staging memory, its lanes and the rooms in them. Thread-safe:
+    notifications come on the engine's threads, loads on the forward's, lane asks on
+    the peers' pool.
+
+    :param register: ``register(view, name)`` -> the lane's segment (the engine's).
+    :param prefix: lane segments are named ``{prefix}/{k}.{generation}``.
+    """
+
+    def __init__(self, buf: np.ndarray, register: Callable[[np.ndarray, str], Segment],
+                 layers: Layers, prefix: str, lane_bytes: int = LANE_BYTES,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.segment = segment
+        self._buf = buf
+        self._register = register
+        self._prefix = prefix
         self._layers = layers
         self._names = sorted(layers)
         self._clock = clock
         self._lock = threading.Condition()  # notified as pushes land
-        self.lane_bytes = min(lane_bytes, segment.length)
-        self._free = Ranges(0, segment.length // self.lane_bytes * self.lane_bytes)
-        self._lanes: dict[str, tuple[int, int]] = {}  # peer -> (offset, length)
+        self.length = len(buf)
+        self.lane_bytes = min(lane_bytes, self.length)
+        self.lane_idle_s = LANE_IDLE_S
+        self._free = Ranges(0, self.length // self.lane_bytes * self.lane_bytes
+                            if self.lane_bytes else 0)
+        self._lanes: dict[str, Lane] = {}  # prefill engine -> its lane
         self._rooms: dict[str, Room] = {}
+        self._generation = itertools.count(1)
         self.refused = 0  # notes refused
+        self.revoked = 0  # lanes taken back (from an idle worker, or on a new ask)
 
     def __len__(self) -> int:
         return len(self._rooms)
+
+    def lanes(self) -> dict[str, tuple[str, int]]:
+        """Prefill engine -> its lane's segment name and length."""
+        with self._lock:
+            return {p: (ln.segment.name, ln.length) for p, ln in self._lanes.items()}
+
+    def lane(self, peer: str) -> tuple[str, int]:
+        """A fresh lane for prefill engine ``peer``: a segment of its own, named back
+        (with its length) in the grant. A worker asks only when it has none or dropped
+        its own after a failure, so its old lane (rooms, writes and all) is revoked
+        first. With none free, the lane idle longest (:attr:`lane_idle_s`, no room of
+        its worker's held) is taken back. Raises ValueError when none can be had."""
+        with self._lock:
+            now = self._clock()
+            old = self._lanes.pop(peer, None)
+            if old is None:
+                offset = self._free.take(self.lane_bytes)
+                if offset is None:
+                    old = self._idlest(now)
+                    if old is None:
+                        raise ValueError(f"all {len(self._lanes)} lanes of the staging "
+                                         "memory are taken")
+                    del self._lanes[old.peer]
+            if old is not None:
+                offset = old.offset
+                for key in [k for k, r in self._rooms.items() if r.peer == old.peer]:
+                    del self._rooms[key]
+                self.revoked += 1
+            name = f"{self._prefix}/{offset // self.lane_bytes}.{next(self._generation)}"
+        if old is not None:
+            try:  # waits for writes into it; every later one fails at our end
+                old.segment.close()
+            except Exception as exc:  # noqa: BLE001 - its range stays out of use
+                raise ValueError(f"lane of {old.peer} not revoked: {exc}") from exc
+        try:
+            segment = self._register(self._buf[offset:offset + self.lane_bytes], name)
+        except Exception:
+            with self._lock:
+                self._free.give(offset, self.lane_bytes)
+            raise
+        with self._lock:
+            self._lanes[peer] = Lane(peer, offset, self.lane_bytes, segment, self._clock())
+        return name, self.lane_bytes
+
+    def _idlest(self, now: float) -> Lane | None:
+        held = {r.peer for r in self._rooms.values() if now < r.expires}
+        idle = [ln for ln in self._lanes.values()
+                if ln.peer not in held and now - ln.last >= self.lane_idle_s]
+        return min(idle, key=lambda ln: ln.last, default=None)
 
     def whole(self, room_id: str) -> bool:
         """Whether every layer of the room's push has landed."""
         with self._lock:
             room = self._rooms.get(room_id)
             return room is not None and room.whole
-
-    def lane(self, peer: str) -> tuple[int, int]:
-        """The lane of prefill engine ``peer`` (granted once, for the worker's life);
-        raises ValueError when none is free."""
-        with self._lock:
-            lane = self._lanes.get(peer)
-            if lane is None:
-                offset = self._free.take(self.lane_bytes)
-                if offset is None:
-                    raise ValueError(f"all {len(self._lanes)} lanes of the staging memory "
-                                     "are taken")
-                lane = self._lanes[peer] = (offset, self.lane_bytes)
-            return lane
 
     def landed(self, peer: str, fields: dict[str, Any]) -> None:
         """A WRITE of some layers of a room landed; the first one places the room.
@@ -157,10 +224,11 @@ class Staging:
         if lane is None or not valid_room(room_id):
             raise ValueError("no lane of this peer's, or a malformed room id")
         blocks = checked_int(fields, "blocks", 1, 1 << 20)
-        offset = checked_int(fields, "offset", lane[0], lane[0] + lane[1])
+        offset = checked_int(fields, "offset", 0, lane.length)  # in the lane
         length = room_offsets(self._layers, blocks)[1]
-        if offset + length > lane[0] + lane[1]:
+        if offset + length > lane.length:
             raise ValueError("the room runs past the peer's lane")
+        offset += lane.offset
         tokens = checked_int(fields, "tokens", 1, 1 << 30)
         digest, layers = fields.get("prompt_hash"), fields.get("layers")
         lease = fields.get("lease_s")
@@ -174,6 +242,7 @@ class Staging:
                                  room.prompt_hash) != key:
             raise ValueError("the room id is another room's")
         now = self._clock()
+        lane.last = now
         if room is None:
             # the peer writes a new room over whatever of its own it held there
             for other in [r for r in self._rooms.values() if r.peer == peer
@@ -214,7 +283,7 @@ class Staging:
             return room
 
     def view(self, room: Room) -> np.ndarray:
-        return np.frombuffer(self.segment.view(room.offset, room.length), dtype=np.uint8)
+        return self._buf[room.offset:room.offset + room.length]
 
     def _sweep(self, now: float) -> None:
         for key in [k for k, r in self._rooms.items() if now >= r.expires]:

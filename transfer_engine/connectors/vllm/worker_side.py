@@ -102,7 +102,7 @@ class TEConnectorWorker:
     :param tp_size: tensor parallel ranks; ``kv_heads``: (this rank's KV heads, the
         model's), where known (a decode rank then reads its heads out of the blocks of
         a prefill rank holding more); ``replicated``: every rank holds the whole KV (an
-        MLA latent cache, read whole); ``takes_push``: a staging segment for pushes.
+        MLA latent cache, read whole); ``takes_push``: staging memory for pushes.
     """
 
     def __init__(self, engine_name: str, config: TEConnectorConfig,
