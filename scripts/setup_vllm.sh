@@ -70,12 +70,20 @@ then
     start=$SECONDS
     # (the grep drops pip's notes about index folders this machine's pip config names
     # but lacks; pip's own status still decides, through pipefail)
-    if ! "$VPY" -m pip install -q --disable-pip-version-check \
+    # (three tries, 20 s apart: a registry that drops a connection mid-download
+    # should not fail the whole test run)
+    tries=0
+    until "$VPY" -m pip install -q --disable-pip-version-check \
             -c "$VENV/te-constraints.txt" "$SPEC" 2>&1 \
-            | { grep -v "is ignored: it is neither a file nor a directory" || true; }; then
-        fail "pip could not install $SPEC into $VENV with torch==$TORCH (is the package" \
-             "registry reachable? pip's own error is above)"
-    fi
+            | { grep -v "is ignored: it is neither a file nor a directory" || true; }; do
+        tries=$((tries + 1))
+        if [ "$tries" -ge 3 ]; then
+            fail "pip could not install $SPEC into $VENV with torch==$TORCH (is the" \
+                 "package registry reachable? pip's own error is above)"
+        fi
+        echo "setup_vllm: pip failed (try $tries of 3); trying again in 20 s" >&2
+        sleep 20
+    done
     # Not every one of them is always pulled in; a missing one is not an error.
     "$VPY" -m pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 \
         || true
