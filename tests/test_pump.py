@@ -123,6 +123,31 @@ def test_work_that_waits_on_its_own_pump_gets_a_worker(
     assert np.array_equal(bufs["b"], src_a) and np.array_equal(bufs["a"], src_b)
 
 
+def test_a_job_queued_behind_a_woken_worker_is_not_forgotten() -> None:
+    """One worker, idle: job A (which waits for job B) and job B are submitted back to
+    back, before the woken worker runs. A takes the worker, so B needs another: it
+    must get one (the pump counts B as waiting) rather than wait behind A forever."""
+    p = pump.Pump(1)
+    try:
+        warm = threading.Event()
+        p.submit(warm.set)
+        assert warm.wait(5)
+        deadline = time.monotonic() + 5
+        while p._idle < 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        released, finished = threading.Event(), threading.Event()
+
+        def a() -> None:
+            if released.wait(5):
+                finished.set()
+
+        p.submit(a)
+        p.submit(released.set)
+        assert finished.wait(5), "the second job waited behind the first"
+    finally:
+        p.stop()
+
+
 def test_a_stalled_peer_does_not_stop_the_others(
         monkeypatch: pytest.MonkeyPatch, spawn_peer: Callable[..., tuple[Any, str]],
         make_engine: Callable[..., Engine]) -> None:

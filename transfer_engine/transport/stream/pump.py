@@ -171,7 +171,7 @@ class Pump:
         """Starts a worker more if work waits and no worker has taken up any for too
         long (every one waits on a peer)."""
         with self._cond:
-            if not self._jobs or self._idle:
+            if len(self._jobs) <= self._idle:
                 self._starved = False
                 return
             now = time.monotonic()
@@ -181,7 +181,7 @@ class Pump:
             name = self._add_worker()
         log.debug("no data-plane worker took up work for %.0f ms: %s started",
                   STARVED * 1e3, name)
-        threading.Thread(target=self._work_loop, daemon=True, name=name).start()
+        self._start_worker(name)
 
     # the workers
     def submit(self, job: Callable[[], None]) -> None:
@@ -192,6 +192,9 @@ class Pump:
             self._jobs.append((time.monotonic(), job))
             if self._idle:
                 self._cond.notify()
+            # an idle worker notified already may not have woken yet: it takes one job,
+            # and more jobs than idle workers need another (or the poller's watch)
+            if len(self._jobs) <= self._idle:
                 return
             if self._workers >= self._max:
                 if not self._starved:  # the poller times the wait from now on
@@ -202,11 +205,29 @@ class Pump:
                         pass
                 return
             name = self._add_worker()
-        threading.Thread(target=self._work_loop, daemon=True, name=name).start()
+        self._start_worker(name)
 
     def _add_worker(self) -> str:  # holding _cond
         self._workers += 1
         return f"te-pump-work{self._workers}"
+
+    def _start_worker(self, name: str) -> None:
+        """Starts a worker counted by :meth:`_add_worker`; should the system refuse a
+        thread, the count goes back and the job waits for the workers there are (the
+        poller watches for starvation)."""
+        try:
+            threading.Thread(target=self._work_loop, daemon=True, name=name).start()
+        except RuntimeError as exc:  # can't start new thread
+            log.warning("data-plane worker not started: %s", exc)
+            with self._cond:
+                self._workers -= 1
+                if not self._jobs or self._starved:
+                    return
+                self._starved = True
+                try:
+                    os.write(self._wake_w, b"x")
+                except OSError:
+                    pass
 
     def _work_loop(self) -> None:
         _local.pump = True
