@@ -1,7 +1,8 @@
 """Tensor-parallel ranks of different sizes, through the vLLM connector's workers: decode
-ranks read their own KV heads out of the blocks of a prefill rank holding more (vLLM's
-GPU and CPU layouts), prefill frees the blocks once every reader said so, and heads
-nobody can place are not read. Workers in this process, real engines on loopback, KV
+ranks read their own KV heads out of the blocks of a prefill rank holding more, or out
+of the blocks of every prefill rank holding some of them (vLLM's GPU and CPU layouts),
+prefill frees the blocks once every reader said so, and heads nobody can place are not
+read. Workers in this process, real engines on loopback, KV
 caches as CPU torch tensors (as in ``test_connector_vllm.py``)."""
 
 from __future__ import annotations
@@ -83,6 +84,59 @@ def test_decode_ranks_read_their_heads_out_of_a_prefill_rank_holding_more(
         for worker in ranks:
             worker.close()
         prefill.close()
+
+
+@pytest.mark.parametrize("sync", [False, True])
+@pytest.mark.parametrize("layout", ["gpu", "cpu"])
+def test_a_decode_rank_reads_its_heads_from_every_prefill_rank_holding_them(
+        layout: str, sync: bool, clock: FakeClock) -> None:
+    """Prefill at tensor-parallel size 2 (two KV heads a rank), decode at 1 (all four):
+    the decode rank reads heads 0..2 from prefill rank 0 and heads 2..4 from rank 1 into
+    the same blocks, byte for byte, and each prefill rank frees its blocks once its one
+    reader said so. A load naming a prefill rank that is not there fails (recomputed)
+    and writes nothing."""
+    cfg = TEConnectorConfig(transports=("tcp",), timeout_s=2.0)
+    pre = [TEConnectorWorker(f"p-tp2-{r}", cfg, COMPAT, clock, rank=r, tp_size=2,
+                             kv_heads=(2, 4)) for r in (0, 1)]
+    decode = TEConnectorWorker("d-tp1", cfg, COMPAT, clock, kv_heads=(4, 4))
+    try:
+        pks = [_heads_caches(layout, 1 + r, 2) for r in (0, 1)]
+        for worker, pk in zip(pre, pks, strict=True):
+            worker.register_kv_caches(pk, NUM_BLOCKS)
+        dk = _heads_caches(layout, 5, 4)
+        decode.register_kv_caches(dk, NUM_BLOCKS)
+        ends = tuple(w.engine.endpoint for w in pre if w.engine is not None)
+        remote, local = [3, 4, 5, 20], [40, 41, 7, 8]
+        for w in pre:
+            w.hold({"m": 30.0})
+        load = RecvSpec("m", local, remote, ends[0], "p", "m", sync=sync,
+                        remote_endpoints=ends, decode_tp=1)
+        if sync:
+            decode.load_now([load])
+            assert decode.take_failed_blocks() == set()
+        else:
+            decode.start_load([load])
+            assert not wait_results(decode, "finished_recving", "m").failed_recving
+        for name in dk:
+            for lb, rb in zip(local, remote, strict=True):
+                for r in (0, 1):
+                    assert torch.equal(_heads_of(dk[name], lb, 2 * r, 2),
+                                       _heads_of(pks[r][name], rb, 0, 2))
+        for w in pre:
+            wait_results(w, "finished_sending", "m")
+        # a load naming a dead second rank fails before it reads anything
+        before = {n: t.clone() for n, t in dk.items()}
+        gone = (ends[0], "tcp://127.0.0.1:9")  # nothing listens on the discard port
+        pre[0].hold({"n": 30.0})
+        decode.start_load([RecvSpec("n", [50], [6], ends[0], "p", "n",
+                                    remote_endpoints=gone, decode_tp=1)])
+        assert wait_results(decode, "finished_recving", "n").failed_recving == {"n"}
+        assert all(torch.equal(_heads_of(before[n], 50, 0, 4), _heads_of(dk[n], 50, 0, 4))
+                   for n in dk)
+    finally:
+        decode.close()
+        for w in pre:
+            w.close()
 
 
 def test_heads_nobody_can_place_are_not_read(clock: FakeClock,

@@ -314,7 +314,7 @@ HOSTILE: list[tuple[str, Any]] = [
     ("protocol_version", "2"), ("protocol_version", True), ("protocol_version", None),
     ("prompt_hash", None), ("prompt_hash", "0" * 32), ("prompt_hash", 5),
     ("remote_endpoints", "tcp://p:1"), ("remote_endpoints", []), ("remote_endpoints", [5]),
-    ("remote_endpoints", ["tcp://p:1", "tcp://p:2"]),  # two prefill ranks, one decode
+    ("remote_endpoints", ["tcp://p:1", "tcp://p:1"]),  # two ranks at one endpoint
     ("remote_endpoints", ["p:1"]), ("remote_endpoints", ["tcp://p:1"] * 65),
     ("remote_endpoints", ["tcp://elsewhere:1"]),  # not the remote_endpoint it goes with
 ]
@@ -337,8 +337,9 @@ def test_hostile_kv_transfer_params_are_recomputed_not_fatal(key: str, value: An
 def test_each_tensor_parallel_rank_loads_from_the_prefill_rank_of_its_number() -> None:
     """Prefill names every rank's worker; a decode of the same size maps rank r to
     prefill rank r (its KV heads), one of twice the size ranks 2r and 2r + 1 (each a
-    half of rank r's heads, each one of its two readers); a size that prefill's does not
-    divide, or one endpoint for two ranks, is refused (recomputed)."""
+    half of rank r's heads, each one of its two readers), one of half the size rank 0
+    to both (its heads from each, their one reader); sizes that do not divide one
+    another, or one endpoint for two ranks, are refused (recomputed)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 
     from transfer_engine.connectors.vllm.metadata import RecvSpec, TEHandshakeMetadata
@@ -366,10 +367,15 @@ def test_each_tensor_parallel_rank_loads_from_the_prefill_rank_of_its_number() -
     spec4 = four.build_connector_meta().reqs_to_recv["four"]
     assert [spec4.endpoint_for(r) for r in range(4)] == ["tcp://p:1"] * 2 + ["tcp://p:2"] * 2
     assert [spec4.reader(r) for r in range(4)] == [(0, 2), (1, 2), (0, 2), (1, 2)]
-    for size in (1, 3):  # more prefill ranks than decode ones, or not a divisor
-        other = TEConnectorScheduler(f"d{size}", BLOCK, wall_clock=wall, tp_size=size)
-        assert other.get_num_new_matched_tokens(request("o", dict(params)), 0) == (0, False)
-        assert "must divide" in other.refused["o"]
+    one = TEConnectorScheduler("d1", BLOCK, wall_clock=wall, tp_size=1)
+    one.get_num_new_matched_tokens(request("one", dict(params)), 0)
+    one.update_state_after_alloc(request("one", dict(params)), blocks([1, 2, 3]), 39)
+    spec1 = one.build_connector_meta().reqs_to_recv["one"]  # both prefill ranks' heads
+    assert spec1.endpoint_for(0) == "tcp://p:1 + tcp://p:2" and spec1.reader(0) == (0, 1)
+    assert spec1.endpoint_for(0, merge=False) == "tcp://p:1"  # a latent cache: one rank
+    other = TEConnectorScheduler("d3", BLOCK, wall_clock=wall, tp_size=3)  # 2 and 3
+    assert other.get_num_new_matched_tokens(request("o", dict(params)), 0) == (0, False)
+    assert "must divide the other" in other.refused["o"]
     single = dict(params)
     del single["remote_endpoints"]
     assert decode.get_num_new_matched_tokens(request("one", single), 0) == (0, False)

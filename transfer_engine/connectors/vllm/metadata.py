@@ -36,7 +36,8 @@ class RecvSpec:
     lease_expiry: float = math.inf  # wall clock: the blocks are the peer's after this
     sync: bool = False  # loaded before this step's forward, which computes with it
     remote_endpoints: tuple[str, ...] = ()  # every prefill rank's, in rank order
-    decode_tp: int = 1  # this decode's tensor-parallel ranks (a multiple of prefill's)
+    decode_tp: int = 1  # this decode's tensor-parallel ranks (a multiple or divisor of
+    # prefill's)
     # a pushed room the blocks may be in (push.py): its id, what it must hold (the
     # prompt's hash, tokens and blocks as the params say) and where these blocks start
     room: str = ""
@@ -45,19 +46,33 @@ class RecvSpec:
     room_blocks: int = 0
     first_block: int = 0
 
-    def endpoint_for(self, rank: int) -> str:
+    def endpoint_for(self, rank: int, merge: bool = True) -> str:
         """Where tensor-parallel rank ``rank`` loads from: the prefill rank that holds
-        its KV heads (of its own number where both sides run as many ranks), or the one
-        endpoint given."""
-        if not self.remote_endpoints:
+        its KV heads (of its own number where both sides run as many ranks), the one
+        endpoint given, or, where prefill runs more ranks than decode, the prefill
+        ranks that hold them together (their endpoints joined by :data:`SOURCES`;
+        ``merge`` False: the first of them, for a cache every rank holds whole)."""
+        listed = self.remote_endpoints
+        if not listed:
             return self.remote_endpoint
-        return self.remote_endpoints[rank * len(self.remote_endpoints) // self.decode_tp]
+        if len(listed) <= self.decode_tp or not merge:
+            return listed[rank * len(listed) // self.decode_tp]
+        per = len(listed) // self.decode_tp
+        return SOURCES.join(listed[rank * per:(rank + 1) * per])
 
     def reader(self, rank: int) -> tuple[int, int]:
         """``(k, n)``: rank ``rank`` is reader ``k`` of the ``n`` decode ranks that read
         slices of one prefill rank's blocks."""
         n = max(1, self.decode_tp // max(1, len(self.remote_endpoints)))
         return rank % n, n
+
+
+SOURCES = " + "  # joins the endpoints of the prefill ranks one decode rank reads from
+
+
+def sources(endpoint: str) -> list[str]:
+    """The prefill endpoints :meth:`RecvSpec.endpoint_for` joined (one, usually)."""
+    return endpoint.split(SOURCES)
 
 
 @dataclass(frozen=True)
@@ -150,9 +165,10 @@ def checked_endpoint(value: Any, key: str) -> str:
 
 
 def _endpoints(params: dict[str, Any], tp_size: int) -> tuple[str, ...]:
-    """Every prefill rank's endpoint: as many as this decode's ranks, or fewer that
-    divide them (each decode rank reads its heads from the prefill rank holding them;
-    more prefill ranks than decode ones would need several reads per rank, not done)."""
+    """Every prefill rank's endpoint: as many as this decode's ranks, fewer that divide
+    them (each decode rank reads its heads from the prefill rank holding them) or more,
+    a multiple of them (each decode rank reads its heads from the several prefill ranks
+    holding them)."""
     listed = params.get("remote_endpoints")
     if listed is None:
         if tp_size > 1:
@@ -161,11 +177,13 @@ def _endpoints(params: dict[str, Any], tp_size: int) -> tuple[str, ...]:
         return ()
     if not isinstance(listed, list) or not 0 < len(listed) <= MAX_TP:
         raise ValueError(f"remote_endpoints must list 1 to {MAX_TP} endpoints")
-    if len(listed) > tp_size or tp_size % len(listed):
+    if max(len(listed), tp_size) % min(len(listed), tp_size):
         raise ValueError(f"prefill runs {len(listed)} tensor-parallel ranks, this decode "
-                         f"{tp_size}: a decode rank loads its KV heads from one prefill "
-                         "rank, so prefill's ranks must divide decode's")
-    return tuple(checked_endpoint(e, "a remote endpoint") for e in listed)
+                         f"{tp_size}: one of the two counts must divide the other")
+    out = tuple(checked_endpoint(e, "a remote endpoint") for e in listed)
+    if len(set(out)) < len(out):
+        raise ValueError("remote_endpoints names one endpoint for two ranks")
+    return out
 
 
 def parse_remote_params(params: Any, prompt: Sequence[int], block_size: int, now: float,

@@ -517,8 +517,8 @@ class PushSide:
     def take(self, spec: Any, endpoint: str) -> bool:
         """Copies a load's blocks out of its pushed room, if that room is whole and
         this request's; False: read them from prefill instead."""
-        info = self._known(endpoint)
-        if self.staging is None or not spec.room or info is None:
+        info = self._known(endpoint)  # (None, or several prefill ranks: never pushed)
+        if self.staging is None or not spec.room or getattr(info, "peer", None) is None:
             return False
         room = self.staging.take(spec.room, info.peer.name, spec.prompt_hash,
                                  spec.num_tokens, spec.room_blocks, LAND_WAIT_S)

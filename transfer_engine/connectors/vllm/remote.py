@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,15 +18,17 @@ import numpy as np
 
 from transfer_engine.connectors.compat import compat_hash, describe_mismatch
 from transfer_engine.connectors.vllm.config import MANIFEST_SEGMENT, PROTOCOL_VERSION
-from transfer_engine.connectors.vllm.metadata import RecvSpec
+from transfer_engine.connectors.vllm.metadata import SOURCES, RecvSpec, sources
 from transfer_engine.descriptor import Blocks, Descriptor
 from transfer_engine.engine import Engine
-from transfer_engine.errors import ClosedError, ProtocolError
+from transfer_engine.errors import ClosedError, ProtocolError, TransferEngineError
+from transfer_engine.handle import TransferHandle, TransferState
 from transfer_engine.layout import BlockLayout, head_pieces, pair_runs
 from transfer_engine.peer import Peer
 from transfer_engine.segment import RemoteSegment, Segment
 
-__all__ = ["Layers", "Placement", "RemoteKV", "RemotePeers", "manifest"]
+__all__ = ["Layers", "MergedKV", "Placement", "Reads", "Recv", "RemoteKV", "RemotePeers",
+           "manifest"]
 
 Layers = Mapping[str, tuple[Segment, BlockLayout]]  # layer -> (its segment, its layout)
 # a manifest is a few hundred bytes per layer; a peer that claims more is not read
@@ -89,7 +92,11 @@ def _head_slices(ours: Placement, theirs: Placement, layers: Layers,
     if ours.heads == theirs.heads:
         return None
     (first, count), (rfirst, rcount) = ours.heads, theirs.heads
-    if not (rfirst <= first and first + count <= rfirst + rcount):
+    if rfirst <= first and first + count <= rfirst + rcount:  # ours among the peer's
+        at, rat, n = 0, first - rfirst, count
+    elif first <= rfirst and rfirst + rcount <= first + count:  # the peer's among ours
+        at, rat, n = rfirst - first, 0, rcount
+    else:
         raise ValueError(f"we hold KV heads {first}..{first + count}, the peer "
                          f"{rfirst}..{rfirst + rcount}")
     out = {}
@@ -97,7 +104,7 @@ def _head_slices(ours: Placement, theirs: Placement, layers: Layers,
         rlayout = remote[name][1]
         if layout.heads is None or layout.heads[1] != count:
             raise ValueError(f"layer {name!r}: where its {count} heads lie is not known")
-        out[name] = head_pieces(layout, rlayout, 0, first - rfirst, count)
+        out[name] = head_pieces(layout, rlayout, at, rat, n)
     return out
 
 
@@ -261,6 +268,85 @@ class RemoteKV:
         return out
 
 
+@dataclass(eq=False)
+class MergedKV:
+    """The prefill ranks that hold a decode rank's KV heads between them (prefill runs
+    more tensor-parallel ranks): a load READs each one's heads into our blocks."""
+
+    sources: list[RemoteKV]
+
+    def check_ids(self, layers: Layers, spec: RecvSpec) -> None:
+        for info in self.sources:
+            info.check_ids(layers, spec)
+
+    def read(self, engine: Engine, layers: Layers, local_ids: list[int],
+             remote_ids: list[int], notify: bytes, timeout: float | None) -> Reads:
+        """One READ per source, each telling its prefill rank (its only reader) that
+        the blocks were read; raises what stopped one from posting, after cancelling
+        those posted."""
+        handles: list[TransferHandle] = []
+        try:
+            for info in self.sources:
+                handles.append(engine.read(info.peer, info.pairs(layers, local_ids,
+                                                                 remote_ids),
+                                           notify=notify, timeout=timeout))
+        except TransferEngineError:
+            for handle in handles:
+                handle.cancel()
+            raise
+        return Reads(handles)
+
+
+class Reads:
+    """Several READs of one load, seen as one handle: done once all are, failed if
+    any failed."""
+
+    def __init__(self, handles: list[TransferHandle]) -> None:
+        self.handles = handles
+        self.nbytes = sum(h.nbytes for h in handles)
+
+    @property
+    def state(self) -> TransferState:
+        states = {h.state for h in self.handles}
+        if TransferState.PENDING in states:
+            return TransferState.PENDING
+        return TransferState.FAILED if TransferState.FAILED in states else TransferState.DONE
+
+    @property
+    def error(self) -> Any:
+        return next((h.error for h in self.handles if h.error is not None), None)
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Waits for every READ (``timeout`` in all); raises the first failure."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for h in self.handles:
+            h.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def cancel(self) -> bool:
+        return any([h.cancel() for h in self.handles])
+
+
+@dataclass(eq=False)
+class Recv:
+    """A load under way on decode: its READ (or READs), its peer's handshake first."""
+
+    spec: RecvSpec
+    handle: TransferHandle | Reads | None
+    started: float  # time.monotonic(): durations are real even under a fake clock
+    error: str | None = None
+    handshake: Future[Any] | None = None  # the peer's, while it is under way
+    parts: list[TransferHandle] = dataclasses.field(default_factory=list)  # later layers
+    info: RemoteKV | None = None  # the peer of a layer-wise load, for its later READs
+    # time.monotonic() by which a sync load is given up; 0 for an async load (a sync
+    # load may go layer by layer, an async one never)
+    deadline: float = 0.0
+    landed: float = 0.0  # time.monotonic() when the forward last found a part landed
+    pushed: bool = False  # copied out of a room prefill pushed it into: no READ
+
+
 class RemotePeers:
     """The prefill workers a decoder has read from, and the handshakes under way (on a
     small pool of unpinned threads: a handshake waits on the network, and the rails'
@@ -269,7 +355,7 @@ class RemotePeers:
     def __init__(self, name: str, initializer: Callable[[], None] | None = None) -> None:
         self._name = name
         self._initializer = initializer
-        self._known: dict[str, RemoteKV] = {}
+        self._known: dict[str, RemoteKV | MergedKV] = {}
         self._closed = False
         self._handshakes: dict[str, Future[RemoteKV]] = {}  # endpoint -> under way
         self._executor: ThreadPoolExecutor | None = None
@@ -290,13 +376,19 @@ class RemotePeers:
                 return
             self._pool().submit(fn, *args)
 
-    def get(self, endpoint: str) -> RemoteKV | None:
+    def get(self, endpoint: str) -> Any:
+        """The peer (a :class:`RemoteKV`, or a :class:`MergedKV` for joined
+        endpoints) connected at ``endpoint``, or None."""
         return self._known.get(endpoint)
 
     def handshake(self, engine: Engine, endpoint: str, layers: Layers,
                   compat: dict[str, Any], timeout: float,
-                  placement: Placement = Placement()) -> Future[RemoteKV]:
-        """The handshake with ``endpoint``: the one under way, or a new one."""
+                  placement: Placement = Placement()) -> Future[Any]:
+        """The handshake with ``endpoint``: the one under way, or a new one. For
+        several endpoints (joined by :data:`SOURCES`), one future for all of their
+        handshakes, giving a :class:`MergedKV`."""
+        if SOURCES in endpoint:
+            return self._merged(engine, endpoint, layers, compat, timeout, placement)
         with self._lock:
             fut = self._handshakes.get(endpoint)
             if fut is None:
@@ -309,7 +401,34 @@ class RemotePeers:
                 self._handshakes[endpoint] = fut
             return fut
 
-    def settled(self, endpoint: str, fut: Future[RemoteKV]) -> RemoteKV:
+    def _merged(self, engine: Engine, key: str, layers: Layers, compat: dict[str, Any],
+                timeout: float, placement: Placement) -> Future[MergedKV]:
+        parts = [(e, self.get(e) or self.handshake(engine, e, layers, compat, timeout,
+                                                    placement)) for e in sources(key)]
+        out: Future[MergedKV] = Future()
+        left = [len(parts)]
+        lock = threading.Lock()
+
+        def one_done(_: Any) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            try:
+                out.set_result(MergedKV([
+                    p if isinstance(p, RemoteKV) else self.settled(e, p)
+                    for e, p in parts]))
+            except BaseException as exc:  # noqa: BLE001 - the load fails with it
+                out.set_exception(exc)
+
+        for _, part in parts:
+            if isinstance(part, RemoteKV):
+                one_done(None)
+            else:
+                part.add_done_callback(one_done)
+        return out
+
+    def settled(self, endpoint: str, fut: Future[Any]) -> Any:
         """The peer ``fut`` (done) connected, kept for later loads; raises what broke
         the handshake (a failed one is tried again by a later load)."""
         with self._lock:
@@ -320,8 +439,11 @@ class RemotePeers:
             return self._known.setdefault(endpoint, info)
 
     def forget(self, endpoint: str) -> None:
-        """The next load from ``endpoint`` connects afresh."""
+        """The next load from ``endpoint`` (each of them, if joined) connects afresh."""
         self._known.pop(endpoint, None)
+        if SOURCES in endpoint:
+            for one in sources(endpoint):
+                self._known.pop(one, None)
 
     def __len__(self) -> int:
         return len(self._handshakes)

@@ -4,7 +4,6 @@ in store mode, loads from and saves to the cluster store."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
@@ -13,7 +12,6 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,7 +36,14 @@ from transfer_engine.connectors.vllm.config import (
 )
 from transfer_engine.connectors.vllm.metadata import PushSpec, RecvSpec, TEHandshakeMetadata
 from transfer_engine.connectors.vllm.push import PushSide, parse_push
-from transfer_engine.connectors.vllm.remote import Placement, RemoteKV, RemotePeers, manifest
+from transfer_engine.connectors.vllm.remote import (
+    MergedKV,
+    Placement,
+    Recv,
+    RemoteKV,
+    RemotePeers,
+    manifest,
+)
 from transfer_engine.connectors.vllm.rooms import Staging
 from transfer_engine.connectors.vllm.sent import Holds, sent_note
 from transfer_engine.connectors.vllm.stats import (
@@ -71,22 +76,6 @@ _WORKERS: weakref.WeakSet[TEConnectorWorker] = weakref.WeakSet()
 def live_workers() -> list[TEConnectorWorker]:
     """The worker-side connectors alive in this process (tests read their counters)."""
     return list(_WORKERS)
-
-
-@dataclass(eq=False)
-class _Recv:
-    spec: RecvSpec
-    handle: TransferHandle | None
-    started: float  # time.monotonic(): durations are real even under a fake clock
-    error: str | None = None
-    handshake: Future[RemoteKV] | None = None  # the peer's, while it is under way
-    parts: list[TransferHandle] = dataclasses.field(default_factory=list)  # later layers
-    info: RemoteKV | None = None  # the peer of a layer-wise load, for its later READs
-    # time.monotonic() by which a sync load is given up; 0 for an async load (a sync
-    # load may go layer by layer, an async one never)
-    deadline: float = 0.0
-    landed: float = 0.0  # time.monotonic() when the forward last found a part landed
-    pushed: bool = False  # copied out of a room prefill pushed it into: no READ
 
 
 class TEConnectorWorker:
@@ -124,7 +113,7 @@ class TEConnectorWorker:
         self._tensors: list[Any] = []
         self._manifest = b""
         self._peers = RemotePeers(engine_name, initializer=unpin_current_thread)
-        self._recving: dict[str, _Recv] = {}
+        self._recving: dict[str, Recv] = {}
         self._failed_blocks: set[int] = set()
         self._lock = threading.Lock()
         self._store_client: Client | None = None
@@ -140,8 +129,8 @@ class TEConnectorWorker:
         # for; the loads whose later layers are still landing
         self._groups: list[tuple[str, ...]] | None = None
         self._waited: dict[str, None] = {}
-        self._layer_waits: dict[str, list[tuple[TransferHandle, _Recv]]] = {}
-        self._layered: list[_Recv] = []
+        self._layer_waits: dict[str, list[tuple[TransferHandle, Recv]]] = {}
+        self._layered: list[Recv] = []
         self._scratch: Segment | None = None  # a few bytes a notification's READ lands in
         self._step_wait = 0.0  # seconds this step's forward waited for sync loads
         self._takes_push = takes_push and config.push_mib > 0  # decode: a staging room
@@ -262,7 +251,7 @@ class TEConnectorWorker:
                     recv.handshake = None
                     self._fail(recv, TransferTimeout(
                         f"handshake not done within {self.config.timeout_s} s",
-                        peer=recv.spec.endpoint_for(self.rank), op="load"))
+                        peer=self._source(recv.spec), op="load"))
         for recv in recvs:
             if recv.handle is not None:
                 self._settle(recv, recv.handle)
@@ -277,7 +266,7 @@ class TEConnectorWorker:
             self._account(recv)
         self._step_wait += time.monotonic() - began
 
-    def _settle(self, recv: _Recv, handle: TransferHandle) -> None:
+    def _settle(self, recv: Recv, handle: TransferHandle) -> None:
         """Waits for one READ of a sync load until the load's deadline; past that,
         cancels it, which returns once nothing of it writes into the blocks."""
         with contextlib.suppress(TransferEngineError):
@@ -287,7 +276,7 @@ class TEConnectorWorker:
             log.error("request %s: KV read cancelled after %.1f s",
                       recv.spec.request_id, time.monotonic() - recv.started)
 
-    def _await_part(self, recv: _Recv, handle: TransferHandle) -> None:
+    def _await_part(self, recv: Recv, handle: TransferHandle) -> None:
         """The forward needs a later READ of a layer-wise load: waits for it (counted
         as this step's wait), cancelling it past the load's deadline."""
         if handle.done():
@@ -297,7 +286,7 @@ class TEConnectorWorker:
         recv.landed = time.monotonic()
         self._step_wait += recv.landed - began
 
-    def _account(self, recv: _Recv) -> bool:
+    def _account(self, recv: Recv) -> bool:
         """A sync load is over: its blocks are marked for vLLM to recompute unless
         every READ of it landed in time. Returns whether they did."""
         if self._loaded(recv):
@@ -364,10 +353,10 @@ class TEConnectorWorker:
                                         Descriptor(peer.segment(segment), 0, 1))],
                                 notify=payload)
 
-    def _notify_read(self, recv: _Recv) -> None:
+    def _notify_read(self, recv: Recv) -> None:
         """Tells prefill that a load's blocks were read (a READ's own note did not)."""
         assert self.engine is not None
-        info = self._peers.get(recv.spec.endpoint_for(self.rank))
+        info = self._peers.get(self._source(recv.spec))
         if info is None:
             return  # the peer is gone: prefill's lease frees the blocks
         try:
@@ -378,18 +367,18 @@ class TEConnectorWorker:
                         "lease frees them", recv.spec.request_id, info.peer.name, exc)
 
     def _begin(self, spec: RecvSpec, timeout: float | None = None,
-               deadline: float | None = None) -> _Recv:
+               deadline: float | None = None) -> Recv:
         """Checks a load and starts its READ (``timeout``: the READ's deadline), or its
         peer's handshake first; a load that cannot start has failed. A sync load
         (``deadline`` given) may go layer by layer."""
-        recv = _Recv(spec, None, time.monotonic(), deadline=deadline or 0.0)
+        recv = Recv(spec, None, time.monotonic(), deadline=deadline or 0.0)
         self.stats["recv_requests"] += 1
         try:
             if not spec.local_block_ids:
                 raise ProtocolError("no blocks to load")
             if len(spec.local_block_ids) != len(spec.remote_block_ids):
                 raise ProtocolError("local and remote block counts differ")
-            where = spec.endpoint_for(self.rank)
+            where = self._source(spec)
             if self._push is not None and self._push.take(spec, where):
                 recv.pushed = True
                 self._notify_read(recv)
@@ -397,16 +386,16 @@ class TEConnectorWorker:
             info = self._peers.get(where)
             if info is None:
                 assert self.engine is not None
-                recv.handshake = self._peers.handshake(
-                    self.engine, spec.endpoint_for(self.rank), self._layers, self.compat,
-                    self.config.timeout_s, self.placement)
+                recv.handshake = self._peers.handshake(self.engine, where, self._layers,
+                                                       self.compat, self.config.timeout_s,
+                                                       self.placement)
             else:
                 self._issue(recv, info, timeout)
         except (TransferEngineError, KeyError, ValueError) as exc:
             self._fail(recv, exc)
         return recv
 
-    def _loaded(self, recv: _Recv) -> bool:
+    def _loaded(self, recv: Recv) -> bool:
         """Whether the request's READ ended well inside the prefill's lease (counted
         in the stats); logs why not."""
         if recv.error is not None:  # logged when it failed
@@ -434,7 +423,7 @@ class TEConnectorWorker:
             log.error("request %s: KV read failed: %s", recv.spec.request_id, handle.error)
         return False
 
-    def _issue(self, recv: _Recv, info: RemoteKV, timeout: float | None = None) -> None:
+    def _issue(self, recv: Recv, info: RemoteKV, timeout: float | None = None) -> None:
         assert self.engine is not None
         spec = recv.spec
         if self._wall() >= spec.lease_expiry:
@@ -443,12 +432,14 @@ class TEConnectorWorker:
             return
         info.check_ids(self._layers, spec)
         local, remote = spec.local_block_ids, spec.remote_block_ids
+        note = sent_note(spec.remote_request_id, *spec.reader(self.rank))
+        if isinstance(info, MergedKV):  # our heads from several prefill ranks, whole
+            recv.handle = info.read(self.engine, self._layers, local, remote, note, timeout)
+            return
         groups = self._groups
         if not (recv.deadline and groups and len(groups) > 1 and len(local) > 1):
-            recv.handle = self.engine.read(
-                info.peer, info.pairs(self._layers, local, remote),
-                notify=sent_note(spec.remote_request_id, *spec.reader(self.rank)),
-                timeout=timeout)
+            recv.handle = self.engine.read(info.peer, info.pairs(self._layers, local, remote),
+                                           notify=note, timeout=timeout)
             return
         # Layer by layer: first the last block of every layer (this step's forward
         # writes its new tokens' KV there when the block is partial, before it waits for
@@ -462,7 +453,7 @@ class TEConnectorWorker:
             + info.pairs(self._layers, local[:-1], remote[:-1], groups[0]),
             timeout=timeout)
 
-    def _issue_rest(self, recv: _Recv) -> bool:
+    def _issue_rest(self, recv: Recv) -> bool:
         """The later groups' READs of a layer-wise load whose first READ landed: posted
         only then, as posting them with it held its bytes back (measured on a busy
         one-core decoder: 2 MiB landed in 3.5-6 ms instead of 1.4)."""
@@ -480,18 +471,23 @@ class TEConnectorWorker:
             return False
         return True
 
-    def _fail(self, recv: _Recv, why: BaseException | str) -> None:
+    def _source(self, spec: RecvSpec) -> str:
+        """Where this rank loads ``spec`` from (a latent cache held whole on every
+        prefill rank: from one of them)."""
+        return spec.endpoint_for(self.rank, merge=not self.placement.replicated)
+
+    def _fail(self, recv: Recv, why: BaseException | str) -> None:
         recv.error = str(why)
         if isinstance(why, ConnectError | PeerLostError | TransferTimeout | ClosedError):
-            self._peers.forget(recv.spec.endpoint_for(self.rank))
+            self._peers.forget(self._source(recv.spec))
         log.error("request %s: KV load from %s failed: %s", recv.spec.request_id,
-                  recv.spec.endpoint_for(self.rank), why)
+                  self._source(recv.spec), why)
 
-    def _after_handshake(self, recv: _Recv, fut: Future[RemoteKV],
+    def _after_handshake(self, recv: Recv, fut: Future[RemoteKV],
                          timeout: float | None = None) -> None:
         recv.handshake = None
         try:
-            where = recv.spec.endpoint_for(self.rank)
+            where = self._source(recv.spec)
             self._issue(recv, self._peers.settled(where, fut), timeout)
         # Whatever broke the handshake (a refused peer, a timeout, the engine closing
         # under it), the request must come back as a load error, not end the engine.
