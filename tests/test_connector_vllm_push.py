@@ -67,6 +67,19 @@ def pair(request: pytest.FixtureRequest) -> Iterator[
         yield pair
 
 
+@pytest.fixture
+def second_prefill() -> Iterator[tuple[TEConnectorWorker, dict[str, Any]]]:
+    """Another prefill worker (taking no pushes itself) and its KV caches."""
+    cfg = TEConnectorConfig(transports=("tcp",), timeout_s=2.0)
+    second = TEConnectorWorker("push-p2", cfg, COMPAT, FakeClock(), takes_push=False)
+    sk = cpu_caches(5)
+    try:
+        second.register_kv_caches(sk, NUM_BLOCKS)
+        yield second, sk
+    finally:
+        second.close()
+
+
 def _room(n: int = 0) -> str:
     return f"room-{n:04d}-{os.urandom(8).hex()}"
 
@@ -233,33 +246,29 @@ def test_decode_without_staging_takes_no_push(pair: Any) -> None:
         decode.close()
 
 
-def test_a_decode_worker_out_of_lanes_refuses_and_is_read(pair: Any) -> None:
+def test_a_decode_worker_out_of_lanes_refuses_and_is_read(
+        pair: Any, second_prefill: tuple[TEConnectorWorker, dict[str, Any]]) -> None:
     """Decode's staging holds one lane (8 MiB here), taken by the first prefill worker:
     a second one is refused its lane, its pushes end at once, and decode reads its
     blocks byte-exact; the first keeps pushing."""
     prefill, decode, pk, dk = pair
-    cfg = TEConnectorConfig(transports=("tcp",), timeout_s=2.0)
-    second = TEConnectorWorker("push-p2", cfg, COMPAT, FakeClock(), takes_push=False)
-    sk = cpu_caches(5)
-    try:
-        second.register_kv_caches(sk, NUM_BLOCKS)
-        room = _room()
-        _push(prefill, decode, room)
-        _until(lambda: decode.staging.whole(room))
-        other = _room(1)
-        _push(second, decode, other, rid="s1")
-        _until(lambda: second.stats["push_failed"] == 1)
-        assert decode.stats["push_refused"] == 1 and second.stats["push_bytes"] == 0
-        decode.load_now([_load(second, other, [50, 51, 52], [3, 4, 5], rid="s1")])
-        assert _same(sk, dk, [50, 51, 52], [3, 4, 5]) and decode.stats["recv_pushed"] == 0
-        decode.load_now([_load(prefill, room, [10, 11, 12], [3, 4, 5])])
-        assert _same(pk, dk, [10, 11, 12], [3, 4, 5]) and decode.stats["recv_pushed"] == 1
-    finally:
-        second.close()
+    second, sk = second_prefill
+    room = _room()
+    _push(prefill, decode, room)
+    _until(lambda: decode.staging.whole(room))
+    other = _room(1)
+    _push(second, decode, other, rid="s1")
+    _until(lambda: second.stats["push_failed"] == 1)
+    assert decode.stats["push_refused"] == 1 and second.stats["push_bytes"] == 0
+    decode.load_now([_load(second, other, [50, 51, 52], [3, 4, 5], rid="s1")])
+    assert _same(sk, dk, [50, 51, 52], [3, 4, 5]) and decode.stats["recv_pushed"] == 0
+    decode.load_now([_load(prefill, room, [10, 11, 12], [3, 4, 5])])
+    assert _same(pk, dk, [10, 11, 12], [3, 4, 5]) and decode.stats["recv_pushed"] == 1
 
 
 def test_an_idle_lane_is_taken_back_and_its_old_owner_asks_afresh(
-        pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        pair: Any, second_prefill: tuple[TEConnectorWorker, dict[str, Any]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """One lane, two prefill workers. Once the first worker's lane is idle (here: at
     once) and holds no room, the second is granted it as a new segment: the first
     worker's next WRITE into its old lane fails at decode (the segment is closed) and
@@ -271,47 +280,41 @@ def test_an_idle_lane_is_taken_back_and_its_old_owner_asks_afresh(
     prefill, decode, pk, dk = pair
     assert decode.staging is not None and decode.engine is not None
     decode.staging.lane_idle_s = 0.0
-    cfg = TEConnectorConfig(transports=("tcp",), timeout_s=2.0)
-    second = TEConnectorWorker("push-p2", cfg, COMPAT, FakeClock(), takes_push=False)
-    sk = cpu_caches(5)
-    try:
-        second.register_kv_caches(sk, NUM_BLOCKS)
-        first = _room()
-        _push(prefill, decode, first)
-        _until(lambda: decode.staging.whole(first))
-        old = decode.staging.lanes()[prefill.engine.name][0]
-        other = _room(1)  # the first's room is held: the lane is not idle yet
-        _push(second, decode, other, rid="s1")
-        _until(lambda: second.stats["push_failed"] == 1)
-        decode.load_now([_load(prefill, first, [10, 11, 12], [3, 4, 5])])
-        assert _same(pk, dk, [10, 11, 12], [3, 4, 5]) and decode.stats["recv_pushed"] == 1
+    second, sk = second_prefill
+    first = _room()
+    _push(prefill, decode, first)
+    _until(lambda: decode.staging.whole(first))
+    old = decode.staging.lanes()[prefill.engine.name][0]
+    other = _room(1)  # the first's room is held: the lane is not idle yet
+    _push(second, decode, other, rid="s1")
+    _until(lambda: second.stats["push_failed"] == 1)
+    decode.load_now([_load(prefill, first, [10, 11, 12], [3, 4, 5])])
+    assert _same(pk, dk, [10, 11, 12], [3, 4, 5]) and decode.stats["recv_pushed"] == 1
 
-        taken = _room(2)  # now idle: the second worker takes the lane
-        _push(second, decode, taken, rid="s2")
-        _until(lambda: decode.staging.whole(taken))
-        lanes = decode.staging.lanes()
-        assert list(lanes) == [second.engine.name] and lanes[second.engine.name][0] != old
-        assert old not in decode.engine.segments and decode.staging.revoked == 1
+    taken = _room(2)  # now idle: the second worker takes the lane
+    _push(second, decode, taken, rid="s2")
+    _until(lambda: decode.staging.whole(taken))
+    lanes = decode.staging.lanes()
+    assert list(lanes) == [second.engine.name] and lanes[second.engine.name][0] != old
+    assert old not in decode.engine.segments and decode.staging.revoked == 1
 
-        stale = _room(3)  # the first worker still writes into its old lane: refused
-        _push(prefill, decode, stale, rid="p2")
-        pusher = prefill._push.pusher
-        _until(lambda: pusher.reap() or decode.engine.endpoint not in pusher._lanes)
-        assert not decode.staging.whole(stale)
-        assert decode.staging.whole(taken)  # the second's room is untouched
-        decode.load_now([_load(second, taken, [50, 51, 52], [3, 4, 5], rid="s2")])
-        assert _same(sk, dk, [50, 51, 52], [3, 4, 5]) and decode.stats["recv_pushed"] == 2
-        decode.load_now([_load(prefill, stale, [20, 21, 22], [3, 4, 5], rid="p2")])
-        assert _same(pk, dk, [20, 21, 22], [3, 4, 5]) and decode.stats["recv_pushed"] == 2
+    stale = _room(3)  # the first worker still writes into its old lane: refused
+    _push(prefill, decode, stale, rid="p2")
+    pusher = prefill._push.pusher
+    _until(lambda: pusher.reap() or decode.engine.endpoint not in pusher._lanes)
+    assert not decode.staging.whole(stale)
+    assert decode.staging.whole(taken)  # the second's room is untouched
+    decode.load_now([_load(second, taken, [50, 51, 52], [3, 4, 5], rid="s2")])
+    assert _same(sk, dk, [50, 51, 52], [3, 4, 5]) and decode.stats["recv_pushed"] == 2
+    decode.load_now([_load(prefill, stale, [20, 21, 22], [3, 4, 5], rid="p2")])
+    assert _same(pk, dk, [20, 21, 22], [3, 4, 5]) and decode.stats["recv_pushed"] == 2
 
-        again = _room(4)  # the first asks afresh and takes the idle lane back
-        _push(prefill, decode, again, rid="p3", blocks=(6, 7, 8))
-        _until(lambda: decode.staging.whole(again))
-        assert list(decode.staging.lanes()) == [prefill.engine.name]
-        decode.load_now([_load(prefill, again, [30, 31, 32], [6, 7, 8], rid="p3")])
-        assert _same(pk, dk, [30, 31, 32], [6, 7, 8]) and decode.stats["recv_pushed"] == 3
-    finally:
-        second.close()
+    again = _room(4)  # the first asks afresh and takes the idle lane back
+    _push(prefill, decode, again, rid="p3", blocks=(6, 7, 8))
+    _until(lambda: decode.staging.whole(again))
+    assert list(decode.staging.lanes()) == [prefill.engine.name]
+    decode.load_now([_load(prefill, again, [30, 31, 32], [6, 7, 8], rid="p3")])
+    assert _same(pk, dk, [30, 31, 32], [6, 7, 8]) and decode.stats["recv_pushed"] == 3
 
 
 def test_a_second_ask_revokes_the_askers_old_lane(pair: Any) -> None:

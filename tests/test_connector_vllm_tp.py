@@ -1,6 +1,8 @@
 """Prefill and decode of different tensor-parallel sizes in real vLLM on CPU: prefill
 at one rank holds both KV heads of a tiny model, decode at two ranks holds one head a
-rank, and each decode rank reads its own head's slice of prefill's blocks. The P/D
+rank, and each decode rank reads its own head's slice of prefill's blocks; and the
+other way round, prefill at two ranks, decode at one reading each prefill rank's head
+into its blocks. The P/D
 answers are the decode server's own greedy answers, token for token, and vLLM's metrics
 on decode count the prompt's tokens as loaded over the connector (not computed).
 
@@ -33,8 +35,8 @@ pytestmark = [
     pytest.mark.timeout(600),
     # vLLM's CPU workers wait for work spinning on their cores: prefill and a decode rank
     # sharing one core stall each other's engines for whole leases (also at TP 1/1)
-    pytest.mark.skipif(len(CPUS) < 3, reason="needs 3 CPUs: one for prefill and one "
-                                             "for each decode rank"),
+    pytest.mark.skipif(len(CPUS) < 3, reason="needs 3 CPUs: one for each rank of "
+                                             "prefill and decode"),
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None
                        and os.environ.get("TE_VLLM_REQUIRED") != "1",
                        reason="vllm is not installed (scripts/setup_vllm.sh installs the "
@@ -49,8 +51,9 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tp_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+@pytest.fixture(scope="module", params=[(1, 2), (2, 1)], ids=["tp1to2", "tp2to1"])
+def tp_servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("tp")
     model = tmp / "model"
     build_model(model, kv_heads=2)
@@ -59,8 +62,9 @@ def tp_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
            "kv_load_failure_policy": "recompute",
            "kv_connector_extra_config": {"lease_s": 120, "timeout_s": 30}}
     ports = {"prefill": free_port(), "decode": free_port()}
-    sizes = {"prefill": 1, "decode": 2}
-    binds = {"prefill": str(CPUS[0]), "decode": f"{CPUS[1]}|{CPUS[2]}"}  # a core each
+    sizes = dict(zip(("prefill", "decode"), request.param, strict=True))
+    cores = iter(CPUS)  # a core each rank
+    binds = {role: "|".join(str(next(cores)) for _ in range(n)) for role, n in sizes.items()}
     cmds = {role: [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                    "--model", str(model), "--port", str(ports[role]), "--dtype", "float32",
                    "--block-size", "32", "--max-model-len", "512", "--enforce-eager",
@@ -77,10 +81,10 @@ def tp_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
                  for role, cmd in cmds.items()}
         for role, proc in procs.items():
             wait_healthy(ports[role], proc, tmp / f"{role}.log", timeout=480)
-        yield {"ports": ports, "model": str(model), "logs": tmp}
+        yield {"ports": ports, "model": str(model), "logs": tmp, "sizes": sizes}
 
 
-def test_decode_ranks_load_their_heads_from_a_smaller_prefill(
+def test_decode_ranks_load_their_heads_from_prefill_of_another_size(
         tp_servers: dict[str, Any]) -> None:
     ports, model = tp_servers["ports"], tp_servers["model"]
     for text in PROMPTS:
@@ -95,7 +99,8 @@ def test_decode_ranks_load_their_heads_from_a_smaller_prefill(
         assert status == 200, first
         answer = json.loads(first)
         params = answer["kv_transfer_params"]
-        assert params is not None and len(params["remote_endpoints"]) == 1
+        assert params is not None
+        assert len(params["remote_endpoints"]) == tp_servers["sizes"]["prefill"]
         before = by_source(ports["decode"])
         status, pd = http_json(ports["decode"], "POST", "/v1/completions",
                                dict(body, kv_transfer_params=params), timeout=120)
