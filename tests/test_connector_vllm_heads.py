@@ -94,7 +94,8 @@ def test_a_decode_rank_reads_its_heads_from_every_prefill_rank_holding_them(
     the decode rank reads heads 0..2 from prefill rank 0 and heads 2..4 from rank 1 into
     the same blocks, byte for byte, and each prefill rank frees its blocks once its one
     reader said so. A load naming a prefill rank that is not there fails (recomputed)
-    and writes nothing."""
+    and writes nothing; one whose second rank died fails, the first rank's blocks
+    freed."""
     cfg = TEConnectorConfig(transports=("tcp",), timeout_s=2.0)
     pre = [TEConnectorWorker(f"p-tp2-{r}", cfg, COMPAT, clock, rank=r, tp_size=2,
                              kv_heads=(2, 4)) for r in (0, 1)]
@@ -133,6 +134,15 @@ def test_a_decode_rank_reads_its_heads_from_every_prefill_rank_holding_them(
         assert wait_results(decode, "finished_recving", "n").failed_recving == {"n"}
         assert all(torch.equal(_heads_of(before[n], 50, 0, 4), _heads_of(dk[n], 50, 0, 4))
                    for n in dk)
+        # the second rank dies after the connections were made: its READ fails, so
+        # the load does (recomputed), while the first rank's READ lands and frees its
+        # blocks
+        pre[0].hold({"k": 30.0})
+        pre[1].close()
+        decode.start_load([RecvSpec("k", [60], [9], ends[0], "p", "k",
+                                    remote_endpoints=ends, decode_tp=1)])
+        assert wait_results(decode, "finished_recving", "k").failed_recving == {"k"}
+        wait_results(pre[0], "finished_sending", "k")
     finally:
         decode.close()
         for w in pre:
