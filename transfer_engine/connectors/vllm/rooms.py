@@ -167,16 +167,15 @@ class Staging:
         with self._lock:
             now = self._clock()
             old = self._lanes.pop(peer, None)
-            if old is None:
-                offset = self._free.take(self.lane_bytes)
-                if offset is None:
-                    old = self._idlest(now)
-                    if old is None:
-                        raise ValueError(f"all {len(self._lanes)} lanes of the staging "
-                                         "memory are taken")
-                    del self._lanes[old.peer]
-            if old is not None:
+            offset = old.offset if old is not None else self._free.take(self.lane_bytes)
+            if offset is None:
+                old = self._idlest(now)
+                if old is None:
+                    raise ValueError(f"all {len(self._lanes)} lanes of the staging "
+                                     "memory are taken")
+                del self._lanes[old.peer]
                 offset = old.offset
+            if old is not None:
                 for key in [k for k, r in self._rooms.items() if r.peer == old.peer]:
                     del self._rooms[key]
                 self.revoked += 1

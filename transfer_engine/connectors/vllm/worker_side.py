@@ -39,6 +39,7 @@ from transfer_engine.connectors.vllm.push import PushSide, parse_push
 from transfer_engine.connectors.vllm.remote import (
     MergedKV,
     Placement,
+    Reads,
     Recv,
     RemoteKV,
     RemotePeers,
@@ -266,7 +267,7 @@ class TEConnectorWorker:
             self._account(recv)
         self._step_wait += time.monotonic() - began
 
-    def _settle(self, recv: Recv, handle: TransferHandle) -> None:
+    def _settle(self, recv: Recv, handle: TransferHandle | Reads) -> None:
         """Waits for one READ of a sync load until the load's deadline; past that,
         cancels it, which returns once nothing of it writes into the blocks."""
         with contextlib.suppress(TransferEngineError):
