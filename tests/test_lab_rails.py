@@ -265,11 +265,26 @@ def test_a_nic_that_turns_lossy_mid_transfer(make_lab) -> None:  # type: ignore[
     assert out.readline().split() == ["EXACT", "True"]
     assert int(out.readline().split()[1]) >= 1
     lab.set_loss(0, 1, 0.2)  # back, but lossy: slower, and still exact
-    for _ in range(2):
+    landed = 0
+    for _ in range(5):  # bounded: two writes must land
         wrote = step()
+        if wrote[:2] == ["WROTE", "PeerLostError"]:
+            # at this loss, with a 1 s NIC timeout, both rails can fail in turn (seen
+            # once on a loaded machine): that write fails whole, saying so, and the
+            # next one runs once the rails are open again
+            time.sleep(1.0)
+            continue
         assert wrote[:2] == ["WROTE", "ok"], wrote
-        assert out.readline().split() == ["EXACT", "True"]
+        exact = out.readline().split()
+        if exact == ["EXACT", "PeerLostError"]:  # the read back, the same way
+            time.sleep(1.0)
+            continue
+        assert exact == ["EXACT", "True"]
         out.readline()  # FAILOVERS: a rail may time out again at this loss
+        landed += 1
+        if landed == 2:
+            break
+    assert landed == 2
     inp.close()
     init.wait(20)
     target.stdin.close()
