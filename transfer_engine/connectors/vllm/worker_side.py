@@ -424,7 +424,8 @@ class TEConnectorWorker:
             log.error("request %s: KV read failed: %s", recv.spec.request_id, handle.error)
         return False
 
-    def _issue(self, recv: Recv, info: RemoteKV, timeout: float | None = None) -> None:
+    def _issue(self, recv: Recv, info: RemoteKV | MergedKV,
+               timeout: float | None = None) -> None:
         assert self.engine is not None
         spec = recv.spec
         if self._wall() >= spec.lease_expiry:
@@ -484,7 +485,7 @@ class TEConnectorWorker:
         log.error("request %s: KV load from %s failed: %s", recv.spec.request_id,
                   self._source(recv.spec), why)
 
-    def _after_handshake(self, recv: Recv, fut: Future[RemoteKV],
+    def _after_handshake(self, recv: Recv, fut: Future[Any],
                          timeout: float | None = None) -> None:
         recv.handshake = None
         try:
