@@ -151,10 +151,11 @@ def test_striping_over_lab_nics(tmp_path: Path) -> None:
     assert 0 < failover["seconds_to_recover"] < 1.0, failover
 
 
-def _failover_pair(lab_factory: Any, **config: Any) -> tuple[Any, Any, Any, Any]:
+def _failover_pair(lab_factory: Any, nic_wait: float | None = None, **config: Any
+                   ) -> tuple[Any, Any, Any, Any]:
     """Two lab hosts with 2 NICs at 50 Mbit/s: a target on host 1 and, on host 0, the
-    initiator of tests/helpers/lab_failover_peer.py. Returns (lab, target, initiator,
-    the initiator's stdout)."""
+    initiator of tests/helpers/lab_failover_peer.py (NIC timeout 1 s). Returns (lab,
+    target, initiator, the initiator's stdout)."""
     import secrets  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
@@ -168,7 +169,8 @@ def _failover_pair(lab_factory: Any, **config: Any) -> tuple[Any, Any, Any, Any]
     assert target.stdout is not None and target.stdin is not None
     endpoint = target.stdout.readline().split()[1]
     init = lab.spawn(h0, [sys.executable, str(Path(__file__).parent / "helpers"
-        / "lab_failover_peer.py"), h0.address, endpoint, "1.0"], env=env,
+        / "lab_failover_peer.py"), h0.address, endpoint, "1.0",
+        *([] if nic_wait is None else [str(nic_wait)])], env=env,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert init.stdout is not None and init.stdin is not None
     return lab, target, init, init.stdout
@@ -285,6 +287,30 @@ def test_a_nic_that_turns_lossy_mid_transfer(make_lab) -> None:  # type: ignore[
         if landed == 2:
             break
     assert landed == 2
+    inp.close()
+    init.wait(20)
+    target.stdin.close()
+
+
+def test_every_nic_silent_for_a_moment(make_lab) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    """Both NICs drop every frame for 2 s mid-write, longer than the 1 s NIC timeout, so
+    every rail to the peer breaks: the write waits for a NIC pair to open again and
+    completes there, byte-exact, instead of failing."""
+    lab, target, init, out = _failover_pair(make_lab, nic_wait=10.0, delay_line=True)
+    inp = init.stdin
+    assert out.readline().split() == ["RAILS", "eth0,eth1"]
+    inp.write("go\n")
+    inp.flush()
+    assert out.readline().strip() == "STARTED"
+    time.sleep(0.5)
+    lab.set_loss(0, 0, 1.0)
+    lab.set_loss(0, 1, 1.0)
+    time.sleep(2.0)
+    lab.set_loss(0, 0, 0.0)
+    lab.set_loss(0, 1, 0.0)
+    wrote = out.readline().split()
+    assert wrote[:2] == ["WROTE", "ok"] and float(wrote[2]) < 20, wrote
+    assert out.readline().split() == ["EXACT", "True"]
     inp.close()
     init.wait(20)
     target.stdin.close()

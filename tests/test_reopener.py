@@ -73,3 +73,20 @@ def test_close_stops_it_and_bad_settings_are_refused() -> None:
     assert reopener.revived("x") is None and reopener.revived("y") is None
     with pytest.raises(ValueError, match="retry"):
         Reopener("t", retry=0)
+
+
+def test_soon_tries_at_once_even_a_path_already_waiting() -> None:
+    reopener: Reopener[str] = Reopener("t", retry=30.0)
+    opened = threading.Event()
+
+    def open_again() -> str:
+        opened.set()
+        return "new"
+
+    try:
+        reopener.schedule("old", open_again, lambda: True)  # next try in 30 s
+        assert not opened.wait(0.2)
+        reopener.schedule("old", open_again, lambda: True, soon=True)
+        _wait(opened, 2.0)
+    finally:
+        reopener.close()

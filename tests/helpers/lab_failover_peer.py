@@ -1,6 +1,6 @@
 """The initiator of the NIC failover test, run inside a lab host.
 
-    python tests/helpers/lab_failover_peer.py HOST ENDPOINT NIC_TIMEOUT
+    python tests/helpers/lab_failover_peer.py HOST ENDPOINT NIC_TIMEOUT [NIC_WAIT]
 
 Prints ``RAILS``, then for each line of stdin: ``go`` runs one step, a 16 MiB WRITE
 (printing ``STARTED`` once posted, then ``WROTE ok|<error>``), a READ back and its
@@ -24,7 +24,9 @@ MiB = 1 << 20
 
 def main() -> None:
     host, endpoint, nic_timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
-    tcp = TcpTransport(host=host, nics="auto", rails=1, nic_timeout=nic_timeout)
+    nic_wait = float(sys.argv[4]) if len(sys.argv) > 4 else None
+    tcp = TcpTransport(host=host, nics="auto", rails=1, nic_timeout=nic_timeout,
+                       nic_wait=nic_wait)
     with Engine("init", host=host, transports=[tcp], timeout=5, peer_timeout=30) as eng:
         data = np.random.default_rng(3).integers(0, 256, 16 * MiB, np.uint8)
         back = np.zeros_like(data)

@@ -49,11 +49,20 @@ class Reopener(Generic[R]):
         self._closed = False
 
     def schedule(self, broken: object, open_again: Callable[[], R],
-                 alive: Callable[[], bool]) -> None:
+                 alive: Callable[[], bool], soon: bool = False) -> None:
+        """Tries ``open_again`` in ``retry`` seconds, or at once when ``soon`` (also for
+        a path already waiting for its next try)."""
         with self._cond:
-            if self._closed or broken in self._broken:
+            if self._closed:
                 return
-            self._broken[broken] = _Broken(open_again, alive, time.monotonic() + self.retry)
+            due = time.monotonic() + (0.0 if soon else self.retry)
+            known = self._broken.get(broken)
+            if known is not None:
+                if soon and known.due > due:
+                    known.due = due
+                    self._cond.notify()
+                return
+            self._broken[broken] = _Broken(open_again, alive, due)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name=f"te-{self.name}-reopen")

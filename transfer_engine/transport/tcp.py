@@ -41,7 +41,6 @@ that breaks or stalls moves to the others (:mod:`~transfer_engine.transport.tcp_
 from __future__ import annotations
 
 import functools
-import ipaddress
 import logging
 import os
 import socket
@@ -84,8 +83,17 @@ from transfer_engine.transport.stream import (
     tune_socket,
 )
 from transfer_engine.transport.stream.process import ServeProcess, serve_mode
+from transfer_engine.transport.tcp_congestion import (  # noqa: F401 - public here too
+    AUTO,
+    LOOPBACK_CONGESTION,
+    check_congestion,
+    congestion_of,
+    is_loopback_socket,
+    set_congestion,
+)
 from transfer_engine.transport.tcp_nics import (
     NicEndpoint,
+    Parking,
     RateMeter,
     StallWatch,
     local_nics,
@@ -99,9 +107,6 @@ log = logging.getLogger(__name__)
 SOCKET_BUFFER = 4 << 20
 MIN_SPLIT = 1 << 20  # smallest share of a transfer sent over a rail of its own
 NIC_SLICE = 1 << 20  # request size on NIC rails (see TcpTransport's slice_size)
-AUTO = "auto"
-LOOPBACK_CONGESTION = ("cubic", "reno")  # loss-based, in order of preference
-_TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", None)  # Linux only
 _TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", None)  # Linux only
 
 
@@ -119,73 +124,12 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _loopback(sock: socket.socket) -> bool:
-    """Whether both ends of a connected socket are on this host."""
-    try:
-        peer, own = sock.getpeername()[0], sock.getsockname()[0]
-        return peer == own or ipaddress.ip_address(peer.split("%")[0]).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
-def congestion_of(sock: socket.socket) -> str | None:
-    """The congestion control algorithm ``sock`` uses (None where it cannot be read)."""
-    if _TCP_CONGESTION is None:
-        return None
-    try:
-        name = sock.getsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, 16)
-    except OSError:
-        return None
-    return name.split(b"\0", 1)[0].decode("ascii", "replace")
-
-
-def set_congestion(sock: socket.socket, policy: str | None) -> str | None:
-    """Applies a :class:`TcpTransport` ``congestion`` policy to a connected socket.
-
-    Returns the algorithm set, or None where the host's choice stays: no policy, a rail
-    to another host under ``"auto"``, or (``"auto"`` only) no loss-based algorithm the
-    host allows. Raises OSError when the host refuses an algorithm named explicitly.
-    """
-    if policy is None or _TCP_CONGESTION is None:
-        return None
-    if policy != AUTO:
-        sock.setsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, policy.encode())
-        return policy
-    if not _loopback(sock):
-        return None
-    for name in LOOPBACK_CONGESTION:
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, name.encode())
-        except OSError:  # not built in, or not allowed to this user
-            continue
-        return name
-    return None
-
-
-def check_congestion(policy: str | None) -> None:
-    """Raises ValueError, at construction, for an algorithm this host refuses."""
-    if policy is None or policy == AUTO or _TCP_CONGESTION is None:
-        return
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            set_congestion(probe, policy)
-        except OSError as exc:
-            try:
-                with open("/proc/sys/net/ipv4/tcp_allowed_congestion_control") as f:
-                    allowed = f.read().split()
-            except OSError:
-                allowed = []
-            raise ValueError(f"congestion control {policy!r} refused by this host "
-                             f"({exc.strerror}); allowed here: {' '.join(allowed) or '?'}"
-                             ) from None
-
-
 class TcpRail(StreamRail):
     transport_name = "tcp"
 
     def __init__(self, sock: socket.socket, peer: str, index: int, on_complete: OnComplete,
                  host: Host, nic: str | None = None, gbps: float = 0.0) -> None:
-        self.loopback = _loopback(sock)
+        self.loopback = is_loopback_socket(sock)
         self.congestion = congestion_of(sock)
         self.nic = nic  # the local NIC this rail leaves from (None: as routed)
         self.meter = RateMeter(gbps) if nic is not None else None
@@ -216,6 +160,10 @@ class TcpRail(StreamRail):
     def abort(self, error: TransferError) -> None:
         self._aborted = True
         super().abort(error)
+
+    def settle(self, work: Work, error: TransferError) -> None:
+        """Fails ``work``, parked after this rail broke, without moving it again."""
+        super()._complete(work, error)
 
     def stall(self, reason: str) -> None:
         """Fails this NIC rail as a broken connection would: its work moves to the
@@ -299,12 +247,17 @@ class TcpTransport(Transport):
         the kernel drops its connection (``TCP_USER_TIMEOUT``): a NIC whose link went
         down is noticed then, and the rail's unfinished work moves to the peer's other
         NIC rails (a WRITE lands the same bytes at the same place again; a READ reads
-        them again). With no NIC rail left the work fails with ``PeerLostError``. A NIC
-        rail that holds work ``nic_timeout`` seconds past its due time at its measured
-        goodput while another is open (a lossy or silent NIC, link up) is failed so.
+        them again). A NIC rail that holds work ``nic_timeout`` seconds past its due
+        time at its measured goodput while another is open (a lossy or silent NIC, link
+        up) is failed so.
     :param nic_retry: seconds between tries to open a broken NIC rail's pair again
-        while the peer has another NIC rail open; the engine takes the new rail at its
-        next transfer to the peer.
+        while the peer has another NIC rail open (or work waits for one); the engine
+        takes the new rail at its next transfer to the peer.
+    :param nic_wait: seconds the work of a peer whose every NIC rail broke waits for one
+        of its NIC pairs to open again (tried at once, then every ``nic_retry``), to be
+        posted there; then, or at once when the peer refuses the connection (it is
+        gone), it fails with ``PeerLostError``. Default ``max(nic_timeout, 3 *
+        nic_retry)``; 0 fails it at once.
     """
 
     name = "tcp"
@@ -315,7 +268,8 @@ class TcpTransport(Transport):
                  stall_timeout: float = STALL_TIMEOUT,
                  nics: str | Sequence[str] | None = None,
                  topology: Topology | None = None, nic_timeout: float = 5.0,
-                 nic_retry: float = 1.0, serve: str | None = None) -> None:
+                 nic_retry: float = 1.0, nic_wait: float | None = None,
+                 serve: str | None = None) -> None:
         self._serve = serve = serve_mode(serve)
         if spread is not None and spread < 1:
             raise ValueError("spread must be at least 1")
@@ -336,6 +290,8 @@ class TcpTransport(Transport):
             raise ValueError("nic_timeout must be positive")
         self._nic_timeout = nic_timeout
         self._reopener: Reopener[TcpRail] = Reopener("tcp", nic_retry)
+        self._parking = Parking("tcp", max(nic_timeout, 3 * nic_retry)
+                                if nic_wait is None else nic_wait)
         self._stalls: StallWatch | None = None  # started with the first NIC rail
         self.failovers = 0
         self._caps = Capabilities(max_sge=1000, max_wr_bytes=64 << 20, remote_scatter=True,
@@ -479,22 +435,24 @@ class TcpTransport(Transport):
         if nic is not None:
             group = self._nic_groups.setdefault(key, [])
             group[:] = [r for r in group if not r.closed] + [rail]
-            rail.failover = functools.partial(self._failover, group)
+            rail.failover = functools.partial(self._failover, key, group)
             if self._stalls is None:
                 self._stalls = StallWatch(self.name, lambda: list(
                     self._nic_groups.values()), self._nic_timeout)
             rail.reopen = functools.partial(self._open, peer, key, nic, target, on_complete,
                                             timeout, credential)
+            self._parking.take(key, rail)  # work that waited for a NIC rail to reopen
         return rail
 
     def revived(self, rail: Rail) -> Rail | None:
         """The rail that reopened ``rail``'s NIC pair after its link came back, once."""
         return self._reopener.revived(rail)
 
-    def _failover(self, group: list[TcpRail], broken: TcpRail, work: Work,
+    def _failover(self, key: str, group: list[TcpRail], broken: TcpRail, work: Work,
                   error: TransferError) -> TransferError | None:
-        """Posts ``work`` from a broken NIC rail on the least busy open sibling; the
-        error to fail it with when none takes it."""
+        """Posts ``work`` from a broken NIC rail on the least busy open sibling, else
+        parks it until one of the group's NIC pairs opens again; the error to fail it
+        with when neither takes it."""
         for other in sorted((r for r in list(group) if r is not broken and not r.closed),
                             key=lambda r: r.inflight):
             work.resent = True  # its immediate may have been counted already
@@ -505,20 +463,35 @@ class TcpTransport(Transport):
             self.failovers += 1
             log.info("NIC rail %s->%s#%d broke (%s): its work moved to %s#%d", broken.nic,
                      broken.peer, broken.index, error.message, other.nic, other.index)
-            self._reopen_later(group, broken)
+            self._reopen_later(key, group, broken)
             return None
-        self._reopen_later(group, broken)
         failed = sorted({str(r.nic) for r in group})
-        return PeerLostError(f"no NIC rail to the peer is left ({', '.join(failed)} "
+        lost = PeerLostError(f"no NIC rail to the peer is left ({', '.join(failed)} "
                              f"failed): {error.message}", peer=broken.peer,
                              op=str(work.op), transport=self.name)
+        parked = self._parking.park(key, broken, work, lost)
+        for rail in list(group):  # every broken pair, tried at once while work waits
+            if rail.closed or rail is broken:
+                self._reopen_later(key, group, rail, soon=parked)
+        return None if parked else lost
 
-    def _reopen_later(self, group: list[TcpRail], broken: TcpRail) -> None:
+    def _reopen_later(self, key: str, group: list[TcpRail], broken: TcpRail,
+                      soon: bool = False) -> None:
         """Has ``broken``'s NIC pair opened again in the background while another rail
-        of its group is open (the peer is still in use)."""
+        of its group is open (the peer is still in use) or work waits for one."""
         if broken.reopen is not None:
-            self._reopener.schedule(broken, broken.reopen,
-                                    lambda: any(not r.closed for r in group))
+            self._reopener.schedule(
+                broken, functools.partial(self._reopen, key, broken.reopen),
+                lambda: any(not r.closed for r in group) or self._parking.waiting(key),
+                soon=soon)
+
+    def _reopen(self, key: str, reopen: Callable[[], TcpRail]) -> TcpRail:
+        try:
+            return reopen()
+        except ConnectError as exc:
+            if isinstance(exc.__cause__, ConnectionRefusedError):
+                self._parking.fail(key, "the peer refused a new connection")
+            raise
 
     def _next_pair(self, peer: str, info: dict[str, Any]
                    ) -> tuple[str, tuple[NicEndpoint, tuple[str, int], float] | None]:
@@ -542,6 +515,8 @@ class TcpTransport(Transport):
             return
         self._closed = True
         self._reopener.close()
+        self._parking.close(lambda lost: ClosedError(
+            "transport closed while the work waited for a NIC rail", **lost.context()))
         if self._stalls is not None:
             self._stalls.close()
         for rail in self._rails:

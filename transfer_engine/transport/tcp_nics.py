@@ -19,7 +19,11 @@ idle), so that the planner gives a congested or slower NIC a smaller share.
 Return: a NIC rail that broke by itself (its link went down) is opened again on the same
 NIC pair in the background (:class:`Reopener`), every ``retry`` seconds while the peer
 still has another NIC rail open; the engine takes the new rail in the broken one's place
-at its next transfer to that peer (``Transport.revived``).
+at its next transfer to that peer (``Transport.revived``). When every NIC rail to a peer
+has broken (a link that flapped, a burst of loss that timed each one out), their work
+waits a bounded while (:class:`Parking`) for one of the pairs to open again, and is
+posted there, rather than failing at once; a peer that refuses the new connection (it
+is gone) fails it at once.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from typing import Any
 from transfer_engine.topology import Topology, load, preferred_nics
 
 __all__ = ["NicEndpoint", "local_nics", "pair_nics", "RateMeter", "StallWatch",
-           "link_up", "NICS_ENV"]
+           "Parking", "link_up", "NICS_ENV"]
 
 log = logging.getLogger(__name__)
 
@@ -237,3 +241,116 @@ class StallWatch:
             self._thread.join(5)
 
 
+
+
+@dataclass(eq=False)
+class _Parked:
+    work: Any
+    rail: Any  # the rail it broke on: settles it when it cannot be posted again
+    error: Any  # what it fails with at its deadline
+    due: float
+
+
+class Parking:
+    """Work whose peer has no open NIC rail left, held up to ``wait`` seconds for one
+    of the peer's NIC pairs to open again (:meth:`take` posts it on the new rail, as a
+    failover would: the same bytes at the same place). At its deadline, at
+    :meth:`fail` (the peer refused the new connection) or at :meth:`close` it fails,
+    through the rail it broke on (``rail.settle``), with the error it was parked with.
+    One thread, started while something is parked, keeps the deadlines."""
+
+    def __init__(self, name: str, wait: float) -> None:
+        if not wait >= 0:
+            raise ValueError("the NIC wait must not be negative")
+        self.name = name
+        self.wait = wait
+        self.parked = 0  # works parked so far
+        self.resumed = 0  # of them, posted again on a reopened rail
+        self._lots: dict[str, list[_Parked]] = {}
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def park(self, key: str, rail: Any, work: Any, error: Any) -> bool:
+        """Holds ``work`` for peer ``key``; False (not held) when closed or not waiting."""
+        with self._cond:
+            if self._closed or self.wait <= 0:
+                return False
+            self._lots.setdefault(key, []).append(
+                _Parked(work, rail, error, time.monotonic() + self.wait))
+            self.parked += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name=f"te-{self.name}-nic-parking")
+                self._thread.start()
+            self._cond.notify()
+        return True
+
+    def waiting(self, key: str) -> bool:
+        with self._cond:
+            return bool(self._lots.get(key))
+
+    def take(self, key: str, rail: Any) -> None:
+        """Posts ``key``'s parked work on ``rail`` (just opened); work it refuses stays
+        parked, to its deadline."""
+        with self._cond:
+            lot = self._lots.pop(key, [])
+        kept = []
+        for i, parked in enumerate(lot):
+            parked.work.resent = True  # its immediate may have been counted already
+            try:
+                rail.post(parked.work)
+            except Exception:  # noqa: BLE001 - the new rail broke too: keep waiting
+                kept = lot[i:]
+                break
+            self.resumed += 1
+        if lot and len(kept) < len(lot):
+            log.info("%s: %d works posted again on a reopened NIC rail %s->%s", self.name,
+                     len(lot) - len(kept), getattr(rail, "nic", None), rail.peer)
+        if kept:
+            with self._cond:
+                self._lots.setdefault(key, [])[:0] = kept
+
+    def fail(self, key: str, reason: str | None = None) -> None:
+        """Fails ``key``'s parked work now."""
+        with self._cond:
+            lot = self._lots.pop(key, [])
+        self._settle(lot, reason)
+
+    def _settle(self, lot: list[_Parked], reason: str | None) -> None:
+        for parked in lot:
+            error = parked.error
+            if reason is not None:
+                error = type(error)(f"{error.message}; {reason}", **error.context())
+            parked.rail.settle(parked.work, error)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed or not self._lots:
+                    self._thread = None
+                    return
+                now = time.monotonic()
+                due: list[_Parked] = []
+                for key in list(self._lots):
+                    lot = self._lots[key]
+                    due += [p for p in lot if p.due <= now]
+                    lot[:] = [p for p in lot if p.due > now]
+                    if not lot:
+                        del self._lots[key]
+                if not due:
+                    first = min(p.due for lot in self._lots.values() for p in lot)
+                    self._cond.wait(max(0.01, first - now))
+                    continue
+            self._settle(due, f"no NIC rail opened again within {self.wait:g}s")
+
+    def close(self, error: Callable[[Any], Any]) -> None:
+        """Fails everything parked with ``error(parked error)``; parks nothing more."""
+        with self._cond:
+            self._closed = True
+            lots = list(self._lots.values())
+            self._lots.clear()
+            self._cond.notify()
+        for lot in lots:
+            for parked in lot:
+                parked.rail.settle(parked.work, error(parked.error))
