@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from transfer_engine import Descriptor, Engine
-from transfer_engine.errors import PeerLostError, TransferError
+from transfer_engine.errors import ClosedError, PeerLostError, TransferError
 from transfer_engine.topology import Nic, Topology
 from transfer_engine.transport.tcp import TcpTransport
 from transfer_engine.transport.tcp_nics import Parking
@@ -176,3 +176,18 @@ def test_parking_takes_expires_fails_and_closes() -> None:
     assert not Parking("t", wait=0).park("k", rail, _Work(), lost)  # no wait: not held
     with pytest.raises(ValueError):
         Parking("t", wait=-1)
+
+
+def test_closing_the_engine_ends_a_waiting_write(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """A write waiting for a NIC rail ends with a precise error when the engine closes,
+    and the close returns promptly (no pair is reopened here: the reopener is stopped
+    first, so the write would otherwise wait its whole minute)."""
+    a, b, ta, _ = _pair(make_engine, nic_retry=0.2, nic_wait=60.0)
+    ta._reopener.close()
+    handle, _, _ = _break_every_rail_mid_write(a, b, ta)
+    assert ta._parking.waiting(next(iter(ta._nic_groups)))
+    t0 = time.monotonic()
+    a.close()
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(ClosedError):
+        handle.wait(5)
