@@ -305,7 +305,7 @@ class TorchCopier:
             raise NotSupportedError("torch finds no CUDA device")
         self._torch = torch
         self._device = torch.device(device)
-        self._stream = torch.cuda.Stream(device=self._device)
+        self._stream = torch.cuda.Stream(device=self._device)  # type: ignore[no-untyped-call]
         self._lock = threading.Lock()
 
     def _pairs(self, rows: Sequence[Row], to_device: bool) -> list[tuple[Any, Any]]:

@@ -112,7 +112,7 @@ def serve_metrics(engines: Engine | Iterable[Engine], host: str = "127.0.0.1",
 
     listed = [engines] if isinstance(engines, Engine) else list(engines)
     registry = prometheus_client.CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(listed))  # type: ignore[arg-type]
+    registry.register(EngineCollector(listed))
     server, thread = prometheus_client.start_http_server(
         port, addr=host, registry=registry, certfile=certfile, keyfile=keyfile,
         client_cafile=client_cafile, client_auth_required=all(tls))

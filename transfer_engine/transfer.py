@@ -322,7 +322,8 @@ class Transfers(EngineState):
     def _staging(self) -> Staging:
         with self._lock:
             if self._staging_area is None:
-                self._staging_area = Staging(lambda buf, name: self.register(buf, name))
+                self._staging_area = Staging(
+                    lambda buf, name: self.register(buf, name))  # type: ignore[attr-defined]
             return self._staging_area
 
     def _route(self, peer: Peer) -> list[str]:

@@ -166,7 +166,7 @@ def run(ports: list[WirePort], ready: Any = None, control: str | None = None) ->
                     return  # the interface went away with its lab
             if events & select.POLLNVAL:
                 return
-            out, port = routes[fd]
+            out, delayed = routes[fd]
             for _ in range(256):  # a bounded batch per socket, then the line again
                 try:
                     frame, addr = sock.recvfrom(_MAX_FRAME)
@@ -179,10 +179,10 @@ def run(ports: list[WirePort], ready: Any = None, control: str | None = None) ->
                 drop = loss[lossy[fd]]
                 if drop and random.random() < drop:
                     continue
-                if port is None:
+                if delayed is None:
                     _send(out, frame)
                 elif len(line) < LIMIT:
-                    heapq.heappush(line, (time.monotonic() + frame_delay(port, frame),
+                    heapq.heappush(line, (time.monotonic() + frame_delay(delayed, frame),
                                           next(seq), out, frame))
         now = time.monotonic()
         while line and line[0][0] <= now:

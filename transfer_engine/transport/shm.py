@@ -297,7 +297,9 @@ class ShmServer(StreamServer):
                   ) -> list[tuple[int, int, str]] | None:
         if conn.devices is None or local is None:
             return None
-        return conn.devices.translate(local, writable=write_to_peer)
+        rows: list[tuple[int, int, str]] | None = conn.devices.translate(
+            local, writable=write_to_peer)
+        return rows
 
     def stage(self, conn: Connection, views: Targets, op: Op, local: np.ndarray | None
               ) -> tuple[Targets, Callable[[], None] | None]:

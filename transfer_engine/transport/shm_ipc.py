@@ -96,8 +96,8 @@ class DeviceTable:
 
 
 def encode_devices(entries: Sequence[DeviceRange]) -> bytes:
-    body = msgpack.packb([[e.start, e.length, e.writable, e.device, e.handle]
-                          for e in entries])
+    body: bytes = msgpack.packb([[e.start, e.length, e.writable, e.device, e.handle]
+                                 for e in entries])
     return HEADER.pack(KIND_DEVICES, 0, 0, 0, 0, len(body), 0, 0, 0) + body
 
 

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -35,7 +35,7 @@ LANE_IDLE_S = 60.0
 ROOM_CHARS = (16, 128)  # an unguessable id: at least 16 characters
 
 
-def valid_room(room: Any) -> bool:
+def valid_room(room: Any) -> TypeGuard[str]:
     return isinstance(room, str) and ROOM_CHARS[0] <= len(room) <= ROOM_CHARS[1]
 
 

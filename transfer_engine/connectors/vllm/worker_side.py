@@ -141,17 +141,18 @@ class TEConnectorWorker:
     # set-up
     def register_kv_caches(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
         """Registers every layer tensor once and publishes the manifest."""
-        if self.engine is None:
+        engine = self.engine
+        if engine is None:
             # a serving process has no device runtime: GPU KV is served from threads
             on_gpu = any(str(t.device) != "cpu" for t in kv_caches.values())
             with unpinned():  # the engine's threads start here
-                self.engine = Engine(self.engine_name, host=self.config.host,
+                self.engine = engine = Engine(self.engine_name, host=self.config.host,
                                      port=self.config.port,
                                      transports=self.config.transports,
                                      serve="thread" if on_gpu else self.config.serve,
                                      timeout=self.config.timeout_s,
                                      auth=self.config.auth())
-        self._layers.update(register_layers(self.engine, kv_caches, num_blocks,
+        self._layers.update(register_layers(engine, kv_caches, num_blocks,
                                             self._kv_heads[0] if self._kv_heads else None))
         self._tensors += kv_caches.values()  # alive while registered
         self.compat["layouts"] = sorted({layout_signature(layout)
@@ -159,8 +160,8 @@ class TEConnectorWorker:
         self.compat["num_layers"] = len(self._layers)
         if self.config.push:
             self._push = PushSide(
-                self.engine, self._layers,
-                lambda where: self._peers.handshake(self.engine, where, self._layers,
+                engine, self._layers,
+                lambda where: self._peers.handshake(engine, where, self._layers,
                                                     self.compat, self.config.timeout_s,
                                                     self.placement),
                 self._peers.settled, self._peers.get, self._peers.submit,
@@ -171,8 +172,8 @@ class TEConnectorWorker:
         self._manifest = manifest(self._layers, self.compat, self.placement,
                                   self._push.manifest_entry if self._push else None)
         self._manifest_buf = np.frombuffer(bytearray(self._manifest), dtype=np.uint8)
-        self.engine.register(self._manifest_buf, name=MANIFEST_SEGMENT)
-        self.engine.on_notify(self._on_notify)
+        engine.register(self._manifest_buf, name=MANIFEST_SEGMENT)
+        engine.on_notify(self._on_notify)
         if self.config.store is not None:
             self._open_store(self.config.store)
 

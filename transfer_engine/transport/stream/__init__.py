@@ -32,8 +32,8 @@ from transfer_engine.transport.stream.server import (
     Connection,
     Refused,
     StreamServer,
-    Targets,
 )
+from transfer_engine.transport.stream.targets import Targets
 from transfer_engine.transport.stream.wire import (
     ANSWER,
     FLAG_IMM,

@@ -43,8 +43,9 @@ from transfer_engine.transport.stream.io import (
     send_gather,
     send_views,
 )
-from transfer_engine.transport.stream.server import HELLO_TIMEOUT, Connection, Targets
+from transfer_engine.transport.stream.server import HELLO_TIMEOUT, Connection
 from transfer_engine.transport.stream.shared import MAP_POPULATE
+from transfer_engine.transport.stream.targets import Targets
 from transfer_engine.transport.tcp import TcpServer
 
 log = logging.getLogger(__name__)
