@@ -71,7 +71,7 @@ from kvstore.journal import Journal
 from kvstore.link import MASTER_ROLE
 from kvstore.master_state import I64, Node, PendingPut, Pool, check_distinct
 from kvstore.moves import DISK, Move
-from kvstore.nodes import Nodes
+from kvstore.nodes import REGISTER_S, Nodes
 from kvstore.objects import ObjectTable
 from kvstore.placement import Placement
 from kvstore.protocol import (
@@ -100,6 +100,8 @@ from transfer_engine.errors import AuthenticationError, ClosedError, ProtocolErr
 __all__ = ["Master", "main"]
 
 log = logging.getLogger(__name__)
+
+MISS_ROOM_SHARE = 0.125  # most of the store one get's misses make room for
 
 
 class Master(Placement, Reclaim, Journal, Nodes, Closeable):
@@ -144,6 +146,7 @@ class Master(Placement, Reclaim, Journal, Nodes, Closeable):
         self.table = ObjectTable(max_replicas=self.max_replicas)
         self._nodes: dict[str, Node] = {}
         self._pools: list[Pool] = []
+        self._dead_pools: collections.deque[tuple[float, int]] = collections.deque()
         self._puts: dict[int, PendingPut] = {}
         self._put_ids = itertools.count(1)
         self._leases: dict[int, tuple[float, I64]] = {}
@@ -241,6 +244,9 @@ class Master(Placement, Reclaim, Journal, Nodes, Closeable):
             reply = self._handle(ident, msg)
         except (ProtocolError, StoreError, ValueError) as exc:
             reply = ErrorReply(message=str(exc))
+        except Exception as exc:  # a bug: the asker gets an answer, the loop goes on
+            log.exception("kvstore master: %s failed", msg.kind)
+            reply = ErrorReply(message=f"the master failed on {msg.kind}: {exc!r:.200}")
         if reply is not None:
             self._reply(ident, reply)
 
@@ -292,8 +298,9 @@ class Master(Placement, Reclaim, Journal, Nodes, Closeable):
         if miss and self._key_bytes:
             # a prefix cache puts the blocks it missed once it has computed them: make
             # room for them now (the hits are leased: never evicted), so the frees land
-            # while it reads and computes
-            self._room(miss * self._key_bytes)
+            # while it reads and computes; one get makes room for an eighth of the
+            # store at most (its puts evict what they still lack)
+            self._room(miss * self._key_bytes, share=MISS_ROOM_SHARE)
         pools = np.full((keys.shape[0], self.max_replicas), -1, dtype=np.int32)
         offsets = np.zeros((keys.shape[0], self.max_replicas), dtype=np.int64)
         pools[found] = t.pool[hit]
@@ -360,6 +367,8 @@ class Master(Placement, Reclaim, Journal, Nodes, Closeable):
         for node in list(self._nodes.values()):
             if now - node.last_seen > limit:
                 self._drop_node(node, f"silent for {now - node.last_seen:.1f}s")
+            elif not node.active and now - node.since > REGISTER_S:
+                self._drop_node(node, f"still registering after {REGISTER_S:g}s")
 
     # -- introspection -----------------------------------------------------------------
 

@@ -54,6 +54,7 @@ class Node:
     zone: str
     identity: bytes
     last_seen: float
+    since: float = 0.0  # when it began registering
     pools: list[int] = field(default_factory=list)
     active: bool = False
     parts: list[np.ndarray] = field(default_factory=list)
@@ -121,6 +122,7 @@ class MasterState(TierMoves):
         _sock: zmq.Socket[bytes]
         _nodes: dict[str, Node]
         _pools: list[Pool]
+        _dead_pools: collections.deque[tuple[float, int]]  # (died at, pool number)
         _puts: dict[int, PendingPut]
         _put_ids: itertools.count[int]
         _leases: dict[int, tuple[float, I64]]

@@ -7,6 +7,12 @@ none are gone. A node that served an earlier master takes no new objects for
 ``grace_s`` seconds (a put of that master may still write its free space), and the
 objects it reports are held as if leased for ``lease_s`` (readers of that master may
 still read them).
+
+Bounds: a node registers at most ``MAX_NODE_POOLS`` pools and a directory of at most
+``MAX_DIRECTORY`` objects with versions below 2**62, and finishes registering within
+``REGISTER_S`` seconds of its first part (else it is dropped, its parts with it). A
+dropped node's pool numbers are given to later pools once ``2 * grace`` has passed and
+no object names them, so that restarts do not grow the master's pool list.
 """
 
 from __future__ import annotations
@@ -25,6 +31,11 @@ from transfer_engine.errors import ProtocolError
 __all__ = ["Nodes"]
 
 log = logging.getLogger("kvstore.master")  # the master's log, as its other lines
+
+MAX_NODE_POOLS = 64
+MAX_DIRECTORY = 1 << 22  # objects a rejoining node may report (56 bytes each here)
+MAX_VERSION = 1 << 62
+REGISTER_S = 60.0
 
 
 class Nodes(MasterState):
@@ -52,14 +63,23 @@ class Nodes(MasterState):
             if node is not None:
                 self._drop_node(node, "registered again")
             node = Node(msg.name, msg.incarnation, msg.control, msg.pod, msg.zone, ident,
-                         now)
+                         now, since=now)
             self._nodes[msg.name] = node
         elif node is None or node.incarnation != msg.incarnation or node.active or \
                 msg.part != len(node.parts):
             raise ProtocolError(f"node {msg.name}: registration part {msg.part} out of order")
+        if len(msg.pools) > MAX_NODE_POOLS:
+            self._drop_node(node, "too many pools")
+            raise ProtocolError(f"node {msg.name}: at most {MAX_NODE_POOLS} pools")
+        part = column(msg.entries, ENTRY, None, "entries")
+        held = sum(len(p) for p in node.parts) + len(part)
+        if held > MAX_DIRECTORY or (part.size and int(part["version"].max()) >= MAX_VERSION):
+            self._drop_node(node, "directory out of bounds")
+            raise ProtocolError(f"node {msg.name}: a directory holds at most "
+                                f"{MAX_DIRECTORY} objects, with versions below 2**62")
         node.identity = ident
         node.last_seen = now
-        node.parts.append(column(msg.entries, ENTRY, None, "entries").copy())
+        node.parts.append(part.copy())
         if not msg.last:
             return KvNodeWelcome(epoch=self.epoch, interval=self.node_interval,
                                  max_missed=self.node_max_missed)
@@ -73,8 +93,12 @@ class Nodes(MasterState):
                 raise ProtocolError(f"node {msg.name}: pools rows are [segment, bytes, tier]")
             mine = entries[entries["pool"] == local]
             space = Space.from_used(spec[1], mine["offset"], mine["length"])
-            pool = Pool(len(self._pools), node, local, spec[0], spec[2], space, usable_after)
-            self._pools.append(pool)
+            index = self._pool_slot(now)
+            pool = Pool(index, node, local, spec[0], spec[2], space, usable_after)
+            if index == len(self._pools):
+                self._pools.append(pool)
+            else:
+                self._pools[index] = pool
             node.pools.append(pool.index)
         if (entries["pool"] >= len(msg.pools)).any() or (entries["pool"] < 0).any():
             raise ProtocolError(f"node {msg.name}: directory names an unknown pool")
@@ -85,6 +109,25 @@ class Nodes(MasterState):
                  len(node.pools), entries.size)
         return KvNodeWelcome(epoch=self.epoch, interval=self.node_interval,
                              max_missed=self.node_max_missed)
+
+    def _pool_slot(self, now: float) -> int:
+        """A number for a new pool: a dead pool's, once ``2 * grace`` has passed since
+        it died (no put or lease of its time is left) and no object names it; else a
+        new one."""
+        dead = self._dead_pools
+        if dead and now - dead[0][0] > 2 * max(self.grace_s, self.lease_s,
+                                               self.put_timeout_s):
+            t = self.table
+            cap = t.capacity
+            named = t.pool[:cap][t.state[:cap] != State.FREE]
+            while dead and now - dead[0][0] > 2 * max(self.grace_s, self.lease_s,
+                                                      self.put_timeout_s):
+                _, index = dead.popleft()
+                if not (named == index).any():
+                    return index
+                dead.append((now, index))  # still named: look again later
+                break
+        return len(self._pools)
 
     def _recover(self, node: Node, entries: np.ndarray) -> None:
         """Adds a rejoining node's directory to the table: the newest version of a key
@@ -142,6 +185,7 @@ class Nodes(MasterState):
         dead = np.array(node.pools, dtype=np.int32)
         for p in node.pools:
             self._pools[p].alive = False
+            self._dead_pools.append((self._clock(), p))
         node.active = False
         self._nodes.pop(node.name, None)
         t = self.table

@@ -67,8 +67,9 @@ class Placement(MasterState):
         until = now + 2 * self.node_interval if until is None else until
         first = since is None
         since = now if since is None else since
-        if ready and todo.size:
-            self._key_bytes = int(ready[0].space.round(lengths[todo]).mean()) * max(1, want)
+        sized = lengths[todo][lengths[todo] <= biggest]  # what a key fits: TOO_LARGE aside
+        if ready and sized.size:
+            self._key_bytes = int(ready[0].space.round(sized).mean()) * max(1, want)
         if ident is not None and ready and todo.size:
             # clearly short of room: evict and park before placing anything
             fits = lengths[todo][lengths[todo] <= biggest]
@@ -181,13 +182,14 @@ class Placement(MasterState):
         return self._coming(ready) > 0 or any(p.coming for p in self._pools
                                               if p.tier == DISK and p.alive)
 
-    def _room(self, nbytes: int) -> None:
-        """Evicts what the ready pools lack of ``nbytes`` free, counting the space on its
-        way back."""
+    def _room(self, nbytes: int, share: float = 1.0) -> None:
+        """Evicts what the ready pools lack of ``nbytes`` free (at most ``share`` of
+        their capacity), counting the space on its way back."""
         now = self._clock()
         ready = [p for p in self._pools if p.alive and p.node.active and p.tier != DISK
                  and p.usable_after <= now]
         if ready:
+            nbytes = min(nbytes, int(sum(p.space.capacity for p in ready) * share))
             self._evict(nbytes - sum(p.space.free_bytes for p in ready)
                         - self._coming(ready))
 

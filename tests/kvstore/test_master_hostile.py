@@ -1,0 +1,139 @@
+"""The kvstore master against careless and hostile input spoken by hand (a raw ZeroMQ
+DEALER on loopback, no secret): a put too large for any pool, storage-node
+registrations with out-of-range versions, too many pools, endless directories, and
+nodes that restart again and again."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import zmq
+
+from kvstore import master as master_module
+from kvstore import nodes as nodes_module
+from kvstore.client import Client
+from kvstore.master import Master
+from kvstore.node import StorageNode
+from kvstore.protocol import ENTRY, KvNode, KvNodeWelcome, KvPut, Status
+from transfer_engine.control.messages import ErrorReply, Message, decode, encode
+
+
+class Raw:
+    """A client that speaks the master's wire by hand."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def ask(self, msg: Message, timeout: float = 5.0) -> Message:
+        self.sock.send(encode(msg))
+        assert self.sock.poll(int(timeout * 1000)), "no answer"
+        return decode(self.sock.recv())
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+def _keys(ints: list[int]) -> bytes:
+    a = np.zeros((len(ints), 2), dtype="<u8")
+    a[:, 0] = ints
+    a[:, 1] = 7
+    return a.tobytes()
+
+
+@pytest.fixture
+def cluster() -> Iterator[tuple[Master, Raw]]:
+    with Master(lease_s=0.2, put_timeout_s=0.2, grace_s=0.2, node_interval=0.05) as m:
+        node = StorageNode(m.endpoint, 16 << 20, name="n0")
+        raw = Raw(m.endpoint)
+        try:
+            m.wait_nodes(1)
+            yield m, raw
+        finally:
+            raw.close()
+            node.close()
+
+
+def test_a_put_too_large_for_any_pool_evicts_nothing(cluster: tuple[Master, Raw]) -> None:
+    """A rejected 1 TiB value once set the room a missing get makes, so the next get of
+    an absent key evicted the whole store."""
+    m, raw = cluster
+    with Client(m.endpoint) as c:
+        ks = list(range(1, 101))
+        c.batch_put(ks, [bytes([k % 256]) * 4096 for k in ks])
+        rep = raw.ask(KvPut(keys=_keys([10**6]), lengths=np.array([1 << 40], "<i8").tobytes(),
+                            checksums=np.zeros(1, "<u8").tobytes()))
+        assert [Status(s) for s in np.frombuffer(rep.status, np.int8)] == [  # type: ignore[attr-defined]
+            Status.TOO_LARGE]
+        assert c.get(999_999) is None
+        time.sleep(0.2)
+        assert m.stats().get("evictions", 0) == 0
+        assert c.batch_get(ks) == [bytes([k % 256]) * 4096 for k in ks]
+
+
+def test_a_registration_with_a_huge_version_is_refused(cluster: tuple[Master, Raw]) -> None:
+    m, raw = cluster
+    entry = np.zeros(1, ENTRY)
+    entry["key"] = (5, 7)
+    entry["length"] = 64
+    entry["version"] = 2**64 - 1
+    rep = raw.ask(KvNode(name="bogus", incarnation="i", pools=[["s", 1 << 20, "dram"]],
+                         entries=entry.tobytes(), part=0, last=True))
+    assert isinstance(rep, ErrorReply) and "versions below 2**62" in rep.message
+    assert "bogus" not in m._nodes
+    with Client(m.endpoint) as c:
+        for k in range(3):
+            c.put(k, b"v%d" % k)
+        assert [c.get(k) for k in range(3)] == [b"v0", b"v1", b"v2"]
+
+
+def test_registrations_are_bounded(cluster: tuple[Master, Raw],
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Too many pools, a directory past the limit, and a registration that never ends
+    are each refused or dropped, keeping nothing."""
+    m, raw = cluster
+    pools_before = len(m._pools)
+    rep = raw.ask(KvNode(name="many", incarnation="i", pools=[["s", 64, "dram"]] * 100_000,
+                         part=0, last=True))
+    assert isinstance(rep, ErrorReply) and "at most 64 pools" in rep.message
+    monkeypatch.setattr(nodes_module, "MAX_DIRECTORY", 100)
+    part = np.zeros(60, ENTRY).tobytes()
+    assert isinstance(raw.ask(KvNode(name="endless", incarnation="i", entries=part, part=0,
+                                     last=False)), KvNodeWelcome)
+    rep = raw.ask(KvNode(name="endless", incarnation="i", entries=part, part=1, last=False))
+    assert isinstance(rep, ErrorReply) and "at most 100 objects" in rep.message
+    assert "endless" not in m._nodes
+    monkeypatch.setattr(master_module, "REGISTER_S", 0.3)
+    assert isinstance(raw.ask(KvNode(name="slow", incarnation="i", entries=part, part=0,
+                                     last=False)), KvNodeWelcome)
+    for _ in range(20):  # it keeps sending nothing: dropped once its time is up
+        time.sleep(0.1)
+        raw.ask(KvNode(name="slow-beats", incarnation="i", part=0, last=False))
+        if "slow" not in m._nodes:
+            break
+    assert "slow" not in m._nodes
+    assert len(m._pools) == pools_before
+
+
+def test_restarting_nodes_reuse_pool_numbers(cluster: tuple[Master, Raw]) -> None:
+    """A node that registers again and again (a restart each time) leaves the master's
+    pool list as long as its live pools need, once the dead ones' time has passed."""
+    m, raw = cluster
+    grown = []
+    for i in range(8):
+        rep = raw.ask(KvNode(name="restarts", incarnation=f"i{i}",
+                             pools=[["s", 1 << 20, "dram"], ["t", 1 << 20, "dram"]],
+                             part=0, last=True))
+        assert isinstance(rep, KvNodeWelcome), rep
+        grown.append(len(m._pools))
+        time.sleep(0.9)  # past twice the grace (0.2 s) of the pools it just left
+    assert grown[-1] <= grown[1], grown
+    with Client(m.endpoint) as c:
+        c.put(1, b"still here")
+        assert c.get(1) == b"still here"
