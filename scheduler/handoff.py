@@ -50,9 +50,25 @@ def unsupported(body: dict[str, Any], chat: bool = False) -> str | None:
             return "no messages"
     else:
         prompt = body.get("prompt")
-        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                            and all(isinstance(t, int) for t in prompt))):
+        if not (isinstance(prompt, str) or (
+                isinstance(prompt, list) and prompt
+                and all(type(t) is int and 0 <= t < 1 << 31 for t in prompt))):
             return "not one prompt"
+    # fields the hand-off reads itself must have their types (else the server's error)
+    for name in ("stream", "skip_special_tokens", "include_stop_str_in_output",
+                 "return_token_ids"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            return f"{name} not a boolean"
+    min_tokens = body.get("min_tokens")
+    if min_tokens is not None and (type(min_tokens) is not int or min_tokens < 0):
+        return "min_tokens"
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        return "stop not a string or strings"
+    if body.get("stream_options") is not None and not isinstance(body["stream_options"],
+                                                                 dict):
+        return "stream_options not an object"
     if body.get("n", 1) != 1 or body.get("best_of") not in (None, 1):
         return "n > 1"
     if body.get("echo") or body.get("top_logprobs") or \
@@ -69,7 +85,7 @@ def unsupported(body: dict[str, Any], chat: bool = False) -> str | None:
     if body.get("stream_options") is not None and not body.get("stream"):
         return "stream_options without stream"  # the server's error to give
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
         return "max_tokens"
     return None
 

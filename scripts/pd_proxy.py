@@ -115,7 +115,10 @@ class Proxy(BaseHTTPRequestHandler):
         if self.path not in ("/v1/completions", "/v1/chat/completions"):
             self._error(404, f"unknown path {self.path}")
             return
-        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
         if length <= 0 or length > MAX_BODY:
             self._error(400, "a JSON body of at most 16 MiB is required")
             return
@@ -123,9 +126,31 @@ class Proxy(BaseHTTPRequestHandler):
             request = json.loads(self.rfile.read(length))
             if not isinstance(request, dict):
                 raise ValueError("body is not an object")
-        except ValueError as exc:
-            self._error(400, f"bad JSON: {exc}")
+        except (ValueError, RecursionError) as exc:
+            self._error(400, f"bad JSON: {exc!r:.200}")
             return
+        try:
+            self._dispatch(request)
+        except Exception as exc:  # a bug or an input not foreseen: answer, count nothing
+            self.log_message("request failed: %r", exc)
+            held, self._holding = self._holding, None
+            if held is not None:
+                d, prefill_open, decode_open = held
+                now = time.monotonic()
+                if prefill_open:
+                    self.router.fleet.prefill_done(d.prefill, d.decode, now)
+                if decode_open:
+                    self.router.fleet.decode_done(d.decode, d.kv_tokens, now,
+                                                  local_prefill=d.local)
+            if self._started:
+                self.close_connection = True  # the client sees a cut-off response
+            else:
+                self._error(500, f"the router failed on this request: {exc!r:.200}")
+        finally:
+            self._holding = None
+
+    def _dispatch(self, request: dict[str, Any]) -> None:
+        self._started = False
         router = self.router
         fleet = router.fleet
         first = self.handoff == "first" and unsupported(
@@ -141,6 +166,7 @@ class Proxy(BaseHTTPRequestHandler):
         for _ in range(attempts):
             try:
                 decision = router.route(req, time.monotonic(), exclude=failed, local=local)
+                self._holding = (decision, decision.prefill is not None, True)
             except NoInstanceError as exc:
                 if local or getattr(exc, "role", None) != "prefill":
                     errors.append(str(exc))
@@ -177,11 +203,30 @@ class Proxy(BaseHTTPRequestHandler):
         with self.router.fleet.lock:
             self.router.fleet.traffic.breakers.record(name, True)
 
+    _started = False  # a response's status line went out
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self._started = True
+        super().send_response(code, message)
+
+    # The request's dispatch as the router counts it, released once whatever happens:
+    # (decision, prefill still counted, decode still counted).
+    _holding: tuple[Decision, bool, bool] | None = None
+
+    def _prefill_done(self, d: Decision) -> None:
+        held = self._holding
+        if held is not None and held[0] is d and held[1]:
+            self._holding = (d, False, held[2])
+            self.router.fleet.prefill_done(d.prefill, d.decode, time.monotonic())
+
     def _release(self, d: Decision, prefill_open: bool) -> None:
-        fleet, now = self.router.fleet, time.monotonic()
         if prefill_open:
-            fleet.prefill_done(d.prefill, d.decode, now)
-        fleet.decode_done(d.decode, d.kv_tokens, now, local_prefill=d.local)
+            self._prefill_done(d)
+        held = self._holding
+        if held is not None and held[0] is d and held[2]:
+            self._holding = (d, held[1], False)
+            self.router.fleet.decode_done(d.decode, d.kv_tokens, time.monotonic(),
+                                          local_prefill=d.local)
 
     def _handover(self, request: dict[str, Any], d: Decision) -> dict[str, Any]:
         """prefill's kv_transfer_params: hand the KV over to decode, pushing it layer
@@ -215,7 +260,7 @@ class Proxy(BaseHTTPRequestHandler):
             self._fail(name, f"prefill failed: {exc!r}", failed, errors)
             self._release(d, True)
             raise UpstreamError from exc
-        fleet.prefill_done(d.prefill, d.decode, time.monotonic())
+        self._prefill_done(d)
         try:
             answer = json.loads(raw)
         except ValueError:

@@ -23,7 +23,7 @@ import importlib.metadata as m
 import os
 import sys
 
-import msgpack, numpy, pytest, pytest_timeout, zmq  # noqa: F401, E401
+import msgpack, numpy, pytest, pytest_timeout, tokenizers, zmq  # noqa: F401, E401
 import transfer_engine
 
 here = os.path.realpath(os.path.join(os.environ["TE_ROOT"], "transfer_engine"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -458,6 +459,70 @@ def test_first_token_handoff_joins_prefill_and_decode_tokens() -> None:
         assert int(pd_proxy.Proxy.router.fleet.decode.queue.sum()) == 0
     finally:
         pd_proxy.Proxy.tokenizers = pd_proxy.Tokenizers()
+        for server, thread in servers:
+            server.shutdown()
+            server.server_close()
+            thread.join(5)
+
+
+def test_malformed_fields_and_router_bugs_are_answered_and_counted_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Optional fields of the wrong type (read by the first-token hand-off itself), a
+    bad Content-Length, JSON nested too deep, and a failure inside the router each get
+    an HTTP answer, and leave the router's queues and KV counts as they were."""
+    tok = _byte_tokenizer()
+    gen = tok.encode(" of the cache").ids
+    pre = type("Pre", (Scripted,), {"role": "prefill", "tok": tok, "gen": gen})
+    dec = type("Dec", (Scripted,), {"role": "decode", "tok": tok, "gen": gen})
+    servers = [_serve(pre), _serve(dec)]
+    urls = [f"http://127.0.0.1:{s.server_port}" for s, _ in servers]
+    pd_proxy.Proxy.router = pd_proxy.make_router([urls[0]], [urls[1]])
+    pd_proxy.Proxy.handoff = "first"
+
+    class Known(pd_proxy.Tokenizers):
+        def get(self, url: str) -> Any:
+            return tok if url == urls[1] else super().get(url)
+
+    monkeypatch.setattr(pd_proxy.Proxy, "tokenizers", Known())
+    monkeypatch.setattr(pd_proxy.Proxy, "log_message", lambda *a: None)
+    servers.append(_serve(pd_proxy.Proxy))
+    port = servers[2][0].server_port
+    fleet = pd_proxy.Proxy.router.fleet
+
+    def idle() -> bool:
+        return (int(fleet.prefill.queue.sum()) == 0 and int(fleet.decode.queue.sum()) == 0
+                and float(fleet.decode.kv_used.sum()) == 0.0)
+
+    def raw(head: bytes, body: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(head + body)
+            return s.recv(4096)
+
+    try:
+        base = {"model": "m", "prompt": "the cache", "max_tokens": 4}
+        for extra in ({"min_tokens": "x"}, {"min_tokens": [1]}, {"stop": 5},
+                      {"stop": [5]}, {"skip_special_tokens": "no"},
+                      {"stream": True, "stream_options": "x"},
+                      {"prompt": [-1, 2**70]}, {"max_tokens": True}):
+            status, _ = _post(port, dict(base, **extra))
+            assert status in (200, 400, 502), (extra, status)
+            assert idle(), extra
+        answer = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n"
+                     b"\r\n", b"{}")
+        assert answer.startswith(b"HTTP/1.1 400")
+        deep = b"[" * 100_000 + b"]" * 100_000
+        answer = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                     + str(len(deep)).encode() + b"\r\n\r\n", deep)
+        assert answer.startswith(b"HTTP/1.1 400")
+
+        def broken(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("a bug in the hand-off")
+
+        monkeypatch.setattr(pd_proxy.Proxy, "_first_token", broken)
+        status, body = _post(port, base)
+        assert status == 500 and "a bug in the hand-off" in body
+        assert idle()
+    finally:
         for server, thread in servers:
             server.shutdown()
             server.server_close()
