@@ -87,6 +87,30 @@ def test_server_bounds() -> None:
         assert _http(srv.url, "PUT", "k1", b"2")[0] == 200  # replacing still works
 
 
+def test_server_stores_only_whole_bodies_under_exact_keys(server: MetadataServer) -> None:
+    """A body cut short (the client went away), a chunked body (no length) and keys
+    that are not UTF-8 are refused; keys differing in bytes or spaces stay distinct."""
+    parts = urllib.parse.urlsplit(server.url)
+
+    def raw(request: bytes) -> bytes:
+        with socket.create_connection((parts.hostname, parts.port), timeout=5) as s:
+            s.sendall(request)
+            s.shutdown(socket.SHUT_WR)
+            return s.recv(4096)
+
+    head = f"PUT {parts.path}?key=half HTTP/1.1\r\nHost: x\r\n".encode()
+    assert raw(head + b"Content-Length: 100\r\n\r\n" + b"A" * 40).startswith(
+        b"HTTP/1.1 400")
+    assert raw(head.replace(b"half", b"chunked") + b"Transfer-Encoding: chunked\r\n\r\n"
+               b"5\r\nhello\r\n0\r\n\r\n").startswith(b"HTTP/1.1 411")
+    assert raw(f"PUT {parts.path}?key=%FF HTTP/1.1\r\nHost: x\r\nContent-Length: 1"
+               "\r\n\r\nx".encode()).startswith(b"HTTP/1.1 400")
+    assert _http(server.url, "PUT", " spaced", b"1")[0] == 200
+    assert _http(server.url, "GET", "spaced")[0] == 404
+    assert _http(server.url, "GET", " spaced") == (200, b"1")
+    assert server.keys() == [" spaced"]
+
+
 def test_server_binds_loopback_without_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TE_CONTROL_SECRET", raising=False)
     monkeypatch.delenv("TE_ALLOW_INSECURE", raising=False)

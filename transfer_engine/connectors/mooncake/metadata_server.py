@@ -140,7 +140,15 @@ def _handler_for(server: MetadataServer) -> type[http.server.BaseHTTPRequestHand
             if url.path != server.path:
                 self._reply(404, b"not found")
                 return
-            key = urllib.parse.parse_qs(url.query).get("key", [""])[0].strip()
+            try:  # the key exactly as sent: distinct bytes are distinct keys
+                key = urllib.parse.parse_qs(url.query, errors="strict").get("key", [""])[0]
+            except UnicodeDecodeError:
+                self._reply(400, b"metadata key must be UTF-8")
+                return
+            if self.headers.get("Transfer-Encoding"):
+                self.close_connection = True  # the body's bytes are not read
+                self._reply(411, b"a body needs Content-Length")
+                return
             try:
                 length = int(self.headers.get("Content-Length") or 0)
             except ValueError:
@@ -150,6 +158,10 @@ def _handler_for(server: MetadataServer) -> type[http.server.BaseHTTPRequestHand
                 self._reply(413, b"value too large")
                 return
             body = self.rfile.read(length) if length else b""
+            if len(body) != length:  # the client went away mid-body: store nothing
+                self.close_connection = True
+                self._reply(400, b"body shorter than Content-Length")
+                return
             if not key:
                 self._reply(400, b"metadata key is required")
                 return
