@@ -54,7 +54,7 @@ build's ``vllm`` command fails looking up its own version; start the server as
 ``python -m vllm.entrypoints.openai.api_server --model MODEL ...`` instead.
 
 The routing pieces live beside this file: ``pd_proxy_routing.py`` (router, request
-view, tokenizers), ``pd_proxy_upstream.py`` (calls to the servers) and
+view, tokenizers), ``pd_proxy_upstream.py`` (calls to the servers, the bounded client server) and
 ``pd_proxy_handoff.py`` (reading answers for the first-token hand-off).
 """
 
@@ -67,7 +67,7 @@ import secrets
 import sys
 import time
 import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +84,12 @@ from pd_proxy_routing import (  # noqa: E402
     make_router,
     request_of,
 )
-from pd_proxy_upstream import DecodeWorkers, UpstreamError, post_json  # noqa: E402
+from pd_proxy_upstream import (  # noqa: E402
+    BoundedServer,
+    DecodeWorkers,
+    UpstreamError,
+    post_json,
+)
 
 from scheduler.errors import NoInstanceError  # noqa: E402
 from scheduler.handoff import SAMPLING_FIELDS, TextAssembler, unsupported  # noqa: E402
@@ -96,7 +101,8 @@ MAX_BODY = 16 << 20
 
 class Proxy(BaseHTTPRequestHandler):
     router: Router = make_router()
-    timeout = 600.0
+    timeout = 60.0  # seconds a client's connection may stall (http.server's socket bound)
+    upstream_timeout = 600.0  # seconds per call to a prefill or decode server
     connect_timeout = 10.0
     protocol_version = "HTTP/1.1"
     handoff = "first"  # or "sequential"
@@ -251,7 +257,8 @@ class Proxy(BaseHTTPRequestHandler):
         assert d.prefill is not None
         name = fleet.prefill.names[d.prefill]
         try:
-            conn, resp = post_json(fleet.prefill.urls[d.prefill], self.path, pre, self.timeout)
+            conn, resp = post_json(fleet.prefill.urls[d.prefill], self.path, pre,
+                                   self.upstream_timeout)
             try:
                 raw = resp.read()
             finally:
@@ -304,7 +311,8 @@ class Proxy(BaseHTTPRequestHandler):
             decode_body = dict(request, kv_transfer_params=params) if params else request
         name = fleet.decode.names[d.decode]
         try:
-            conn, resp = post_json(dec_url, self.path, decode_body, self.timeout)
+            conn, resp = post_json(dec_url, self.path, decode_body,
+                                   self.upstream_timeout)
         except (OSError, http.client.HTTPException) as exc:
             self._fail(name, f"decode failed: {exc!r}", failed, errors)
             self._release(d, False)
@@ -413,7 +421,7 @@ class Proxy(BaseHTTPRequestHandler):
                     dec["min_tokens"] = min_tokens - 1
                 url = urllib.parse.urlsplit(fleet.decode.urls[d.decode])
                 conn = http.client.HTTPConnection(url.hostname or "127.0.0.1",
-                                                  url.port or 80, timeout=self.timeout)
+                                                  url.port or 80, timeout=self.upstream_timeout)
                 conn.request("POST", "/v1/completions", json.dumps(dec).encode(),
                              {"Content-Type": "application/json"})
                 if stream:  # the first token goes out while decode starts
@@ -541,7 +549,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("give --prefill/--decode URLs or --registry")
     Proxy.router = make_router(args.prefill, args.decode, policy=args.policy,
                                local_prefill_tokens=args.local_below)
-    Proxy.timeout = args.timeout
+    Proxy.upstream_timeout = args.timeout
     Proxy.handoff = args.handoff
     Proxy.push = DecodeWorkers() if args.push else None
     Proxy.tokenizers = Tokenizers(args.tokenizer)
@@ -550,7 +558,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.registry:
             store = RegistryStore(args.registry, timeout=5.0, name="pd_proxy")
             subscription = Proxy.router.fleet.watch(store)
-        with ThreadingHTTPServer((args.host, args.port), Proxy) as server:
+        with BoundedServer((args.host, args.port), Proxy) as server:
             fleet = Proxy.router.fleet
             if Proxy.push is not None:  # where decode's workers are, asked at once
                 for url in fleet.decode.urls:

@@ -10,9 +10,10 @@ import sys
 import threading
 import time
 import urllib.parse
+from http.server import ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["DecodeWorkers", "UpstreamError", "post_json", "get_json"]
+__all__ = ["BoundedServer", "DecodeWorkers", "UpstreamError", "post_json", "get_json"]
 
 
 class UpstreamError(Exception):
@@ -111,3 +112,31 @@ class DecodeWorkers:
         with self._lock:
             self._asking.discard(url)
             self._known[url] = (found, time.monotonic())
+
+
+class BoundedServer(ThreadingHTTPServer):
+    """A thread per client connection, at most ``max_clients`` at once: a connection
+    past that is closed at once, so idle or slow clients cannot take every thread."""
+
+    daemon_threads = True
+    max_clients = 1024
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(self.max_clients)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()

@@ -527,3 +527,37 @@ def test_malformed_fields_and_router_bugs_are_answered_and_counted_once(
             server.shutdown()
             server.server_close()
             thread.join(5)
+
+
+def test_idle_clients_cannot_take_every_thread(proxy: int) -> None:
+    """The router's HTTP server runs a thread per client connection, at most
+    ``max_clients`` at once: a connection past that is closed at once, and a client that
+    stalls mid-request is dropped after the handler's timeout."""
+    from pd_proxy_upstream import BoundedServer  # noqa: PLC0415
+
+    class Small(BoundedServer):
+        max_clients = 4
+
+    class Quick(pd_proxy.Proxy):
+        timeout = 0.5
+
+    server = Small(("127.0.0.1", 0), Quick)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    port = server.server_port
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
+    try:
+        time.sleep(0.1)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
+            extra.sendall(b"GET / HTTP/1.1\r\n\r\n")
+            assert extra.recv(100) == b""  # closed at once: no thread for it
+        for sock in idle:  # each stalled client is dropped after the timeout
+            assert sock.recv(100) == b""
+        status, _ = _post(port, {"model": "m", "prompt": "hi", "max_tokens": 2})
+        assert status == 200
+    finally:
+        for sock in idle:
+            sock.close()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
