@@ -23,6 +23,7 @@ from transfer_engine.errors import AuthenticationError, InvalidDescriptorError
 from transfer_engine.transport.shm import ShmTransport
 from transfer_engine.transport.stream import (
     HEADER,
+    KIND_ANNOUNCE,
     KIND_READ,
     KIND_WRITE,
     LOCAL_DT,
@@ -289,6 +290,21 @@ def test_a_ticket_opens_a_bounded_number_of_rails(victim: tuple[Engine, np.ndarr
     finally:
         for rail in rails:
             rail.close()
+
+
+def test_tcp_keeps_no_range_announcement(victim: tuple[Engine, np.ndarray, int]) -> None:
+    """Ranges are announced for shm (whose target copies from them); a tcp rail that
+    sends them is closed, keeping nothing."""
+    b, _, _ = victim
+    _, credential = handshake(b)
+    rail = RawRail(b, credential)
+    try:
+        assert rail.status == 0
+        rows = np.array([[0x10000, 4096, 1]] * 1000, dtype="<u8").tobytes()
+        rail.sock.sendall(HEADER.pack(KIND_ANNOUNCE, 0, 0, 0, 0, len(rows), 0, 0, 0) + rows)
+        assert rail.closed_by_target()
+    finally:
+        rail.close()
 
 
 def test_a_crowd_of_stalled_openings_does_not_lock_a_peer_out(

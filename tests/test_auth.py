@@ -9,9 +9,16 @@ import pytest
 
 from tests.helpers.clock import FakeClock
 from transfer_engine import Engine
-from transfer_engine.control.auth import AuthConfig, Signer, open_reply, open_request, seal
+from transfer_engine.control.auth import (
+    OVERHEAD,
+    AuthConfig,
+    Signer,
+    open_reply,
+    open_request,
+    seal,
+)
 from transfer_engine.control.client import RegistryClient
-from transfer_engine.control.messages import Heartbeat
+from transfer_engine.control.messages import MAX_MESSAGE_BYTES, Heartbeat
 from transfer_engine.control.metastore import MemberRecord
 from transfer_engine.control.registry import Registry
 from transfer_engine.errors import AuthenticationError
@@ -54,6 +61,21 @@ def test_replay_and_stale_messages_refused() -> None:
     clock.now += 11
     s.verify(s.sign(b"n"))
     assert s.nonces_held == 1
+
+
+def test_oversized_frames_and_clock_skew() -> None:
+    """A frame larger than any message is refused before its MAC is computed; a nonce
+    from a sender whose clock runs ahead is remembered for as long as its timestamp is
+    valid, so the frame cannot be replayed near the end of that time."""
+    clock = FakeClock(1_700_000_000.0)
+    s = Signer(AuthConfig(SECRET, window=10), clock)
+    with pytest.raises(AuthenticationError, match="exceeds the limit"):
+        s.verify(b"TEA1" + bytes(OVERHEAD + MAX_MESSAGE_BYTES))
+    ahead = Signer(AuthConfig(SECRET, window=10), lambda: clock.now + 8).sign(b"skewed")
+    assert s.verify(ahead) == b"skewed"
+    clock.now += 11  # past now + window, still within its timestamp + window
+    with pytest.raises(AuthenticationError, match="replayed"):
+        s.verify(ahead)
 
 
 def test_config_validation_and_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 import pytest
 
@@ -249,3 +250,37 @@ def test_a_refused_immediate_is_not_remembered() -> None:
         c.arrive("p", 5, 2, None, b"t", work=2)
     c.arrive("p", 5, 3, None, b"t", work=2, resent=True)  # never counted: counts now
     assert c.arrive("p", 5, 3, b"x", b"t", work=3) == Notification("p", 5, b"x")
+
+
+def test_an_engines_kept_notifications_are_bounded(make_engine, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+                                                   ) -> None:
+    """Notifications are kept for Engine.notifications() even when callbacks take them;
+    nobody reading them must not grow the process: the oldest go, counted."""
+    import numpy as np  # noqa: PLC0415
+
+    from transfer_engine import Descriptor  # noqa: PLC0415
+    from transfer_engine import engine as engine_module  # noqa: PLC0415
+
+    monkeypatch.setattr(engine_module, "KEPT_NOTES", 8)
+    monkeypatch.setattr(engine_module, "KEPT_NOTE_BYTES", 10_000)
+    a = make_engine("a", transports=["tcp"])
+    b = make_engine("b", transports=["tcp"])
+    seen: list[Notification] = []
+    b.on_notify(seen.append)
+    b.register(np.zeros(4096, np.uint8), name="dst")
+    src = a.register(np.ones(4096, np.uint8))
+    peer = a.connect(b.endpoint)
+    for i in range(12):  # 12 small notes: the count bound
+        a.write(peer, [(Descriptor(src, 0, 64), Descriptor(peer.segment("dst"), 0, 64))],
+                notify=b"n%d" % i).wait(10)
+    for i in range(3):  # 4 KB notes: the byte bound keeps two
+        a.write(peer, [(Descriptor(src, 0, 64), Descriptor(peer.segment("dst"), 0, 64))],
+                notify=bytes([i]) * 4000).wait(10)
+    for _ in range(100):
+        if len(seen) == 15:
+            break
+        time.sleep(0.02)
+    assert len(seen) == 15  # every callback fired
+    kept = b.notifications()
+    assert [n.payload for n in kept] == [bytes([1]) * 4000, bytes([2]) * 4000]
+    assert b.stats["notifications_dropped"] == 13 and b._notes_bytes == 0

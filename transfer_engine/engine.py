@@ -71,6 +71,8 @@ __all__ = ["Engine", "Pairs"]
 log = logging.getLogger(__name__)
 
 DEFAULT_TRANSPORTS = ("shm", "rdma", "tcp")  # best first; missing ones are skipped
+KEPT_NOTES = 65536  # notifications kept for Engine.notifications() at most
+KEPT_NOTE_BYTES = 64 << 20  # and their payload bytes
 
 
 class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
@@ -156,6 +158,7 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
         self._retired: set[Peer] = set()  # replaced, closed when their transfers end
         self._counter = ImmediateCounter()
         self._notes: collections.deque[Notification] = collections.deque()
+        self._notes_bytes = 0  # payload bytes held in _notes
         self._notes_cond = threading.Condition(self._lock)
         self._callbacks: list[Callable[[Notification], None]] = []
         self.stats = collections.Counter[str]()
@@ -237,6 +240,12 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
             if note is None:
                 return
             self._notes.append(note)
+            self._notes_bytes += len(note.payload)
+            while len(self._notes) > KEPT_NOTES or self._notes_bytes > KEPT_NOTE_BYTES:
+                # nobody takes them (callbacks only, or a reader that stopped): the
+                # oldest go, counted, rather than the process's memory
+                self._notes_bytes -= len(self._notes.popleft().payload)
+                self.stats["notifications_dropped"] += 1
             self.stats["notifications"] += 1
             self._notes_cond.notify_all()
             callbacks = list(self._callbacks)
@@ -339,11 +348,14 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
             out: list[Notification] = []
             while self._notes and (max_count is None or len(out) < max_count):
                 out.append(self._notes.popleft())
+                self._notes_bytes -= len(out[-1].payload)
             return out
 
     def on_notify(self, callback: Callable[[Notification], None]) -> None:
         """Calls ``callback(notification)`` from a transport thread for each one (they
-        are also kept for :meth:`notifications`)."""
+        are also kept for :meth:`notifications`: the latest ``KEPT_NOTES``, up to
+        ``KEPT_NOTE_BYTES`` of payload; older ones are dropped, counted in
+        ``stats["notifications_dropped"]``)."""
         with self._lock:
             self._callbacks.append(callback)
 

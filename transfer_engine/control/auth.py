@@ -34,7 +34,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from transfer_engine.control.messages import Denied, Message, decode, encode
+from transfer_engine.control.messages import (
+    MAX_MESSAGE_BYTES,
+    Denied,
+    Message,
+    decode,
+    encode,
+)
 from transfer_engine.errors import AuthenticationError
 
 __all__ = ["AuthConfig", "Signer", "MAGIC", "OVERHEAD", "seal", "open_request",
@@ -115,6 +121,9 @@ class Signer:
         """Returns the message inside ``frame``; raises ``AuthenticationError``."""
         if len(frame) < OVERHEAD or frame[:4] != MAGIC:
             raise AuthenticationError("message is not signed")
+        if len(frame) - OVERHEAD > MAX_MESSAGE_BYTES:  # refused before the costly MAC
+            raise AuthenticationError(f"message of {len(frame) - OVERHEAD} bytes exceeds "
+                                      f"the limit of {MAX_MESSAGE_BYTES}")
         magic, ts, nonce, mac = _HEAD.unpack_from(frame)
         data = frame[OVERHEAD:]
         expect = hmac.digest(self._key, frame[:4 + 8 + 16] + data, hashlib.sha256)
@@ -134,7 +143,9 @@ class Signer:
                 raise AuthenticationError("replayed message")
             if len(self._seen) >= self._max:
                 raise AuthenticationError("too many messages in the replay window")
-            self._seen[nonce] = now + self._window
+            # remembered as long as its timestamp is valid: a sender whose clock runs
+            # ahead of ours stamps messages that stay valid past now + window
+            self._seen[nonce] = max(now, ts) + self._window
         return data
 
 

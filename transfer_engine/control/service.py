@@ -22,8 +22,8 @@ from typing import Any
 
 import zmq
 
-from transfer_engine.control.auth import Signer, check_exposure, open_request
-from transfer_engine.control.messages import ErrorReply, Message
+from transfer_engine.control.auth import OVERHEAD, Signer, check_exposure, open_request
+from transfer_engine.control.messages import MAX_MESSAGE_BYTES, ErrorReply, Message
 from transfer_engine.control.reply import SINGLE_FRAME, answer_multipart, refuse, send_reply
 from transfer_engine.errors import AuthenticationError, TransferError
 
@@ -32,7 +32,10 @@ __all__ = ["Service", "tcp_endpoint", "split_host_port"]
 log = logging.getLogger(__name__)
 
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
-MAX_REQUEST_BYTES = 8 << 20
+MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES + OVERHEAD  # no valid request is larger
+# requests queued per connection while the service thread is busy (ZeroMQ's default is
+# 1,000: up to 4 GiB from one flooding connection); past it ZeroMQ stops reading it
+RECV_QUEUE = 4
 
 
 def split_host_port(addr: str) -> tuple[str, int]:
@@ -82,6 +85,7 @@ class Service:
         try:
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+            self._sock.setsockopt(zmq.RCVHWM, RECV_QUEUE)
             if ":" in host:
                 self._sock.setsockopt(zmq.IPV6, 1)
             bind = tcp_endpoint(host, port)

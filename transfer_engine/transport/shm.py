@@ -287,6 +287,7 @@ class ShmRail(StreamRail):
 
 class ShmServer(StreamServer):
     transport_name = "shm"
+    takes_ranges = True
 
     def announce_devices(self, conn: Connection, body: bytes) -> None:
         if conn.devices is None:

@@ -141,6 +141,7 @@ class StreamServer:
 
     transport_name = "stream"
     stages_device = True  # device segments served through a bounce (targets.stage)
+    takes_ranges = False  # whether initiators announce their ranges (shm: it copies them)
 
     def __init__(self, listener: socket.socket, host: Host, buffer_bytes: int,
                  stall_timeout: float = STALL_TIMEOUT) -> None:
@@ -461,6 +462,9 @@ class StreamServer:
     def _announce(self, conn: Connection, body_len: int) -> None:
         """Records the initiator's registered ranges (rows of address, length,
         writable), sorted by address, as (start, end, writable) rows."""
+        if not self.takes_ranges:  # nothing here reads them: not kept
+            raise ProtocolError(f"{self.transport_name} takes no range announcement",
+                                peer=conn.peer)
         if body_len % 24 or body_len > MAX_ANNOUNCED * 24:
             raise ProtocolError("malformed announcement", peer=conn.peer)
         rows = np.frombuffer(recv_exact(conn.sock, body_len), "<u8").reshape(-1, 3)
