@@ -307,6 +307,65 @@ def test_tcp_keeps_no_range_announcement(victim: tuple[Engine, np.ndarray, int])
         rail.close()
 
 
+def test_a_name_holds_a_bounded_number_of_rails_over_all_its_tickets(
+        victim: tuple[Engine, np.ndarray, int]) -> None:
+    """A peer that handshakes again for a fresh ticket every 64 rails (the book drops
+    its old tickets, not their rails) still holds at most 4 x 64 under its name."""
+    b, _, _ = victim
+    limit = 4 * b.rails_per_ticket
+    rails: list[RawRail] = []
+    refused = False
+    try:
+        for i in range(limit + 64):
+            if i % b.rails_per_ticket == 0:
+                _, credential = handshake(b, "greedy")
+            rail = RawRail(b, credential)
+            rails.append(rail)
+            if rail.status != 0:
+                refused = True
+                break
+        assert refused and len(rails) == limit + 1
+        _legit_roundtrip_tcp(b)
+    finally:
+        for rail in rails:
+            rail.close()
+
+
+def test_a_full_server_sheds_the_busiest_names_oldest_idle_rail(
+        victim: tuple[Engine, np.ndarray, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every connection slot taken by idle rails, a new peer still gets in: the
+    oldest idle rail of the name holding the most is closed to make room."""
+    from transfer_engine.transport.stream import server as server_module  # noqa: PLC0415
+
+    b, _, _ = victim
+    monkeypatch.setattr(server_module, "MAX_CONNECTIONS", 12)
+    rails: list[RawRail] = []
+    try:
+        for name in ("greedy", "greedy", "other"):
+            _, credential = handshake(b, name)
+            for _ in range(4):
+                rails.append(RawRail(b, credential))
+                assert rails[-1].status == 0
+        _legit_roundtrip_tcp(b)
+        assert rails[0].closed_by_target(), "the busiest name's oldest rail stays"
+        assert not rails[-1].closed_by_target(0.2)  # the others' stay open
+    finally:
+        for rail in rails:
+            rail.close()
+
+
+def _legit_roundtrip_tcp(b: Engine) -> None:
+    """A fresh engine connects over tcp and writes, byte-exact."""
+    import transfer_engine  # noqa: PLC0415
+
+    data = random_bytes(4096, 5)
+    with transfer_engine.Engine("legit", transports=["tcp"], timeout=5) as a:
+        peer = a.connect(b.endpoint)
+        a.write(peer, [(Descriptor(a.register(data), 0, 4096),
+                        Descriptor(peer.segment("kv"), 0, 4096))]).wait(10)
+    assert np.array_equal(b.segments["kv"].view()[:4096], data)
+
+
 def test_a_crowd_of_stalled_openings_does_not_lock_a_peer_out(
         make_engine: Callable[..., Engine], victim: tuple[Engine, np.ndarray, int]) -> None:
     b, mem, _ = victim

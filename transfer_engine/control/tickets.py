@@ -120,11 +120,16 @@ class Ticket:
     pid: int  # the process the handshake named (checked against SO_PEERCRED on shm)
     rails: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    book: TicketBook | None = field(default=None, repr=False)
 
     def release(self) -> None:
         """A rail bound to this ticket closed."""
         with self.lock:
-            self.rails = max(0, self.rails - 1)
+            if self.rails <= 0:
+                return
+            self.rails -= 1
+        if self.book is not None:
+            self.book._released(self.peer)
 
 
 class TicketBook:
@@ -135,7 +140,9 @@ class TicketBook:
     :param target: this engine's name (part of the derived key).
     :param max_tickets: tickets kept at most; the oldest go first.
     :param per_peer: tickets kept per peer name (a reconnecting peer gets a new one).
-    :param max_rails: rails one ticket may hold open at once.
+    :param max_rails: rails one ticket may hold open at once; a peer name holds at most
+        ``per_peer * max_rails`` whatever its tickets (those of tickets the book has
+        dropped since count too).
     """
 
     def __init__(self, secret: bytes | None, target: str, max_tickets: int = 4096,
@@ -147,6 +154,7 @@ class TicketBook:
         self.max_rails = max_rails
         self._tickets: collections.OrderedDict[bytes, Ticket] = collections.OrderedDict()
         self._by_peer: dict[str, collections.deque[bytes]] = {}
+        self._rails_of: collections.Counter[str] = collections.Counter()  # by peer name
         self._lock = threading.Lock()
         self.refused = 0
 
@@ -160,7 +168,7 @@ class TicketBook:
             key = os.urandom(KEY_BYTES)
             wire = {"id": ticket_id, "key": key}
         with self._lock:
-            self._tickets[ticket_id] = Ticket(ticket_id, peer, key, pid)
+            self._tickets[ticket_id] = Ticket(ticket_id, peer, key, pid, book=self)
             ids = self._by_peer.setdefault(peer, collections.deque())
             ids.append(ticket_id)
             while len(ids) > self._per_peer:
@@ -195,14 +203,35 @@ class TicketBook:
                 client_proof(ticket.key, transport, challenge, nonce), proof):
             self.refused += 1
             raise refused
-        with ticket.lock:
-            if ticket.rails >= self.max_rails:
+        with self._lock:
+            held = self._rails_of[ticket.peer]
+            if held >= self.max_rails * self._per_peer:
                 self.refused += 1
-                raise AuthenticationError(f"peer holds {ticket.rails} rails already",
+                raise AuthenticationError(f"peer holds {held} rails already",
                                           peer=ticket.peer, transport=transport,
                                           op="connect")
-            ticket.rails += 1
+            with ticket.lock:
+                if ticket.rails >= self.max_rails:
+                    self.refused += 1
+                    raise AuthenticationError(f"peer holds {ticket.rails} rails already",
+                                              peer=ticket.peer, transport=transport,
+                                              op="connect")
+                ticket.rails += 1
+            self._rails_of[ticket.peer] += 1
         return ticket, server_proof(ticket.key, transport, challenge, nonce)
+
+    def _released(self, peer: str) -> None:
+        with self._lock:
+            left = self._rails_of[peer] - 1
+            if left > 0:
+                self._rails_of[peer] = left
+            else:
+                del self._rails_of[peer]
+
+    def rails_of(self, peer: str) -> int:
+        """Rails open under ``peer``'s name, over all its tickets."""
+        with self._lock:
+            return self._rails_of[peer]
 
     def revoke_peer(self, peer: str) -> None:
         """Drops every ticket of ``peer`` (rails already open stay bound)."""

@@ -59,6 +59,7 @@ from transfer_engine.errors import (
     InvalidDescriptorError,
     NotSupportedError,
     PeerLostError,
+    ProtocolError,
     TransferError,
 )
 from transfer_engine.planner import WorkRequest
@@ -79,9 +80,11 @@ from transfer_engine.transport.stream import (
     encode_request,
     open_rail,
     pack_local,
+    recv_exact,
     send_bytes,
 )
 from transfer_engine.transport.stream.process import ServeProcess, serve_mode
+from transfer_engine.transport.stream.wire import MAX_ANNOUNCED
 
 __all__ = ["ShmTransport", "host_id"]
 
@@ -287,7 +290,22 @@ class ShmRail(StreamRail):
 
 class ShmServer(StreamServer):
     transport_name = "shm"
-    takes_ranges = True
+
+    def _announce(self, conn: Connection, body_len: int) -> None:
+        """Records the initiator's registered ranges (rows of address, length,
+        writable), sorted by address, as (start, end, writable) rows."""
+        if body_len % 24 or body_len > MAX_ANNOUNCED * 24:
+            raise ProtocolError("malformed announcement", peer=conn.peer)
+        rows = np.frombuffer(recv_exact(conn.sock, body_len), "<u8").reshape(-1, 3)
+        start, length = rows[:, 0], rows[:, 1]
+        if len(rows) and bool(((length == 0) | (start > np.uint64(2**64 - 1) - length)).any()):
+            raise ProtocolError("announced range is empty or wraps", peer=conn.peer)
+        order = np.argsort(start, kind="stable")
+        out = np.empty((len(rows), 3), dtype=np.uint64)
+        out[:, 0] = start[order]
+        out[:, 1] = start[order] + length[order]
+        out[:, 2] = rows[order, 2] != 0
+        conn.ranges = out
 
     def announce_devices(self, conn: Connection, body: bytes) -> None:
         if conn.devices is None:

@@ -4,8 +4,7 @@ A connection opens on a thread of its own; once open, the process's pump (:mod:`
 watches it, and a pump worker serves each request as it arrives: it validates the
 request against the segment table *before* touching memory, moves the bytes (the
 subclass says how), counts the immediate after the bytes, and answers. Every resource
-a stranger can make it hold is bounded (see the bounds in :mod:`.wire`'s notes and the
-constants here).
+a stranger can make it hold is bounded (:mod:`.wire`'s notes and the constants here).
 """
 
 from __future__ import annotations
@@ -63,7 +62,6 @@ from transfer_engine.transport.stream.wire import (
     KIND_READ,
     KIND_WRITE,
     LOCAL_DT,
-    MAX_ANNOUNCED,
     MAX_BODY,
     MAX_ENTRIES,
     MAX_REQUEST_BYTES,
@@ -141,7 +139,6 @@ class StreamServer:
 
     transport_name = "stream"
     stages_device = True  # device segments served through a bounce (targets.stage)
-    takes_ranges = False  # whether initiators announce their ranges (shm: it copies them)
 
     def __init__(self, listener: socket.socket, host: Host, buffer_bytes: int,
                  stall_timeout: float = STALL_TIMEOUT) -> None:
@@ -153,6 +150,7 @@ class StreamServer:
         # connections by socket: the opening's thread, then None (served by the pump)
         self._conns: dict[socket.socket, threading.Thread | None] = {}
         self._open: dict[socket.socket, Connection] = {}
+        self._shed: set[socket.socket] = set()  # idle rails shut to make room
         self._opening: collections.OrderedDict[socket.socket, None] = (
             collections.OrderedDict())  # oldest first
         self._closed = False
@@ -221,7 +219,8 @@ class StreamServer:
                 if self._closed:
                     sock.close()
                     return
-                if len(self._conns) >= MAX_CONNECTIONS:
+                if len(self._conns) - len(self._shed) >= MAX_CONNECTIONS and \
+                        not self._shed_idle():
                     self.stats["connections_shed"] += 1
                     sock.close()
                     continue
@@ -251,6 +250,26 @@ class StreamServer:
                     self._conns.pop(sock, None)
                     self._opening.pop(sock, None)
                 sock.close()
+
+    def _shed_idle(self) -> bool:
+        """At capacity (holding ``_lock``): shuts the oldest idle rail of the peer that
+        holds the most (its worker drops it), so that no peer keeps the others out.
+        False when no peer holds more than one."""
+        held = collections.Counter(c.peer for s, c in self._open.items()
+                                   if s not in self._shed).most_common(1)
+        if not held or held[0][1] < 2:
+            return False
+        peer = held[0][0]
+        for sock, conn in self._open.items():  # oldest first
+            if conn.peer == peer and not conn.busy and sock not in self._shed:
+                self._shed.add(sock)
+                self.stats["rails_shed"] += 1
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                return True
+        return False
 
     def _admit(self, sock: socket.socket) -> tuple[Connection, bytes]:
         """The opening: challenge, ticket, proofs; returns the connection and our proof.
@@ -323,6 +342,7 @@ class StreamServer:
             if self._conns.pop(sock, False) is False:
                 return
             self._open.pop(sock, None)
+            self._shed.discard(sock)
             self._opening.pop(sock, None)
         held = conn.pump if conn is not None else None
         if held is not None:
@@ -460,23 +480,9 @@ class StreamServer:
             pinned.clear()
 
     def _announce(self, conn: Connection, body_len: int) -> None:
-        """Records the initiator's registered ranges (rows of address, length,
-        writable), sorted by address, as (start, end, writable) rows."""
-        if not self.takes_ranges:  # nothing here reads them: not kept
-            raise ProtocolError(f"{self.transport_name} takes no range announcement",
-                                peer=conn.peer)
-        if body_len % 24 or body_len > MAX_ANNOUNCED * 24:
-            raise ProtocolError("malformed announcement", peer=conn.peer)
-        rows = np.frombuffer(recv_exact(conn.sock, body_len), "<u8").reshape(-1, 3)
-        start, length = rows[:, 0], rows[:, 1]
-        if len(rows) and bool(((length == 0) | (start > np.uint64(2**64 - 1) - length)).any()):
-            raise ProtocolError("announced range is empty or wraps", peer=conn.peer)
-        order = np.argsort(start, kind="stable")
-        out = np.empty((len(rows), 3), dtype=np.uint64)
-        out[:, 0] = start[order]
-        out[:, 1] = start[order] + length[order]
-        out[:, 2] = rows[order, 2] != 0
-        conn.ranges = out
+        """Initiators announce their ranges to shm only (its target copies from them)."""
+        raise ProtocolError(f"{self.transport_name} takes no range announcement",
+                            peer=conn.peer)
 
     def _resolve(self, conn: Connection, op: Op, remote: np.ndarray, nbytes: int,
                  low: list[int], high: list[int], pinned: list[Any]) -> Targets:
