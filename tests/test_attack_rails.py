@@ -401,6 +401,37 @@ def test_a_rail_stalled_mid_write_is_dropped_and_its_segment_freed(
     assert time.monotonic() - started < 3  # a pin left would wait out the 5 s
 
 
+def test_a_trickled_write_is_dropped_in_bounded_time(
+        make_engine: Callable[..., Engine]) -> None:
+    """A peer that sends a WRITE's payload a byte at a time, each well within the stall
+    timeout, does not hold a serving thread: the payload must average 64 KiB/s past
+    one stall, so this 4 KiB one is cut after about two stalls, nothing is left pinned,
+    and the target serves others."""
+    b, mem, seg_id = _tight_tcp(make_engine, 0.5)
+    _, credential = handshake(b)
+    rail = RawRail(b, credential)
+    started = time.monotonic()
+    try:
+        head = HEADER.pack(KIND_WRITE, 0, 1, 0, 0, 0, 1, 0, 0)
+        rail.sock.sendall(head + np.array([seg_id, 0, 4096], dtype="<u8").tobytes())
+        closed = False
+        for _ in range(100):  # a byte every 0.1 s would take 400 s
+            try:
+                rail.sock.sendall(b"\x01")
+            except OSError:
+                closed = True
+                break
+            time.sleep(0.1)
+            if time.monotonic() - started > 1.5 and rail.closed_by_target(timeout=0.05):
+                closed = True
+                break
+        assert closed and time.monotonic() - started < 5
+    finally:
+        rail.close()
+    b.segments["kv"].close(timeout=5)  # no pin left: returns at once
+    assert time.monotonic() - started < 6
+
+
 def test_an_idle_rail_stays_open(make_engine: Callable[..., Engine]) -> None:
     b, mem, seg_id = _tight_tcp(make_engine, 0.2)
     _, credential = handshake(b)

@@ -82,6 +82,7 @@ from transfer_engine.transport.stream import (
     send_gather,
     tune_socket,
 )
+from transfer_engine.transport.stream.io import payload_deadline
 from transfer_engine.transport.stream.process import ServeProcess, serve_mode
 from transfer_engine.transport.tcp_congestion import (  # noqa: F401 - public here too
     AUTO,
@@ -201,7 +202,8 @@ class TcpServer(StreamServer):
         set_congestion(sock, self._congestion)
 
     def land(self, conn: Connection, views: Targets, local: np.ndarray | None) -> None:
-        recv_scatter(conn.sock, views.iov, views.nbytes)
+        recv_scatter(conn.sock, views.iov, views.nbytes,
+                     deadline=payload_deadline(self._stall, views.nbytes))
 
     def serve(self, conn: Connection, wr_id: int, views: Targets,
               local: np.ndarray | None) -> None:

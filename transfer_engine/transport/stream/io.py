@@ -15,6 +15,7 @@ import fcntl
 import socket
 import struct
 import termios
+import time
 from bisect import bisect_right
 from collections.abc import Sequence
 from itertools import accumulate
@@ -32,6 +33,16 @@ from transfer_engine.transport.iovec import (
 _IOV_CHUNK = 1000  # sendmsg/recvmsg_into take at most IOV_MAX buffers
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
 EARLY_HEAD_BYTES = 256 << 10
+
+
+MIN_PAYLOAD_RATE = 64 << 10  # bytes per second a request's payload must keep, on average
+
+
+def payload_deadline(stall: float, nbytes: int) -> float:
+    """When ``nbytes`` of payload must have arrived, from now: one ``stall`` plus the
+    time they take at ``MIN_PAYLOAD_RATE``. A peer that trickles its bytes (one every
+    few seconds keeps each receive alive) so holds a serving thread for a bounded time."""
+    return time.monotonic() + stall + nbytes / MIN_PAYLOAD_RATE
 
 
 class PeerClosed(Exception):
@@ -62,11 +73,13 @@ def _rest(bufs: Sequence[Any], ends: list[int], done: int) -> list[Any]:
 
 
 def recv_into_views(sock: socket.socket, views: Sequence[Any],
-                    nbytes: int | None = None, patient: bool = False) -> None:
+                    nbytes: int | None = None, patient: bool = False,
+                    deadline: float | None = None) -> None:
     """Fills ``views`` in order from ``sock``, scattering with recvmsg_into.
 
     ``nbytes`` is their total size when the caller knows it. With ``patient``, the
-    socket's receive bound running out is no error (see :func:`recv_head`).
+    socket's receive bound running out is no error (see :func:`recv_head`). Bytes still
+    to come past ``deadline`` (``time.monotonic()``) raise :class:`PeerClosed`.
     """
     if nbytes is None:
         nbytes = sum(map(len, views))
@@ -78,6 +91,9 @@ def recv_into_views(sock: socket.socket, views: Sequence[Any],
         return
     ends = list(accumulate(map(len, views)))
     while got < nbytes:
+        if deadline is not None and time.monotonic() > deadline:
+            raise PeerClosed(f"{nbytes - got} of {nbytes} bytes still to come past the "
+                             "deadline")
         got += _recv_into(sock, _rest(views, ends, got), patient)
 
 
@@ -216,16 +232,16 @@ def send_gather(sock: socket.socket, head: bytes, iov: np.ndarray | None, nbytes
 
 
 def recv_scatter(sock: socket.socket, iov: np.ndarray, nbytes: int,
-                 patient: bool = False) -> None:
-    """Fills the ``nbytes`` bytes ``iov`` describes from ``sock`` (``patient``: see
-    :func:`recv_into_views`)."""
+                 patient: bool = False, deadline: float | None = None) -> None:
+    """Fills the ``nbytes`` bytes ``iov`` describes from ``sock`` (``patient`` and
+    ``deadline``: see :func:`recv_into_views`)."""
     if not nbytes:
         return
     if not IOVEC_IO:
-        recv_into_views(sock, iov_views(iov), nbytes, patient)
+        recv_into_views(sock, iov_views(iov), nbytes, patient, deadline)
         return
     try:
-        recv_iov(sock, iov, nbytes, patient=patient)
+        recv_iov(sock, iov, nbytes, patient=patient, deadline=deadline)
     except OSError as exc:
         raise PeerClosed(str(exc)) from exc
 

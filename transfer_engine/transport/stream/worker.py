@@ -38,6 +38,7 @@ from transfer_engine.transport.base import Immediate
 from transfer_engine.transport.shm import ShmServer
 from transfer_engine.transport.stream.channel import Channel, ChannelClosed
 from transfer_engine.transport.stream.io import (
+    payload_deadline,
     recv_into_views,
     recv_scatter,
     send_gather,
@@ -220,19 +221,21 @@ class ServeTcpServer(TcpServer):
         super().__init__(listener, host, buffer_bytes, congestion, stall_timeout)
 
     def land(self, conn: Connection, views: Targets, local: np.ndarray | None) -> None:
+        deadline = payload_deadline(self._stall, views.nbytes)
         iov = direct_rows(views)
         if iov is not None:
-            recv_scatter(conn.sock, iov, views.nbytes)
+            recv_scatter(conn.sock, iov, views.nbytes, deadline=deadline)
             return
         bounce = memoryview(bytearray(min(BOUNCE, views.nbytes)))
         for address, length, here in _pieces(views):
             if here:
-                recv_into_views(conn.sock, [_view_at(here, length, True)], length)
+                recv_into_views(conn.sock, [_view_at(here, length, True)], length,
+                                deadline=deadline)
                 continue
             done = 0
             while done < length:
                 n = min(len(bounce), length - done)
-                recv_into_views(conn.sock, [bounce[:n]], n)
+                recv_into_views(conn.sock, [bounce[:n]], n, deadline=deadline)
                 _full(os.pwrite, self._mem, bounce[:n], address + done)
                 done += n
 
