@@ -14,6 +14,7 @@ after two heartbeat intervals). Keys that DRAM cannot hold even so go to disk po
 from __future__ import annotations
 
 import math
+import secrets
 
 import numpy as np
 
@@ -125,7 +126,9 @@ class Placement(MasterState):
                 self._spill(status, lengths, pools, offsets, msg.replicas, start)
                 status[status == Status.RETRY] = Status.NO_SPACE
         placed = np.flatnonzero(pools[:, 0] >= 0)
-        put_id = start
+        put_id = secrets.randbits(62) or 1  # unguessable: a put is committed by its id
+        while put_id in self._puts:
+            put_id = secrets.randbits(62) or 1
         versions = np.zeros(n, dtype=np.uint64)
         if placed.size:
             t = self.table

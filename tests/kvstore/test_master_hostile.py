@@ -17,7 +17,7 @@ from kvstore import nodes as nodes_module
 from kvstore.client import Client
 from kvstore.master import Master
 from kvstore.node import StorageNode
-from kvstore.protocol import ENTRY, KvNode, KvNodeWelcome, KvPut, Status
+from kvstore.protocol import ENTRY, KvCommit, KvNode, KvNodeWelcome, KvPut, Status
 from transfer_engine.control.messages import ErrorReply, Message, decode, encode
 
 
@@ -137,3 +137,17 @@ def test_restarting_nodes_reuse_pool_numbers(cluster: tuple[Master, Raw]) -> Non
     with Client(m.endpoint) as c:
         c.put(1, b"still here")
         assert c.get(1) == b"still here"
+
+
+def test_put_ids_cannot_be_guessed(cluster: tuple[Master, Raw]) -> None:
+    """A put is committed (or aborted) by its id alone: ids are random, so another
+    client cannot publish a put whose bytes are not written yet, nor abort it."""
+    m, raw = cluster
+    placed = [raw.ask(KvPut(keys=_keys([100 + i]), lengths=np.array([64], "<i8").tobytes(),
+                            checksums=np.zeros(1, "<u8").tobytes())) for i in range(2)]
+    ids = [p.put_id for p in placed]  # type: ignore[attr-defined]
+    assert all(ids) and abs(ids[1] - ids[0]) > 1000
+    for guess in range(1, 200):
+        rep = raw.ask(KvCommit(put_id=guess, abort=True))
+        assert isinstance(rep, ErrorReply) and "unknown put" in rep.message
+    assert set(ids) <= set(m._puts)
