@@ -283,4 +283,4 @@ def test_an_engines_kept_notifications_are_bounded(make_engine, monkeypatch: pyt
     assert len(seen) == 15  # every callback fired
     kept = b.notifications()
     assert [n.payload for n in kept] == [bytes([1]) * 4000, bytes([2]) * 4000]
-    assert b.stats["notifications_dropped"] == 13 and b._notes_bytes == 0
+    assert b.stats["notifications_dropped"] == 13 and b._notes.nbytes == 0

@@ -52,7 +52,7 @@ from transfer_engine.errors import (
 )
 from transfer_engine.latency import Latencies
 from transfer_engine.membership import Membership
-from transfer_engine.notify import ImmediateCounter, Notification
+from transfer_engine.notify import ImmediateCounter, KeptNotes, Notification
 from transfer_engine.peer import Peer
 from transfer_engine.peers import Peers
 from transfer_engine.segment import Segment, describe_memory
@@ -157,8 +157,7 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
         self._connecting: dict[str, Future[Peer]] = {}  # handshakes under way
         self._retired: set[Peer] = set()  # replaced, closed when their transfers end
         self._counter = ImmediateCounter()
-        self._notes: collections.deque[Notification] = collections.deque()
-        self._notes_bytes = 0  # payload bytes held in _notes
+        self._notes = KeptNotes(KEPT_NOTES, KEPT_NOTE_BYTES)
         self._notes_cond = threading.Condition(self._lock)
         self._callbacks: list[Callable[[Notification], None]] = []
         self.stats = collections.Counter[str]()
@@ -239,13 +238,7 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
                 return
             if note is None:
                 return
-            self._notes.append(note)
-            self._notes_bytes += len(note.payload)
-            while len(self._notes) > KEPT_NOTES or self._notes_bytes > KEPT_NOTE_BYTES:
-                # nobody takes them (callbacks only, or a reader that stopped): the
-                # oldest go, counted, rather than the process's memory
-                self._notes_bytes -= len(self._notes.popleft().payload)
-                self.stats["notifications_dropped"] += 1
+            self.stats["notifications_dropped"] += self._notes.append(note)
             self.stats["notifications"] += 1
             self._notes_cond.notify_all()
             callbacks = list(self._callbacks)
@@ -345,11 +338,7 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
         with self._notes_cond:
             if not self._notes and timeout != 0:
                 self._notes_cond.wait_for(lambda: bool(self._notes) or self._closed, timeout)
-            out: list[Notification] = []
-            while self._notes and (max_count is None or len(out) < max_count):
-                out.append(self._notes.popleft())
-                self._notes_bytes -= len(out[-1].payload)
-            return out
+            return self._notes.take(max_count)
 
     def on_notify(self, callback: Callable[[Notification], None]) -> None:
         """Calls ``callback(notification)`` from a transport thread for each one (they

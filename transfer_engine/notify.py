@@ -10,10 +10,11 @@ immediates carries the notification bytes. Pure bookkeeping: no I/O, no threads.
 
 from __future__ import annotations
 
+import collections
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-__all__ = ["Notification", "ImmediateCounter"]
+__all__ = ["Notification", "ImmediateCounter", "KeptNotes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,3 +188,37 @@ class ImmediateCounter:
 
     def __len__(self) -> int:
         return self._count
+
+
+class KeptNotes:
+    """Notifications kept for ``Engine.notifications()``: the latest ``max_count``, up
+    to ``max_bytes`` of payload. Nobody may be taking them (an application that uses
+    callbacks only, or a reader that stopped): the oldest then go, rather than the
+    process's memory."""
+
+    def __init__(self, max_count: int, max_bytes: int) -> None:
+        self._notes: collections.deque[Notification] = collections.deque()
+        self._max_count = max_count
+        self._max_bytes = max_bytes
+        self.nbytes = 0
+
+    def append(self, note: Notification) -> int:
+        """Keeps ``note``; returns how many older ones were dropped for it."""
+        self._notes.append(note)
+        self.nbytes += len(note.payload)
+        dropped = 0
+        while len(self._notes) > self._max_count or self.nbytes > self._max_bytes:
+            self.nbytes -= len(self._notes.popleft().payload)
+            dropped += 1
+        return dropped
+
+    def take(self, max_count: int | None = None) -> list[Notification]:
+        """The oldest ``max_count`` (all by default), taken out."""
+        out: list[Notification] = []
+        while self._notes and (max_count is None or len(out) < max_count):
+            out.append(self._notes.popleft())
+            self.nbytes -= len(out[-1].payload)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._notes)

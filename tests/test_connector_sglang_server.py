@@ -1,0 +1,135 @@
+"""The SGLang backend inside real SGLang servers: a prefill and a decode server started
+with ``--disaggregation-transfer-backend transfer_engine`` answer every prompt token for
+token as one server alone does (the KV really crosses our engine), and a request whose
+prefill never comes is failed by decode without stalling the others.
+
+SGLang's runtime is not part of this project's set-up (on CPU it needs SGLang's CPU
+kernels built from source; on a GPU host, SGLang as usual), so these tests run only
+where ``TE_SGLANG_PYTHON`` names a Python whose SGLang serves and imports this package:
+
+- ``TE_SGLANG_PYTHON``: that interpreter;
+- ``TE_SGLANG_SERVER_ARGS``: arguments for every server (default, for SGLang's CPU
+  engine: ``--device cpu --disable-overlap-schedule --attention-backend torch_native
+  --max-total-tokens 4096``);
+- ``TE_SGLANG_DECODE_ARGS``: more for the decode server (default on CPU:
+  ``--disaggregation-decode-retraction-backup cpu_tensor``);
+- ``TE_SGLANG_ENV``: ``NAME=VALUE`` pairs for the servers only (on CPU, SGLang's
+  ``SGLANG_USE_CPU_ENGINE=1`` and its ``LD_PRELOAD``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shlex
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.fleet import free_port
+from bench.vllm_servers import ROOT, http_json, launched, wait_healthy
+
+PYTHON = os.environ.get("TE_SGLANG_PYTHON", "")
+pytestmark = pytest.mark.skipif(
+    not PYTHON, reason="no SGLang that serves here: set TE_SGLANG_PYTHON to its python "
+    "(see this module's docstring)")
+
+CPU_ARGS = ("--device cpu --disable-overlap-schedule --attention-backend torch_native "
+            "--max-total-tokens 4096")
+PROMPTS = ["the cache of one prefill", "decode reads a block of tokens from memory",
+           "one two three four five six seven eight nine ten " * 6,
+           "red green blue"]
+
+
+def _server_env() -> dict[str, str]:
+    env = dict(os.environ, SGLANG_HOST_IP="127.0.0.1", HOST_IP="127.0.0.1",
+               TE_SGLANG_HOST="127.0.0.1", PYTHONPATH=str(ROOT))
+    for pair in shlex.split(os.environ.get("TE_SGLANG_ENV", "")):
+        name, _, value = pair.partition("=")
+        env[name] = value
+    return env
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("sglang-model")
+    subprocess.run([PYTHON, "-c", "import sys, pathlib; from bench.vllm_servers import "
+                    "build_model; build_model(pathlib.Path(sys.argv[1]), kv_heads=2)",
+                    str(path)], cwd=ROOT, check=True, timeout=300)
+    return path
+
+
+@contextlib.contextmanager
+def _server(model: Path, log: Path, *extra: str) -> Iterator[int]:
+    port = free_port()
+    args = shlex.split(os.environ.get("TE_SGLANG_SERVER_ARGS", CPU_ARGS))
+    cmd = [PYTHON, "-m", "sglang.launch_server", "--model-path", str(model), "--host",
+           "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", *args, *extra]
+    with launched(cmd, log, _server_env()) as proc:
+        wait_healthy(port, proc, log, timeout=600)
+        yield port
+
+
+def _generate(port: int, prompt: str, **extra: Any) -> dict[str, Any]:
+    status, body = http_json(port, "POST", "/generate", {
+        "text": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0,
+                                            "ignore_eos": True}, **extra}, timeout=300)
+    assert status == 200, body
+    out: dict[str, Any] = json.loads(body) if isinstance(body, str | bytes) else body
+    return out
+
+
+def _disaggregated(prefill: int, decode: int, bootstrap: int, prompt: str,
+                   room: int | None = None) -> dict[str, Any]:
+    """What SGLang's router does: the request to both servers at once, one room."""
+    params = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap,
+              "bootstrap_room": random.getrandbits(62) if room is None else room}
+    out: dict[str, Any] = {}
+
+    def ask(port: int, key: str) -> None:
+        out[key] = _generate(port, prompt, **params)
+
+    threads = [threading.Thread(target=ask, args=(p, k))
+               for p, k in ((prefill, "prefill"), (decode, "decode"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert set(out) == {"prefill", "decode"}, out
+    return out["decode"]
+
+
+def test_prefill_and_decode_servers_answer_as_one_server(model: Path, tmp_path: Path
+                                                         ) -> None:
+    with _server(model, tmp_path / "alone.log") as alone:
+        expected = [_generate(alone, p)["output_ids"] for p in PROMPTS]
+    bootstrap = free_port()
+    backend = ["--disaggregation-transfer-backend", "transfer_engine"]
+    decode_args = shlex.split(os.environ.get(
+        "TE_SGLANG_DECODE_ARGS", "--disaggregation-decode-retraction-backup cpu_tensor"))
+    with _server(model, tmp_path / "prefill.log", *backend, "--disaggregation-mode",
+                 "prefill", "--disaggregation-bootstrap-port", str(bootstrap)) as prefill, \
+            _server(model, tmp_path / "decode.log", *backend, "--disaggregation-mode",
+                    "decode", *decode_args) as decode:
+        for prompt, ids in zip(PROMPTS, expected, strict=True):
+            got = _disaggregated(prefill, decode, bootstrap, prompt)
+            assert got["output_ids"] == ids, (prompt, got["output_ids"], ids)
+        # the same prompts again (prefill's radix cache now holds them) and concurrently
+        results: dict[int, list[int]] = {}
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+            i, _disaggregated(prefill, decode, bootstrap, PROMPTS[i])["output_ids"]))
+            for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert [results.get(i) for i in range(len(PROMPTS))] == expected
+    for name in ("prefill", "decode"):
+        log = (tmp_path / f"{name}.log").read_text(errors="replace")
+        assert "Traceback" not in log, log[-3000:]
