@@ -1,7 +1,7 @@
 """The SGLang backend inside real SGLang servers: a prefill and a decode server started
-with ``--disaggregation-transfer-backend transfer_engine`` answer every prompt token for
-token as one server alone does (the KV really crosses our engine), and a request whose
-prefill never comes is failed by decode without stalling the others.
+with ``--disaggregation-transfer-backend transfer_engine`` answer every prompt, one at a
+time and several at once, token for token as one server alone does (decode computes no
+prompt: the KV crosses our engine).
 
 SGLang's runtime is not part of this project's set-up (on CPU it needs SGLang's CPU
 kernels built from source; on a GPU host, SGLang as usual), so these tests run only
