@@ -41,12 +41,21 @@ REGISTER_S = 60.0
 class Nodes(MasterState):
     """Mixed into :class:`kvstore.master.Master`: ``kv-node`` and ``kv-beat``."""
 
+    def _held_elsewhere(self, node: Node, ident: bytes, now: float) -> bool:
+        """Whether ``node``'s name is held by a live node on another connection: one
+        heard from within 1.5 heartbeats (a restarted node, or one whose connection
+        was replaced, waits that long; a stranger cannot take a live node's name)."""
+        return (node.active and ident != node.identity
+                and now - node.last_seen <= 1.5 * self.node_interval)
+
     def _beat(self, ident: bytes, msg: KvBeat) -> KvBeatAck:
         node = self._nodes.get(msg.name)
         if (node is None or node.incarnation != msg.incarnation or not node.active
                 or msg.epoch != self.epoch):
             return KvBeatAck(known=False, epoch=self.epoch)
         now = self._clock()
+        if self._held_elsewhere(node, ident, now):
+            raise ProtocolError(f"node {msg.name} beats on another connection")
         node.last_seen = now
         node.identity = ident
         self._acked(node, msg.acked)
@@ -60,6 +69,10 @@ class Nodes(MasterState):
         now = self._clock()
         node = self._nodes.get(msg.name)
         if msg.part == 0:
+            if node is not None and self._held_elsewhere(node, ident, now):
+                raise ProtocolError(f"node name {msg.name} is held by a live node: "
+                                    "registering again once it has been silent for "
+                                    f"{1.5 * self.node_interval:g}s")
             if node is not None:
                 self._drop_node(node, "registered again")
             node = Node(msg.name, msg.incarnation, msg.control, msg.pod, msg.zone, ident,

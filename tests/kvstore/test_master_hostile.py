@@ -17,7 +17,7 @@ from kvstore import nodes as nodes_module
 from kvstore.client import Client
 from kvstore.master import Master
 from kvstore.node import StorageNode
-from kvstore.protocol import ENTRY, KvCommit, KvNode, KvNodeWelcome, KvPut, Status
+from kvstore.protocol import ENTRY, KvBeat, KvCommit, KvNode, KvNodeWelcome, KvPut, Status
 from transfer_engine.control.messages import ErrorReply, Message, decode, encode
 
 
@@ -151,3 +151,26 @@ def test_put_ids_cannot_be_guessed(cluster: tuple[Master, Raw]) -> None:
         rep = raw.ask(KvCommit(put_id=guess, abort=True))
         assert isinstance(rep, ErrorReply) and "unknown put" in rep.message
     assert set(ids) <= set(m._puts)
+
+
+def test_a_live_nodes_name_cannot_be_taken(cluster: tuple[Master, Raw]) -> None:
+    """A registration or heartbeat under a live node's name from another connection is
+    refused, and the node's objects stay where they are; a node that has gone silent
+    can be replaced (a restart)."""
+    m, raw = cluster
+    with Client(m.endpoint) as c:
+        c.put(5, b"v5")
+        rep = raw.ask(KvNode(name="n0", incarnation="forged", pools=[["s", 64, "dram"]],
+                             part=0, last=True))
+        assert isinstance(rep, ErrorReply) and "held by a live node" in rep.message
+        node = m._nodes["n0"]
+        rep = raw.ask(KvBeat(name="n0", incarnation=node.incarnation, epoch=m.epoch))
+        assert isinstance(rep, ErrorReply) and "another connection" in rep.message
+        assert m._nodes["n0"] is node and c.get(5) == b"v5"
+    for _ in range(20):  # as if it had died (it still beats: a beat may come between)
+        node.last_seen -= 10
+        rep = raw.ask(KvNode(name="n0", incarnation="restarted",
+                             pools=[["s", 1 << 20, "dram"]], part=0, last=True))
+        if isinstance(rep, KvNodeWelcome):
+            break
+    assert isinstance(rep, KvNodeWelcome), rep
