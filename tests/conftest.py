@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 from transfer_engine import Engine
@@ -171,3 +172,16 @@ def busy_python() -> Iterator[None]:
     yield
     stop.set()
     thread.join(5)
+
+
+@pytest.fixture
+def victim(make_engine: Callable[..., Engine]) -> Iterator[tuple[Engine, np.ndarray, int]]:
+    """An engine serving shm and tcp with one random 1 MiB segment, ``kv``: (engine,
+    its bytes, the segment's id)."""
+    from tests.helpers.rails import SIZE  # noqa: PLC0415
+    from tests.helpers.transport_contract import random_bytes  # noqa: PLC0415
+
+    b = make_engine("victim", transports=["shm", "tcp"])
+    mem = random_bytes(SIZE, 11)
+    seg = b.register(mem, name="kv")
+    yield b, mem, seg.id

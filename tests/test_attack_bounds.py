@@ -5,33 +5,19 @@ and announcements a transport does not read."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
-from tests.helpers.rails import RawRail, handshake
+from tests.helpers.rails import (
+    RawRail,
+    handshake,
+    tight_tcp,
+)
 from tests.helpers.transport_contract import random_bytes
 from transfer_engine import Descriptor, Engine
 from transfer_engine.transport.stream import HEADER, KIND_ANNOUNCE, KIND_WRITE
-from transfer_engine.transport.tcp import TcpTransport
-
-SIZE = 1 << 20
-
-
-@pytest.fixture
-def victim(make_engine: Callable[..., Engine]) -> Iterator[tuple[Engine, np.ndarray, int]]:
-    b = make_engine("victim", transports=["shm", "tcp"])
-    mem = random_bytes(SIZE, 11)
-    seg = b.register(mem, name="kv")
-    yield b, mem, seg.id
-
-
-def _tight_tcp(make_engine: Callable[..., Engine], stall: float
-               ) -> tuple[Engine, np.ndarray, int]:
-    b = make_engine("victim", transports=[TcpTransport(stall_timeout=stall)])
-    mem = random_bytes(SIZE, 12)
-    return b, mem, b.register(mem, name="kv").id
 
 
 def test_tcp_keeps_no_range_announcement(victim: tuple[Engine, np.ndarray, int]) -> None:
@@ -114,7 +100,7 @@ def test_a_trickled_write_is_dropped_in_bounded_time(
     timeout, does not hold a serving thread: the payload must average 64 KiB/s past
     one stall, so this 4 KiB one is cut after about two stalls, nothing is left pinned,
     and the target serves others."""
-    b, mem, seg_id = _tight_tcp(make_engine, 0.5)
+    b, mem, seg_id = tight_tcp(make_engine, 0.5)
     _, credential = handshake(b)
     rail = RawRail(b, credential)
     started = time.monotonic()

@@ -11,12 +11,19 @@ import resource
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
-from tests.helpers.rails import RawRail, connect_raw, handshake, hello_frame
+from tests.helpers.rails import (
+    SIZE,
+    RawRail,
+    connect_raw,
+    handshake,
+    hello_frame,
+    tight_tcp,
+)
 from tests.helpers.transport_contract import random_bytes
 from transfer_engine import Descriptor, Engine
 from transfer_engine.errors import AuthenticationError, InvalidDescriptorError
@@ -31,17 +38,8 @@ from transfer_engine.transport.stream import (
 )
 from transfer_engine.transport.tcp import TcpTransport
 
-SIZE = 1 << 20
 SECRET = "a-secret-of-at-least-16-bytes"
 TRANSPORTS = ["tcp", "shm"]
-
-
-@pytest.fixture
-def victim(make_engine: Callable[..., Engine]) -> Iterator[tuple[Engine, np.ndarray, int]]:
-    b = make_engine("victim", transports=["shm", "tcp"])
-    mem = random_bytes(SIZE, 11)
-    seg = b.register(mem, name="kv")
-    yield b, mem, seg.id
 
 
 def _refused(rail: RawRail, transport: str) -> None:
@@ -302,16 +300,9 @@ def test_a_crowd_of_stalled_openings_does_not_lock_a_peer_out(
             sock.close()
 
 
-def _tight_tcp(make_engine: Callable[..., Engine], stall: float
-               ) -> tuple[Engine, np.ndarray, int]:
-    b = make_engine("victim", transports=[TcpTransport(stall_timeout=stall)])
-    mem = random_bytes(SIZE, 12)
-    return b, mem, b.register(mem, name="kv").id
-
-
 def test_a_rail_stalled_mid_write_is_dropped_and_its_segment_freed(
         make_engine: Callable[..., Engine]) -> None:
-    b, mem, seg_id = _tight_tcp(make_engine, 0.3)
+    b, mem, seg_id = tight_tcp(make_engine, 0.3)
     _, credential = handshake(b)
     rail = RawRail(b, credential)
     try:
@@ -327,7 +318,7 @@ def test_a_rail_stalled_mid_write_is_dropped_and_its_segment_freed(
 
 
 def test_an_idle_rail_stays_open(make_engine: Callable[..., Engine]) -> None:
-    b, mem, seg_id = _tight_tcp(make_engine, 0.2)
+    b, mem, seg_id = tight_tcp(make_engine, 0.2)
     _, credential = handshake(b)
     rail = RawRail(b, credential)
     try:

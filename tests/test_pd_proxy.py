@@ -6,6 +6,7 @@ and fails over: a dead server is ejected and its requests retried elsewhere."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -380,6 +381,34 @@ class Scripted(BaseHTTPRequestHandler):
         pass
 
 
+@contextlib.contextmanager
+def _scripted_proxy(tok: Any, gen: list[int]) -> Iterator[int]:
+    """A router (first-token hand-off) in front of scripted prefill and decode servers
+    generating ``gen``, decode's tokenizer ``tok`` known without asking it; its port."""
+    pre = type("Pre", (Scripted,), {"role": "prefill", "tok": tok, "gen": gen})
+    dec = type("Dec", (Scripted,), {"role": "decode", "tok": tok, "gen": gen})
+    servers = [_serve(pre), _serve(dec)]
+    urls = [f"http://127.0.0.1:{s.server_port}" for s, _ in servers]
+    pd_proxy.Proxy.router = pd_proxy.make_router([urls[0]], [urls[1]])
+    pd_proxy.Proxy.handoff = "first"
+
+    class Known(pd_proxy.Tokenizers):
+        def get(self, url: str) -> Any:
+            return tok if url == urls[1] else super().get(url)
+
+    pd_proxy.Proxy.tokenizers = Known()
+    pd_proxy.Proxy.log_message = lambda *a: None  # type: ignore[method-assign]
+    servers.append(_serve(pd_proxy.Proxy))
+    try:
+        yield servers[2][0].server_port
+    finally:
+        pd_proxy.Proxy.tokenizers = pd_proxy.Tokenizers()
+        for server, thread in servers:
+            server.shutdown()
+            server.server_close()
+            thread.join(5)
+
+
 def test_first_token_handoff_joins_prefill_and_decode_tokens() -> None:
     """The router's first-token hand-off over scripted servers: decode gets the prompt's
     ids plus the first token and one token fewer; the client's text is that of the
@@ -388,28 +417,13 @@ def test_first_token_handoff_joins_prefill_and_decode_tokens() -> None:
     tok = _byte_tokenizer()
     gen = tok.encode("é日 wörld of the cache").ids
     assert "\ufffd" in tok.decode(gen[:1])  # the first token ends inside a character
-    pre = type("Pre", (Scripted,), {"role": "prefill", "tok": tok, "gen": gen})
-    dec = type("Dec", (Scripted,), {"role": "decode", "tok": tok, "gen": gen})
-    servers = [_serve(pre), _serve(dec)]
-    urls = [f"http://127.0.0.1:{s.server_port}" for s, _ in servers]
-    pd_proxy.Proxy.router = pd_proxy.make_router([urls[0]], [urls[1]])
-    pd_proxy.Proxy.handoff = "first"
-
-    class Known(pd_proxy.Tokenizers):  # decode's tokenizer, known without asking it
-        def get(self, url: str) -> Any:
-            return tok if url == urls[1] else super().get(url)
-
-    pd_proxy.Proxy.tokenizers = Known()
-    pd_proxy.Proxy.log_message = lambda *a: None  # type: ignore[method-assign]
-    servers.append(_serve(pd_proxy.Proxy))
-    port = servers[2][0].server_port
     prompt = "the cache block"
     pids = tok.encode(prompt).ids
 
     def text(n: int) -> str:
         return tok.decode(pids + gen[:n])[len(tok.decode(pids)):]
 
-    try:
+    with _scripted_proxy(tok, gen) as port:
         SEEN.clear()
         status, body = _post(port, {"model": "m", "prompt": prompt, "max_tokens": 6,
                                     "stream": True, "stream_options": {"include_usage": True}})
@@ -448,7 +462,7 @@ def test_first_token_handoff_joins_prefill_and_decode_tokens() -> None:
         assert [r for r, _ in SEEN] == ["prefill"]
         assert "kv_transfer_params" not in SEEN[0][1]
 
-        pre.gen = dec.gen = [Scripted.eos]
+        gen[:] = [Scripted.eos]  # the servers' list: an EOS first
         SEEN.clear()
         status, body = _post(port, {"model": "m", "prompt": prompt, "max_tokens": 5})
         answer = json.loads(body)
@@ -457,12 +471,6 @@ def test_first_token_handoff_joins_prefill_and_decode_tokens() -> None:
         assert answer["usage"]["completion_tokens"] == 1
         assert [r for r, _ in SEEN] == ["prefill"]
         assert int(pd_proxy.Proxy.router.fleet.decode.queue.sum()) == 0
-    finally:
-        pd_proxy.Proxy.tokenizers = pd_proxy.Tokenizers()
-        for server, thread in servers:
-            server.shutdown()
-            server.server_close()
-            thread.join(5)
 
 
 def test_malformed_fields_and_router_bugs_are_answered_and_counted_once(
@@ -472,33 +480,18 @@ def test_malformed_fields_and_router_bugs_are_answered_and_counted_once(
     an HTTP answer, and leave the router's queues and KV counts as they were."""
     tok = _byte_tokenizer()
     gen = tok.encode(" of the cache").ids
-    pre = type("Pre", (Scripted,), {"role": "prefill", "tok": tok, "gen": gen})
-    dec = type("Dec", (Scripted,), {"role": "decode", "tok": tok, "gen": gen})
-    servers = [_serve(pre), _serve(dec)]
-    urls = [f"http://127.0.0.1:{s.server_port}" for s, _ in servers]
-    pd_proxy.Proxy.router = pd_proxy.make_router([urls[0]], [urls[1]])
-    pd_proxy.Proxy.handoff = "first"
-
-    class Known(pd_proxy.Tokenizers):
-        def get(self, url: str) -> Any:
-            return tok if url == urls[1] else super().get(url)
-
-    monkeypatch.setattr(pd_proxy.Proxy, "tokenizers", Known())
-    monkeypatch.setattr(pd_proxy.Proxy, "log_message", lambda *a: None)
-    servers.append(_serve(pd_proxy.Proxy))
-    port = servers[2][0].server_port
-    fleet = pd_proxy.Proxy.router.fleet
 
     def idle() -> bool:
+        fleet = pd_proxy.Proxy.router.fleet
         return (int(fleet.prefill.queue.sum()) == 0 and int(fleet.decode.queue.sum()) == 0
                 and float(fleet.decode.kv_used.sum()) == 0.0)
 
-    def raw(head: bytes, body: bytes) -> bytes:
+    def raw(port: int, head: bytes, body: bytes) -> bytes:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             s.sendall(head + body)
             return s.recv(4096)
 
-    try:
+    with _scripted_proxy(tok, gen) as port:
         base = {"model": "m", "prompt": "the cache", "max_tokens": 4}
         for extra in ({"min_tokens": "x"}, {"min_tokens": [1]}, {"stop": 5},
                       {"stop": [5]}, {"skip_special_tokens": "no"},
@@ -507,11 +500,11 @@ def test_malformed_fields_and_router_bugs_are_answered_and_counted_once(
             status, _ = _post(port, dict(base, **extra))
             assert status in (200, 400, 502), (extra, status)
             assert idle(), extra
-        answer = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n"
-                     b"\r\n", b"{}")
+        answer = raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Length: abc\r\n\r\n", b"{}")
         assert answer.startswith(b"HTTP/1.1 400")
         deep = b"[" * 100_000 + b"]" * 100_000
-        answer = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+        answer = raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
                      + str(len(deep)).encode() + b"\r\n\r\n", deep)
         assert answer.startswith(b"HTTP/1.1 400")
 
@@ -522,11 +515,6 @@ def test_malformed_fields_and_router_bugs_are_answered_and_counted_once(
         status, body = _post(port, base)
         assert status == 500 and "a bug in the hand-off" in body
         assert idle()
-    finally:
-        for server, thread in servers:
-            server.shutdown()
-            server.server_close()
-            thread.join(5)
 
 
 def test_idle_clients_cannot_take_every_thread(proxy: int) -> None:

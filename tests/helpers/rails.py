@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -140,3 +141,18 @@ class RawRail:
 
     def close(self) -> None:
         self.sock.close()
+
+
+SIZE = 1 << 20
+
+
+def tight_tcp(make_engine: Callable[..., Engine], stall: float
+              ) -> tuple[Engine, np.ndarray, int]:
+    """An engine serving tcp with a stall timeout of ``stall`` seconds and a random
+    1 MiB segment, ``kv``."""
+    from tests.helpers.transport_contract import random_bytes  # noqa: PLC0415
+    from transfer_engine.transport.tcp import TcpTransport  # noqa: PLC0415
+
+    b = make_engine("victim", transports=[TcpTransport(stall_timeout=stall)])
+    mem = random_bytes(SIZE, 12)
+    return b, mem, b.register(mem, name="kv").id
