@@ -1,7 +1,9 @@
 """The SGLang backend inside real SGLang servers: a prefill and a decode server started
 with ``--disaggregation-transfer-backend transfer_engine`` answer every prompt, one at a
 time and several at once, token for token as one server alone does (decode computes no
-prompt: the KV crosses our engine).
+prompt: the KV crosses our engine); a request whose prefill server cannot be reached,
+or whose prefill never comes, is failed by decode within the backend's timeouts and
+the servers go on serving.
 
 SGLang's runtime is not part of this project's set-up (on CPU it needs SGLang's CPU
 kernels built from source; on a GPU host, SGLang as usual), so these tests run only
@@ -26,6 +28,7 @@ import random
 import shlex
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,7 +52,9 @@ PROMPTS = ["the cache of one prefill", "decode reads a block of tokens from memo
 
 def _server_env() -> dict[str, str]:
     env = dict(os.environ, SGLANG_HOST_IP="127.0.0.1", HOST_IP="127.0.0.1",
-               TE_SGLANG_HOST="127.0.0.1", PYTHONPATH=str(ROOT))
+               TE_SGLANG_HOST="127.0.0.1", PYTHONPATH=str(ROOT),
+               TE_SGLANG_WAITING_TIMEOUT="30", TE_SGLANG_BOOTSTRAP_TIMEOUT="30",
+               TE_SGLANG_HEARTBEAT_INTERVAL="1")
     for pair in shlex.split(os.environ.get("TE_SGLANG_ENV", "")):
         name, _, value = pair.partition("=")
         env[name] = value
@@ -76,13 +81,25 @@ def _server(model: Path, log: Path, *extra: str) -> Iterator[int]:
         yield port
 
 
-def _generate(port: int, prompt: str, **extra: Any) -> dict[str, Any]:
+def _ask(port: int, prompt: str, **extra: Any) -> tuple[int, Any]:
     status, body = http_json(port, "POST", "/generate", {
         "text": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0,
                                             "ignore_eos": True}, **extra}, timeout=300)
-    assert status == 200, body
-    out: dict[str, Any] = json.loads(body) if isinstance(body, str | bytes) else body
+    with contextlib.suppress(ValueError):
+        return status, json.loads(body)
+    return status, body
+
+
+def _generate(port: int, prompt: str, **extra: Any) -> dict[str, Any]:
+    status, out = _ask(port, prompt, **extra)
+    assert status == 200 and isinstance(out, dict), out
     return out
+
+
+def _failed(status: int, out: Any) -> bool:
+    """Whether SGLang answered a request as failed (an error status or an abort)."""
+    finish = out.get("meta_info", {}).get("finish_reason") if isinstance(out, dict) else None
+    return status != 200 or (isinstance(finish, dict) and finish.get("type") == "abort")
 
 
 def _disaggregated(prefill: int, decode: int, bootstrap: int, prompt: str,
@@ -130,6 +147,21 @@ def test_prefill_and_decode_servers_answer_as_one_server(model: Path, tmp_path: 
         for t in threads:
             t.join(300)
         assert [results.get(i) for i in range(len(PROMPTS))] == expected
-    for name in ("prefill", "decode"):
-        log = (tmp_path / f"{name}.log").read_text(errors="replace")
-        assert "Traceback" not in log, log[-3000:]
+        for name in ("prefill", "decode"):
+            log = (tmp_path / f"{name}.log").read_text(errors="replace")
+            assert "Traceback" not in log, log[-3000:]
+        # decode told of a prefill server that is not there: failed, bounded
+        started = time.monotonic()
+        status, out = _ask(decode, PROMPTS[0], bootstrap_host="127.0.0.1",
+                           bootstrap_port=free_port(), bootstrap_room=random.getrandbits(62))
+        assert _failed(status, out), out
+        assert time.monotonic() - started < 90
+        # decode alone, with a room its prefill never gets: failed once decode's wait ends
+        started = time.monotonic()
+        status, out = _ask(decode, PROMPTS[1], bootstrap_host="127.0.0.1",
+                           bootstrap_port=bootstrap, bootstrap_room=random.getrandbits(62))
+        assert _failed(status, out), out
+        assert time.monotonic() - started < 120
+        # and both servers go on serving
+        got = _disaggregated(prefill, decode, bootstrap, PROMPTS[2])
+        assert got["output_ids"] == expected[2]
