@@ -11,12 +11,10 @@ pages of real torch CPU tensors laid out like SGLang's ``MHATokenToKVPool`` (per
 and V buffers, page-indexed) and metadata rows, compared byte for byte; a killed prefill
 process.
 
-What did not run: no SGLang server, scheduler or model (SGLang's runtime needs CUDA-only
-packages); ``ServerArgs`` is a namespace holding the three fields the backend reads;
-``plugin.register()`` (three imports inside SGLang) is not called, ``plugin.mount()`` is,
-with SGLang's real enum, ``get_kv_class``, ``HookRegistry`` and choice list; entry-point
-discovery by SGLang's ``load_plugins()`` is not exercised; GPU memory (registered through
-the CUDA array interface) is not exercised.
+What did not run here: an SGLang server (``tests/test_connector_sglang_server.py`` runs
+one where SGLang serves); ``ServerArgs`` is a namespace of the three fields the backend
+reads; ``plugin.mount()`` runs with SGLang's real enum, ``get_kv_class``, hook registry
+and choice list, ``plugin.register()`` (three imports inside SGLang) does not.
 
 Skipped, with the reason, when the wheel is not installed (``scripts/setup_sglang.sh``);
 with ``TE_SGLANG_REQUIRED=1`` its absence is an error instead.
@@ -532,6 +530,27 @@ def test_unregistered_rank_and_unsupported_requests_fail_clearly(
     assert isinstance(failure(nowhere), TransferTimeout)
 
 
+def test_an_unreachable_prefill_never_holds_the_scheduler(
+        sg: sw.SGLang, te: Any, ranks: Callable[..., Any]) -> None:
+    """SGLang's decode scheduler asks each cycle whether a request's prefill server is
+    known: an address that does not answer costs each cycle at most a tenth of a
+    second (the lookup runs in the background, bounded by the timeout), and a live one
+    is known at once."""
+    decode = ranks("decode", timeout_s=1.0)
+    started = time.monotonic()
+    slowest = 0.0
+    while time.monotonic() - started < 3.0:  # past one whole lookup timeout
+        t0 = time.monotonic()
+        assert decode.try_ensure_parallel_info("127.0.0.1:1") is False
+        slowest = max(slowest, time.monotonic() - t0)
+        time.sleep(0.05)
+    assert slowest < 0.3, slowest
+    srv = ranks.server()  # type: ignore[attr-defined]
+    ranks("prefill", srv.port)
+    assert decode.try_ensure_parallel_info(f"127.0.0.1:{srv.port}") is True
+    assert decode.try_ensure_parallel_info("not an address") is False
+
+
 def test_prefill_without_bootstrap_server_refuses_to_start(
         sg: sw.SGLang, te: Any, ranks: Callable[..., Any]) -> None:
     with pytest.raises(ConnectError, match="could not register"):
@@ -573,27 +592,3 @@ def test_mounts_as_an_sglang_transfer_backend(sg: sw.SGLang, te: Any) -> None:
         utils.get_kv_class = original
         while "transfer_engine" in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
             choices.DISAGG_TRANSFER_BACKEND_CHOICES.remove("transfer_engine")
-
-
-def test_config_from_environment_and_device_memory(te: Any) -> None:
-    from transfer_engine.connectors.sglang.config import device_memory
-    from transfer_engine.segment import describe_memory
-
-    args = sw.server_args(8998)
-    args.host = "0.0.0.0"
-    cfg = te.SGLangBackendConfig.from_env(args, {
-        "SGLANG_HOST_IP": "10.1.2.3", "TE_SGLANG_TRANSPORTS": "tcp, shm",
-        "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60", "TE_SGLANG_HEARTBEAT_INTERVAL": "2",
-        "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "4"})
-    assert (cfg.host, cfg.bootstrap_host, cfg.transports) == ("10.1.2.3", "127.0.0.1",
-                                                              ("tcp", "shm"))
-    assert (cfg.waiting_timeout_s, cfg.heartbeat_s, cfg.heartbeat_misses) == (60.0, 2.0, 4)
-    assert cfg.bootstrap_timeout_s == 300.0
-    with pytest.raises(ValueError, match="heartbeat_s must be positive"):
-        te.SGLangBackendConfig(heartbeat_s=0)
-    # SGLang hands out device pointers: they register through the CUDA array interface
-    info = describe_memory(device_memory(0x7F0000000000, 4096, "cuda", 3))
-    assert (info.address, info.length, info.device) == (0x7F0000000000, 4096, "cuda:3")
-    assert device_memory(0x1000, 64, "cpu", 0) == (0x1000, 64)
-    with pytest.raises(NotSupportedError, match="'npu'"):
-        device_memory(0x1000, 64, "npu", 0)

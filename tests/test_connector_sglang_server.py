@@ -12,7 +12,9 @@ where ``TE_SGLANG_PYTHON`` names a Python whose SGLang serves and imports this p
 - ``TE_SGLANG_PYTHON``: that interpreter;
 - ``TE_SGLANG_SERVER_ARGS``: arguments for every server (default, for SGLang's CPU
   engine: ``--device cpu --disable-overlap-schedule --attention-backend torch_native
-  --max-total-tokens 4096``);
+  --max-total-tokens 4096 --sleep-on-idle``: an idle scheduler otherwise polls without
+  pause and starves the other server's start-up on a small host; on CPU each server's
+  compute threads also get their own half of the cores);
 - ``TE_SGLANG_DECODE_ARGS``: more for the decode server (default on CPU:
   ``--disaggregation-decode-retraction-backup cpu_tensor``);
 - ``TE_SGLANG_ENV``: ``NAME=VALUE`` pairs for the servers only (on CPU, SGLang's
@@ -36,7 +38,7 @@ from typing import Any
 import pytest
 
 from bench.fleet import free_port
-from bench.vllm_servers import ROOT, http_json, launched, wait_healthy
+from bench.vllm_servers import ROOT, core_halves, http_json, launched, wait_healthy
 
 PYTHON = os.environ.get("TE_SGLANG_PYTHON", "")
 pytestmark = pytest.mark.skipif(
@@ -44,17 +46,19 @@ pytestmark = pytest.mark.skipif(
     "(see this module's docstring)")
 
 CPU_ARGS = ("--device cpu --disable-overlap-schedule --attention-backend torch_native "
-            "--max-total-tokens 4096")
+            "--max-total-tokens 4096 --sleep-on-idle")
 PROMPTS = ["the cache of one prefill", "decode reads a block of tokens from memory",
            "one two three four five six seven eight nine ten " * 6,
            "red green blue"]
 
 
-def _server_env() -> dict[str, str]:
+def _server_env(cores: str | None = None) -> dict[str, str]:
     env = dict(os.environ, SGLANG_HOST_IP="127.0.0.1", HOST_IP="127.0.0.1",
                TE_SGLANG_HOST="127.0.0.1", PYTHONPATH=str(ROOT),
                TE_SGLANG_WAITING_TIMEOUT="30", TE_SGLANG_BOOTSTRAP_TIMEOUT="30",
                TE_SGLANG_HEARTBEAT_INTERVAL="1")
+    if cores is not None:  # SGLang's CPU engine: its compute threads on these cores
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = cores
     for pair in shlex.split(os.environ.get("TE_SGLANG_ENV", "")):
         name, _, value = pair.partition("=")
         env[name] = value
@@ -71,14 +75,23 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextlib.contextmanager
-def _server(model: Path, log: Path, *extra: str) -> Iterator[int]:
-    port = free_port()
+def _servers(model: Path, *servers: tuple[Path, str | None, list[str]]
+             ) -> Iterator[list[int]]:
+    """SGLang servers ``(log, cores or None, extra arguments)``, started together;
+    their ports once every one is healthy."""
     args = shlex.split(os.environ.get("TE_SGLANG_SERVER_ARGS", CPU_ARGS))
-    cmd = [PYTHON, "-m", "sglang.launch_server", "--model-path", str(model), "--host",
-           "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", *args, *extra]
-    with launched(cmd, log, _server_env()) as proc:
-        wait_healthy(port, proc, log, timeout=600)
-        yield port
+    with contextlib.ExitStack() as stack:
+        running = []
+        for log, cores, extra in servers:
+            port = free_port()
+            cmd = [PYTHON, "-m", "sglang.launch_server", "--model-path", str(model),
+                   "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+                   *args, *extra]
+            running.append((port, stack.enter_context(launched(cmd, log, _server_env(
+                cores if "--device" in args else None))), log))
+        for port, proc, log in running:
+            wait_healthy(port, proc, log, timeout=900)
+        yield [port for port, _, _ in running]
 
 
 def _ask(port: int, prompt: str, **extra: Any) -> tuple[int, Any]:
@@ -124,16 +137,19 @@ def _disaggregated(prefill: int, decode: int, bootstrap: int, prompt: str,
 
 def test_prefill_and_decode_servers_answer_as_one_server(model: Path, tmp_path: Path
                                                          ) -> None:
-    with _server(model, tmp_path / "alone.log") as alone:
+    with _servers(model, (tmp_path / "alone.log", None, [])) as (alone,):
         expected = [_generate(alone, p)["output_ids"] for p in PROMPTS]
     bootstrap = free_port()
     backend = ["--disaggregation-transfer-backend", "transfer_engine"]
     decode_args = shlex.split(os.environ.get(
         "TE_SGLANG_DECODE_ARGS", "--disaggregation-decode-retraction-backup cpu_tensor"))
-    with _server(model, tmp_path / "prefill.log", *backend, "--disaggregation-mode",
-                 "prefill", "--disaggregation-bootstrap-port", str(bootstrap)) as prefill, \
-            _server(model, tmp_path / "decode.log", *backend, "--disaggregation-mode",
-                    "decode", *decode_args) as decode:
+    first, second = core_halves()
+    with _servers(model, (tmp_path / "prefill.log", first,
+                          [*backend, "--disaggregation-mode", "prefill",
+                           "--disaggregation-bootstrap-port", str(bootstrap)]),
+                  (tmp_path / "decode.log", second,
+                   [*backend, "--disaggregation-mode", "decode", *decode_args])
+                  ) as (prefill, decode):
         for prompt, ids in zip(PROMPTS, expected, strict=True):
             got = _disaggregated(prefill, decode, bootstrap, prompt)
             assert got["output_ids"] == ids, (prompt, got["output_ids"], ids)

@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 import uuid
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
 
@@ -65,7 +66,6 @@ from transfer_engine.errors import (
     ConnectError,
     PeerLostError,
     ProtocolError,
-    TransferEngineError,
     TransferError,
     TransferTimeout,
 )
@@ -77,6 +77,9 @@ from transfer_engine.segment import Segment
 __all__ = ["TransferEngineKVManager"]
 
 log = logging.getLogger(__name__)
+
+LOOKUP_WAIT_S = 0.1  # longest a scheduler cycle waits for a prefill lookup
+MAX_LOOKUPS = 64  # prefill lookups under way at once (more wait for a later cycle)
 
 def _mode(mode: Any) -> str:
     value = str(getattr(mode, "value", mode))
@@ -130,6 +133,7 @@ class TransferEngineKVManager(BaseKVManager, Closeable, RoomClaims):  # type: ig
         self._senders: set[int] = set()  # prefill: rooms with a live sender
         self._recv_rooms: dict[int, RecvRoom] = {}  # decode
         self.prefill_info_table: dict[str, PrefillEntry] = {}  # decode, by bootstrap addr
+        self._lookups: dict[str, Future[PrefillEntry]] = {}  # decode: lookups under way
         self._decode_peers: dict[str, tuple[Peer, int]] = {}  # prefill: name -> (peer, epoch)
         # prefill: (room, nonce) decode gave up before its request arrived (bounded)
         self._given_up: collections.OrderedDict[tuple[int, int], str] = (
@@ -162,6 +166,10 @@ class TransferEngineKVManager(BaseKVManager, Closeable, RoomClaims):  # type: ig
             self._bg.start()
             self._stack.callback(self._bg.join, 5)
             self._stack.callback(self._bg_stop.set)
+            self._lookup_pool = ThreadPoolExecutor(
+                max_workers=2, thread_name_prefix=f"te-sglang-lookup-{self.name}")
+            self._stack.callback(self._lookup_pool.shutdown, wait=False,
+                                 cancel_futures=True)
             if self.mode == "prefill":
                 self.register_to_bootstrap()
         except BaseException:
@@ -262,13 +270,34 @@ class TransferEngineKVManager(BaseKVManager, Closeable, RoomClaims):  # type: ig
         return entry
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """Decode (called by SGLang's scheduler before it creates receivers): whether the
-        prefill server behind ``bootstrap_addr`` is known now."""
+        """Decode (called by SGLang's scheduler before it creates receivers, each cycle
+        until True or it gives up on the request): whether the prefill server behind
+        ``bootstrap_addr`` is known now. The lookup runs in the background and is waited
+        for ``LOOKUP_WAIT_S`` at most, so an address that does not answer never holds
+        the scheduler, and with it every running request."""
+        with self._lock:
+            if bootstrap_addr in self.prefill_info_table:
+                return True
+            lookup = self._lookups.get(bootstrap_addr)
+            if lookup is None:
+                if len(self._lookups) >= MAX_LOOKUPS or self._closed:
+                    return False  # asked again next cycle
+                lookup = self._lookups[bootstrap_addr] = self._lookup_pool.submit(
+                    self.prefill_info, bootstrap_addr)
         try:
-            self.prefill_info(bootstrap_addr)
-        except TransferEngineError as exc:
+            lookup.result(LOOKUP_WAIT_S)
+        except TimeoutError:
+            return False
+        except CancelledError:  # the manager is closing
+            return False
+        except Exception as exc:  # noqa: BLE001 - SGLang's scheduler must not see it
             log.warning("prefill at %s: %s", bootstrap_addr, exc)
             return False
+        finally:
+            if lookup.done():
+                with self._lock:
+                    if self._lookups.get(bootstrap_addr) is lookup:
+                        del self._lookups[bootstrap_addr]
         return True
 
     def check_compat(self, entry: PrefillEntry) -> None:
