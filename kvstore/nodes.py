@@ -128,18 +128,14 @@ class Nodes(MasterState):
         it died (no put or lease of its time is left) and no object names it; else a
         new one."""
         dead = self._dead_pools
-        if dead and now - dead[0][0] > 2 * max(self.grace_s, self.lease_s,
-                                               self.put_timeout_s):
+        quiet = 2 * max(self.grace_s, self.lease_s, self.put_timeout_s)
+        if dead and now - dead[0][0] > quiet:
+            _, index = dead.popleft()
             t = self.table
             cap = t.capacity
-            named = t.pool[:cap][t.state[:cap] != State.FREE]
-            while dead and now - dead[0][0] > 2 * max(self.grace_s, self.lease_s,
-                                                      self.put_timeout_s):
-                _, index = dead.popleft()
-                if not (named == index).any():
-                    return index
-                dead.append((now, index))  # still named: look again later
-                break
+            if not (t.pool[:cap][t.state[:cap] != State.FREE] == index).any():
+                return index
+            dead.append((now, index))  # still named: look again later
         return len(self._pools)
 
     def _recover(self, node: Node, entries: np.ndarray) -> None:

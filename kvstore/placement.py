@@ -68,12 +68,11 @@ class Placement(MasterState):
         until = now + 2 * self.node_interval if until is None else until
         first = since is None
         since = now if since is None else since
-        sized = lengths[todo][lengths[todo] <= biggest]  # what a key fits: TOO_LARGE aside
-        if ready and sized.size:
-            self._key_bytes = int(ready[0].space.round(sized).mean()) * max(1, want)
+        fits = lengths[todo][lengths[todo] <= biggest]  # TOO_LARGE ones aside
+        if ready and fits.size:
+            self._key_bytes = int(ready[0].space.round(fits).mean()) * max(1, want)
         if ident is not None and ready and todo.size:
             # clearly short of room: evict and park before placing anything
-            fits = lengths[todo][lengths[todo] <= biggest]
             short = (int(ready[0].space.round(fits).sum()) * want
                      - sum(p.space.free_bytes for p in ready))
             if short > 0 and self._park(ident, msg, until, since, short, ready):

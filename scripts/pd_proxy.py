@@ -54,8 +54,9 @@ build's ``vllm`` command fails looking up its own version; start the server as
 ``python -m vllm.entrypoints.openai.api_server --model MODEL ...`` instead.
 
 The routing pieces live beside this file: ``pd_proxy_routing.py`` (router, request
-view, tokenizers), ``pd_proxy_upstream.py`` (calls to the servers, the bounded client server) and
-``pd_proxy_handoff.py`` (reading answers for the first-token hand-off).
+view, tokenizers), ``pd_proxy_upstream.py`` (calls to the servers, the HTTP server with
+its bound on clients) and ``pd_proxy_handoff.py`` (reading answers for the first-token
+hand-off).
 """
 
 from __future__ import annotations
@@ -139,15 +140,8 @@ class Proxy(BaseHTTPRequestHandler):
             self._dispatch(request)
         except Exception as exc:  # a bug or an input not foreseen: answer, count nothing
             self.log_message("request failed: %r", exc)
-            held, self._holding = self._holding, None
-            if held is not None:
-                d, prefill_open, decode_open = held
-                now = time.monotonic()
-                if prefill_open:
-                    self.router.fleet.prefill_done(d.prefill, d.decode, now)
-                if decode_open:
-                    self.router.fleet.decode_done(d.decode, d.kv_tokens, now,
-                                                  local_prefill=d.local)
+            if self._holding is not None:
+                self._release(self._holding[0])
             if self._started:
                 self.close_connection = True  # the client sees a cut-off response
             else:
@@ -225,9 +219,9 @@ class Proxy(BaseHTTPRequestHandler):
             self._holding = (d, False, held[2])
             self.router.fleet.prefill_done(d.prefill, d.decode, time.monotonic())
 
-    def _release(self, d: Decision, prefill_open: bool) -> None:
-        if prefill_open:
-            self._prefill_done(d)
+    def _release(self, d: Decision) -> None:
+        """The request left the fleet: what the router still counts of it goes."""
+        self._prefill_done(d)
         held = self._holding
         if held is not None and held[0] is d and held[2]:
             self._holding = (d, held[1], False)
@@ -265,7 +259,7 @@ class Proxy(BaseHTTPRequestHandler):
                 conn.close()
         except (OSError, http.client.HTTPException) as exc:
             self._fail(name, f"prefill failed: {exc!r}", failed, errors)
-            self._release(d, True)
+            self._release(d)
             raise UpstreamError from exc
         self._prefill_done(d)
         try:
@@ -274,15 +268,15 @@ class Proxy(BaseHTTPRequestHandler):
             answer = raw[:200].decode("utf-8", "replace")
         if resp.status >= 500 or not isinstance(answer, dict):
             self._fail(name, f"prefill answered {resp.status}", failed, errors)
-            self._release(d, False)
+            self._release(d)
             raise UpstreamError
         if resp.status != 200:
-            self._release(d, False)
+            self._release(d)
             self._error(502, f"prefill server answered {resp.status}: {answer}")
             return None
         if need_params and not answer.get("kv_transfer_params") and not (
                 ended is not None and ended(answer)):
-            self._release(d, False)
+            self._release(d)
             self._error(502, "prefill server returned no kv_transfer_params: is the "
                         "connector mounted with kv_role kv_producer?")
             return None
@@ -315,12 +309,12 @@ class Proxy(BaseHTTPRequestHandler):
                                    self.upstream_timeout)
         except (OSError, http.client.HTTPException) as exc:
             self._fail(name, f"decode failed: {exc!r}", failed, errors)
-            self._release(d, False)
+            self._release(d)
             raise UpstreamError from exc
         if resp.status >= 500:
             conn.close()
             self._fail(name, f"decode answered {resp.status}", failed, errors)
-            self._release(d, False)
+            self._release(d)
             raise UpstreamError
         return conn, resp
 
@@ -358,7 +352,7 @@ class Proxy(BaseHTTPRequestHandler):
             "prompt_token_ids")
         first = choice.get("token_ids")
         if not prompt_ids or not first:
-            self._release(d, False)
+            self._release(d)
             self._error(502, "prefill server returned no token ids")
             return
         asm = TextAssembler(tok, prompt_ids,
@@ -445,7 +439,7 @@ class Proxy(BaseHTTPRequestHandler):
                                  usage=usage(prompt_ids, asm))
                     self._write_chunk(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                 self._write_chunk(b"data: [DONE]\n\n")
-                self._release(d, False)  # before the client can see the end
+                self._release(d)  # before the client can see the end
                 d = None  # type: ignore[assignment]
                 self.wfile.write(b"0\r\n\r\n")
                 return
@@ -460,7 +454,7 @@ class Proxy(BaseHTTPRequestHandler):
             else:
                 c.update(text=asm.text, prompt_token_ids=prompt_ids if want_ids else None)
             data = json.dumps(body).encode()
-            self._release(d, False)  # before the client can see the answer
+            self._release(d)  # before the client can see the answer
             d = None  # type: ignore[assignment]
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -474,7 +468,7 @@ class Proxy(BaseHTTPRequestHandler):
             name = fleet.decode.names[d.decode]
             if not started and conn is not None:
                 self._fail(name, f"decode failed: {exc!r}", failed, errors)
-                self._release(d, False)
+                self._release(d)
                 d = None  # type: ignore[assignment]
                 raise UpstreamError from exc
             self.log_message("decode stream from %s ended: %r", name, exc)
@@ -483,7 +477,7 @@ class Proxy(BaseHTTPRequestHandler):
             if conn is not None:
                 conn.close()  # before its end: decode aborts the request
             if d is not None:
-                self._release(d, False)
+                self._release(d)
 
     def _relay(self, d: Decision, conn: http.client.HTTPConnection,
                resp: http.client.HTTPResponse) -> None:
@@ -506,7 +500,7 @@ class Proxy(BaseHTTPRequestHandler):
             self.close_connection = True  # the client sees a cut-off response
         finally:
             conn.close()
-            self._release(d, False)  # before the client can see the end
+            self._release(d)  # before the client can see the end
             if done:
                 self._ok(name)
         if done:

@@ -10,8 +10,7 @@ immediates carries the notification bytes. Pure bookkeeping: no I/O, no threads.
 
 from __future__ import annotations
 
-import collections
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 __all__ = ["Notification", "ImmediateCounter", "KeptNotes"]
@@ -197,7 +196,7 @@ class KeptNotes:
     process's memory."""
 
     def __init__(self, max_count: int, max_bytes: int) -> None:
-        self._notes: collections.deque[Notification] = collections.deque()
+        self._notes: deque[Notification] = deque()
         self._max_count = max_count
         self._max_bytes = max_bytes
         self.nbytes = 0

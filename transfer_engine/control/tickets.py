@@ -228,11 +228,6 @@ class TicketBook:
             else:
                 del self._rails_of[peer]
 
-    def rails_of(self, peer: str) -> int:
-        """Rails open under ``peer``'s name, over all its tickets."""
-        with self._lock:
-            return self._rails_of[peer]
-
     def revoke_peer(self, peer: str) -> None:
         """Drops every ticket of ``peer`` (rails already open stay bound)."""
         with self._lock:

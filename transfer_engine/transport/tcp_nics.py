@@ -241,8 +241,6 @@ class StallWatch:
             self._thread.join(5)
 
 
-
-
 @dataclass(eq=False)
 class _Parked:
     work: Any

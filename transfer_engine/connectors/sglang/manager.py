@@ -81,6 +81,7 @@ log = logging.getLogger(__name__)
 LOOKUP_WAIT_S = 0.1  # longest a scheduler cycle waits for a prefill lookup
 MAX_LOOKUPS = 64  # prefill lookups under way at once (more wait for a later cycle)
 
+
 def _mode(mode: Any) -> str:
     value = str(getattr(mode, "value", mode))
     if value not in ("prefill", "decode"):
@@ -286,9 +287,7 @@ class TransferEngineKVManager(BaseKVManager, Closeable, RoomClaims):  # type: ig
                     self.prefill_info, bootstrap_addr)
         try:
             lookup.result(LOOKUP_WAIT_S)
-        except TimeoutError:
-            return False
-        except CancelledError:  # the manager is closing
+        except (TimeoutError, CancelledError):  # not yet; or the manager is closing
             return False
         except Exception as exc:  # noqa: BLE001 - SGLang's scheduler must not see it
             log.warning("prefill at %s: %s", bootstrap_addr, exc)

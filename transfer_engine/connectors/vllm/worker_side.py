@@ -146,12 +146,11 @@ class TEConnectorWorker:
             # a serving process has no device runtime: GPU KV is served from threads
             on_gpu = any(str(t.device) != "cpu" for t in kv_caches.values())
             with unpinned():  # the engine's threads start here
-                self.engine = engine = Engine(self.engine_name, host=self.config.host,
-                                     port=self.config.port,
-                                     transports=self.config.transports,
-                                     serve="thread" if on_gpu else self.config.serve,
-                                     timeout=self.config.timeout_s,
-                                     auth=self.config.auth())
+                self.engine = engine = Engine(
+                    self.engine_name, host=self.config.host, port=self.config.port,
+                    transports=self.config.transports,
+                    serve="thread" if on_gpu else self.config.serve,
+                    timeout=self.config.timeout_s, auth=self.config.auth())
         self._layers.update(register_layers(engine, kv_caches, num_blocks,
                                             self._kv_heads[0] if self._kv_heads else None))
         self._tensors += kv_caches.values()  # alive while registered
