@@ -29,18 +29,34 @@ import numpy as np
 
 from bench.baselines import Child
 from bench.fleet import free_port
+from kvstore.protocol import MAX_BATCH
+from scheduler.errors import TraceError
+from scheduler.trace import read_trace
 
 __all__ = ["main"]
 
 
 def load(path: str, limit: int | None) -> list[list[int]]:
+    """The hash ids of each request of the trace (the first ``limit``), every line checked
+    by :func:`scheduler.trace.read_trace` (ids in ``[0, 2**64)``), before any server
+    starts. A request must also have ``hash_ids``, distinct and at most one store batch
+    of them: the replay gets and puts them as one batch of distinct keys. Raises
+    :class:`TraceError` naming the file and line."""
     out = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                out.append([int(h) for h in json.loads(line)["hash_ids"]])
-                if limit is not None and len(out) >= limit:
-                    break
+    for req in read_trace(path, limit):
+        ids = req.hash_ids
+        if ids is None:
+            why = "no 'hash_ids' (the replay reads and writes the blocks they name)"
+        elif len(ids) > MAX_BATCH:
+            why = f"{len(ids)} hash_ids, over the {MAX_BATCH} keys of one store batch"
+        elif len(set(ids)) != len(ids):
+            why = "hash_ids repeat an id (the replay puts them as distinct keys)"
+        else:
+            out.append(ids)
+            continue
+        raise TraceError(f"{path}:{req.line}: bad request: {why}")
+    if not out:
+        raise TraceError(f"trace {path} holds no requests")
     return out
 
 
@@ -132,7 +148,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=None, help="replay only the first N")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    trace = load(args.trace, args.requests)
+    try:
+        trace = load(args.trace, args.requests)
+    except TraceError as exc:
+        raise SystemExit(f"store_trace: {exc}") from exc
     result: dict[str, Any] = {"requests": len(trace), "capacity_blocks": args.capacity_blocks,
                               "block_bytes": args.block_bytes,
                               "unique_blocks": len({h for ids in trace for h in ids}),

@@ -5,11 +5,20 @@
 Ids are chained into keys (a key names a block and everything before it), so prefix
 matching never depends on how a trace numbers its blocks. ``hit_bound`` is the share of
 blocks an unlimited cache would serve: a block hits when its prefix was seen before.
+
+:func:`read_trace` is the one check of a trace's lines (other readers, such as
+``bench.store_trace``, build on it): a line must be UTF-8 JSON, an object, with a finite
+``timestamp`` in ``[0, 2**53)`` ms (whole milliseconds exact), an ``input_length`` in
+``[1, 2**63)``, an ``output_length`` in ``[0, 2**63)`` and ``hash_ids`` (if present) of
+ids in ``[0, 2**64)``, no more than prompt tokens; ``true``/``false`` are not numbers
+here, nor are ``NaN`` and ``Infinity``. Anything else raises :class:`TraceError` naming
+the file and line.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +27,7 @@ import numpy.typing as npt
 
 from scheduler.errors import TraceError
 
-__all__ = ["Trace", "load_trace", "synthetic_trace"]
+__all__ = ["Trace", "TraceLine", "load_trace", "read_trace", "synthetic_trace"]
 
 
 @dataclass(frozen=True)
@@ -74,35 +83,103 @@ def _build(name: str, rows: list[tuple[float, int, int, list[int]]]) -> Trace:
                  keys, _hit_bound(keys))
 
 
-def load_trace(path: str | Path, limit: int | None = None) -> Trace:
-    """Reads a JSONL trace (the first ``limit`` lines when given). Raises
-    :class:`TraceError` naming the line of the first malformed request."""
+MAX_TIMESTAMP_MS = 1 << 53
+"""Timestamps stay below this many ms (every whole millisecond is exact in a float)."""
+MAX_LENGTH = (1 << 63) - 1
+MAX_HASH_ID = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class TraceLine:
+    """One request line of a trace file, checked."""
+
+    line: int  # 1-based, for messages
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: list[int] | None  # None: the line has no ``hash_ids``
+
+
+def read_trace(path: str | Path, limit: int | None = None) -> Iterator[TraceLine]:
+    """The requests of a JSONL trace in file order (the first ``limit`` when given),
+    each checked as the module says; blank lines are skipped. Raises
+    :class:`TraceError` naming the file and line of the first malformed one, or when
+    the file cannot be read."""
     path = Path(path)
-    rows: list[tuple[float, int, int, list[int]]] = []
+    count = 0
     try:
-        with path.open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if limit is not None and len(rows) >= limit:
-                    break
-                if not line.strip():
+        with path.open("rb") as fh:  # bytes: a line that is not UTF-8 gets its number too
+            for lineno, raw in enumerate(fh, 1):
+                if limit is not None and count >= limit:
+                    return
+                if not raw.strip():
                     continue
                 try:
-                    obj = json.loads(line)
-                    ts, inp, out = obj["timestamp"], obj["input_length"], obj["output_length"]
-                    ids = obj.get("hash_ids", [])
-                    if not (isinstance(ts, int | float) and isinstance(inp, int)
-                            and isinstance(out, int) and isinstance(ids, list)
-                            and all(isinstance(i, int) for i in ids)
-                            and ts >= 0 and inp > 0 and out >= 0):
-                        raise ValueError("fields have the wrong types or signs")
-                except (ValueError, KeyError, TypeError) as exc:
+                    req = _parse(raw, lineno)
+                except (ValueError, RecursionError) as exc:
                     raise TraceError(f"{path}:{lineno}: bad request: {exc}") from exc
-                rows.append((ts / 1000.0, inp, out, ids))
+                count += 1
+                yield req
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc}") from exc
+
+
+def _parse(raw: bytes, lineno: int) -> TraceLine:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from exc
+    obj = json.loads(text, parse_constant=_no_constant)
+    if not isinstance(obj, dict):
+        raise ValueError(f"a request is a JSON object, not {type(obj).__name__}")
+    for name in ("timestamp", "input_length", "output_length"):
+        if name not in obj:
+            raise ValueError(f"no {name!r}")
+    ts = obj["timestamp"]
+    # NaN and the infinities fail the comparison; a huge int does not become a float
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or \
+            not 0 <= ts < MAX_TIMESTAMP_MS:
+        raise ValueError(f"timestamp {_show(ts)} is not a number of ms in [0, 2**53)")
+    ids = obj.get("hash_ids")
+    if "hash_ids" in obj:
+        if not isinstance(ids, list):
+            raise ValueError(f"hash_ids is a {type(ids).__name__}, not a list of ids")
+        for i, h in enumerate(ids):
+            _integer(h, f"hash_ids[{i}]", 0, MAX_HASH_ID)
+    inp = _integer(obj["input_length"], "input_length", 1, MAX_LENGTH)
+    out = _integer(obj["output_length"], "output_length", 0, MAX_LENGTH)
+    if ids is not None and len(ids) > inp:
+        raise ValueError(f"{len(ids)} hash_ids for {inp} prompt tokens (a block holds one "
+                         "token at least)")
+    return TraceLine(lineno, float(ts), inp, out, ids)
+
+
+def _integer(value: object, name: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} {_show(value)} is not an integer in [{low}, {high}]")
+    return value
+
+
+def _show(value: object) -> str:
+    """``value`` for a message, cut short (a trace line may hold a 4000-digit number)."""
+    text = json.dumps(value) if not isinstance(value, int) or abs(value) < 10**30 \
+        else f"of {len(str(abs(value)))} digits"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number a trace may hold")
+
+
+def load_trace(path: str | Path, limit: int | None = None) -> Trace:
+    """Reads a JSONL trace (the first ``limit`` requests when given). Raises
+    :class:`TraceError` naming the line of the first malformed request (see
+    :func:`read_trace`)."""
+    rows = [(r.timestamp_ms / 1000.0, r.input_length, r.output_length, r.hash_ids or [])
+            for r in read_trace(path, limit)]
     if not rows:
         raise TraceError(f"trace {path} holds no requests")
-    return _build(path.name, rows)
+    return _build(Path(path).name, rows)
 
 
 def synthetic_trace(requests: int = 500, *, seed: int = 0, rate: float = 5.0,
