@@ -9,10 +9,11 @@ and gets) while the master answers, and keeps a key's bytes only where the maste
 reports the same version in the same place; the other keys are read after.
 
 Keys are 128-bit on the wire. An ``int`` key (e.g. a chained block hash from
-:func:`kvstore.block_hashes`) is used as it is; ``bytes`` of 8 or 16 bytes are read as a
-little-endian integer; a ``str`` (or other ``bytes``) is hashed (BLAKE2b-128), so
-Mooncake-style string keys work too. Batches may also be ``uint64`` arrays of shape
-``(n,)`` or ``(n, 2)`` (low word first).
+:func:`kvstore.block_hashes`) is used as it is, as are ``bytes`` of exactly 16 bytes (the
+same key, little-endian); a ``str`` or other ``bytes`` is hashed (BLAKE2b-128, strings
+and bytes apart), so Mooncake-style string keys work too and distinct keys never share
+one (see :mod:`kvstore.keys`). Batches may also be ``uint64`` arrays of shape ``(n,)`` or
+``(n, 2)`` (low word first).
 
 Guarantees: a get returns the bytes of a committed put, never a half-written,
 uncommitted or reused range (the master's lease keeps the space; a read that completes
@@ -43,10 +44,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvstore.client_state import I64, U64, Where
+from kvstore.client_state import I64, U64, Where, expect
 from kvstore.errors import InvalidArgumentError, ObjectUnavailableError
 from kvstore.guesses import Guess, Guesses
-from kvstore.keys import crc, key_rows
+from kvstore.keys import crc, key_int, key_rows
 from kvstore.link import MasterLink
 from kvstore.lookup import Lookup, leading, query
 from kvstore.protocol import (
@@ -62,11 +63,11 @@ from kvstore.protocol import (
 )
 from kvstore.puts import Puts
 from kvstore.tiers import LocalTier
-from kvstore.transfers import Transfers, buffer_span, memory_view
+from kvstore.transfers import STAGING_KEEP, Transfers, buffer_span, memory_view, staging_pieces
 from transfer_engine import Engine
 from transfer_engine.closeable import Closeable
 from transfer_engine.control.auth import AuthConfig
-from transfer_engine.errors import TransferEngineError
+from transfer_engine.errors import ProtocolError, TransferEngineError
 from transfer_engine.peer import Peer
 from transfer_engine.segment import Segment
 
@@ -85,7 +86,12 @@ class Client(Puts, Guesses, Transfers, Closeable):
         replicas: copies of each put value, on distinct nodes (fewer when fewer nodes
             are up).
         staging_bytes: registered memory for ``put``/``get`` of plain bytes (grows to
-            the largest batch); ``put_from``/``get_into`` use your registered buffers.
+            the largest batch, up to 64 MiB or ``staging_bytes`` if more: a get of more
+            is read in pieces, and a larger value in memory of its own, given back
+            after); ``put_from``/``get_into`` use your registered buffers.
+        max_value_bytes: the largest value ``get``/``batch_get`` accept; the master
+            naming a longer one is refused (:class:`ProtocolError`), since the client
+            would allocate what it claims. ``get_into`` is bounded by its buffers.
         checksum: record a CRC32 of each value on put (what ``verify`` checks); costs a
             pass over the bytes (about 3.6 GB/s here).
         timeout: seconds for a master request and for a batch's transfers.
@@ -101,12 +107,17 @@ class Client(Puts, Guesses, Transfers, Closeable):
                  host: str = "127.0.0.1", replicas: int = 1, staging_bytes: int = 16 << 20,
                  checksum: bool = False, timeout: float = 10.0,
                  auth: AuthConfig | str | bytes | None = None, local_cache_bytes: int = 0,
-                 local_max_value_bytes: int = 4 << 20) -> None:
+                 local_max_value_bytes: int = 4 << 20, max_value_bytes: int = 1 << 30
+                 ) -> None:
         self._closed = True
         if not isinstance(auth, AuthConfig):
             auth = AuthConfig(secret=auth) if auth is not None else AuthConfig.from_env()
         if not 1 <= replicas <= 4:
             raise InvalidArgumentError(f"replicas must be 1..4, not {replicas}")
+        for what, v in (("staging_bytes", staging_bytes), ("max_value_bytes", max_value_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise InvalidArgumentError(f"{what} must be an int > 0, not {v!r}")
+        self.max_value_bytes = max_value_bytes
         self.replicas = replicas
         self.checksum = checksum
         self.timeout = timeout
@@ -133,6 +144,7 @@ class Client(Puts, Guesses, Transfers, Closeable):
         self._staging: np.ndarray | None = None
         self._staging_seg: Segment | None = None
         self._staging_min = staging_bytes
+        self._staging_keep = max(staging_bytes, STAGING_KEEP)
         # key -> (version, node row, offset, length) of a replica seen lately: a get_into
         # starts reading there while the master confirms it (see _speculate)
         self._guesses: OrderedDict[tuple[int, int], tuple[int, tuple[str, ...], int, int]] = \
@@ -175,24 +187,45 @@ class Client(Puts, Guesses, Transfers, Closeable):
     def _locate(self, rows: U64, between: Callable[[], None] | None = None
                 ) -> tuple[U64, Where, I64, U64, float]:
         """(versions, replicas, lengths, checksums, lease end) of each key; ``between``
-        runs while the master works on the request."""
+        runs while the master works on the request. A malformed answer raises
+        :class:`ProtocolError` naming the master (its lease is still released)."""
         started = time.monotonic()
-        reply = self._request(KvGet(keys=rows.tobytes(), release=self._take_release()),
-                              between)
-        assert isinstance(reply, KvLocated)
+        master = self._link.address
+        reply = expect(self._request(KvGet(keys=rows.tobytes(), release=self._take_release()),
+                                     between), KvLocated, master)
         n = rows.shape[0]
         if reply.lease_id:
+            if not 0 < reply.lease_id < 1 << 64:  # it goes back as a u64 with the next request
+                raise ProtocolError(f"kv-located: lease id {reply.lease_id} is not a u64",
+                                    peer=master)
             self._release.append(reply.lease_id)
-        return (column(reply.versions, "<u8", n, "versions"), Where.of(reply, n),
-                column(reply.lengths, "<i8", n, "lengths"),
-                column(reply.checksums, "<u8", n, "checksums"), started + reply.lease_s)
+        if reply.lease_s < 0:
+            raise ProtocolError(f"kv-located: lease of {reply.lease_s} s", peer=master)
+        return (column(reply.versions, "<u8", n, "versions", master), Where.of(reply, n, master),
+                column(reply.lengths, "<i8", n, "lengths", master),
+                column(reply.checksums, "<u8", n, "checksums", master), started + reply.lease_s)
+
+    def _sizes(self, rows: U64, found: npt.NDArray[np.bool_], lengths: I64, staged: bool
+               ) -> I64:
+        """The found keys' lengths (0 for the others), refused when negative or, for a get
+        into staging, over ``max_value_bytes``: the client would allocate what the master
+        claims."""
+        lengths = np.where(found, lengths, 0)
+        bad = (lengths < 0) | ((lengths > self.max_value_bytes) if staged else False)
+        if not bad.any():
+            return lengths
+        i = int(np.flatnonzero(bad)[0])
+        why = ("a length is never negative" if lengths[i] < 0 else
+               f"over this client's max_value_bytes={self.max_value_bytes} for values read "
+               "into staging (get_into reads larger ones into your buffers)")
+        raise ProtocolError(f"kv-located: {int(lengths[i])} bytes for key "
+                            f"{key_int(rows[i]):#x}: {why}", peer=self._link.address)
 
     def _get(self, rows: U64, dest: I64 | None, caps: I64 | None, verify: bool
-             ) -> tuple[I64, I64]:
+             ) -> tuple[I64, list[bytes | None]]:
         """Reads every key into ``dest[i]`` (registered memory of ``caps[i]`` bytes) or,
-        with ``dest`` None, into staging. Returns (lengths, -1 where missing; the
-        staging offsets used)."""
-        n = rows.shape[0]
+        with ``dest`` None, through staging. Returns (lengths, -1 where missing; without
+        ``dest``, the values, None where missing)."""
         guessed: list[Guess] = []
         between: Callable[[], None] | None = None
         self._guessing |= dest is not None
@@ -210,12 +243,12 @@ class Client(Puts, Guesses, Transfers, Closeable):
                 between = None
                 guess = guessed[0] if guessed and guessed[0].handles else None
                 found = where.status == Status.OK
+                lengths = self._sizes(rows, found, lengths, staged=dest is None)
                 out = np.where(found, lengths, -1)
+                values: list[bytes | None] = []
                 if dest is None:
-                    padded = (lengths + 63) & ~63
-                    offs = np.concatenate(([0], np.cumsum(padded)[:-1])) if n else padded
-                    _, base = self._stage(int(padded.sum()) + 64)
-                    addrs = offs + base
+                    values = self._read_staged(rows, found, versions, where, lengths, checks,
+                                               verify)
                 else:
                     assert caps is not None
                     small = found & (lengths > caps)
@@ -224,25 +257,12 @@ class Client(Puts, Guesses, Transfers, Closeable):
                         raise InvalidArgumentError(
                             f"key {i}: value of {int(lengths[i])} bytes does not fit its "
                             f"{int(caps[i])}-byte buffer")
-                    offs = np.zeros(n, dtype=np.int64)
-                    addrs = dest
-                    self._local(addrs[found], lengths[found])
-                remote = found
-                if self._tier is not None:
-                    remote = found & ~self._tier.serve(rows, versions, found, addrs,
-                                                       checks if verify else None, crc)
-                if guess is not None:
-                    remote = found & ~self._confirm(guess, found, versions, where, lengths)
-                self._read(rows, remote, where, addrs, lengths, checks, verify)
+                    self._local(dest[found], lengths[found])
+                    self._fetch(rows, found, found, versions, where, dest, lengths, checks,
+                                verify, guess)
                 self._remember(rows, np.flatnonzero(found), versions, where, lengths)
-                self.remote_hits += int(remote.sum())
-                if self._tier is not None and remote.any():
-                    got = np.flatnonzero(remote)
-                    self._tier.fill(rows[got], versions[got],
-                                    [memory_view(int(addrs[i]), int(lengths[i])) for i in got],
-                                    promotion=True)
                 if time.monotonic() < lease_end:
-                    return out, offs
+                    return out, values
                 log.info("kvstore client: a read outlived its lease; reading again")
             raise ObjectUnavailableError("reads keep outliving their leases (master lease_s "
                                          "too short for these transfers?)")
@@ -250,6 +270,59 @@ class Client(Puts, Guesses, Transfers, Closeable):
             for g in guessed:
                 if g.handles:
                     self._abandon(g)
+
+    def _read_staged(self, rows: U64, found: npt.NDArray[np.bool_], versions: U64,
+                     where: Where, lengths: I64, checks: U64, verify: bool
+                     ) -> list[bytes | None]:
+        """The found keys' values, read through the staging buffer in pieces of at most
+        the staging kept between calls, so a large batch does not grow it for good (a
+        value larger than that is a piece of its own, in a buffer given back after)."""
+        n = rows.shape[0]
+        padded = (lengths + 63) & ~63
+        values: list[bytes | None] = [None] * n
+        pieces = staging_pieces(padded, found, self._staging_keep)
+        if not pieces and self._tier is not None:  # the tier still drops what is gone
+            self._fetch(rows, found, found, versions, where, np.zeros(n, dtype=np.int64),
+                        lengths, checks, verify)
+        try:
+            for piece in pieces:
+                sizes = padded[piece]
+                offs = np.zeros(n, dtype=np.int64)
+                offs[piece] = np.cumsum(sizes) - sizes
+                # no local here keeps the buffer (see _staged)
+                base = self._stage(int(sizes.sum()))[1]
+                want = np.zeros(n, dtype=bool)
+                want[piece] = True
+                self._fetch(rows, want, found, versions, where, offs + base, lengths, checks,
+                            verify)
+                for i, o, m in zip(piece.tolist(), offs[piece].tolist(),
+                                   lengths[piece].tolist(), strict=True):
+                    values[i] = self._staged(o, m)
+        finally:
+            self._trim_staging()
+        return values
+
+    def _fetch(self, rows: U64, want: npt.NDArray[np.bool_], found: npt.NDArray[np.bool_],
+               versions: U64, where: Where, addrs: I64, lengths: I64, checks: U64,
+               verify: bool, guess: Guess | None = None) -> None:
+        """Gets the keys ``want`` (some of those ``found``) to ``addrs``: from the local
+        tier, from the reads a guess started, or else from the nodes (then kept in the
+        local tier)."""
+        remote = want.copy()
+        if self._tier is not None:  # it also drops its copies of keys not found
+            sel = np.flatnonzero(want | ~found)
+            served = self._tier.serve(rows[sel], versions[sel], found[sel], addrs[sel],
+                                      checks[sel] if verify else None, crc)
+            remote[sel[served]] = False
+        if guess is not None:
+            remote = remote & ~self._confirm(guess, want, versions, where, lengths)
+        self._read(rows, remote, where, addrs, lengths, checks, verify)
+        self.remote_hits += int(remote.sum())
+        if self._tier is not None and remote.any():
+            got = np.flatnonzero(remote)
+            self._tier.fill(rows[got], versions[got],
+                            [memory_view(int(addrs[i]), int(lengths[i])) for i in got],
+                            promotion=True)
 
     def _read(self, rows: U64, found: npt.NDArray[np.bool_], where: Where, addrs: I64,
               lengths: I64, checks: U64, verify: bool) -> None:
@@ -282,7 +355,7 @@ class Client(Puts, Guesses, Transfers, Closeable):
                     (int(addrs[i]), int(where.offsets[i, pick]), int(lengths[i]), i))
             if lost:
                 i = lost[0]
-                key = int(rows[i, 0]) | int(rows[i, 1]) << 64
+                key = key_int(rows[i])
                 raise ObjectUnavailableError(
                     f"no readable replica of key {key:#x} ({len(lost)} of {n} keys): "
                     f"{'; '.join(why.get(i, ['every replica node failed recently']))}",
@@ -309,16 +382,12 @@ class Client(Puts, Guesses, Transfers, Closeable):
     def batch_get(self, keys: object, *, verify: bool = False) -> list[bytes | None]:
         """Values of ``keys`` (None where missing). ``verify``: check the CRC32 recorded
         at put (values put without one are not checked). Raises
-        :class:`ObjectUnavailableError` when a key's every replica fails."""
+        :class:`ObjectUnavailableError` when a key's every replica fails, and
+        :class:`ProtocolError` when the master's answer is malformed or names a value
+        over ``max_value_bytes`` (the client stays usable)."""
         rows = key_rows(keys)
         with self._lock:
-            lengths, offs = self._get(rows, None, None, verify)
-            staging = self._staging
-            out: list[bytes | None] = []
-            for n, o in zip(lengths.tolist(), offs.tolist(), strict=True):
-                out.append(None if n < 0 else (b"" if n == 0 or staging is None
-                                               else staging[o:o + n].tobytes()))
-            return out
+            return self._get(rows, None, None, verify)[1]
 
     def get(self, key: object, *, verify: bool = False) -> bytes | None:
         return self.batch_get([key], verify=verify)[0]
@@ -374,10 +443,11 @@ class Client(Puts, Guesses, Transfers, Closeable):
             if self._tier is not None:
                 self._tier.invalidate(rows)
             for s in range(0, rows.shape[0], MAX_BATCH):
-                reply = self._request(KvRemove(keys=rows[s:s + MAX_BATCH].tobytes(),
-                                               release=self._take_release()))
-                assert isinstance(reply, KvFound)
-                st = column(reply.status, "<i1", min(MAX_BATCH, rows.shape[0] - s), "status")
+                reply = expect(self._request(KvRemove(keys=rows[s:s + MAX_BATCH].tobytes(),
+                                                      release=self._take_release())),
+                               KvFound, self._link.address)
+                st = column(reply.status, "<i1", min(MAX_BATCH, rows.shape[0] - s), "status",
+                            self._link.address)
                 out[s:s + MAX_BATCH] = st == Status.OK
         return out
 
@@ -395,8 +465,8 @@ class Client(Puts, Guesses, Transfers, Closeable):
         (copies dropped: another version, or the key is gone), ``local_evictions``,
         ``local_entries``."""
         with self._lock:
-            reply = self._request(KvStats(release=self._take_release()))
-            assert isinstance(reply, KvStatsReply)
+            reply = expect(self._request(KvStats(release=self._take_release())),
+                           KvStatsReply, self._link.address)
             out = dict(reply.stats)
             out["remote_hits"] = self.remote_hits
             out["guessed_reads"] = self.guessed_reads

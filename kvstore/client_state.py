@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -23,6 +23,7 @@ import numpy.typing as npt
 from kvstore.errors import StoreError
 from kvstore.protocol import KvLocated, KvPlaced, column, pack
 from transfer_engine.control.messages import Message
+from transfer_engine.errors import ProtocolError
 
 if TYPE_CHECKING:
     import threading
@@ -35,12 +36,26 @@ if TYPE_CHECKING:
     from transfer_engine.peer import Peer
     from transfer_engine.segment import Segment
 
-__all__ = ["ClientState", "Where", "Job", "I64", "U64"]
+__all__ = ["ClientState", "Where", "Job", "I64", "U64", "expect"]
 
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
 Job = tuple[int, int, int, int]
 """One value to move: (local address, remote offset, length, tag)."""
+NODE_ROW = ("name", "incarnation", "endpoint", "segment")
+"""The fields of a node row in the master's answers."""
+MAX_REPLICAS = 64
+"""Replica columns an answer may have at most (the master sends its ``max_replicas``)."""
+
+_R = TypeVar("_R", bound=Message)
+
+
+def expect(reply: Message, kind: type[_R], peer: str | None = None) -> _R:
+    """``reply`` as the answer ``kind`` the request calls for; another kind is a
+    :class:`ProtocolError` (an ``assert`` would vanish under ``-O``)."""
+    if not isinstance(reply, kind):
+        raise ProtocolError(f"expected a {kind.kind} answer, got {reply.kind}", peer=peer)
+    return reply
 
 
 @dataclass
@@ -53,11 +68,33 @@ class Where:
     offsets: I64  # [n, R]
 
     @classmethod
-    def of(cls, msg: KvPlaced | KvLocated, n: int) -> Where:
+    def of(cls, msg: KvPlaced | KvLocated, n: int, peer: str | None = None) -> Where:
+        """The answer's placement, checked so that a malformed one raises
+        :class:`ProtocolError` (naming ``peer``, the master) here rather than an
+        ``IndexError`` deep in a read or write: node rows are
+        ``[name, incarnation, endpoint, segment]`` strings, each key's replicas are
+        indices into them followed by -1s only, and their offsets are >= 0."""
         r = msg.replicas
-        return cls(column(msg.status, "<i1", n, "status"), msg.nodes,
-                   column(msg.pools, "<i4", n * r, "pools").reshape(n, r),
-                   column(msg.offsets, "<i8", n * r, "offsets").reshape(n, r))
+        if not 1 <= r <= MAX_REPLICAS:
+            raise ProtocolError(f"{msg.kind}: replicas {r} is not 1..{MAX_REPLICAS}",
+                                peer=peer)
+        for j, row in enumerate(msg.nodes):
+            if not isinstance(row, list | tuple) or len(row) != len(NODE_ROW) or not all(
+                    isinstance(v, str) for v in row):
+                raise ProtocolError(f"{msg.kind}: node row {j} is {str(row)[:120]}, not "
+                                    f"{len(NODE_ROW)} strings {list(NODE_ROW)}", peer=peer)
+        pools = column(msg.pools, "<i4", n * r, "pools", peer).reshape(n, r)
+        offsets = column(msg.offsets, "<i8", n * r, "offsets", peer).reshape(n, r)
+        used = pools >= 0
+        bad = (pools < -1) | (pools >= len(msg.nodes)) | (used & (offsets < 0))
+        bad[:, 1:] |= used[:, 1:] & ~used[:, :-1]  # a replica after a -1
+        if bad.any():
+            i, k = (int(x) for x in np.argwhere(bad)[0])
+            raise ProtocolError(f"{msg.kind}: the batch's key {i}, replica {k}, names pool "
+                                f"{int(pools[i, k])} at offset {int(offsets[i, k])} "
+                                f"({len(msg.nodes)} node rows)", peer=peer)
+        return cls(column(msg.status, "<i1", n, "status", peer), list(msg.nodes), pools,
+                   offsets)
 
     def node_rows(self) -> list[tuple[str, ...]]:
         """The node rows of the answer, comparable with each other and usable as keys."""
@@ -86,6 +123,8 @@ class ClientState:
         _staging: np.ndarray | None
         _staging_seg: Segment | None
         _staging_min: int
+        _staging_keep: int
+        max_value_bytes: int
         _guesses: OrderedDict[tuple[int, int], tuple[int, tuple[str, ...], int, int]]
         _guessing: bool
         _late_failed: list[int]

@@ -1,11 +1,15 @@
 """Keys and checksums as the cluster store sends them.
 
 Keys are 128-bit on the wire. An ``int`` key (e.g. a chained block hash from
-:func:`kvstore.block_hashes`) is used as it is; ``bytes`` of 8 or 16 bytes are read as a
-little-endian integer; a ``str`` (or other ``bytes``) is hashed (BLAKE2b-128), so
-Mooncake-style string keys work too. Batches may also be ``uint64`` arrays of shape
-``(n,)`` or ``(n, 2)`` (low word first). A recorded checksum is a CRC32 with bit 32 set,
-so that 0 means "none recorded".
+:func:`kvstore.block_hashes`) is used as it is, and so are ``bytes`` of exactly 16 bytes
+(the same key written little-endian, as :class:`kvstore.KVStore` with ``key_bytes=16``
+takes it) and the rows of a ``uint64`` array of shape ``(n,)`` or ``(n, 2)`` (low word
+first). Every other key is hashed (BLAKE2b-128): a ``str`` always (its UTF-8 bytes), other
+``bytes`` likewise, each under its own prefix, so Mooncake-style string keys work and
+distinct keys never share a 128-bit key: ``"abcdefgh"``, ``b"abcdefgh"`` and
+``b"abcdefgh" + bytes(8)`` are three keys (the last one is the int it spells). A hashed
+key meets a raw one only by a BLAKE2b collision, or when an int is chosen to be one.
+A recorded checksum is a CRC32 with bit 32 set, so that 0 means "none recorded".
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import numpy.typing as npt
 
 from kvstore.errors import KeyFormatError
 
-__all__ = ["key_rows", "crc"]
+__all__ = ["key_rows", "key_int", "crc"]
 
 U64 = npt.NDArray[np.uint64]
 _M64 = (1 << 64) - 1
@@ -32,6 +36,10 @@ def crc(data: Any) -> int:
     return zlib.crc32(data) | _HAS_CRC
 
 
+def _hashed(prefix: bytes, raw: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(prefix + raw, digest_size=16).digest(), "little")
+
+
 def _key_int(key: object) -> int:
     if isinstance(key, bool):
         raise KeyFormatError("a key cannot be a bool")
@@ -41,13 +49,21 @@ def _key_int(key: object) -> int:
             raise KeyFormatError(f"key {k} does not fit in 128 unsigned bits")
         return k
     if isinstance(key, str):
-        key = key.encode()
+        try:
+            return _hashed(b"s", key.encode())
+        except UnicodeEncodeError as exc:  # a lone surrogate has no UTF-8 form
+            raise KeyFormatError(f"a str key must be valid Unicode: {exc}") from exc
     if isinstance(key, bytes | bytearray | memoryview):
         raw = bytes(key)
-        if len(raw) in (8, 16):
+        if len(raw) == 16:
             return int.from_bytes(raw, "little")
-        return int.from_bytes(hashlib.blake2b(b"k" + raw, digest_size=16).digest(), "little")
+        return _hashed(b"k", raw)  # the prefix other bytes always had: their keys stay
     raise KeyFormatError(f"a key must be int, bytes or str, not {type(key).__name__}")
+
+
+def key_int(row: U64) -> int:
+    """A ``uint64[2]`` key row as the 128-bit integer it is (for messages)."""
+    return int(row[0]) | int(row[1]) << 64
 
 
 def key_rows(keys: object) -> U64:

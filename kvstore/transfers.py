@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvstore.client_state import I64, ClientState, Job
 from kvstore.errors import InvalidArgumentError, ObjectUnavailableError
@@ -26,9 +27,13 @@ from transfer_engine.handle import TransferHandle
 from transfer_engine.peer import Peer
 from transfer_engine.segment import RemoteSegment, Segment
 
-__all__ = ["Transfers", "memory_view", "buffer_span"]
+__all__ = ["Transfers", "memory_view", "buffer_span", "staging_pieces", "STAGING_KEEP"]
 
 log = logging.getLogger("kvstore.client")  # the client's log, as its other lines
+
+STAGING_KEEP = 64 << 20
+"""Staging a client keeps between calls when its ``staging_bytes`` is smaller: gets of
+more are read in pieces (see :func:`staging_pieces`)."""
 
 
 def memory_view(address: int, length: int) -> memoryview:
@@ -47,6 +52,28 @@ def buffer_span(obj: Any, writable: bool) -> tuple[int, int]:
     if writable and not arr.flags.writeable:
         raise InvalidArgumentError("a get_into buffer must be writable")
     return int(arr.ctypes.data), int(arr.nbytes)
+
+
+def staging_pieces(padded: I64, found: npt.NDArray[np.bool_], keep: int) -> list[I64]:
+    """The found keys split into runs of at most ``keep`` bytes of ``padded`` sizes, in
+    batch order: what one staging buffer holds. A value larger than ``keep`` is a run of
+    its own, after the others and largest first, so they share one buffer."""
+    idx = np.flatnonzero(found)
+    sizes = padded[idx]
+    if int(sizes.sum()) <= keep:  # the usual case: the whole batch at once
+        return [idx] if idx.size else []
+    pieces: list[I64] = []
+    start, total = 0, 0
+    small = idx[sizes <= keep]
+    for j, size in enumerate(padded[small].tolist()):
+        if total and total + size > keep:
+            pieces.append(small[start:j])
+            start, total = j, 0
+        total += size
+    if small.size:
+        pieces.append(small[start:])
+    big = idx[sizes > keep]
+    return pieces + [big[k:k + 1] for k in np.argsort(-padded[big], kind="stable")]
 
 
 class Transfers(ClientState):
@@ -109,16 +136,41 @@ class Transfers(ClientState):
         return out
 
     def _stage(self, nbytes: int) -> tuple[np.ndarray, int]:
-        """The staging buffer (at least ``nbytes``) and its address."""
-        if self._staging is None or self._staging.nbytes < nbytes:
-            if self._staging_seg is not None:
-                self._staging_seg.close()
-                self._buffers = [b for b in self._buffers if not b[2].closed]
+        """The staging buffer (at least ``nbytes``) and its address. It grows in powers
+        of two up to the size kept between calls; a larger request gets a buffer of its
+        own size, which :meth:`_trim_staging` gives back, and one left over is replaced
+        as soon as a request fits the kept size again."""
+        keep = self._staging_keep
+        cur = self._staging
+        if cur is None or cur.nbytes < nbytes or (cur.nbytes > keep and nbytes <= keep):
+            self._drop_staging()
             size = max(self._staging_min, 1 << max(0, nbytes - 1).bit_length())
-            self._staging = np.empty(size, dtype=np.uint8)
-            self._staging.fill(0)  # fault the pages in once, not on every first use
-            self._staging_seg = self.register_buffer(self._staging)
-        return self._staging, int(self._staging.ctypes.data)
+            if size > keep:
+                size = max(nbytes, keep)
+            staging = np.empty(size, dtype=np.uint8)
+            staging.fill(0)  # fault the pages in once, not on every first use
+            self._staging_seg = self.register_buffer(staging)
+            self._staging = cur = staging
+        return cur, int(cur.ctypes.data)
+
+    def _staged(self, offset: int, length: int) -> bytes:
+        """Bytes of the staging buffer. Callers read through this rather than keep the
+        buffer in a local: a failed read's traceback holds their frame (often in a
+        cycle, freed only by the collector), and would hold a large buffer with it."""
+        assert self._staging is not None
+        return self._staging[offset:offset + length].tobytes()
+
+    def _trim_staging(self) -> None:
+        """Gives back a staging buffer grown past the size kept between calls."""
+        if self._staging is not None and self._staging.nbytes > self._staging_keep:
+            self._drop_staging()
+
+    def _drop_staging(self) -> None:
+        if self._staging_seg is not None:
+            self._staging_seg.close()
+            self._buffers = [b for b in self._buffers if not b[2].closed]
+        self._staging = None
+        self._staging_seg = None
 
     def _move(self, write: bool, jobs: dict[int, list[Job]],
               nodes: list[Any], deadline: float) -> dict[int, BaseException]:
