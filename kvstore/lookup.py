@@ -13,6 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
+from kvstore.client_state import expect
 from kvstore.errors import StoreError
 from kvstore.keys import key_rows
 from kvstore.link import MasterLink
@@ -31,7 +32,7 @@ def query(keys: object, request: Callable[[Message], Message],
     out = np.zeros(rows.shape[0], dtype=bool)
     for s in range(0, rows.shape[0], MAX_BATCH):
         reply = request(KvQuery(keys=rows[s:s + MAX_BATCH].tobytes(), release=release()))
-        assert isinstance(reply, KvFound)
+        reply = expect(reply, KvFound)
         st = column(reply.status, "<i1", min(MAX_BATCH, rows.shape[0] - s), "status")
         out[s:s + MAX_BATCH] = st == Status.OK
     return out

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvstore.client_state import I64, U64, ClientState, Job, Where
+from kvstore.client_state import I64, U64, ClientState, Job, Where, expect
 from kvstore.errors import InvalidArgumentError, PutError, StoreError
 from kvstore.index import has_duplicates
 from kvstore.keys import crc, key_rows
@@ -31,6 +31,18 @@ from transfer_engine.control.messages import Message
 __all__ = ["Puts"]
 
 _PUT_ATTEMPTS = 3  # rewrites of keys whose nodes all failed or left during the write
+
+
+def _bytes_view(value: Any, i: int) -> memoryview:
+    """``value``'s bytes (a numpy array's in C order); anything that is not a buffer is
+    the caller's error, named by its place in the batch."""
+    if isinstance(value, np.ndarray):
+        return memoryview(np.ascontiguousarray(value).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+    try:
+        return memoryview(value).cast("B")
+    except TypeError as exc:
+        raise InvalidArgumentError(f"value {i}: not a contiguous bytes-like object "
+                                   f"({type(value).__name__}): {exc}") from None
 
 
 @dataclass
@@ -52,9 +64,9 @@ class Puts(ClientState):
     def _settled(self, settle: Settle, done: Message) -> tuple[np.ndarray, np.ndarray]:
         """Takes a commit's answer: notes where the stored keys are; returns (indices
         into the put's keys) those whose every replica was lost, and those refused."""
-        assert isinstance(done, KvCommitted)
+        done = expect(done, KvCommitted, self._link.address)
         ok = settle.ok
-        st = column(done.status, "<i1", settle.rows.shape[0], "status")
+        st = column(done.status, "<i1", settle.rows.shape[0], "status", self._link.address)
         self._remember(settle.rows, ok[st[ok] == Status.OK], settle.versions, settle.where,
                        settle.lengths)
         return (ok[st[ok] == Status.FAILED],
@@ -120,8 +132,8 @@ class Puts(ClientState):
                 keys=rows[todo].tobytes(), lengths=pack(lens[todo], "<i8"),
                 checksums=pack(checks[todo], "<u8"), replicas=replicas or self.replicas,
                 ttl=float(ttl or 0.0), if_absent=if_absent, release=self._take_release()))
-            assert isinstance(placed, KvPlaced)
-            where = Where.of(placed, todo.size)
+            placed = expect(placed, KvPlaced, self._link.address)
+            where = Where.of(placed, todo.size, self._link.address)
             ok = np.flatnonzero(where.status == Status.OK)
             if ok.size:
                 jobs: dict[int, list[Job]] = {}
@@ -208,9 +220,7 @@ class Puts(ClientState):
         counted, and :meth:`flush` names them. Values are still copied before return, and
         space or placement problems are still raised here."""
         rows = key_rows(keys)
-        views = [memoryview(v).cast("B") if not isinstance(v, np.ndarray) else
-                 memoryview(np.ascontiguousarray(v).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-                 for v in values]
+        views = [_bytes_view(v, i) for i, v in enumerate(values)]
         if len(views) != rows.shape[0]:
             raise InvalidArgumentError(f"{rows.shape[0]} keys but {len(views)} values")
         lens = np.array([v.nbytes for v in views], dtype=np.int64)

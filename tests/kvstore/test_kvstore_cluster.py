@@ -77,6 +77,10 @@ def test_put_get_replicas_exists_prefix_remove(cluster: tuple[Master, list[Stora
         assert client.batch_get(keys[:12]) == [None] * 10 + vals[10:12]
         with pytest.raises(InvalidArgumentError):
             client.batch_put([1, 1], [b"a", b"b"])
+        for bad in (None, "text", 7, memoryview(b"abcdef")[::2]):  # not contiguous bytes
+            with pytest.raises(InvalidArgumentError, match="value 1"):
+                client.batch_put([500, 501], [b"ok", bad])
+        assert client.batch_get([500, 501]) == [None, None]
 
 
 def test_zero_copy_and_overwrite(cluster: tuple[Master, list[StorageNode]]) -> None:
