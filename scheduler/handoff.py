@@ -39,9 +39,25 @@ SAMPLING_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "stop_toke
                    "spaces_between_special_tokens", "user")
 
 
-def unsupported(body: dict[str, Any], chat: bool = False) -> str | None:
+COMPLETIONS_MAX_TOKENS = 16  # vLLM's completions default when the field is absent
+
+
+def requested_max_tokens(body: dict[str, Any], chat: bool = False) -> Any:
+    """The request's output limit as vLLM reads it: chat's ``max_completion_tokens``
+    when set (a 0 too), else ``max_tokens``; an absent limit is 16 tokens for
+    completions and the model's context for chat (None)."""
+    if chat:
+        limit = body.get("max_completion_tokens")
+        return limit if limit is not None else body.get("max_tokens")
+    return body.get("max_tokens", COMPLETIONS_MAX_TOKENS)
+
+
+def unsupported(body: dict[str, Any], chat: bool = False,
+                max_model_len: int | None = None) -> str | None:
     """Why the first-token hand-off cannot give exactly a single server's answer to
-    this completions (or chat completions) request, or ``None`` when it can."""
+    this completions (or chat completions) request, or ``None`` when it can. A request
+    a server would refuse goes the sequential way, where a server says why (prefill
+    sees only its first token's limits)."""
     extra = sorted(set(body) - (CHAT_FIELDS if chat else FIRST_TOKEN_FIELDS))
     if extra:
         return f"fields {extra}"
@@ -66,6 +82,8 @@ def unsupported(body: dict[str, Any], chat: bool = False) -> str | None:
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         return "stop not a string or strings"
+    if stop == "" or (isinstance(stop, list) and "" in stop):
+        return "an empty stop string"
     if body.get("stream_options") is not None and not isinstance(body["stream_options"],
                                                                  dict):
         return "stream_options not an object"
@@ -84,9 +102,13 @@ def unsupported(body: dict[str, Any], chat: bool = False) -> str | None:
         return "spaces_between_special_tokens"
     if body.get("stream_options") is not None and not body.get("stream"):
         return "stream_options without stream"  # the server's error to give
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    max_tokens = requested_max_tokens(body, chat)
     if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
         return "max_tokens"
+    if max_tokens is not None and min_tokens is not None and min_tokens > max_tokens:
+        return "min_tokens over max_tokens"
+    if max_tokens is not None and max_model_len is not None and max_tokens > max_model_len:
+        return "max_tokens over the model's context"
     return None
 
 

@@ -13,9 +13,10 @@ proxy detokenizes the joined tokens with the model's tokenizer
 are one server's (chat too: decode continues from the templated prompt's token ids
 on its completions endpoint). Requests it cannot reproduce exactly (``n`` > 1, logprobs,
 echo, presence/frequency penalties, a seeded sampler, structured output or any other
-field it does not know), and every request when the tokenizer cannot be loaded, take
-the sequential hand-off (``--handoff sequential`` for all): decode gets the original
-request with prefill's ``kv_transfer_params`` and its answer is relayed.
+field it does not know, limits only decode would refuse), and every request when the
+tokenizer cannot be loaded, take the sequential hand-off (``--handoff sequential`` for
+all): decode gets the original request with prefill's ``kv_transfer_params`` and its
+answer is relayed.
 
 Decode reads the KV from prefill's blocks. With ``--push``, prefill pushes it layer by
 layer, as its forward computes it, into a room of the decode server's staging memory
@@ -77,7 +78,7 @@ sys.path.insert(0, str(HERE.parent))
 if str(HERE) not in sys.path:  # the helpers beside this file, however it was loaded
     sys.path.insert(1, str(HERE))
 
-from pd_proxy_handoff import first_ended, follow, usage  # noqa: E402
+from pd_proxy_handoff import end_with_error, first_ended, follow, usage  # noqa: E402
 from pd_proxy_routing import (  # noqa: E402
     CHARS_PER_TOKEN,
     LOCAL_BELOW,
@@ -93,7 +94,12 @@ from pd_proxy_upstream import (  # noqa: E402
 )
 
 from scheduler.errors import NoInstanceError  # noqa: E402
-from scheduler.handoff import SAMPLING_FIELDS, TextAssembler, unsupported  # noqa: E402
+from scheduler.handoff import (  # noqa: E402
+    SAMPLING_FIELDS,
+    TextAssembler,
+    requested_max_tokens,
+    unsupported,
+)
 from scheduler.router import DEFAULT_POLICY, Decision, Router  # noqa: E402
 from transfer_engine.control.client import RegistryStore  # noqa: E402
 
@@ -111,7 +117,10 @@ class Proxy(BaseHTTPRequestHandler):
     push: DecodeWorkers | None = None  # where decode's workers are: prefill pushes
 
     def _error(self, code: int, message: str) -> None:
-        data = json.dumps({"error": {"message": message, "code": code}}).encode()
+        self._reply(code, json.dumps({"error": {"message": message, "code": code}}).encode())
+
+    def _reply(self, code: int, data: bytes) -> None:
+        """An answer as a server gave it (a client error is the client's to see)."""
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -153,11 +162,13 @@ class Proxy(BaseHTTPRequestHandler):
         self._started = False
         router = self.router
         fleet = router.fleet
-        first = self.handoff == "first" and unsupported(
-            request, chat=self.path == "/v1/chat/completions") is None
+        chat = self.path == "/v1/chat/completions"
+        first = self.handoff == "first" and unsupported(request, chat=chat) is None
         tok = None
         if (first or router.local_prefill_tokens > 0) and fleet.decode.urls:
             tok = self.tokenizers.get(fleet.decode.urls[0])
+            first = first and unsupported(request, chat, self.tokenizers.max_model_len(
+                fleet.decode.urls[0])) is None
         req = request_of(request, router.cost.block_tokens * CHARS_PER_TOKEN, tok)
         failed: set[str] = set()
         errors: list[str] = []
@@ -270,9 +281,9 @@ class Proxy(BaseHTTPRequestHandler):
             self._fail(name, f"prefill answered {resp.status}", failed, errors)
             self._release(d)
             raise UpstreamError
-        if resp.status != 200:
+        if resp.status != 200:  # the request's own error, as one server answers it
             self._release(d)
-            self._error(502, f"prefill server answered {resp.status}: {answer}")
+            self._reply(resp.status, raw)
             return None
         if need_params and not answer.get("kv_transfer_params") and not (
                 ended is not None and ended(answer)):
@@ -333,7 +344,7 @@ class Proxy(BaseHTTPRequestHandler):
         :class:`UpstreamError` (nothing sent yet) when a retry may help."""
         fleet = self.router.fleet
         chat = self.path == "/v1/chat/completions"
-        max_tokens = request.get("max_completion_tokens") or request.get("max_tokens")
+        max_tokens = requested_max_tokens(request, chat)
         min_tokens = int(request.get("min_tokens") or 0)
         stream = bool(request.get("stream"))
         pre = {k: v for k, v in request.items()
@@ -409,8 +420,7 @@ class Proxy(BaseHTTPRequestHandler):
                 dec = {k: request[k] for k in SAMPLING_FIELDS if k in request}
                 dec.update(prompt=list(prompt_ids) + [int(first[0])], stream=True,
                            return_token_ids=True, kv_transfer_params=params)
-                if max_tokens is not None:
-                    dec["max_tokens"] = max_tokens - 1
+                dec["max_tokens"] = max_tokens - 1 if max_tokens is not None else None
                 if min_tokens > 1:
                     dec["min_tokens"] = min_tokens - 1
                 url = urllib.parse.urlsplit(fleet.decode.urls[d.decode])
@@ -421,6 +431,12 @@ class Proxy(BaseHTTPRequestHandler):
                 if stream:  # the first token goes out while decode starts
                     emit(asm.delta(False), None, None)
                 resp = conn.getresponse()
+                if 400 <= resp.status < 500:  # the request's own error, as decode says it
+                    refused = resp.read()
+                    self._release(d)  # before the client can see the end
+                    d = None  # type: ignore[assignment]
+                    self._refused(resp.status, refused, started)
+                    return
                 if resp.status != 200:
                     raise http.client.HTTPException(
                         f"decode answered {resp.status}: {resp.read()[:300]!r}")
@@ -478,6 +494,14 @@ class Proxy(BaseHTTPRequestHandler):
                 conn.close()  # before its end: decode aborts the request
             if d is not None:
                 self._release(d)
+
+    def _refused(self, status: int, body: bytes, started: bool) -> None:
+        """Decode refused the request: its answer, or once prefill's first token went
+        out, its error as an event of the stream, as a server reports a late error."""
+        if not started:
+            self._reply(status, body)
+        else:
+            end_with_error(self.wfile, body)
 
     def _relay(self, d: Decision, conn: http.client.HTTPConnection,
                resp: http.client.HTTPResponse) -> None:

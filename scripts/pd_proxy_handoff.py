@@ -11,7 +11,7 @@ from typing import Any
 
 from scheduler.handoff import TextAssembler
 
-__all__ = ["first_ended", "usage", "follow"]
+__all__ = ["first_ended", "usage", "follow", "end_with_error"]
 
 
 def first_ended(answer: dict[str, Any]) -> bool:
@@ -55,3 +55,13 @@ def follow(resp: http.client.HTTPResponse, asm: TextAssembler,
             # that ends inside a character, text held back for a stop string)
             emit(asm.delta(False), None, None)
     return None, None
+
+
+def end_with_error(wfile: Any, error: bytes) -> None:
+    """Ends a chunked event stream with ``error`` (a server's JSON error answer) as its
+    last event, as vLLM reports an error met once its stream has begun."""
+    for data in (error.strip() or b'{"error": "decode refused the request"}', b"[DONE]"):
+        chunk = b"data: " + data + b"\n\n"
+        wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+    wfile.write(b"0\r\n\r\n")
+    wfile.flush()

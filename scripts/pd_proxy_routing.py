@@ -66,7 +66,8 @@ def request_of(body: dict[str, Any], block_chars: int, tokenizer: Any = None) ->
 class Tokenizers:
     """The served model's tokenizer, per decode server: from ``--tokenizer`` or the
     model path its ``/v1/models`` names; a server without one is asked again a minute
-    later (until then its requests take the sequential hand-off)."""
+    later (until then its requests take the sequential hand-off). Also the context
+    length ``/v1/models`` names (:meth:`max_model_len`)."""
 
     RETRY_S = 60.0
 
@@ -74,6 +75,7 @@ class Tokenizers:
         self.path = path
         self._by_path: dict[str, Any] = {}
         self._by_url: dict[str, tuple[float, Any]] = {}
+        self._limits: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def _load(self, path: str) -> Any:
@@ -89,10 +91,23 @@ class Tokenizers:
                 return known[1]
             tok = None
             try:
-                path = self.path or get_json(url, "/v1/models", 10.0)["data"][0]["root"]
-                tok = self._load(str(path))
+                model: Any = {}
+                try:
+                    model = get_json(url, "/v1/models", 10.0)["data"][0]
+                    limit = model.get("max_model_len")
+                    if type(limit) is int and limit > 0:
+                        self._limits[url] = limit
+                except Exception:  # noqa: BLE001 - no limit known; a path may be given
+                    if not self.path:
+                        raise
+                tok = self._load(str(self.path or model["root"]))
             except Exception as exc:  # noqa: BLE001 - no tokenizer: sequential hand-off
                 sys.stderr.write(f"pd_proxy: no tokenizer for {url} ({exc!r:.200}); "
                                  "its requests take the sequential hand-off\n")
             self._by_url[url] = (now + self.RETRY_S, tok)
             return tok
+
+    def max_model_len(self, url: str) -> int | None:
+        """The server's context length, once :meth:`get` has asked it."""
+        with self._lock:
+            return self._limits.get(url)

@@ -6,7 +6,6 @@ and fails over: a dead server is ejected and its requests retried elsewhere."""
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import os
@@ -16,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +28,14 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import pd_proxy  # noqa: E402
 
 from bench.fleet import free_port  # noqa: E402
-
-SEEN: list[tuple[str, dict[str, Any]]] = []
+from tests.helpers.pd_scripted import (  # noqa: E402
+    SEEN,
+    Scripted,
+    byte_tokenizer,
+    post,
+    scripted_proxy,
+    serve,
+)
 
 
 class Upstream(BaseHTTPRequestHandler):
@@ -59,23 +64,16 @@ class Upstream(BaseHTTPRequestHandler):
         pass
 
 
-def _serve(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, threading.Thread]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    return server, thread
-
-
 @pytest.fixture
 def proxy() -> Iterator[int]:
     pre = type("Pre", (Upstream,), {"role": "prefill"})
     dec = type("Dec", (Upstream,), {"role": "decode"})
-    servers = [_serve(pre), _serve(dec)]
+    servers = [serve(pre), serve(dec)]
     pd_proxy.Proxy.router = pd_proxy.make_router(
         [f"http://127.0.0.1:{servers[0][0].server_port}"],
         [f"http://127.0.0.1:{servers[1][0].server_port}"])
     pd_proxy.Proxy.log_message = lambda *a: None  # type: ignore[method-assign]
-    servers.append(_serve(pd_proxy.Proxy))
+    servers.append(serve(pd_proxy.Proxy))
     yield servers[2][0].server_port
     for server, thread in servers:
         server.shutdown()
@@ -108,31 +106,20 @@ def test_proxy_rejects_bad_requests(proxy: int) -> None:
     conn.close()
 
 
-def _post(port: int, body: dict[str, Any], timeout: float = 10.0) -> tuple[int, str]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("POST", "/v1/completions", json.dumps(body).encode(),
-                     {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        return resp.status, resp.read().decode()
-    finally:
-        conn.close()
-
-
 def test_proxy_routes_around_a_dead_decode_url() -> None:
     dec = type("Dec", (Upstream,), {"role": "decode"})
     pre = type("Pre", (Upstream,), {"role": "prefill"})
-    servers = [_serve(pre), _serve(dec)]
+    servers = [serve(pre), serve(dec)]
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     router = pd_proxy.make_router([f"http://127.0.0.1:{servers[0][0].server_port}"],
                                   [dead, f"http://127.0.0.1:{servers[1][0].server_port}"],
                                   policy="round_robin", threshold=1, cooldown=60.0)
     pd_proxy.Proxy.router = router
     pd_proxy.Proxy.log_message = lambda *a: None  # type: ignore[method-assign]
-    servers.append(_serve(pd_proxy.Proxy))
+    servers.append(serve(pd_proxy.Proxy))
     try:
         for i in range(6):
-            status, body = _post(servers[2][0].server_port,
+            status, body = post(servers[2][0].server_port,
                                  {"model": "m", "prompt": f"p{i}", "max_tokens": 4})
             assert status == 200 and body.endswith("[DONE]\n\n")
         assert router.fleet.traffic.breakers.ejected("decode") == [dead]
@@ -203,7 +190,7 @@ def test_router_over_registry_survives_a_prefill_dying_mid_run() -> None:
             port = int(_line(proxy, "pd_proxy on ").split(":")[2].split()[0])
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:  # until the proxy has learnt the fleet
-                status, _ = _post(port, {"model": "m", "prompt": "warm", "max_tokens": 2})
+                status, _ = post(port, {"model": "m", "prompt": "warm", "max_tokens": 2})
                 if status == 200:
                     break
                 time.sleep(0.05)
@@ -212,7 +199,7 @@ def test_router_over_registry_survives_a_prefill_dying_mid_run() -> None:
 
             def client(k: int) -> None:
                 for i in range(12):
-                    got = _post(port, {"model": "m", "prompt": f"c{k} r{i} " * 50,
+                    got = post(port, {"model": "m", "prompt": f"c{k} r{i} " * 50,
                                        "max_tokens": 3, "stream": True})
                     with lock:
                         results.append(got)
@@ -235,28 +222,12 @@ def test_router_over_registry_survives_a_prefill_dying_mid_run() -> None:
             _stop(procs)
 
 
-def _byte_tokenizer() -> Any:
-    """A byte-level BPE tokenizer, built offline: multi-byte characters split over
-    several tokens."""
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
-
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(["the cache block of the engine"] * 10, trainer)
-    return tok
-
-
 def test_router_text_survives_a_first_token_inside_a_utf8_character() -> None:
     """The router's text of the joined tokens is the text of the whole sequence, wherever
     prefill's first token ends: inside a character its bytes wait for the next."""
     from scheduler.handoff import TextAssembler  # noqa: PLC0415
 
-    tok = _byte_tokenizer()
+    tok = byte_tokenizer()
     prompt = tok.encode("the cache block").ids
     gen = tok.encode(" héllo 日本 wörld").ids
     assert len(gen) > len(" héllo 日本 wörld".split())  # characters split over tokens
@@ -280,7 +251,7 @@ def test_router_stop_strings_across_the_join_never_leak() -> None:
     out of the text."""
     from scheduler.handoff import TextAssembler, unsupported  # noqa: PLC0415
 
-    tok = _byte_tokenizer()
+    tok = byte_tokenizer()
     prompt = tok.encode("the").ids
     gen = tok.encode(" cache blöck of").ids
     asm = TextAssembler(tok, prompt, stop=["e bl"])
@@ -311,17 +282,17 @@ def test_unreachable_prefill_falls_back_to_decode_prefilling() -> None:
     """No prefill server answers: decode prefills the request itself (no
     kv_transfer_params), and the client sees a normal answer."""
     dec = type("Dec", (Upstream,), {"role": "decode"})
-    servers = [_serve(dec)]
+    servers = [serve(dec)]
     dead = f"http://127.0.0.1:{free_port()}"
     router = pd_proxy.make_router([dead], [f"http://127.0.0.1:{servers[0][0].server_port}"],
                                   threshold=1, cooldown=60.0)
     pd_proxy.Proxy.router = router
     pd_proxy.Proxy.log_message = lambda *a: None  # type: ignore[method-assign]
-    servers.append(_serve(pd_proxy.Proxy))
+    servers.append(serve(pd_proxy.Proxy))
     try:
         for i in range(3):
             SEEN.clear()
-            status, body = _post(servers[1][0].server_port,
+            status, body = post(servers[1][0].server_port,
                                  {"model": "m", "prompt": f"p{i}", "max_tokens": 4})
             assert status == 200 and body.endswith("[DONE]\n\n")
             assert [role for role, _ in SEEN] == ["decode"]
@@ -335,86 +306,12 @@ def test_unreachable_prefill_falls_back_to_decode_prefilling() -> None:
             thread.join(5)
 
 
-class Scripted(BaseHTTPRequestHandler):
-    """Prefill and decode speaking vLLM's token-id fields, generating ``gen``: prefill
-    its first token, decode the rest after the prompt plus that token."""
-
-    role = ""
-    tok: Any = None
-    gen: list[int] = []
-    eos = 2
-
-    def do_POST(self) -> None:  # noqa: N802
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        SEEN.append((self.role, body))
-        if self.role == "prefill":
-            prompt = self.tok.encode(body["prompt"]).ids
-            t = self.gen[0]
-            c = {"index": 0, "text": "?", "finish_reason": "stop" if t == self.eos
-                 else "length", "stop_reason": None, "prompt_token_ids": prompt,
-                 "token_ids": [t]}
-            held = body.get("kv_transfer_params") and t != self.eos
-            data = json.dumps({"id": "cmpl-1", "created": 1, "model": "m", "choices": [c],
-                               "usage": {}, "kv_transfer_params": {"p": 1} if held
-                               else None}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-            return
-        rest = self.gen[1:1 + body.get("max_tokens", 99)]
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        for i, t in enumerate(rest):
-            last = i == len(rest) - 1
-            fin = "stop" if t == self.eos else ("length" if last else None)
-            chunk = {"choices": [{"index": 0, "text": "?", "token_ids": [t],
-                                  "finish_reason": fin, "stop_reason": None}]}
-            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            self.wfile.flush()
-            if fin:
-                break
-        self.wfile.write(b"data: [DONE]\n\n")
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def _scripted_proxy(tok: Any, gen: list[int]) -> Iterator[int]:
-    """A router (first-token hand-off) in front of scripted prefill and decode servers
-    generating ``gen``, decode's tokenizer ``tok`` known without asking it; its port."""
-    pre = type("Pre", (Scripted,), {"role": "prefill", "tok": tok, "gen": gen})
-    dec = type("Dec", (Scripted,), {"role": "decode", "tok": tok, "gen": gen})
-    servers = [_serve(pre), _serve(dec)]
-    urls = [f"http://127.0.0.1:{s.server_port}" for s, _ in servers]
-    pd_proxy.Proxy.router = pd_proxy.make_router([urls[0]], [urls[1]])
-    pd_proxy.Proxy.handoff = "first"
-
-    class Known(pd_proxy.Tokenizers):
-        def get(self, url: str) -> Any:
-            return tok if url == urls[1] else super().get(url)
-
-    pd_proxy.Proxy.tokenizers = Known()
-    pd_proxy.Proxy.log_message = lambda *a: None  # type: ignore[method-assign]
-    servers.append(_serve(pd_proxy.Proxy))
-    try:
-        yield servers[2][0].server_port
-    finally:
-        pd_proxy.Proxy.tokenizers = pd_proxy.Tokenizers()
-        for server, thread in servers:
-            server.shutdown()
-            server.server_close()
-            thread.join(5)
-
-
 def test_first_token_handoff_joins_prefill_and_decode_tokens() -> None:
     """The router's first-token hand-off over scripted servers: decode gets the prompt's
     ids plus the first token and one token fewer; the client's text is that of the
     whole sequence (characters split across the join included), cut at a stop string
     spanning the join; max_tokens=1 and an EOS first token never reach decode."""
-    tok = _byte_tokenizer()
+    tok = byte_tokenizer()
     gen = tok.encode("é日 wörld of the cache").ids
     assert "\ufffd" in tok.decode(gen[:1])  # the first token ends inside a character
     prompt = "the cache block"
@@ -423,9 +320,9 @@ def test_first_token_handoff_joins_prefill_and_decode_tokens() -> None:
     def text(n: int) -> str:
         return tok.decode(pids + gen[:n])[len(tok.decode(pids)):]
 
-    with _scripted_proxy(tok, gen) as port:
+    with scripted_proxy(tok, gen) as port:
         SEEN.clear()
-        status, body = _post(port, {"model": "m", "prompt": prompt, "max_tokens": 6,
+        status, body = post(port, {"model": "m", "prompt": prompt, "max_tokens": 6,
                                     "stream": True, "stream_options": {"include_usage": True}})
         assert status == 200 and body.endswith("data: [DONE]\n\n")
         chunks = [json.loads(line[6:]) for line in body.splitlines()
@@ -442,21 +339,21 @@ def test_first_token_handoff_joins_prefill_and_decode_tokens() -> None:
         stop = full[:2]  # its first character spans prefill's and decode's tokens
         upto = next(k for k in range(1, 9) if stop in text(k))
         assert upto > 1
-        status, body = _post(port, {"model": "m", "prompt": prompt, "max_tokens": 8,
+        status, body = post(port, {"model": "m", "prompt": prompt, "max_tokens": 8,
                                     "stop": [stop], "include_stop_str_in_output": True})
         answer = json.loads(body)
         assert answer["choices"][0]["text"] == stop
         assert answer["choices"][0]["stop_reason"] == stop
         assert answer["usage"]["completion_tokens"] == upto
         stop = full[2:4]
-        status, body = _post(port, {"model": "m", "prompt": prompt, "max_tokens": 8,
+        status, body = post(port, {"model": "m", "prompt": prompt, "max_tokens": 8,
                                     "stop": stop, "stream": True})
         assert "".join(json.loads(line[6:])["choices"][0]["text"]
                        for line in body.splitlines() if line.startswith("data: {")
                        ) == full[:2]
 
         SEEN.clear()
-        status, body = _post(port, {"model": "m", "prompt": prompt, "max_tokens": 1})
+        status, body = post(port, {"model": "m", "prompt": prompt, "max_tokens": 1})
         # a lone first byte of a character: held back, as vLLM's detokenizer does
         assert json.loads(body)["choices"][0]["text"] == ""
         assert [r for r, _ in SEEN] == ["prefill"]
@@ -464,7 +361,7 @@ def test_first_token_handoff_joins_prefill_and_decode_tokens() -> None:
 
         gen[:] = [Scripted.eos]  # the servers' list: an EOS first
         SEEN.clear()
-        status, body = _post(port, {"model": "m", "prompt": prompt, "max_tokens": 5})
+        status, body = post(port, {"model": "m", "prompt": prompt, "max_tokens": 5})
         answer = json.loads(body)
         assert answer["choices"][0]["finish_reason"] == "stop"
         assert answer["choices"][0]["text"] == ""
@@ -478,7 +375,7 @@ def test_malformed_fields_and_router_bugs_are_answered_and_counted_once(
     """Optional fields of the wrong type (read by the first-token hand-off itself), a
     bad Content-Length, JSON nested too deep, and a failure inside the router each get
     an HTTP answer, and leave the router's queues and KV counts as they were."""
-    tok = _byte_tokenizer()
+    tok = byte_tokenizer()
     gen = tok.encode(" of the cache").ids
 
     def idle() -> bool:
@@ -491,13 +388,13 @@ def test_malformed_fields_and_router_bugs_are_answered_and_counted_once(
             s.sendall(head + body)
             return s.recv(4096)
 
-    with _scripted_proxy(tok, gen) as port:
+    with scripted_proxy(tok, gen) as port:
         base = {"model": "m", "prompt": "the cache", "max_tokens": 4}
         for extra in ({"min_tokens": "x"}, {"min_tokens": [1]}, {"stop": 5},
                       {"stop": [5]}, {"skip_special_tokens": "no"},
                       {"stream": True, "stream_options": "x"},
                       {"prompt": [-1, 2**70]}, {"max_tokens": True}):
-            status, _ = _post(port, dict(base, **extra))
+            status, _ = post(port, dict(base, **extra))
             assert status in (200, 400, 502), (extra, status)
             assert idle(), extra
         answer = raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
@@ -512,7 +409,7 @@ def test_malformed_fields_and_router_bugs_are_answered_and_counted_once(
             raise RuntimeError("a bug in the hand-off")
 
         monkeypatch.setattr(pd_proxy.Proxy, "_first_token", broken)
-        status, body = _post(port, base)
+        status, body = post(port, base)
         assert status == 500 and "a bug in the hand-off" in body
         assert idle()
 
@@ -541,7 +438,7 @@ def test_idle_clients_cannot_take_every_thread(proxy: int) -> None:
             assert extra.recv(100) == b""  # closed at once: no thread for it
         for sock in idle:  # each stalled client is dropped after the timeout
             assert sock.recv(100) == b""
-        status, _ = _post(port, {"model": "m", "prompt": "hi", "max_tokens": 2})
+        status, _ = post(port, {"model": "m", "prompt": "hi", "max_tokens": 2})
         assert status == 200
     finally:
         for sock in idle:

@@ -1,0 +1,98 @@
+"""The router gives a request's limits and errors as one vLLM server gives them, over
+scripted prefill and decode servers (``tests/helpers/pd_scripted.py``):
+
+- an absent output limit is vLLM's (16 tokens for completions, the context for chat),
+  so decode continues with one token fewer, or with no limit of its own;
+- a request a server would refuse for limits only decode sees (an empty stop string,
+  ``max_completion_tokens`` 0, ``min_tokens`` over ``max_tokens``, ``max_tokens``
+  over the context) goes the sequential way, where the server says why;
+- a server's own refusal (4xx) reaches the client with its status and answer, from
+  prefill or from decode (once a stream has begun, as its last event), and counts as
+  no failure of the server: the next request goes through.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tests.helpers.pd_scripted import SEEN, byte_tokenizer, pd_proxy, post, scripted_proxy
+
+CHAT = "/v1/chat/completions"
+
+
+def _idle() -> bool:
+    fleet = pd_proxy.Proxy.router.fleet
+    return (int(fleet.prefill.queue.sum()) == 0 and int(fleet.decode.queue.sum()) == 0
+            and float(fleet.decode.kv_used.sum()) == 0.0)
+
+
+def _decode_request(port: int, body: dict[str, Any], path: str = "/v1/completions"
+                    ) -> dict[str, Any]:
+    """What decode was asked for ``body`` (sent to the router)."""
+    SEEN.clear()
+    status, _ = post(port, body, path=path)
+    assert status == 200, body
+    (dec,) = [b for r, b in SEEN if r == "decode"]
+    return dec
+
+
+def test_absent_limits_and_requests_a_server_refuses() -> None:
+    tok = byte_tokenizer()
+    gen = tok.encode(" of the cache block of the engine").ids
+    with scripted_proxy(tok, gen, max_model_len=64) as port:
+        base = {"model": "m", "prompt": "the cache"}
+        handed = {"do_remote_decode": True}
+        # completions: vLLM's default of 16, one of them prefill's
+        assert _decode_request(port, base)["max_tokens"] == 15
+        assert _decode_request(port, dict(base, max_tokens=None))["max_tokens"] is None
+        chat = {"model": "m", "messages": [{"role": "user", "content": "the cache"}]}
+        dec = _decode_request(port, chat, CHAT)  # chat: up to the context
+        assert "max_tokens" in dec and dec["max_tokens"] is None
+        assert dec["prompt"][-1] == gen[0]  # the first-token hand-off
+        assert _decode_request(port, dict(chat, max_completion_tokens=3, max_tokens=9),
+                               CHAT)["max_tokens"] == 2
+        # what decode alone would refuse: the original request goes to decode
+        for path, extra in (("/v1/completions", {"stop": [""], "max_tokens": 4}),
+                            ("/v1/completions", {"stop": "", "max_tokens": 4}),
+                            (CHAT, {"max_completion_tokens": 0, "max_tokens": 5}),
+                            ("/v1/completions", {"min_tokens": 5, "max_tokens": 3}),
+                            ("/v1/completions", {"max_tokens": 65})):
+            body = dict(chat if path == CHAT else base, **extra)
+            dec = _decode_request(port, body, path)
+            assert {k: dec[k] for k in extra} == extra, extra
+            assert ("messages" in dec) == (path == CHAT)
+            pre = next(b for r, b in SEEN if r == "prefill")
+            assert pre["max_tokens"] == 1 and pre["kv_transfer_params"] == handed
+            assert _idle()
+        assert _decode_request(port, dict(base, max_tokens=64))["max_tokens"] == 63
+
+
+def test_a_servers_refusal_reaches_the_client_as_it_gave_it() -> None:
+    tok = byte_tokenizer()
+    gen = tok.encode(" of the cache block").ids
+    error = {"error": {"message": "This model's maximum context length is 64 tokens.",
+                       "type": "BadRequestError", "param": None, "code": 400}}
+    base = {"model": "m", "prompt": "the cache", "max_tokens": 4}
+    for role in ("prefill", "decode"):
+        for status in (400, 404):
+            refusals = {role: (status, error)}
+            with scripted_proxy(tok, gen, refuse=refusals) as port:
+                got, body = post(port, base)
+                assert (got, json.loads(body)) == (status, error), role
+                assert _idle()
+                got, body = post(port, dict(base, stream=True))
+                if role == "prefill":  # nothing was streamed yet: its answer as it is
+                    assert (got, json.loads(body)) == (status, error)
+                else:  # prefill's first token went out: the error ends the stream
+                    events = [line[6:] for line in body.splitlines()
+                              if line.startswith("data: ")]
+                    assert got == 200 and events[-1] == "[DONE]", body
+                    assert json.loads(events[-2]) == error
+                    assert "choices" in json.loads(events[0])
+                assert _idle()
+                # a refusal is the request's fault, not the server's: it stays in use
+                refusals.clear()
+                SEEN.clear()
+                assert post(port, base)[0] == 200
+                assert [r for r, _ in SEEN] == ["prefill", "decode"]
