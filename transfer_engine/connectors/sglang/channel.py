@@ -46,11 +46,15 @@ class Links:
             if len(self._socks) >= _MAX_LINKS:
                 self._socks.popitem(last=False)[1].close(0)
             sock = self._zctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IPV6, 1)
-            sock.setsockopt(zmq.SNDHWM, 64)
-            sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-            sock.connect(endpoint)
+            try:
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.IPV6, 1)
+                sock.setsockopt(zmq.SNDHWM, 64)
+                sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+                sock.connect(endpoint)  # a malformed endpoint (a peer's word) raises
+            except zmq.ZMQError:
+                sock.close(0)
+                raise
             self._socks[endpoint] = sock
         else:
             self._socks.move_to_end(endpoint)

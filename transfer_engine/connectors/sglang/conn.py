@@ -11,11 +11,14 @@ Protocol, per request (a *room*: SGLang's ``bootstrap_room``)::
     decode   send_metadata(pages, aux_index)
                                     room request to the prefill rank's side channel: the
                                     decode engine, its page indices and metadata row;
-                                    prefill connects to the decode engine (once per
-                                    peer), checks the indices against decode's
-                                    registered buffers and claims the room, or refuses
-                                    (the receiver fails with the reason)
-    prefill  poll                   WaitingForInput (the room is claimed)
+                                    prefill checks every field and claims the room, or
+                                    refuses (the receiver fails with the reason); it
+                                    connects to the decode engine (once per peer, in
+                                    the background) and checks the indices against
+                                    decode's registered buffers, failing only that room
+                                    (both sides told) if either fails
+    prefill  poll                   Bootstrapping while decode's engine is connected,
+                                    then WaitingForInput (the room is claimed)
     prefill  init(n_pages, aux_index); send(pages) once per chunk
                                     one engine WRITE per chunk: every K and V buffer's
                                     pages (runs of pages adjacent on both sides merged),
@@ -129,8 +132,18 @@ class TransferEngineKVSender(BaseKVSender):  # type: ignore[misc]
         return int(KVPoll.Failed)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        """SGLang announces the pages it will send (the prompt's, past the prefix decode
+        holds): a count that is not decode's fails the room now, before any send."""
         self.num_kv_indices = int(num_kv_indices)
         self.aux_index = None if aux_index is None else int(aux_index)
+        claim = self.kv_mgr.send_room(self._room) if self._attached else None
+        if self.conclude_state is None and claim is not None \
+                and len(claim.kv_pages) != self.num_kv_indices:
+            self._fail(ProtocolError(
+                f"decode allocated {len(claim.kv_pages)} pages past the "
+                f"{claim.decode_prefix_len} tokens it holds, prefill announced "
+                f"{self.num_kv_indices} (is decode_prefix_len past the prompt?)",
+                peer=claim.peer.name if claim.peer else None))
 
     def send(self, kv_indices: npt.NDArray[np.int32], state_indices: list[Any] | None = None,
              num_kv_tokens: int | None = None) -> None:
@@ -157,6 +170,10 @@ class TransferEngineKVSender(BaseKVSender):  # type: ignore[misc]
             raise ProtocolError("send() before the decode side claimed the room")
         if claim.aborted is not None:
             raise RemoteError(f"decode gave the room up: {claim.aborted}")
+        if claim.error is not None:
+            raise claim.error
+        if claim.peer is None:
+            raise ProtocolError("send() before the decode side's engine was connected")
         if len(claim.kv_pages) != self.num_kv_indices:
             raise ProtocolError(f"decode allocated {len(claim.kv_pages)} pages, prefill "
                                 f"announced {self.num_kv_indices}")
@@ -197,7 +214,12 @@ class TransferEngineKVSender(BaseKVSender):  # type: ignore[misc]
             return int(KVPoll.Bootstrapping)
         if claim.aborted is not None:
             return self._fail(RemoteError(f"decode gave the room up: {claim.aborted}",
-                                          peer=claim.peer.name), tell_decode=False)
+                                          peer=claim.peer.name if claim.peer else None),
+                              tell_decode=False)
+        if claim.error is not None:  # decode was told when the claim failed
+            return self._fail(claim.error, tell_decode=False)
+        if claim.peer is None:  # decode's engine is being connected (bounded)
+            return int(KVPoll.Bootstrapping)
         if not self._handles and not self._last_sent:
             return int(KVPoll.WaitingForInput)
         for handle in self._handles:

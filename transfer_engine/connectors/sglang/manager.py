@@ -49,10 +49,11 @@ from transfer_engine.connectors.sglang.messages import (
     RoomRequest,
     RoomStatus,
 )
-from transfer_engine.connectors.sglang.room_claims import RoomClaims
+from transfer_engine.connectors.sglang.room_claims import MAX_CONNECTS, Connected, RoomClaims
 from transfer_engine.connectors.sglang.rooms import (
     PrefillEntry,
     RecvRoom,
+    RemoteBuffers,
     SendRoom,
     parse_note,
 )
@@ -135,7 +136,8 @@ class TransferEngineKVManager(BaseKVManager, Closeable, RoomClaims):  # type: ig
         self._recv_rooms: dict[int, RecvRoom] = {}  # decode
         self.prefill_info_table: dict[str, PrefillEntry] = {}  # decode, by bootstrap addr
         self._lookups: dict[str, Future[PrefillEntry]] = {}  # decode: lookups under way
-        self._decode_peers: dict[str, tuple[Peer, int]] = {}  # prefill: name -> (peer, epoch)
+        self._decode_peers: dict[str, tuple[Peer, int, RemoteBuffers, RemoteBuffers]] = {}
+        self._connects: dict[tuple[str, str, int], Future[Connected]] = {}
         # prefill: (room, nonce) decode gave up before its request arrived (bounded)
         self._given_up: collections.OrderedDict[tuple[int, int], str] = (
             collections.OrderedDict())
@@ -157,10 +159,14 @@ class TransferEngineKVManager(BaseKVManager, Closeable, RoomClaims):  # type: ig
             self._zctx: zmq.Context[Any] = zmq.Context()
             self._stack.callback(self._term_context)
             self._stack.callback(self._close_clients)
+            # prefill: connects to decode engines, off the side channel's thread
+            self._connect_pool = ThreadPoolExecutor(
+                max_workers=MAX_CONNECTS, thread_name_prefix=f"te-sglang-conn-{self.name}")
+            self._stack.callback(self._connect_pool.shutdown, wait=False,
+                                 cancel_futures=True)
             self._channel = Service(self._zctx, self.config.host, 0, self._on_request,
                                     f"sglang-chan-{self.name}", self._signer)
-            # a request may be connecting to a peer and refreshing its segments
-            self._stack.callback(self._channel.close, 2 * self.config.timeout_s + 1)
+            self._stack.callback(self._channel.close)  # it never waits on a peer
             self._bg_stop = threading.Event()
             self._bg = threading.Thread(target=self._background, daemon=True,
                                         name=f"te-sglang-bg-{self.name}")

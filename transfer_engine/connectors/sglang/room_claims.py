@@ -1,12 +1,22 @@
 """What a rank answers on its side channel (the service thread): pings, room statuses
 (decode's aborts reach prefill, prefill's outcome reaches decode), and, on prefill,
-decode's room requests, checked and claimed for the sender that will write them."""
+decode's room requests, checked and claimed for the sender that will write them.
+
+The service thread never waits on the network: every field of a room request is
+checked at the door, and a decode engine this rank has not connected to yet (or whose
+buffers changed) is connected on a small pool, so pings and other rooms are never
+queued behind a slow or silent decode endpoint. A connect that fails fails only the
+rooms that named it: their claims carry the error (the prefill sender fails with it)
+and decode is told through its side channel."""
 
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -19,13 +29,90 @@ from transfer_engine.connectors.sglang.messages import (
     RoomRequest,
     RoomStatus,
 )
-from transfer_engine.connectors.sglang.rooms import RecvRoom, SendRoom, check_room
+from transfer_engine.connectors.sglang.rooms import (
+    MAX_NONCE,
+    MAX_TOKENS,
+    RecvRoom,
+    RemoteBuffers,
+    SendRoom,
+    check_room,
+)
 from transfer_engine.control.messages import Ack, Message
 from transfer_engine.engine import Engine
-from transfer_engine.errors import InvalidDescriptorError, ProtocolError, RemoteError
+from transfer_engine.errors import (
+    BusyError,
+    ClosedError,
+    ConnectError,
+    InvalidDescriptorError,
+    ProtocolError,
+    RemoteError,
+    TransferEngineError,
+    TransferError,
+)
 from transfer_engine.peer import Peer
 
-__all__ = ["RoomClaims"]
+__all__ = ["RoomClaims", "Connected", "MAX_CONNECTS", "MAX_CONNECTS_PER_PEER", "MAX_NAME_CHARS",
+           "check_request", "check_pages"]
+
+log = logging.getLogger(__name__)
+
+MAX_CONNECTS = 8  # decode engines being connected at once, in all (pool threads)
+MAX_CONNECTS_PER_PEER = 2  # of them for one decode engine name
+MAX_NAME_CHARS = 512  # longest engine name or endpoint a room request may carry
+MAX_PAGE = (1 << 31) - 1  # page indices and the metadata row are int32 on both sides
+
+Connected = tuple[Peer, RemoteBuffers, RemoteBuffers]  # a decode engine and its buffers
+
+
+def _check_int(msg: RoomRequest, name: str, low: int, high: int) -> int:
+    """Field ``name`` of ``msg`` as an int in ``[low, high]``; ``ProtocolError`` else."""
+    value = getattr(msg, name)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ProtocolError(f"room request: {name} must be an integer in [{low}, {high}], "
+                            f"got {value!r}"[:300], peer=msg.decode_name)
+    return value
+
+
+def _check_str(msg: RoomRequest, name: str, scheme: str = "") -> str:
+    """Field ``name`` of ``msg``: a non-empty string of at most ``MAX_NAME_CHARS``
+    (starting with ``scheme`` if given)."""
+    value = getattr(msg, name)
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME_CHARS \
+            or not value.startswith(scheme):
+        want = f"a {scheme}... endpoint" if scheme else "a name"
+        raise ProtocolError(f"room request: {name} must be {want} of 1 to {MAX_NAME_CHARS} "
+                            f"characters, got {value!r}"[:300],
+                            peer=str(msg.decode_name)[:MAX_NAME_CHARS] or None)
+    return value
+
+
+def check_request(msg: RoomRequest) -> np.ndarray:
+    """Checks every field of ``msg`` that is later packed, used as an index or handed to
+    SGLang (raises ``ProtocolError``); returns its page indices."""
+    _check_str(msg, "decode_name")
+    _check_str(msg, "decode_endpoint", "tcp://")
+    _check_str(msg, "decode_channel", "tcp://")
+    _check_int(msg, "nonce", 0, MAX_NONCE)  # packed as u32 in every chunk notification
+    _check_int(msg, "aux_index", -1, MAX_PAGE)
+    _check_int(msg, "decode_prefix_len", 0, MAX_TOKENS)  # SGLang's start_send_idx
+    if not isinstance(msg.kv_pages, bytes) or len(msg.kv_pages) % 4:
+        raise ProtocolError("kv_pages must be little-endian int32 bytes",
+                            peer=msg.decode_name)
+    return np.frombuffer(msg.kv_pages, dtype="<i4").astype(np.int64)
+
+
+def check_pages(claim: SendRoom, name: str) -> None:
+    """Raises ``InvalidDescriptorError`` unless every page and the metadata row of
+    ``claim`` lies inside decode's registered buffers."""
+    aux = np.array([claim.aux_index] if claim.aux_index >= 0 else [], dtype=np.int64)
+    for kind, remote, ids in (("kv", claim.kv_remote, claim.kv_pages),
+                              ("aux", claim.aux_remote, aux)):
+        limit = min((lay.num_blocks for _, lay in remote), default=0)
+        bad = ids[(ids < 0) | (ids >= limit)]
+        if bad.size:
+            raise InvalidDescriptorError(f"room {claim.room}: {kind} index {int(bad[0])} is "
+                                         f"out of range [0, {limit}) of decode's buffers",
+                                         peer=name)
 
 
 class RoomClaims:
@@ -44,8 +131,13 @@ class RoomClaims:
     _kv: list[tuple[int, int, int]]
     _aux: list[tuple[int, int, int]]
     _given_up: collections.OrderedDict[tuple[int, int], str]
-    _decode_peers: dict[str, tuple[Peer, int]]
+    # prefill: name -> (peer, epoch, its kv and aux buffers)
+    _decode_peers: dict[str, tuple[Peer, int, RemoteBuffers, RemoteBuffers]]
+    # prefill: connects under way, by (name, endpoint, epoch)
+    _connects: dict[tuple[str, str, int], Future[Connected]]
+    _connect_pool: ThreadPoolExecutor
     _recv_rooms: dict[int, RecvRoom]
+    post: Callable[[str, Message], None]  # best-effort send (the manager's)
 
     def _on_request(self, msg: Message) -> Message:
         if isinstance(msg, Ping):
@@ -70,54 +162,115 @@ class RoomClaims:
         if msg.rank != self.rank:
             raise ProtocolError(f"room request for rank {msg.rank} reached rank {self.rank}",
                                 peer=msg.decode_name)
-        if not isinstance(msg.kv_pages, bytes) or len(msg.kv_pages) % 4:
-            raise ProtocolError("kv_pages must be little-endian int32 bytes",
-                                peer=msg.decode_name)
-        pages = np.frombuffer(msg.kv_pages, dtype="<i4").astype(np.int64)
+        pages = check_request(msg)
+        claim = SendRoom(room, None, msg.decode_channel, pages, msg.aux_index,
+                         msg.decode_prefix_len, msg.nonce, [], [], time.monotonic())
+        name = msg.decode_name
         with self._lock:
             other = self.transfer_infos.get(room)
             given_up = self._given_up.pop((room, msg.nonce), None)
+            cached = self._decode_peers.get(name)
         if given_up is not None:
             raise ProtocolError(f"decode gave bootstrap room {room} up before its request "
-                                f"arrived: {given_up}", peer=msg.decode_name)
+                                f"arrived: {given_up}", peer=name)
         if other is not None:
             raise ProtocolError(f"bootstrap room {room} is already claimed by decode "
-                                f"{other.peer.name}", peer=msg.decode_name)
-        peer = self._decode_peer(msg.decode_name, msg.decode_endpoint, msg.epoch)
-        kv_remote = remote_buffers(peer, "kv", self._kv)
-        aux_remote = remote_buffers(peer, "aux", self._aux)
-        aux = [msg.aux_index] if msg.aux_index >= 0 else []
-        for kind, remote, ids in (("kv", kv_remote, pages.tolist()), ("aux", aux_remote, aux)):
-            limit = min((lay.num_blocks for _, lay in remote), default=0)
-            bad = [p for p in ids if not 0 <= p < limit]
-            if bad:
-                raise InvalidDescriptorError(f"room {room}: {kind} index {bad[0]} is out of "
-                                             f"range [0, {limit}) of decode's buffers",
-                                             peer=msg.decode_name)
-        claim = SendRoom(room, peer, msg.decode_channel, pages, msg.aux_index,
-                         msg.decode_prefix_len, msg.nonce, kv_remote, aux_remote,
-                         time.monotonic())
+                                f"{other.peer.name if other.peer else other.decode_channel}",
+                                peer=name)
+        if cached is not None and cached[1] == msg.epoch and cached[0].lost is None:
+            # known decode engine, same buffers: checked and claimed here, no I/O
+            claim.kv_remote, claim.aux_remote = cached[2], cached[3]
+            check_pages(claim, name)
+            claim.peer = cached[0]
+            self._record(claim, name)
+            return
+        pending = self._connect(name, msg.decode_endpoint, msg.epoch)
+        self._record(claim, name)
+        pending.add_done_callback(lambda done: self._settle(claim, name, done))
+
+    def _record(self, claim: SendRoom, name: str) -> None:
         with self._lock:
-            if room in self.transfer_infos:
-                raise ProtocolError(f"bootstrap room {room} is already claimed",
-                                    peer=msg.decode_name)
-            self.transfer_infos[room] = claim
+            if claim.room in self.transfer_infos:
+                raise ProtocolError(f"bootstrap room {claim.room} is already claimed",
+                                    peer=name)
+            self.transfer_infos[claim.room] = claim
         self.stats["rooms_claimed"] += 1
 
-    def _decode_peer(self, name: str, endpoint: str, epoch: int) -> Peer:
+    def _connect(self, name: str, endpoint: str, epoch: int) -> Future[Connected]:
+        """The connect to decode engine ``name`` at ``endpoint`` (buffers of ``epoch``):
+        one under way is shared; a new one starts on the pool, within the bounds."""
+        key = (name, endpoint, epoch)
         with self._lock:
-            cached = self._decode_peers.get(name)
-        if cached is not None and cached[1] == epoch and cached[0].lost is None:
-            return cached[0]
-        peer = self.engine.connect(endpoint, timeout=self.config.timeout_s / 2)
-        if peer.name != name:
-            raise ProtocolError(f"endpoint {endpoint} is engine {peer.name!r}, the request "
-                                f"named {name!r}", peer=name)
+            pending = self._connects.get(key)
+            if pending is not None:
+                return pending
+            if len(self._connects) >= MAX_CONNECTS:
+                raise BusyError(f"{MAX_CONNECTS} decode engines are being connected "
+                                f"already; room request from {name!r} refused", peer=name)
+            if sum(k[0] == name for k in self._connects) >= MAX_CONNECTS_PER_PEER:
+                raise BusyError(f"{MAX_CONNECTS_PER_PEER} connects to decode {name!r} are "
+                                "under way already; room request refused", peer=name)
+            pending = self._connects[key] = Future()
+        try:
+            self._connect_pool.submit(self._connect_job, key, pending)
+        except RuntimeError:  # the pool is shut down: the manager is closing
+            with self._lock:
+                self._connects.pop(key, None)
+            raise ClosedError("prefill rank is closing", peer=name) from None
+        return pending
+
+    def _connect_job(self, key: tuple[str, str, int], pending: Future[Connected]) -> None:
+        """Pool thread: connects, reads decode's buffers, caches them; resolves
+        ``pending`` with them or the error."""
+        name, endpoint, epoch = key
+        try:
+            peer = self.engine.connect(endpoint, timeout=self.config.timeout_s / 2)
+            if peer.name != name:
+                raise ProtocolError(f"endpoint {endpoint} is engine {peer.name!r}, the "
+                                    f"request named {name!r}", peer=name)
+            with self._lock:
+                cached = self._decode_peers.get(name)
+            if cached is not None and cached[0] is peer and cached[1] != epoch:
+                peer.refresh()  # same connection, new buffers: read their segments again
+            kv_remote = remote_buffers(peer, "kv", self._kv)
+            aux_remote = remote_buffers(peer, "aux", self._aux)
+        except BaseException as exc:
+            with self._lock:
+                self._connects.pop(key, None)
+            pending.set_exception(exc)
+            return
         with self._lock:
-            self._decode_peers[name] = (peer, epoch)
-        return peer
+            self._connects.pop(key, None)
+            self._decode_peers[name] = (peer, epoch, kv_remote, aux_remote)
+        pending.set_result((peer, kv_remote, aux_remote))
+
+    def _settle(self, claim: SendRoom, name: str, done: Future[Connected]) -> None:
+        """Completes ``claim`` once its decode engine is connected, or fails it (and only
+        it) with the reason, telling decode."""
+        error: TransferError | None = None
+        try:
+            peer, claim.kv_remote, claim.aux_remote = done.result()
+            check_pages(claim, name)
+        except TransferError as exc:
+            error = exc
+        except TransferEngineError as exc:
+            error = RemoteError(str(exc), peer=name, op="connect")
+        except Exception as exc:  # noqa: BLE001 - only this room may fail for it
+            error = ConnectError(f"connecting to decode {name!r} failed: {exc!r}"[:300],
+                                 peer=name, op="connect")
+        if error is None:
+            claim.peer = peer  # last: the sender reads a claim with a peer as ready
+            return
+        claim.error = error
+        self.stats["claims_failed"] += 1
+        log.info("bootstrap room %s: %s", claim.room, error)
+        self.post(claim.decode_channel, RoomStatus(claim.room, claim.nonce, False,
+                                                   str(error)[:4096]))
 
     def _on_status(self, msg: RoomStatus) -> None:
+        if isinstance(msg.chunks, bool) or not 0 <= msg.chunks <= MAX_NONCE:
+            raise ProtocolError(f"room status: chunks must lie in [0, 2**32), got "
+                                f"{msg.chunks!r}")
         with self._lock:
             if self.mode == "prefill":
                 claim = self.transfer_infos.get(msg.room)

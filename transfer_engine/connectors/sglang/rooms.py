@@ -15,10 +15,13 @@ from transfer_engine.layout import BlockLayout
 from transfer_engine.peer import Peer
 from transfer_engine.segment import RemoteSegment
 
-__all__ = ["MAX_ROOM", "check_room", "note_payload", "parse_note", "PrefillEntry",
-           "SendRoom", "RecvRoom"]
+__all__ = ["MAX_ROOM", "MAX_NONCE", "MAX_TOKENS", "RemoteBuffers", "check_room",
+           "note_payload", "parse_note", "PrefillEntry", "SendRoom", "RecvRoom"]
 
 MAX_ROOM = (1 << 64) - 1
+MAX_NONCE = (1 << 32) - 1  # a room request's nonce rides as u32 in every notification
+MAX_TOKENS = (1 << 31) - 1  # token counts SGLang indexes with (decode_prefix_len)
+RemoteBuffers = list[tuple[RemoteSegment, BlockLayout]]  # a peer's buffers, as pages
 # Notification of one written chunk: prefix, room, the request's nonce, chunk number,
 # chunk count (-1: more chunks follow). Decode counts chunks per room; the count comes
 # with the last one; the nonce keeps a late chunk of an earlier use of the room out.
@@ -27,7 +30,13 @@ _NOTE_PREFIX = b"te-sgl1/"
 
 
 def note_payload(room: int, nonce: int, seq: int, total: int) -> bytes:
-    return _NOTE.pack(_NOTE_PREFIX, room, nonce, seq, total)
+    """The notification of chunk ``seq``; raises ``ProtocolError`` (not
+    ``struct.error``) for a field that does not fit, so no caller sees a bare error."""
+    try:
+        return _NOTE.pack(_NOTE_PREFIX, room, nonce, seq, total)
+    except struct.error as exc:
+        raise ProtocolError(f"chunk notification of room {room} (nonce {nonce}, chunk "
+                            f"{seq}, count {total}) does not fit: {exc}") from None
 
 
 def parse_note(payload: bytes) -> tuple[int, int, int, int] | None:
@@ -68,19 +77,23 @@ class PrefillEntry:
 
 @dataclass
 class SendRoom:
-    """Prefill side: where decode wants room ``room`` written."""
+    """Prefill side: where decode wants room ``room`` written.
+
+    ``peer`` stays None (and the buffers empty) while decode's engine is being
+    connected; ``error`` says why that failed (the room fails with it)."""
 
     room: int
-    peer: Peer
+    peer: Peer | None
     decode_channel: str
     kv_pages: np.ndarray
     aux_index: int
     decode_prefix_len: int
     nonce: int
-    kv_remote: list[tuple[RemoteSegment, BlockLayout]]
-    aux_remote: list[tuple[RemoteSegment, BlockLayout]]
+    kv_remote: RemoteBuffers
+    aux_remote: RemoteBuffers
     claimed: float  # monotonic
     aborted: str | None = None
+    error: TransferError | None = None
 
 
 @dataclass
