@@ -44,12 +44,11 @@ COMPLETIONS_MAX_TOKENS = 16  # vLLM's completions default when the field is abse
 
 def requested_max_tokens(body: dict[str, Any], chat: bool = False) -> Any:
     """The request's output limit as vLLM reads it: chat's ``max_completion_tokens``
-    when set (a 0 too), else ``max_tokens``; an absent limit is 16 tokens for
-    completions and the model's context for chat (None)."""
-    if chat:
-        limit = body.get("max_completion_tokens")
-        return limit if limit is not None else body.get("max_tokens")
-    return body.get("max_tokens", COMPLETIONS_MAX_TOKENS)
+    when set (a 0 too), else ``max_tokens``; an absent (or null) limit is 16 tokens for
+    completions and the rest of the model's context for chat (None)."""
+    limit = body.get("max_completion_tokens") if chat else None
+    limit = body.get("max_tokens") if limit is None else limit
+    return COMPLETIONS_MAX_TOKENS if limit is None and not chat else limit
 
 
 def unsupported(body: dict[str, Any], chat: bool = False,

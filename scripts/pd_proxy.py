@@ -31,10 +31,10 @@ every request while no prefill server can take it (one log line each).
 Servers come from the command line (``--prefill URL ... --decode URL ...``) and/or from
 the registry (``--registry tcp://HOST:PORT``: members announced with
 ``python -m scheduler.announce``, joining and leaving while the proxy runs). A server
-that refuses, fails, or dies before the decode answer starts is counted against its
-circuit breaker (ejected after repeated failures, at most half of a pool at once) and
-the request is retried on another one; once the answer has started streaming, a
-failure ends that response.
+that fails or dies before the decode answer starts (not one refusing the request, a
+4xx, which the client gets as it is) is counted against its circuit breaker (ejected
+after repeated failures, at most half of a pool at once) and the request is retried
+on another one; once the answer has started streaming, a failure ends that response.
 
 Start the pair and the proxy (one host; add ``"host"`` in the extra config for others)::
 
@@ -48,11 +48,7 @@ Start the pair and the proxy (one host; add ``"host"`` in the extra config for o
     curl -s localhost:8000/v1/completions -H 'content-type: application/json' \\
         -d '{"model": "MODEL", "prompt": "Hello", "max_tokens": 16, "stream": true}'
 
-With vLLM's CPU build on one host, give each engine cores of its own
-(``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``0-7`` and ``8-15``): left to bind automatically,
-both take the same cores, busy-poll there, and stall each other for seconds. That
-build's ``vllm`` command fails looking up its own version; start the server as
-``python -m vllm.entrypoints.openai.api_server --model MODEL ...`` instead.
+With vLLM's CPU build, see the README (cores of their own, the module form).
 
 The routing pieces live beside this file: ``pd_proxy_routing.py`` (router, request
 view, tokenizers), ``pd_proxy_upstream.py`` (calls to the servers, the HTTP server with
@@ -189,11 +185,13 @@ class Proxy(BaseHTTPRequestHandler):
                 local = True
                 continue
             try:
-                if first and not decision.local:
-                    tok = self.tokenizers.get(fleet.decode.urls[decision.decode])
-                    if tok is not None:
-                        self._first_token(request, decision, failed, errors, tok)
-                        return
+                url = fleet.decode.urls[decision.decode]
+                tok = self.tokenizers.get(url) if first and not decision.local else None
+                # without a limit of the request's, decode's is where the context ends
+                if tok is not None and (requested_max_tokens(request, chat) is not None
+                                        or self.tokenizers.max_model_len(url)):
+                    self._first_token(request, decision, failed, errors, tok)
+                    return
                 conn, resp = self._attempt(request, decision, failed, errors)
             except UpstreamError:
                 continue
@@ -371,6 +369,8 @@ class Proxy(BaseHTTPRequestHandler):
                             stop=request.get("stop"), min_tokens=min_tokens,
                             include_stop_str_in_output=bool(
                                 request.get("include_stop_str_in_output")))
+        rest = (max_tokens if max_tokens is not None else (self.tokenizers.max_model_len(
+            fleet.decode.urls[d.decode]) or 0) - len(prompt_ids)) - 1  # decode's limit
         head = {"id": answer.get("id", "cmpl-pd"), "created": answer.get("created",
                 int(time.time())), "model": answer.get("model", request.get("model"))}
         want_ids = bool(request.get("return_token_ids"))
@@ -381,7 +381,7 @@ class Proxy(BaseHTTPRequestHandler):
             finish, stop_reason = "stop", asm.stop_reason
         elif stopped_by_token:
             finish, stop_reason = "stop", choice.get("stop_reason")
-        elif max_tokens == 1:
+        elif rest < 1:
             finish = choice.get("finish_reason") or "length"
         sent_ids = 0
         started = False
@@ -420,7 +420,7 @@ class Proxy(BaseHTTPRequestHandler):
                 dec = {k: request[k] for k in SAMPLING_FIELDS if k in request}
                 dec.update(prompt=list(prompt_ids) + [int(first[0])], stream=True,
                            return_token_ids=True, kv_transfer_params=params)
-                dec["max_tokens"] = max_tokens - 1 if max_tokens is not None else None
+                dec["max_tokens"] = rest
                 if min_tokens > 1:
                     dec["min_tokens"] = min_tokens - 1
                 url = urllib.parse.urlsplit(fleet.decode.urls[d.decode])

@@ -1,8 +1,9 @@
 """The router gives a request's limits and errors as one vLLM server gives them, over
 scripted prefill and decode servers (``tests/helpers/pd_scripted.py``):
 
-- an absent output limit is vLLM's (16 tokens for completions, the context for chat),
-  so decode continues with one token fewer, or with no limit of its own;
+- an absent output limit is vLLM's (16 tokens for completions, the rest of the context
+  for chat), so decode continues with one token fewer (a chat without a limit goes the
+  sequential way where the router does not know the context);
 - a request a server would refuse for limits only decode sees (an empty stop string,
   ``max_completion_tokens`` 0, ``min_tokens`` over ``max_tokens``, ``max_tokens``
   over the context) goes the sequential way, where the server says why;
@@ -45,11 +46,11 @@ def test_absent_limits_and_requests_a_server_refuses() -> None:
         handed = {"do_remote_decode": True}
         # completions: vLLM's default of 16, one of them prefill's
         assert _decode_request(port, base)["max_tokens"] == 15
-        assert _decode_request(port, dict(base, max_tokens=None))["max_tokens"] is None
+        assert _decode_request(port, dict(base, max_tokens=None))["max_tokens"] == 15
         chat = {"model": "m", "messages": [{"role": "user", "content": "the cache"}]}
-        dec = _decode_request(port, chat, CHAT)  # chat: up to the context
-        assert "max_tokens" in dec and dec["max_tokens"] is None
+        dec = _decode_request(port, chat, CHAT)  # chat: up to the context's end
         assert dec["prompt"][-1] == gen[0]  # the first-token hand-off
+        assert dec["max_tokens"] == 64 - len(dec["prompt"])
         assert _decode_request(port, dict(chat, max_completion_tokens=3, max_tokens=9),
                                CHAT)["max_tokens"] == 2
         # what decode alone would refuse: the original request goes to decode
@@ -66,6 +67,10 @@ def test_absent_limits_and_requests_a_server_refuses() -> None:
             assert pre["max_tokens"] == 1 and pre["kv_transfer_params"] == handed
             assert _idle()
         assert _decode_request(port, dict(base, max_tokens=64))["max_tokens"] == 63
+    with scripted_proxy(tok, gen, max_model_len=None) as port:
+        # no limit and no context known: decode sets the end itself (sequentially)
+        assert "messages" in _decode_request(port, chat, CHAT)
+        assert _decode_request(port, base)["max_tokens"] == 15
 
 
 def test_a_servers_refusal_reaches_the_client_as_it_gave_it() -> None:
