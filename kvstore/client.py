@@ -10,8 +10,8 @@ reports the same version in the same place; the other keys are read after.
 
 Keys are 128-bit on the wire. An ``int`` key (e.g. a chained block hash from
 :func:`kvstore.block_hashes`) is used as it is, as are ``bytes`` of exactly 16 bytes (the
-same key, little-endian); a ``str`` or other ``bytes`` is hashed (BLAKE2b-128, strings
-and bytes apart), so Mooncake-style string keys work too and distinct keys never share
+same key, little-endian); a ``str`` (its UTF-8 bytes) or other ``bytes`` is hashed
+(BLAKE2b-128), so Mooncake-style string keys work too and distinct strings never share
 one (see :mod:`kvstore.keys`). Batches may also be ``uint64`` arrays of shape ``(n,)`` or
 ``(n, 2)`` (low word first).
 
@@ -90,8 +90,8 @@ class Client(Puts, Guesses, Transfers, Closeable):
             is read in pieces, and a larger value in memory of its own, given back
             after); ``put_from``/``get_into`` use your registered buffers.
         max_value_bytes: the largest value ``get``/``batch_get`` accept; the master
-            naming a longer one is refused (:class:`ProtocolError`), since the client
-            would allocate what it claims. ``get_into`` is bounded by its buffers.
+            naming a longer one is refused (:class:`InvalidArgumentError`), since the
+            client would allocate what it claims. ``get_into`` is bounded by its buffers.
         checksum: record a CRC32 of each value on put (what ``verify`` checks); costs a
             pass over the bytes (about 3.6 GB/s here).
         timeout: seconds for a master request and for a batch's transfers.
@@ -215,11 +215,13 @@ class Client(Puts, Guesses, Transfers, Closeable):
         if not bad.any():
             return lengths
         i = int(np.flatnonzero(bad)[0])
-        why = ("a length is never negative" if lengths[i] < 0 else
-               f"over this client's max_value_bytes={self.max_value_bytes} for values read "
-               "into staging (get_into reads larger ones into your buffers)")
-        raise ProtocolError(f"kv-located: {int(lengths[i])} bytes for key "
-                            f"{key_int(rows[i]):#x}: {why}", peer=self._link.address)
+        what = f"kv-located: {int(lengths[i])} bytes for key {key_int(rows[i]):#x}"
+        if lengths[i] < 0:
+            raise ProtocolError(f"{what}: a length is never negative", peer=self._link.address)
+        # true or not, the value is too large to stage: the caller's choice, not the master's
+        raise InvalidArgumentError(f"{what}: over this client's max_value_bytes="
+                                   f"{self.max_value_bytes} for values read into staging "
+                                   "(get_into reads larger ones into your buffers)")
 
     def _get(self, rows: U64, dest: I64 | None, caps: I64 | None, verify: bool
              ) -> tuple[I64, list[bytes | None]]:
@@ -383,8 +385,9 @@ class Client(Puts, Guesses, Transfers, Closeable):
         """Values of ``keys`` (None where missing). ``verify``: check the CRC32 recorded
         at put (values put without one are not checked). Raises
         :class:`ObjectUnavailableError` when a key's every replica fails, and
-        :class:`ProtocolError` when the master's answer is malformed or names a value
-        over ``max_value_bytes`` (the client stays usable)."""
+        :class:`ProtocolError` when the master's answer is malformed and
+        :class:`InvalidArgumentError` when it names a value over ``max_value_bytes`` (the
+        client stays usable)."""
         rows = key_rows(keys)
         with self._lock:
             return self._get(rows, None, None, verify)[1]

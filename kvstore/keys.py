@@ -4,11 +4,13 @@ Keys are 128-bit on the wire. An ``int`` key (e.g. a chained block hash from
 :func:`kvstore.block_hashes`) is used as it is, and so are ``bytes`` of exactly 16 bytes
 (the same key written little-endian, as :class:`kvstore.KVStore` with ``key_bytes=16``
 takes it) and the rows of a ``uint64`` array of shape ``(n,)`` or ``(n, 2)`` (low word
-first). Every other key is hashed (BLAKE2b-128): a ``str`` always (its UTF-8 bytes), other
-``bytes`` likewise, each under its own prefix, so Mooncake-style string keys work and
-distinct keys never share a 128-bit key: ``"abcdefgh"``, ``b"abcdefgh"`` and
-``b"abcdefgh" + bytes(8)`` are three keys (the last one is the int it spells). A hashed
-key meets a raw one only by a BLAKE2b collision, or when an int is chosen to be one.
+first). Every other key is hashed (BLAKE2b-128): a ``str`` always, as its UTF-8 bytes
+(so ``"ab"`` and ``b"ab"`` are one key), and other ``bytes``, so Mooncake-style string
+keys work and distinct strings never share a 128-bit key: ``"abcdefgh"`` and
+``"abcdefgh" + "\0" * 8`` are two keys, and neither is ``b"abcdefgh" + bytes(8)`` (the
+int it spells). A hashed key meets a raw one only by a BLAKE2b collision, or when an
+int is chosen to be one. (A ``str`` of 8 or 16 bytes, and 8 ``bytes``, were once taken
+raw; every other key maps as it always did.)
 A recorded checksum is a CRC32 with bit 32 set, so that 0 means "none recorded".
 """
 
@@ -50,14 +52,14 @@ def _key_int(key: object) -> int:
         return k
     if isinstance(key, str):
         try:
-            return _hashed(b"s", key.encode())
+            return _hashed(b"k", key.encode())
         except UnicodeEncodeError as exc:  # a lone surrogate has no UTF-8 form
             raise KeyFormatError(f"a str key must be valid Unicode: {exc}") from exc
     if isinstance(key, bytes | bytearray | memoryview):
         raw = bytes(key)
         if len(raw) == 16:
             return int.from_bytes(raw, "little")
-        return _hashed(b"k", raw)  # the prefix other bytes always had: their keys stay
+        return _hashed(b"k", raw)
     raise KeyFormatError(f"a key must be int, bytes or str, not {type(key).__name__}")
 
 

@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from kvstore.client import Client
-from kvstore.errors import ObjectUnavailableError
+from kvstore.errors import InvalidArgumentError, ObjectUnavailableError
 from kvstore.master import Master
 from kvstore.node import StorageNode
 from kvstore.protocol import KvFound, KvGet, KvLocated, KvStatsReply, pack
@@ -100,8 +100,6 @@ HOSTILE: list[tuple[str, Reply, str]] = [
     ("lease id below 0", located([100], [0], [0], lease_id=-1), "lease id -1"),
     ("negative lease", located([100], [0], [0], lease_s=-1.0), "lease of -1.0"),
     ("negative length", located([-5], [0], [0]), "-5 bytes for key"),
-    ("length over max_value_bytes", located([3 << 30], [0], [0]), "max_value_bytes"),
-    ("length 1 TiB", located([1 << 40], [0], [0]), "1099511627776 bytes"),
     ("another kind of answer", lambda _n: KvFound(status=pack([0], "<i1")),
      "expected a kv-located answer"),
 ]
@@ -118,6 +116,20 @@ def test_a_malformed_answer_is_refused_and_the_client_stays_usable(
     assert needle in str(caught.value)
     assert caught.value.peer == master.endpoint
     assert client._staging is None  # nothing staged on the answer's word
+    master.reply = missing
+    assert client.get(b"some-key-16bytes") is None
+
+
+@pytest.mark.parametrize("length", [3 << 30, 1 << 40])
+def test_a_value_too_large_to_stage_is_refused(fake: tuple[FakeMaster, Client],
+                                               length: int) -> None:
+    """True or not, a length over ``max_value_bytes`` is never staged; it is the
+    caller's to read with ``get_into``, not the master's fault."""
+    master, client = fake
+    master.reply = located([length], [0], [0])
+    with pytest.raises(InvalidArgumentError, match=f"{length} bytes .*max_value_bytes"):
+        client.get(b"some-key-16bytes")
+    assert client._staging is None
     master.reply = missing
     assert client.get(b"some-key-16bytes") is None
 
@@ -190,7 +202,7 @@ def test_large_gets_go_through_staging_in_pieces(cluster: Master) -> None:
 def test_max_value_bytes_bounds_staged_gets_only(cluster: Master) -> None:
     with Client(cluster.endpoint, max_value_bytes=1000, auth=AuthConfig()) as client:
         client.put(1, b"v" * 4096)
-        with pytest.raises(ProtocolError, match=f"key {1:#x}: over this client's "
+        with pytest.raises(InvalidArgumentError, match=f"key {1:#x}: over this client's "
                                                 "max_value_bytes=1000"):
             client.get(1)
         buf = np.zeros(4096, dtype=np.uint8)

@@ -1,7 +1,8 @@
 """How the cluster store's client maps user keys to 128-bit keys: ints, 16-byte bytes
-and ``uint64`` rows are the key itself; strings and other bytes are hashed, each kind
-under its own prefix, so distinct keys never share a 128-bit key (a ``str`` of 8 or 16
-characters once went raw, so ``"abcdefgh"`` and ``"abcdefgh" + "\\0" * 8`` were one key)."""
+and ``uint64`` rows are the key itself; strings (as their UTF-8 bytes) and other bytes
+are hashed, as they always were, so distinct keys never share a 128-bit key (a ``str``
+of 8 or 16 characters once went raw, so ``"abcdefgh"`` and ``"abcdefgh" + "\\0" * 8`` were
+one key)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ def k(key: object) -> int:
 
 def test_distinct_keys_never_share_a_128_bit_key() -> None:
     word = int.from_bytes(b"abcdefgh", "little")
-    keys: list[object] = ["abcdefgh", "abcdefgh" + "\0" * 8, "abcdefghabcdefgh", b"abcdefgh",
-                          b"abcdefghabcdefgh", word, "", b"", "x", b"x", bytearray(b"y"),
-                          "\udcff".encode("utf-8", "surrogatepass"), "é", "é".encode()]
+    keys: list[object] = ["abcdefgh", "abcdefgh" + "\0" * 8, "abcdefghabcdefgh",
+                          b"abcdefghabcdefgh", word, "", "x", bytearray(b"y"),
+                          "\udcff".encode("utf-8", "surrogatepass"), "é"]
     mapped = [k(key) for key in keys]
     assert len(set(mapped)) == len(keys)
 
@@ -38,13 +39,15 @@ def test_ints_16_byte_bytes_and_uint64_rows_are_the_key_itself() -> None:
     assert key_int(key_rows(np.array([[1, 2]], dtype=np.uint64))[0]) == 1 | 2 << 64
 
 
-def test_strings_and_other_bytes_are_hashed_apart() -> None:
+def test_strings_and_other_bytes_are_hashed_as_they_always_were() -> None:
     def blake(data: bytes) -> int:
         return int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
 
-    assert k("layer0/block7") == blake(b"s" + b"layer0/block7")
-    assert k(b"layer0/block7") == blake(b"k" + b"layer0/block7")  # as bytes keys always were
+    # stored string keys stay reachable across an upgrade: the same 128-bit key
+    assert k("layer0/block7") == blake(b"k" + b"layer0/block7") == k(b"layer0/block7")
+    assert k("é") == k("é".encode()) and k("") == k(b"") == blake(b"k")
     assert k(b"abcdefgh") == blake(b"kabcdefgh")  # 8 bytes: hashed now, not raw
+    assert k("abcdefghabcdefgh") == blake(b"kabcdefghabcdefgh")  # 16 characters too
 
 
 @pytest.mark.parametrize("bad", [True, -1, 1 << 128, 1.5, None, "\udcff", object()])
