@@ -49,7 +49,7 @@ from transfer_engine.connectors.sglang.messages import (
     RoomRequest,
     RoomStatus,
 )
-from transfer_engine.connectors.sglang.room_claims import MAX_CONNECTS, Connected, RoomClaims
+from transfer_engine.connectors.sglang.room_claims import CONNECT_THREADS, Connected, RoomClaims
 from transfer_engine.connectors.sglang.rooms import (
     PrefillEntry,
     RecvRoom,
@@ -161,7 +161,7 @@ class TransferEngineKVManager(BaseKVManager, Closeable, RoomClaims):  # type: ig
             self._stack.callback(self._close_clients)
             # prefill: connects to decode engines, off the side channel's thread
             self._connect_pool = ThreadPoolExecutor(
-                max_workers=MAX_CONNECTS, thread_name_prefix=f"te-sglang-conn-{self.name}")
+                max_workers=CONNECT_THREADS, thread_name_prefix=f"te-sglang-conn-{self.name}")
             self._stack.callback(self._connect_pool.shutdown, wait=False,
                                  cancel_futures=True)
             self._channel = Service(self._zctx, self.config.host, 0, self._on_request,

@@ -4,10 +4,10 @@ decode's room requests, checked and claimed for the sender that will write them.
 
 The service thread never waits on the network: every field of a room request is
 checked at the door, and a decode engine this rank has not connected to yet (or whose
-buffers changed) is connected on a small pool, so pings and other rooms are never
-queued behind a slow or silent decode endpoint. A connect that fails fails only the
-rooms that named it: their claims carry the error (the prefill sender fails with it)
-and decode is told through its side channel."""
+buffers changed) is connected on a small pool (more wait for its threads), so pings
+and other rooms are never queued behind a slow or silent decode endpoint. A connect
+that fails fails only the rooms that named it: their claims carry the error (the
+prefill sender fails with it) and decode is told through its side channel."""
 
 from __future__ import annotations
 
@@ -51,12 +51,13 @@ from transfer_engine.errors import (
 )
 from transfer_engine.peer import Peer
 
-__all__ = ["RoomClaims", "Connected", "MAX_CONNECTS", "MAX_CONNECTS_PER_PEER", "MAX_NAME_CHARS",
-           "check_request", "check_pages"]
+__all__ = ["RoomClaims", "Connected", "CONNECT_THREADS", "MAX_CONNECTS",
+           "MAX_CONNECTS_PER_PEER", "MAX_NAME_CHARS", "check_request", "check_pages"]
 
 log = logging.getLogger(__name__)
 
-MAX_CONNECTS = 8  # decode engines being connected at once, in all (pool threads)
+CONNECT_THREADS = 8  # decode engines being connected at once (the pool's threads)
+MAX_CONNECTS = 256  # of them connected or waiting for a thread, in all: then refused
 MAX_CONNECTS_PER_PEER = 2  # of them for one decode engine name
 MAX_NAME_CHARS = 512  # longest engine name or endpoint a room request may carry
 MAX_PAGE = (1 << 31) - 1  # page indices and the metadata row are int32 on both sides
