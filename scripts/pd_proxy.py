@@ -48,8 +48,6 @@ Start the pair and the proxy (one host; add ``"host"`` in the extra config for o
     curl -s localhost:8000/v1/completions -H 'content-type: application/json' \\
         -d '{"model": "MODEL", "prompt": "Hello", "max_tokens": 16, "stream": true}'
 
-With vLLM's CPU build, see the README (cores of their own, the module form).
-
 The routing pieces live beside this file: ``pd_proxy_routing.py`` (router, request
 view, tokenizers), ``pd_proxy_upstream.py`` (calls to the servers, the HTTP server with
 its bound on clients) and ``pd_proxy_handoff.py`` (reading answers for the first-token
@@ -303,10 +301,12 @@ class Proxy(BaseHTTPRequestHandler):
         dec_url = fleet.decode.urls[d.decode]
         decode_body = request
         if d.prefill is not None:
-            pre = dict(request, max_tokens=1, stream=False,
+            pre = {k: v for k, v in request.items()  # its first token only
+                   if k not in ("max_completion_tokens", "stream_options")}
+            pre.update(max_tokens=1, stream=False,
                        kv_transfer_params=self._handover(request, d))
-            pre.pop("max_completion_tokens", None)
-            pre.pop("stream_options", None)
+            if type(request.get("min_tokens")) is int:  # else decode's to refuse
+                pre["min_tokens"] = min(1, request["min_tokens"])
             answer = self._prefill(pre, d, failed, errors, ended=first_ended)
             if answer is None:
                 return None, None

@@ -58,13 +58,17 @@ def test_absent_limits_and_requests_a_server_refuses() -> None:
                             ("/v1/completions", {"stop": "", "max_tokens": 4}),
                             (CHAT, {"max_completion_tokens": 0, "max_tokens": 5}),
                             ("/v1/completions", {"min_tokens": 5, "max_tokens": 3}),
-                            ("/v1/completions", {"max_tokens": 65})):
+                            ("/v1/completions", {"max_tokens": 65}),
+                            # sequential for n: prefill's one token needs no more
+                            ("/v1/completions", {"n": 2, "min_tokens": 8,
+                                                 "max_tokens": 64})):
             body = dict(chat if path == CHAT else base, **extra)
             dec = _decode_request(port, body, path)
             assert {k: dec[k] for k in extra} == extra, extra
             assert ("messages" in dec) == (path == CHAT)
             pre = next(b for r, b in SEEN if r == "prefill")
             assert pre["max_tokens"] == 1 and pre["kv_transfer_params"] == handed
+            assert pre.get("min_tokens", 0) <= 1 and "max_completion_tokens" not in pre
             assert _idle()
         assert _decode_request(port, dict(base, max_tokens=64))["max_tokens"] == 63
     with scripted_proxy(tok, gen, max_model_len=None) as port:
