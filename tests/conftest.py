@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.helpers.sglang_fixtures import ranks, sg, te  # noqa: F401 - SGLang's fixtures
 from transfer_engine import Engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

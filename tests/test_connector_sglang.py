@@ -38,6 +38,7 @@ import pytest
 
 from tests.helpers import sglang_worker as sw
 from tests.helpers.faults import forget_sglang_mounts, sglang_given_up, sglang_hooks
+from tests.helpers.sglang_fixtures import FAST
 from transfer_engine.errors import (
     ClosedError,
     ConnectError,
@@ -54,21 +55,6 @@ if REASON is not None and os.environ.get("TE_SGLANG_REQUIRED") == "1":
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 ROOT = Path(__file__).resolve().parent.parent
-FAST = {"host": "127.0.0.1", "bootstrap_host": "127.0.0.1", "timeout_s": 5.0,
-        "heartbeat_s": 0.2, "heartbeat_misses": 2, "bootstrap_timeout_s": 30.0,
-        "waiting_timeout_s": 30.0, "register_attempts": 2}
-
-
-@pytest.fixture(scope="module")
-def sg() -> sw.SGLang:
-    return sw.load_sglang()
-
-
-@pytest.fixture(scope="module")
-def te(sg: sw.SGLang) -> Any:
-    import transfer_engine.connectors.sglang as te
-
-    return te
 
 
 def poll_until(conn: Any, states: set[int], timeout: float = 10.0) -> int:
@@ -102,33 +88,6 @@ def test_classes_implement_sglang_base_classes(sg: sw.SGLang, te: Any) -> None:
             ours = inspect.signature(getattr(cls, name)).parameters
             theirs = inspect.signature(getattr(base, name)).parameters
             assert list(ours)[:len(theirs)] == list(theirs), (cls, name)
-
-
-@pytest.fixture
-def ranks(sg: sw.SGLang, te: Any) -> Iterator[Callable[..., Any]]:
-    """Builds a bootstrap server and managers in this process; closes them all."""
-    owned: list[Any] = []
-
-    def make(mode: str, port: int = 0, seed: int | None = None,
-             spec: sw.PoolSpec | None = None, rank: int = 0, **config: Any) -> Any:
-        spec = spec or sw.PoolSpec(layers=2, pages=16)
-        kv, aux = sw.build_pool(spec, seed)
-        mgr = te.TransferEngineKVManager(
-            sw.kv_args(sg, spec, kv, aux, rank), sg.utils.DisaggregationMode(mode),
-            sw.server_args(port), False, config=te.SGLangBackendConfig(**{**FAST, **config}))
-        mgr.test_pool = (spec, kv, aux)
-        owned.append(mgr)
-        return mgr
-
-    def server() -> Any:
-        srv = te.TransferEngineKVBootstrapServer("127.0.0.1", 0)
-        owned.append(srv)
-        return srv
-
-    make.server = server  # type: ignore[attr-defined]
-    yield make
-    for obj in reversed(owned):
-        obj.close()
 
 
 def test_every_class_instantiates_and_closes(sg: sw.SGLang, te: Any,

@@ -37,50 +37,9 @@ if REASON is not None and os.environ.get("TE_SGLANG_REQUIRED") == "1":
     raise RuntimeError(f"TE_SGLANG_REQUIRED=1 but {REASON}")
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
-FAST = {"host": "127.0.0.1", "bootstrap_host": "127.0.0.1", "timeout_s": 5.0,
-        "heartbeat_s": 0.2, "heartbeat_misses": 2, "bootstrap_timeout_s": 30.0,
-        "waiting_timeout_s": 30.0, "register_attempts": 2}
 # prefill's connect to a silent decode endpoint takes timeout_s / 2: long enough that
 # every check made while it is under way finishes first, even on a loaded machine
 SLOW_CONNECT = {"timeout_s": 8.0}
-
-
-@pytest.fixture(scope="module")
-def sg() -> sw.SGLang:
-    return sw.load_sglang()
-
-
-@pytest.fixture(scope="module")
-def te(sg: sw.SGLang) -> Any:
-    import transfer_engine.connectors.sglang as te
-
-    return te
-
-
-@pytest.fixture
-def ranks(sg: sw.SGLang, te: Any) -> Iterator[Callable[..., Any]]:
-    """Builds a bootstrap server and managers in this process; closes them all."""
-    owned: list[Any] = []
-
-    def make(mode: str, port: int = 0, **config: Any) -> Any:
-        spec = sw.PoolSpec(layers=2, pages=16)
-        kv, aux = sw.build_pool(spec, 1)
-        mgr = te.TransferEngineKVManager(
-            sw.kv_args(sg, spec, kv, aux, 0), sg.utils.DisaggregationMode(mode),
-            sw.server_args(port), False, config=te.SGLangBackendConfig(**{**FAST, **config}))
-        mgr.test_pool = (kv, aux)  # registered by raw pointer: must outlive the manager
-        owned.append(mgr)
-        return mgr
-
-    def server() -> Any:
-        srv = te.TransferEngineKVBootstrapServer("127.0.0.1", 0)
-        owned.append(srv)
-        return srv
-
-    make.server = server  # type: ignore[attr-defined]
-    yield make
-    for obj in reversed(owned):
-        obj.close()
 
 
 @pytest.fixture
