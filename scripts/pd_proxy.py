@@ -405,12 +405,12 @@ class Proxy(BaseHTTPRequestHandler):
                     (chunk if chat else c)["prompt_token_ids"] = prompt_ids
                 c["token_ids"] = asm.token_ids[sent_ids:]
                 sent_ids = len(asm.token_ids)
-            if not started:
+            if not started:  # from here a failure is the client's or the stream's
+                started = True  # (a client gone at once is no fault of decode's)
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream; charset=utf-8")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
-                started = True
             self._write_chunk(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
         conn: http.client.HTTPConnection | None = None

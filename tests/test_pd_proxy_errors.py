@@ -9,15 +9,20 @@ scripted prefill and decode servers (``tests/helpers/pd_scripted.py``):
   over the context) goes the sequential way, where the server says why;
 - a server's own refusal (4xx) reaches the client with its status and answer, from
   prefill or from decode (once a stream has begun, as its last event), and counts as
-  no failure of the server: the next request goes through.
+  no failure of the server: the next request goes through;
+- a client gone before the first byte of its stream is no failure of decode's either:
+  the request is not run again for nobody.
 """
 
 from __future__ import annotations
 
 import json
+import socket
+import struct
+import time
 from typing import Any
 
-from tests.helpers.pd_scripted import SEEN, byte_tokenizer, pd_proxy, post, scripted_proxy
+from tests.helpers.pd_scripted import SEEN, Scripted, byte_tokenizer, pd_proxy, post, scripted_proxy
 
 CHAT = "/v1/chat/completions"
 
@@ -105,3 +110,27 @@ def test_a_servers_refusal_reaches_the_client_as_it_gave_it() -> None:
                 SEEN.clear()
                 assert post(port, base)[0] == 200
                 assert [r for r, _ in SEEN] == ["prefill", "decode"]
+
+
+def test_a_client_gone_before_its_first_byte_is_no_servers_failure(monkeypatch: Any
+                                                                   ) -> None:
+    tok = byte_tokenizer()
+    gen = tok.encode(" of the cache block").ids
+    monkeypatch.setattr(Scripted, "delay", 0.3)  # the client leaves while prefill works
+    with scripted_proxy(tok, gen) as port:
+        body = json.dumps({"model": "m", "prompt": "the cache", "max_tokens": 4,
+                           "stream": True}).encode()
+        SEEN.clear()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                      + str(len(body)).encode() + b"\r\n\r\n" + body)
+            time.sleep(0.1)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        deadline = time.monotonic() + 10  # gone with a reset: the router's writes fail
+        while not _idle() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _idle()
+        assert [r for r, _ in SEEN].count("prefill") == 1  # not run again for nobody
+        board = pd_proxy.Proxy.router.fleet.traffic.breakers
+        assert all(b.failures == 0 for b in board._breakers.values())
+        assert post(port, {"model": "m", "prompt": "the cache", "max_tokens": 4})[0] == 200

@@ -9,6 +9,7 @@ import http.client
 import json
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -67,10 +68,12 @@ class Scripted(BaseHTTPRequestHandler):
     gen: list[int] = []
     eos = 2
     refuse: dict[str, tuple[int, dict[str, Any]]] = {}  # role -> (status, error answer)
+    delay = 0.0  # seconds each answer waits first (a prefill that computes)
 
     def do_POST(self) -> None:  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         SEEN.append((self.role, body))
+        time.sleep(self.delay)
         if self.role in self.refuse:  # the request's own error, as vLLM answers it
             status, error = self.refuse[self.role]
             data = json.dumps(error).encode()
