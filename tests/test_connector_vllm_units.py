@@ -233,6 +233,43 @@ def test_scheduler_sync_load_leaves_the_last_prompt_token_to_compute() -> None:
     assert fresh.get_num_new_matched_tokens(longer, 0) == (40, False)
 
 
+def test_a_load_whose_window_reaches_a_block_prefill_freed_is_computed() -> None:
+    """Behind a sliding window vLLM frees blocks (its null block, id 0, takes their
+    place), and prefill keeps what its own next token attends. The sequential hand-off
+    makes decode compute the prompt's last token again, whose window reaches one token
+    further back: when that token's block was freed (prompt length one short of a
+    block boundary past the window), decode computes the prompt instead of reading
+    the null block. The first-token hand-off (prompt plus prefill's token) loads."""
+    wall = FakeClock()
+    window = 8
+    prefill = TEConnectorScheduler("p", BLOCK, lease_s=30, endpoint="tcp://p:1",
+                                   wall_clock=wall, window=window)
+
+    def handed(prompt: int, freed: int) -> dict[str, Any]:
+        _, params = prefill.request_finished(
+            request(f"r{prompt}", {"do_remote_decode": True}, prompt=prompt,
+                    computed=prompt), [0] * freed + list(range(7, 7 + 8)))
+        assert params is not None
+        return params
+
+    decode = TEConnectorScheduler("d", BLOCK, wall_clock=wall, window=window)
+    # 39 tokens: prefill's next token (39) attends 32..39, so blocks 0 and 1 are gone;
+    # decode's recomputed token 38 attends 31..38, and 31 lies in block 1
+    short = request("short", handed(39, 2), prompt=39)
+    assert decode.get_num_new_matched_tokens(short, 0) == (0, False)
+    assert "freed" in decode.refused["short"]
+    # the same hand-over, continued from prefill's first token: token 39 attends 32..39
+    longer = request("longer", handed(39, 2), prompt=40)
+    longer.prompt_token_ids = list(range(39)) + [99]
+    assert decode.get_num_new_matched_tokens(longer, 0) == (39, False)
+    # 40 tokens: token 39 attends 32..39, all in block 2, which prefill kept
+    fine = request("fine", handed(40, 2), prompt=40)
+    assert decode.get_num_new_matched_tokens(fine, 0) == (39, False)
+    # full attention: nothing is freed, the null block never appears
+    assert TEConnectorScheduler("d2", BLOCK, wall_clock=wall).get_num_new_matched_tokens(
+        request("full", _good_params(wall, 39), prompt=39), 0) == (38, False)
+
+
 def _good_params(wall: FakeClock, prompt: int = 40) -> dict[str, Any]:
     prefill = TEConnectorScheduler("p", BLOCK, lease_s=30, endpoint="tcp://p:1",
                                    wall_clock=wall)

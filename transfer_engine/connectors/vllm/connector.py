@@ -91,12 +91,16 @@ class TransferEngineConnector(KVConnectorBase_V1):
             hash_block = getattr(kv_cache_config, "hash_block_size", None) or block_size
             groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config else 1
             tp_size = vllm_config.parallel_config.tensor_parallel_size
+            spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec \
+                if kv_cache_config and kv_cache_config.kv_cache_groups else None
+            window = getattr(spec, "sliding_window", None) or (
+                0 if getattr(spec, "attention_chunk_size", None) else None)
             self.scheduler = TEConnectorScheduler(self.engine_id, block_size,
                                                   self.config.lease_s, store=lookup,
                                                   vllm_hashes=hash_block == block_size,
                                                   sync_load=self.config.load == "sync",
                                                   kv_groups=groups, tp_size=tp_size,
-                                                  push=self.config.push)
+                                                  push=self.config.push, window=window)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

@@ -64,6 +64,12 @@ class TEConnectorScheduler:
     :param kv_groups: vLLM's KV cache groups; with more than one (a hybrid cache, each
         group with block ids of its own) nothing is handed over or loaded: vLLM
         computes every prompt, never with another group's blocks.
+    :param window: the attention's sliding window in tokens, if it has one (0: windowed
+        some other way, e.g. chunked local attention; None: full attention). Behind
+        a window vLLM frees blocks, and prefill hands over only what its own next
+        token needs (freed blocks are vLLM's null block, id 0): a load after which
+        decode computes an earlier token reaches further back, and is refused when
+        that block is gone.
     """
 
     def __init__(self, engine_id: str, block_size: int, lease_s: float = 30.0,
@@ -71,7 +77,7 @@ class TEConnectorScheduler:
                  wall_clock: Callable[[], float] = time.time,
                  store: Lookup | None = None, vllm_hashes: bool = True,
                  sync_load: bool = True, kv_groups: int = 1, tp_size: int = 1,
-                 push: bool = True) -> None:
+                 push: bool = True, window: int | None = None) -> None:
         self.engine_id = engine_id
         self.tp_size = tp_size
         self.endpoints: tuple[str, ...] = ()  # every rank's worker, in rank order
@@ -92,6 +98,7 @@ class TEConnectorScheduler:
         self._vllm_hashes = vllm_hashes
         self.sync_load = sync_load
         self.kv_groups = kv_groups
+        self.window = window
         if kv_groups > 1:
             log.warning("%d KV cache groups (a hybrid KV cache): this connector moves "
                         "one group's blocks, so it hands over and loads nothing; every "
@@ -238,14 +245,33 @@ class TEConnectorScheduler:
         if parsed is None:
             params["do_remote_prefill"] = False
             return 0, False
+        # the step after the load computes at least the prompt's last token (vLLM
+        # samples from it), so a load covering the whole prompt stops one short
+        last = len(request.prompt_token_ids or ()) - 1
+        gone = self._window_gone(parsed.block_ids, min(parsed.num_tokens, last))
+        if gone is not None:
+            self.refused[request.request_id] = gone
+            log.info("request %s: not loading remote KV: %s; computing locally",
+                     request.request_id, gone)
+            params["do_remote_prefill"] = False
+            return 0, False
         self._parsed[request.request_id] = (parsed, num_computed_tokens)
         if self.sync_load:
-            # the step that loads computes at least the prompt's last token (vLLM
-            # samples from it), so a load covering the whole prompt stops one short
-            last = len(request.prompt_token_ids or ()) - 1
             return max(0, min(parsed.num_tokens, last) - num_computed_tokens), False
         count = parsed.num_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _window_gone(self, remote: list[int], position: int) -> str | None:
+        """Why the token at ``position``, the first decode computes, cannot use the
+        handed-over blocks (a block its window reaches was freed on prefill), or None."""
+        if self.window is None or 0 not in remote:
+            return None
+        start = max(0, position - self.window + 1) if self.window > 0 else 0
+        needed = remote[start // self.block_size:-(-position // self.block_size)]
+        if 0 not in needed:
+            return None
+        return (f"the window of token {position} reaches a block prefill freed (the "
+                "sequential hand-off recomputes the prompt's last token)")
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
