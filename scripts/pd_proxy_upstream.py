@@ -140,3 +140,12 @@ class BoundedServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went away (reset, timed out) is one line, not a traceback."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, ConnectionError | TimeoutError):
+            sys.stderr.write(f"pd_proxy: client {client_address[0]}:{client_address[1]} "
+                             f"went away: {exc!r:.100}\n")
+            return
+        super().handle_error(request, client_address)
