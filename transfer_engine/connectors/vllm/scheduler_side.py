@@ -212,6 +212,10 @@ class TEConnectorScheduler:
         prompt = request.prompt_token_ids or ()
         count = min(int(request.num_computed_tokens), len(prompt)) // self.block_size
         count = min(count, len(block_ids))
+        if self.window is not None and 0 in block_ids[:count]:
+            # blocks behind the window were freed (vLLM's null block): a prefix is
+            # stored only as far as it is whole
+            count = block_ids.index(0)
         if count <= known:
             return False
         keys = request_block_keys(request, prompt, self.block_size, count, self._vllm_hashes)
