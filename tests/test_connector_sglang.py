@@ -38,7 +38,7 @@ import pytest
 
 from tests.helpers import sglang_worker as sw
 from tests.helpers.faults import forget_sglang_mounts, sglang_given_up, sglang_hooks
-from tests.helpers.sglang_fixtures import FAST
+from tests.helpers.sglang_fixtures import FAST, failure, poll_until, sglang_mark
 from transfer_engine.errors import (
     ClosedError,
     ConnectError,
@@ -49,27 +49,9 @@ from transfer_engine.errors import (
     TransferTimeout,
 )
 
-REASON = sw.skip_reason()
-if REASON is not None and os.environ.get("TE_SGLANG_REQUIRED") == "1":
-    raise RuntimeError(f"TE_SGLANG_REQUIRED=1 but {REASON}")
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+pytestmark = sglang_mark()
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def poll_until(conn: Any, states: set[int], timeout: float = 10.0) -> int:
-    deadline = time.monotonic() + timeout
-    state = conn.poll()
-    while state not in states and time.monotonic() < deadline:
-        time.sleep(0.005)
-        state = conn.poll()
-    return int(state)
-
-
-def failure(conn: Any) -> BaseException:
-    with pytest.raises(Exception) as info:
-        conn.failure_exception()
-    return info.value
 
 
 # --- classes --------------------------------------------------------------------------

@@ -10,7 +10,6 @@ Skipped, like :mod:`tests.test_connector_sglang`, when the sglang wheel is missi
 from __future__ import annotations
 
 import dataclasses
-import os
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +20,9 @@ import numpy as np
 import pytest
 import zmq
 
+from bench.fleet import free_port
 from tests.helpers import sglang_worker as sw
+from tests.helpers.sglang_fixtures import failure, poll_until, sglang_mark
 from transfer_engine.control.auth import AuthConfig
 from transfer_engine.control.messages import Ack, Message
 from transfer_engine.errors import (
@@ -32,10 +33,7 @@ from transfer_engine.errors import (
 )
 from transfer_engine.peer import ControlClient
 
-REASON = sw.skip_reason()
-if REASON is not None and os.environ.get("TE_SGLANG_REQUIRED") == "1":
-    raise RuntimeError(f"TE_SGLANG_REQUIRED=1 but {REASON}")
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+pytestmark = sglang_mark()
 
 # prefill's connect to a silent decode endpoint takes timeout_s / 2: long enough that
 # every check made while it is under way finishes first, even on a loaded machine
@@ -70,34 +68,11 @@ def tarpit() -> Iterator[str]:
     sock.close()
 
 
-def closed_port() -> str:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    return f"tcp://127.0.0.1:{port}"
-
-
-def poll_until(conn: Any, states: set[int], timeout: float = 10.0) -> int:
-    deadline = time.monotonic() + timeout
-    state = conn.poll()
-    while state not in states and time.monotonic() < deadline:
-        time.sleep(0.005)
-        state = conn.poll()
-    return int(state)
-
-
 def wait_for(check: Callable[[], Any], timeout: float = 15.0) -> Any:
     deadline = time.monotonic() + timeout
     while not (value := check()) and time.monotonic() < deadline:
         time.sleep(0.01)
     return value
-
-
-def failure(conn: Any) -> BaseException:
-    with pytest.raises(Exception) as info:
-        conn.failure_exception()
-    return info.value
 
 
 def hostile_request(decode: Any, srv: Any, room: int, **fields: Any) -> tuple[Any, Any]:
@@ -250,7 +225,7 @@ def test_a_failed_connect_fails_only_its_room(
     decode = ranks("decode")
     hostile = ranks("decode")
     addr = f"127.0.0.1:{srv.port}"
-    nowhere = closed_port()
+    nowhere = f"tcp://127.0.0.1:{free_port()}"  # nobody listens
     msg, entry = hostile_request(hostile, srv, 21, decode_endpoint=nowhere)
     hostile.request_room(entry, msg)
     msg, entry = hostile_request(hostile, srv, 22, decode_name="impostor",

@@ -4,6 +4,8 @@ this process and closed after each test. Test modules import the fixtures they u
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,6 +17,33 @@ from tests.helpers import sglang_worker as sw
 FAST = {"host": "127.0.0.1", "bootstrap_host": "127.0.0.1", "timeout_s": 5.0,
         "heartbeat_s": 0.2, "heartbeat_misses": 2, "bootstrap_timeout_s": 30.0,
         "waiting_timeout_s": 30.0, "register_attempts": 2}
+
+
+def sglang_mark() -> pytest.MarkDecorator:
+    """A module's mark: skip without SGLang's modules, and with ``TE_SGLANG_REQUIRED=1``
+    (scripts/test.sh) fail at import instead."""
+    reason = sw.skip_reason()
+    if reason is not None and os.environ.get("TE_SGLANG_REQUIRED") == "1":
+        raise RuntimeError(f"TE_SGLANG_REQUIRED=1 but {reason}")
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
+def poll_until(conn: Any, states: set[int], timeout: float = 10.0) -> int:
+    """A sender's or receiver's poll state once it is one of ``states`` (or the last
+    one seen when ``timeout`` ran out)."""
+    deadline = time.monotonic() + timeout
+    state = conn.poll()
+    while state not in states and time.monotonic() < deadline:
+        time.sleep(0.005)
+        state = conn.poll()
+    return int(state)
+
+
+def failure(conn: Any) -> BaseException:
+    """The exception a failed sender or receiver reports."""
+    with pytest.raises(Exception) as info:
+        conn.failure_exception()
+    return info.value
 
 
 @pytest.fixture(scope="module")
