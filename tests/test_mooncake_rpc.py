@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.rails import recv_all
 from transfer_engine.connectors.mooncake import (
     CoroRPCInterface,
     ReceivedTensor,
@@ -196,27 +197,17 @@ def test_oversize_messages_are_refused(server: tuple[RpcInterface,
 _HEAD = struct.Struct("!II4q")
 
 
-def _read(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    return buf
-
-
 def _raw(srv: RpcInterface, prove: bool = True) -> socket.socket:
     """A connection to ``srv``, past the handshake unless ``prove`` is False."""
     sock = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
     if prove:
-        sock.sendall(mc_rpc._proof(srv._key, _read(sock, 16)))
+        sock.sendall(mc_rpc._proof(srv._key, recv_all(sock, 16)))
     return sock
 
 
 def _message(sock: socket.socket, kind: int, payload: bytes) -> int:
     sock.sendall(struct.pack("!BQ", kind, len(payload)) + payload)
-    return int(struct.unpack("!i", _read(sock, 4))[0])
+    return int(struct.unpack("!i", recv_all(sock, 4))[0])
 
 
 def _wait(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
@@ -383,7 +374,7 @@ def test_a_trickled_message_is_cut_off() -> None:
         sock.close()
         assert took > 0.5
         sock = _raw(srv, prove=False)  # and the handshake has one deadline, too
-        _read(sock, 16)
+        recv_all(sock, 16)
         took = _closed_by_server(sock, bytes(32), within=4.5)
         sock.close()
         assert took > 0.5
@@ -405,7 +396,7 @@ def test_messages_in_flight_share_a_byte_budget(
         assert client.send_data(target, payload) == -1
         assert client.send_data(target, b"small") == -1
         sock.sendall(payload[1000:])
-        assert struct.unpack("!i", _read(sock, 4))[0] == 0
+        assert struct.unpack("!i", recv_all(sock, 4))[0] == 0
         assert got.get(timeout=5)["data"] == payload
         assert _wait(lambda: srv._buffered == 0)
         assert client.send_data(target, payload) == 0
