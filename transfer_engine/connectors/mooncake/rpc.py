@@ -513,8 +513,9 @@ class RpcInterface:
                      str(getattr(tensor, "layout", "torch.strided")))
             if getattr(tensor, "is_cuda", False) or where != ("cpu", "torch.strided"):
                 raise ValueError(f"only CPU strided tensors, not {where}")
-            for lazy in ("resolve_conj", "resolve_neg"):  # a conj/neg view's bit, not
-                tensor = getattr(tensor, lazy, lambda t=tensor: t)()  # its bytes, says so
+            for lazy in ("resolve_conj", "resolve_neg"):  # a view whose flag, not its
+                if hasattr(tensor, lazy):  # bytes, says it is conjugated or negated
+                    tensor = getattr(tensor, lazy)()
             tensor = tensor.contiguous()  # itself when already contiguous: no copy
             shape = [int(d) for d in tensor.shape]
             dtype, itemsize = str(tensor.dtype).rsplit(".", 1)[-1], int(tensor.element_size())
