@@ -72,7 +72,7 @@ sys.path.insert(0, str(HERE.parent))
 if str(HERE) not in sys.path:  # the helpers beside this file, however it was loaded
     sys.path.insert(1, str(HERE))
 
-from pd_proxy_handoff import end_with_error, first_ended, follow, usage  # noqa: E402
+from pd_proxy_handoff import end_with_error, first_ended, follow, usage, write_chunk  # noqa: E402
 from pd_proxy_routing import (  # noqa: E402
     CHARS_PER_TOKEN,
     LOCAL_BELOW,
@@ -330,8 +330,7 @@ class Proxy(BaseHTTPRequestHandler):
     # --- the first-token hand-off ---------------------------------------------------
 
     def _write_chunk(self, data: bytes) -> None:
-        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-        self.wfile.flush()
+        write_chunk(self.wfile, data)
 
     def _first_token(self, request: dict[str, Any], d: Decision, failed: set[str],
                      errors: list[str], tok: Any) -> None:
@@ -517,8 +516,7 @@ class Proxy(BaseHTTPRequestHandler):
                 chunk = resp.read1(65536)
                 if not chunk:
                     break
-                self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
-                self.wfile.flush()
+                self._write_chunk(chunk)
             done = True
         except (OSError, http.client.HTTPException):
             self.close_connection = True  # the client sees a cut-off response

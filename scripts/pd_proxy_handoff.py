@@ -11,7 +11,7 @@ from typing import Any
 
 from scheduler.handoff import TextAssembler
 
-__all__ = ["first_ended", "usage", "follow", "end_with_error"]
+__all__ = ["first_ended", "usage", "follow", "write_chunk", "end_with_error"]
 
 
 def first_ended(answer: dict[str, Any]) -> bool:
@@ -57,11 +57,16 @@ def follow(resp: http.client.HTTPResponse, asm: TextAssembler,
     return None, None
 
 
+def write_chunk(wfile: Any, data: bytes) -> None:
+    """One chunk of a chunked HTTP body, sent at once."""
+    wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+    wfile.flush()
+
+
 def end_with_error(wfile: Any, error: bytes) -> None:
     """Ends a chunked event stream with ``error`` (a server's JSON error answer) as its
     last event, as vLLM reports an error met once its stream has begun."""
     for data in (error.strip() or b'{"error": "decode refused the request"}', b"[DONE]"):
-        chunk = b"data: " + data + b"\n\n"
-        wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+        write_chunk(wfile, b"data: " + data + b"\n\n")
     wfile.write(b"0\r\n\r\n")
     wfile.flush()
