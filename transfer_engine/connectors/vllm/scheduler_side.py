@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STORE_RETRY_S = 10.0  # seconds without store lookups after one failed
+NULL_BLOCK = 0  # vLLM's null block: stands for a block freed behind a window
 MAX_CONSUMED = 65536  # hand-overs remembered against replay (each until its lease ends)
 
 
@@ -67,9 +68,9 @@ class TEConnectorScheduler:
     :param window: the attention's sliding window in tokens, if it has one (0: windowed
         some other way, e.g. chunked local attention; None: full attention). Behind
         a window vLLM frees blocks, and prefill hands over only what its own next
-        token needs (freed blocks are vLLM's null block, id 0): a load after which
-        decode computes an earlier token reaches further back, and is refused when
-        that block is gone.
+        token needs (freed blocks are vLLM's null block, ``NULL_BLOCK``): a load
+        after which decode computes an earlier token reaches further back, and is
+        refused when that block is gone.
     """
 
     def __init__(self, engine_id: str, block_size: int, lease_s: float = 30.0,
@@ -212,10 +213,10 @@ class TEConnectorScheduler:
         prompt = request.prompt_token_ids or ()
         count = min(int(request.num_computed_tokens), len(prompt)) // self.block_size
         count = min(count, len(block_ids))
-        if self.window is not None and 0 in block_ids[:count]:
-            # blocks behind the window were freed (vLLM's null block): a prefix is
-            # stored only as far as it is whole
-            count = block_ids.index(0)
+        if self.window is not None and NULL_BLOCK in block_ids[:count]:
+            # blocks behind the window were freed: a prefix is stored only as far as it
+            # is whole
+            count = block_ids.index(NULL_BLOCK)
         if count <= known:
             return False
         keys = request_block_keys(request, prompt, self.block_size, count, self._vllm_hashes)
@@ -268,11 +269,11 @@ class TEConnectorScheduler:
     def _window_gone(self, remote: list[int], position: int) -> str | None:
         """Why the token at ``position``, the first decode computes, cannot use the
         handed-over blocks (a block its window reaches was freed on prefill), or None."""
-        if self.window is None or 0 not in remote:
+        if self.window is None or NULL_BLOCK not in remote:
             return None
         start = max(0, position - self.window + 1) if self.window > 0 else 0
         needed = remote[start // self.block_size:-(-position // self.block_size)]
-        if 0 not in needed:
+        if NULL_BLOCK not in needed:
             return None
         return (f"the window of token {position} reaches a block prefill freed (the "
                 "sequential hand-off recomputes the prompt's last token)")
