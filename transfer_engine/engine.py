@@ -59,7 +59,7 @@ from transfer_engine.segment import Segment, describe_memory
 from transfer_engine.staging import Staging
 from transfer_engine.state import LiveTransfer, TrafficPolicy
 from transfer_engine.transfer import Transfers
-from transfer_engine.transport import load_transport
+from transfer_engine.transport import held, load_transport
 from transfer_engine.transport.base import Immediate, Transport
 from transfer_engine.transport.shm import host_id
 from transfer_engine.transport.stream.process import serve_mode
@@ -120,6 +120,9 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
         peers' requests: ``"thread"``, or ``"process"`` (a serving process, for an
         application whose threads are busy in Python; see docs/data-plane.md). ``None``:
         ``$TE_SERVE``, else threads. Transport objects passed in keep their own.
+    :param hold_gil: seconds a thread may wait for its transfer's peer holding the GIL
+        (a busy Python thread then costs no hand-off; docs/data-plane.md). ``None``:
+        ``$TE_HOLD_GIL``, else the switch interval; 0: never.
     """
 
     _watchdog: Watchdog | None = None  # started with the first transfer
@@ -134,8 +137,9 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
                  transfer_timeout: float | None = None,
                  peer_timeout: float | None = 10.0,
                  traffic: TrafficPolicy | None = None,
-                 serve: str | None = None) -> None:
+                 serve: str | None = None, hold_gil: float | None = None) -> None:
         self.serve = None if serve is None else serve_mode(serve)  # checked here, once
+        self.hold_gil = held.budget(hold_gil)
         self.name = name
         self.traffic = traffic
         self.transfer_timeout = transfer_timeout

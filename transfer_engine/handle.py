@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -57,7 +58,8 @@ class TransferHandle:
     """
 
     __slots__ = ("id", "op", "peer", "nbytes", "transport", "_state", "_error",
-                 "_bytes_done", "_latch", "_lock", "_canceller", "__weakref__")
+                 "_bytes_done", "_latch", "_lock", "_canceller", "_assist", "_lagged",
+                 "_done_at", "__weakref__")
 
     def __init__(self, transfer_id: int, op: Op, peer: str, nbytes: int) -> None:
         self.id = transfer_id
@@ -75,6 +77,12 @@ class TransferHandle:
         self._lock = threading.Lock()
         # set by the engine: stops the transfer with an error; False if it had finished
         self._canceller: Callable[[TransferHandle, TransferError], bool] | None = None
+        # set by the engine: takes completions in the waiting thread for a while,
+        # holding the GIL (transport/held.py); the wait then goes on as usual
+        self._assist: Callable[[TransferHandle, float | None], None] | None = None
+        # set by the engine: hears how long after the finish a blocked waiter woke
+        self._lagged: Callable[[float], None] | None = None
+        self._done_at = 0.0
 
     @property
     def state(self) -> TransferState:
@@ -89,17 +97,28 @@ class TransferHandle:
         return self._bytes_done
 
     def done(self) -> bool:
+        """Whether the transfer finished (its completions already here are taken
+        first, in this thread: see ``Engine(hold_gil=)``)."""
+        if self._state is TransferState.PENDING and self._assist is not None:
+            self._assist(self, 0.0)
         return self._state is not TransferState.PENDING
 
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until the transfer finished; raises its error, or ``TransferTimeout``
         (the transfer goes on; wait again or close the engine to abandon it)."""
+        if self._state is TransferState.PENDING and self._assist is not None:
+            start = time.monotonic()
+            self._assist(self, timeout)
+            if timeout is not None:
+                timeout -= time.monotonic() - start
         if self._state is TransferState.PENDING:
             if not self._latch.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
                 raise TransferTimeout(f"transfer {self.id} not finished after {timeout}s",
                                       peer=self.peer, op=str(self.op),
                                       transport=self.transport, length=self.nbytes)
             self._latch.release()
+            if self._lagged is not None:
+                self._lagged(time.monotonic() - self._done_at)
         if self._error is not None:
             raise self._error
 
@@ -138,6 +157,7 @@ class TransferHandle:
                 self._state = TransferState.FAILED
             else:
                 self._state = TransferState.DONE
+            self._done_at = time.monotonic()
         self._latch.release()
         return True
 

@@ -87,6 +87,8 @@ class EngineState:
 
     if TYPE_CHECKING:
         name: str
+        host_id: str
+        hold_gil: float
         host: str
         timeout: float
         endpoint: str

@@ -9,7 +9,9 @@ memory.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 from typing import Any
 
@@ -23,12 +25,13 @@ from transfer_engine.errors import (
     TransferError,
     TransferTimeout,
 )
-from transfer_engine.handle import TransferHandle
+from transfer_engine.handle import TransferHandle, TransferState
 from transfer_engine.peer import Peer
 from transfer_engine.planner import plan_columns
 from transfer_engine.segment import Segment
 from transfer_engine.staging import Staging
 from transfer_engine.state import EngineState, LiveTransfer
+from transfer_engine.transport import held
 from transfer_engine.transport.base import Completion, Immediate, Rail, Transport, Work
 from transfer_engine.validate import Pairs, validate
 from transfer_engine.watchdog import Watchdog
@@ -107,6 +110,15 @@ class Transfers(EngineState):
                             bytes(notify) if notify is not None else None,
                             self._route(peer), pinned)
         handle._canceller = self._cancel_handle
+        # a peer in this very process needs our GIL to move the bytes: never held then;
+        # others only while the GIL is seen contended (held.Contention)
+        hold = 0.0
+        if self.hold_gil and held.AVAILABLE and not (
+                peer.info.pid == os.getpid() and peer.info.host_id == self.host_id):
+            handle._lagged = held.contention.saw
+            if held.contention.now():
+                hold = self.hold_gil
+                handle._assist = self._assist
         with self._lock:
             self._live[handle.id] = xfer
         if timeout is None:
@@ -117,7 +129,9 @@ class Transfers(EngineState):
         if timeout is not None and watchdog is not None:
             watchdog.add(time.monotonic() + timeout, handle.id, timeout)
         self.stats["transfers"] += 1
-        failure = self._start_attempt(xfer)
+        # held: what the caller sends inline, it sends holding the GIL (held.py)
+        with held.window(hold) if hold else contextlib.nullcontext():
+            failure = self._start_attempt(xfer)
         if failure is not None:
             raise failure
         return handle
@@ -236,6 +250,28 @@ class Transfers(EngineState):
         finally:
             with xfer.lock:
                 xfer.posting = False
+
+    def _assist(self, handle: TransferHandle, timeout: float | None) -> None:
+        """Takes the transfer's completions in the thread that waits for it, holding
+        the GIL for up to ``hold_gil`` seconds (at most ``timeout``) per wait for the
+        peer: a busy Python thread of the application would otherwise make each
+        hand-off cost it up to the switch interval (transport/held.py)."""
+        with self._lock:
+            xfer = self._live.get(handle.id)
+        if xfer is None:
+            return
+        budget = self.hold_gil if timeout is None else min(self.hold_gil, max(timeout, 0.0))
+        with held.window(budget):
+            for _ in range(3):  # the attempt, then a READ's notification or a fallback
+                with xfer.lock:
+                    items = None if xfer.posting else list(xfer.posted or ())
+                if not items or handle.state is not TransferState.PENDING:
+                    return
+                by_rail: dict[int, tuple[Rail, list[Work]]] = {}
+                for rail, work in items:
+                    by_rail.setdefault(id(rail), (rail, []))[1].append(work)
+                for rail, works in by_rail.values():
+                    rail.assist(works)
 
     def _on_complete(self, done: Completion) -> None:
         xfer: LiveTransfer = done.work.context

@@ -2,7 +2,8 @@
 
 - :mod:`.wire`: the format of requests, answers and the opening;
 - :mod:`.io`: moving bytes over a socket (scatter, gather, bounded stalls);
-- :mod:`.rail`: the initiator's rail (one connection, no thread of its own);
+- :mod:`.rail`: the initiator's rail (one connection, no thread of its own), opened
+  by :mod:`.opening`;
 - :mod:`.server`: the target's server (accept, open, check, move, count, answer);
 - :mod:`.pump`: the process's data-plane threads, a poller and a bounded pool of
   workers that every rail and served connection shares.
@@ -22,7 +23,8 @@ from transfer_engine.transport.stream.io import (
     set_stall_timeout,
     tune_socket,
 )
-from transfer_engine.transport.stream.rail import StreamRail, open_rail
+from transfer_engine.transport.stream.opening import open_rail
+from transfer_engine.transport.stream.rail import StreamRail
 from transfer_engine.transport.stream.server import (
     HELLO_TIMEOUT,
     MAX_CONNECTIONS,

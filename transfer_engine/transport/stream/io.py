@@ -23,8 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from transfer_engine.transport import held
 from transfer_engine.transport.iovec import (
     IOVEC_IO,
+    _advance,
     iov_views,
     recv_iov,
     send_iov,
@@ -190,6 +192,15 @@ def send_views(sock: socket.socket, bufs: Sequence[Any], nbytes: int | None = No
 
 
 def send_bytes(sock: socket.socket, data: bytes) -> None:
+    until = held.until()
+    if until is not None and IOVEC_IO and data:
+        try:
+            sent = held.send_rows(sock, held.buffer_rows(data), len(data), until)
+        except OSError as exc:
+            raise PeerClosed(str(exc)) from exc
+        if sent == len(data):
+            return
+        data = memoryview(data)[sent:]  # type: ignore[assignment]
     try:
         sock.sendall(data)
     except OSError as exc:
@@ -203,7 +214,9 @@ def send_gather(sock: socket.socket, head: bytes, iov: np.ndarray | None, nbytes
     Above ``EARLY_HEAD_BYTES`` the head goes in a call of its own: with TCP_NODELAY it
     leaves at once, so the target checks the entries while the payload is still being
     copied in, rather than after the sender's first 64 KiB segment. ``headroom``, if
-    given, is ``iov`` with one spare row in front, which then describes the head.
+    given, is ``iov`` with one spare row in front, which then describes the head. In
+    a held window (:mod:`~transfer_engine.transport.held`) the socket takes what it can
+    within the budget holding the GIL, and the rest the usual way.
     """
     if iov is None or not nbytes:
         send_bytes(sock, head)
@@ -211,7 +224,8 @@ def send_gather(sock: socket.socket, head: bytes, iov: np.ndarray | None, nbytes
     if not IOVEC_IO:
         send_views(sock, [head, *iov_views(iov)], len(head) + nbytes)
         return
-    if nbytes >= EARLY_HEAD_BYTES:
+    until = held.until()
+    if nbytes >= EARLY_HEAD_BYTES and until is None:
         send_bytes(sock, head)
         try:
             send_iov(sock, iov, nbytes)
@@ -225,8 +239,14 @@ def send_gather(sock: socket.socket, head: bytes, iov: np.ndarray | None, nbytes
         rows[1:] = iov
     # the address of the bytes object's own buffer (no copy); ``head`` outlives the call
     rows[0] = (ctypes.cast(ctypes.c_char_p(head), ctypes.c_void_p).value or 0, len(head))
+    total = len(head) + nbytes
     try:
-        send_iov(sock, rows, len(head) + nbytes)
+        if until is not None:  # the caller holds the GIL while the socket takes bytes
+            sent = held.send_rows(sock, rows, total, until)
+            if sent == total:
+                return
+            rows, total = _advance(rows, sent), total - sent
+        send_iov(sock, rows, total)
     except OSError as exc:
         raise PeerClosed(str(exc)) from exc
 
@@ -241,6 +261,13 @@ def recv_scatter(sock: socket.socket, iov: np.ndarray, nbytes: int,
         recv_into_views(sock, iov_views(iov), nbytes, patient, deadline)
         return
     try:
+        until = held.until()
+        if until is not None:  # the caller holds the GIL while the bytes come
+            got = held.recv_rows(sock, np.ascontiguousarray(iov, dtype=np.uint64), nbytes,
+                                 until)
+            if got == nbytes:
+                return
+            iov, nbytes = _advance(iov, got), nbytes - got
         recv_iov(sock, iov, nbytes, patient=patient, deadline=deadline)
     except OSError as exc:
         raise PeerClosed(str(exc)) from exc

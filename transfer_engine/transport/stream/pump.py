@@ -29,6 +29,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from transfer_engine.transport import held
+
 log = logging.getLogger(__name__)
 
 __all__ = ["Pump", "acquire", "release", "in_pump", "worker_count"]
@@ -87,6 +89,14 @@ class Pump:
         self._epoll = select.epoll()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._epoll.register(self._wake_r, select.EPOLLIN)
+        # sockets a caller reads itself for a while (hold): fd -> when the poller takes
+        # them back, and the timer that tells it (never fires while callers keep up)
+        self._held: dict[int, float] = {}
+        self._held_lock = threading.Lock()
+        self._timer = held.timer() if held.AVAILABLE else None
+        self._timer_at: float | None = None
+        if self._timer is not None:
+            self._epoll.register(self._timer, select.EPOLLIN)
         # fd -> (handler run on a worker, quick handler run on the poller or None)
         self._handlers: dict[int, tuple[Callable[[], None], Callable[[], bool] | None]] = {}
         # (when queued, job)
@@ -115,13 +125,75 @@ class Pump:
         self._epoll.register(fd, _EVENTS)
 
     def rearm(self, fd: int) -> None:
+        self._modify(fd, _EVENTS)
+
+    def quiet(self, fd: int) -> None:
+        """Stops watching ``fd`` until :meth:`rearm` (its reader waits on it itself)."""
+        self._modify(fd, 0)
+
+    def hold(self, fd: int, grace: float) -> bool:
+        """Stops watching ``fd`` for up to ``grace`` seconds: a caller that sent on it
+        will read the answer itself (:meth:`unhold`), and the poller, woken for it,
+        would only contend for the GIL. Past ``grace`` the poller watches it again. False
+        (nothing done) where the host has no timer for it."""
+        if self._timer is None:
+            return False
+        due = time.monotonic() + grace
+        with self._held_lock:
+            self._held[fd] = due
+            if self._timer_at is None or due < self._timer_at:
+                self._set_timer(due)
+        self._modify(fd, 0)
+        return True
+
+    def unhold(self, fd: int) -> None:
+        """The caller is done with ``fd``: watched again (from before :meth:`hold`)."""
+        with self._held_lock:
+            if self._held.pop(fd, None) is not None and not self._held:
+                self._set_timer(None)  # the timer would wake the poller for nothing
+        self._modify(fd, _EVENTS)
+
+    def _set_timer(self, due: float | None) -> None:  # holding _held_lock
+        if self._timer is None:
+            return  # stopped
+        self._timer_at = due
         try:
-            self._epoll.modify(fd, _EVENTS)
+            held.set_timer(self._timer, None if due is None else due - time.monotonic())
+        except OSError:
+            pass  # closed by stop()
+
+    def _held_due(self) -> None:
+        """On the poller: watches again the held sockets whose grace ran out."""
+        if self._timer is None:
+            return
+        try:
+            os.read(self._timer, 8)
+        except OSError:
+            pass
+        now = time.monotonic()
+        with self._held_lock:
+            due = [fd for fd, when in self._held.items() if when <= now]
+            for fd in due:
+                del self._held[fd]
+            self._set_timer(min(self._held.values()) if self._held else None)
+        for fd in due:
+            self.rearm(fd)
+
+    def _modify(self, fd: int, events: int) -> None:
+        # holding the GIL: the call never waits, and giving the GIL up would cost a
+        # hand-off to a busy Python thread (transport/held.py)
+        try:
+            if held.AVAILABLE:
+                held.epoll_modify(self._epoll.fileno(), fd, events)
+            else:
+                self._epoll.modify(fd, events)
         except (OSError, ValueError):
             pass  # forgotten meanwhile: the rail closed
 
     def forget(self, fd: int) -> None:
         """Stops watching ``fd`` (before it is closed: its number may come back)."""
+        with self._held_lock:
+            self._held.pop(fd, None)
         if self._handlers.pop(fd, None) is not None:
             try:
                 self._epoll.unregister(fd)
@@ -150,6 +222,9 @@ class Pump:
                         except OSError:
                             pass
                         continue
+                    if fd == self._timer:
+                        self._held_due()
+                        continue
                     entry = self._handlers.get(fd)
                     if entry is None:
                         continue
@@ -166,6 +241,10 @@ class Pump:
                 self._epoll.close()
                 os.close(self._wake_r)
                 os.close(self._wake_w)
+                with self._held_lock:
+                    if self._timer is not None:
+                        os.close(self._timer)
+                        self._timer = None
 
     def _relieve(self) -> None:
         """Starts a worker more if work waits and no worker has taken up any for too

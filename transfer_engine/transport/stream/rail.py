@@ -9,29 +9,20 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import socket
 import struct
 import threading
 import time
 from collections.abc import Sequence
 
-import msgpack
-import numpy as np
-
-from transfer_engine.control.tickets import (
-    CHALLENGE_BYTES,
-    CHALLENGE_MAGIC,
-    Credential,
-)
 from transfer_engine.descriptor import Op
 from transfer_engine.errors import (
-    AuthenticationError,
     ClosedError,
     PeerLostError,
     ProtocolError,
     TransferError,
 )
+from transfer_engine.transport import held
 from transfer_engine.transport.base import Completion, Host, OnComplete, Rail, Work
 from transfer_engine.transport.stream import pump
 from transfer_engine.transport.stream.io import (
@@ -40,17 +31,12 @@ from transfer_engine.transport.stream.io import (
     queued_bytes,
     recv_exact,
     recv_head,
-    send_bytes,
     set_recv_timeout,
 )
 from transfer_engine.transport.stream.wire import (
     ANSWER,
     KIND_ANSWER,
-    KIND_HELLO,
     MAX_BODY,
-    WIRE_VERSION,
-    encode_announce,
-    encode_request,
     unpack_error,
 )
 
@@ -87,7 +73,8 @@ class StreamRail(Rail):
         self._lock = threading.Lock()
         self._pending: collections.deque[Work] = collections.deque()
         self._sendq: collections.deque[Work] = collections.deque()
-        self._sending = False  # a pump worker is draining _sendq
+        self._sending = False  # a drain of _sendq is scheduled or running
+        self._drainer: int | None = None  # the thread draining it (a worker, or assist)
         # posted work no sender has taken yet, by id(): whoever pops it owns it
         self._queued: dict[int, Work] = {}
         # work whose memory a thread of ours is copying now (at most a sender's and the
@@ -105,6 +92,9 @@ class StreamRail(Rail):
         self._users: dict[int, int] = {}
         self._idle = threading.Condition(self._lock)
         self._released = False
+        # the thread reading answers now (the poller, a worker, or a caller waiting
+        # inside a held window, which has the socket watched again when it is done)
+        self._reader: int | None = None
         # a pump worker that took an answer waits this long for the next (one system
         # call: the receive bound), and every receive of ours waits on past it
         set_recv_timeout(sock, pump.LINGER)
@@ -160,6 +150,8 @@ class StreamRail(Rail):
                 self._sendq.append(work)
                 schedule = not self._sending
                 self._sending = True
+        if held.until() is not None:  # the caller will take the answer itself (assist)
+            self._pump.hold(self._fd, held.grace())
         if schedule:
             self._pump.submit(self._drain_sends)
         if inline:
@@ -213,8 +205,21 @@ class StreamRail(Rail):
         finally:
             pump.release(self._pump)
 
-    # sending (a pump worker)
+    # sending (a pump worker, or a caller that waits: assist)
     def _drain_sends(self) -> None:
+        with self._lock:
+            if self._drainer is not None:
+                return  # another thread drains: it sends what this job was for
+            self._drainer = threading.get_ident()
+        try:
+            self._drain()
+        finally:
+            with self._lock:
+                if self._drainer == threading.get_ident():  # left by an exception
+                    self._drainer = None
+                    self._sending = False
+
+    def _drain(self) -> None:
         while True:
             with self._lock:
                 work = None
@@ -224,8 +229,9 @@ class StreamRail(Rail):
                         work = candidate
                         break
                     self._busy -= 1  # withdrawn, or already failed by _fail_all
-                if work is None:
+                if work is None:  # with the same lock held: a post now schedules anew
                     self._sending = False
+                    self._drainer = None
                     return
                 self._enter()
             try:
@@ -281,7 +287,7 @@ class StreamRail(Rail):
         need no wait (a READ's bytes are a worker's), so that a quiet rail's answer
         costs no hand-off to a worker; False when a worker must take over."""
         with self._lock:
-            if self._released:
+            if self._released or not self._claim():
                 return True
             self._enter()
         handled = rearm = False
@@ -298,6 +304,7 @@ class StreamRail(Rail):
                     handled = True  # the rail failed: nothing to watch
                     break
         finally:
+            self._unclaim()
             if rearm:
                 self._pump.rearm(self._fd)
             self._leave()
@@ -333,7 +340,7 @@ class StreamRail(Rail):
 
     def _on_readable(self) -> None:
         with self._lock:
-            if self._released:
+            if self._released or not self._claim():
                 return
             self._enter()
         rearm = False
@@ -349,15 +356,77 @@ class StreamRail(Rail):
                         break  # other rails wait for a worker
             rearm = True
         finally:
+            self._unclaim()
             if rearm:  # before leaving: the socket is closed only once nobody uses it
                 self._pump.rearm(self._fd)
             self._leave()
 
-    def _answer(self) -> bool | None:
-        """Takes one answer, waiting up to :data:`pump.LINGER` (the socket's receive
-        bound) for it to begin: None if it did not. False once the rail failed."""
+    def _claim(self) -> bool:
+        """Makes this thread the rail's reader (holding ``_lock``); False if another
+        thread reads."""
+        if self._reader is not None:
+            return False
+        self._reader = threading.get_ident()
+        return True
+
+    def _unclaim(self) -> None:
+        with self._lock:
+            self._reader = None
+
+    def assist(self, works: Sequence[Work]) -> None:
+        """Sends those of ``works`` still queued (unless a worker has begun to) and
+        takes this rail's answers in the calling thread, inside its held window
+        (held.py), until none of ``works`` waits for one here or one did not come
+        within the window's budget. Does nothing if another thread reads the rail."""
+        ids = {id(work) for work in works}
+        with self._lock:
+            if self._released or self._failure is not None:
+                return
+            unsent = any(key in ids for key in self._queued)
+            if unsent and self._drainer is not None:
+                return  # a worker sends them: it needs the GIL this thread would hold
+        if unsent:  # the drain is scheduled, not begun: this thread sends them itself
+            self._drain_sends()
+        with self._lock:
+            if (self._released or any(key in ids for key in self._queued)
+                    or not self._claim()):
+                return
+            self._enter()
+        alive = True
+        self._pump.quiet(self._fd)  # the poller would wake to contend for the GIL
         try:
-            head = recv_head(self._sock, ANSWER.size)
+            while True:
+                with self._lock:
+                    if not any(id(work) in ids for work in self._pending):
+                        break
+                until = held.until()
+                if until is None:
+                    break
+                head = held.recv_exact(self._sock, ANSWER.size, until)
+                if not head:
+                    break  # none came within the budget
+                if len(head) < ANSWER.size:  # begun: the rest follows at once
+                    head += recv_exact(self._sock, ANSWER.size - len(head), patient=True)
+                if not self._answer(head):
+                    alive = False
+                    break
+        except (PeerClosed, OSError) as exc:
+            alive = False
+            if not self._closed:
+                self._fail_all(self._error(PeerLostError, f"connection lost: {exc}"))
+        finally:
+            self._unclaim()
+            if alive:
+                self._pump.unhold(self._fd)
+            self._leave()
+
+    def _answer(self, head: bytes | None = None) -> bool | None:
+        """Takes one answer (whose header the caller may have read: ``head``),
+        waiting up to :data:`pump.LINGER` (the socket's receive bound) for it to begin:
+        None if it did not. False once the rail failed."""
+        try:
+            if head is None:
+                head = recv_head(self._sock, ANSWER.size)
             if head is None:
                 return None
             kind, status, _, body_len, wr_id = ANSWER.unpack(head)
@@ -465,34 +534,3 @@ class StreamRail(Rail):
         return (f"<Rail {self.transport_name}\u2192{self.peer}#{self.index} {state} "
                 f"inflight={self.inflight}>")
 
-
-def open_rail(sock: socket.socket, credential: Credential | None, transport: str,
-              timeout: float | None, ranges: np.ndarray | None = None) -> None:
-    """Opens a rail: answers the target's challenge with our ticket, checks the target's
-    proof and, for shm, announces our segments' ``ranges`` (ANNOUNCE rows). Raises
-    :class:`AuthenticationError` or :class:`PeerClosed`/``OSError``."""
-    if credential is None:
-        raise AuthenticationError("no rail ticket: connect through the engine's handshake",
-                                  transport=transport, op="connect")
-    sock.settimeout(timeout)
-    try:
-        challenge = recv_exact(sock, CHALLENGE_BYTES)
-        if not challenge.startswith(CHALLENGE_MAGIC):
-            raise ProtocolError("the target does not speak rail version "
-                                f"{WIRE_VERSION}", transport=transport, op="connect")
-        nonce, proof = credential.opening(transport, challenge)
-        body = msgpack.packb({"version": WIRE_VERSION, "ticket": credential.ticket,
-                              "nonce": nonce, "proof": proof, "pid": os.getpid()})
-        send_bytes(sock, encode_request(KIND_HELLO, None, body))
-        kind, status, _, body_len, _ = ANSWER.unpack(recv_exact(sock, ANSWER.size))
-        if body_len > MAX_BODY:
-            raise ProtocolError("malformed answer to the rail's hello", transport=transport,
-                                op="connect")
-        answer = recv_exact(sock, body_len)
-        if kind != KIND_ANSWER or status:
-            raise unpack_error(answer, status or 2, "?", "connect", transport)
-        credential.check_answer(transport, challenge, nonce, answer)
-        if ranges is not None:
-            send_bytes(sock, encode_announce(ranges))
-    finally:
-        sock.settimeout(None)
