@@ -38,6 +38,7 @@ import numpy as np
 
 from bench.baselines import Child, child_env
 from bench.stats import fill_random, median, percentile
+from transfer_engine.transport import held
 
 __all__ = ["main", "CASES"]
 
@@ -196,6 +197,9 @@ def measure_protocol(protocol: str, shapes: Sequence[tuple[int, int]], duration:
                     runs: dict[str, list[tuple[float, float]]] = {c: [] for c in CASES}
                     for _ in range(repeat):
                         for case in CASES:
+                            # each case starts as a process never seen busy would:
+                            # the engine holds the GIL only once it saw it contended
+                            held.contention.until = 0.0
                             switches[case](True)
                             try:
                                 time.sleep(0.05)
