@@ -188,23 +188,30 @@ def test_done_takes_the_answer_itself(make_engine: Callable[..., Engine],
     assert np.array_equal(back, src)
 
 
-def test_write_returns_while_a_stopped_peer_takes_nothing(
-        make_engine: Callable[..., Engine], spawn_peer: Spawn) -> None:
-    """A held send the socket cannot take within the budget goes on in a worker: the
-    caller gets its handle at once, its wait(timeout) keeps the timeout, and the peer
-    killed meanwhile fails it with PeerLostError."""
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_a_stopped_peer_never_blocks_write_done_or_wait(
+        make_engine: Callable[..., Engine], spawn_peer: Spawn, op: str) -> None:
+    """What the socket cannot take (or has not brought) within the budget goes on in a
+    worker: write() returns at once, done() at once, wait(timeout) after its timeout,
+    and the peer killed meanwhile fails the transfer with PeerLostError."""
     proc, endpoint = spawn_peer("far", 64 * MiB, 9)
     a = make_engine("a", transports=["tcp"], peer_timeout=None)
     src = random_bytes(64 * MiB, seed=10)
     seg = a.register(src, name="src")
     peer = a.connect(endpoint)
     remote = peer.segment("dst")
+    pair = [(Descriptor(seg, 0, 64 * MiB), Descriptor(remote, 0, 64 * MiB))]
+    submit = a.write if op == "write" else a.read
+    submit(peer, pair).wait(30)  # the pump's workers are up: a worker may drain
     os.kill(proc.pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
-        handle = a.write(peer, [(Descriptor(seg, 0, 64 * MiB),
-                                 Descriptor(remote, 0, 64 * MiB))])
+        handle = submit(peer, pair)
         assert time.monotonic() - start < 2
+        time.sleep(0.05)
+        start = time.monotonic()
+        assert not handle.done()
+        assert time.monotonic() - start < 0.5
         start = time.monotonic()
         with pytest.raises(TransferTimeout):
             handle.wait(0.3)

@@ -106,13 +106,14 @@ class TransferHandle:
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until the transfer finished; raises its error, or ``TransferTimeout``
         (the transfer goes on; wait again or close the engine to abandon it)."""
+        left = timeout
         if self._state is TransferState.PENDING and self._assist is not None:
             start = time.monotonic()
             self._assist(self, timeout)
             if timeout is not None:
-                timeout -= time.monotonic() - start
+                left = timeout - (time.monotonic() - start)
         if self._state is TransferState.PENDING:
-            if not self._latch.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            if not self._latch.acquire(timeout=-1 if left is None else max(left, 0.0)):
                 raise TransferTimeout(f"transfer {self.id} not finished after {timeout}s",
                                       peer=self.peer, op=str(self.op),
                                       transport=self.transport, length=self.nbytes)

@@ -270,8 +270,11 @@ class Transfers(EngineState):
                 by_rail: dict[int, tuple[Rail, list[Work]]] = {}
                 for rail, work in items:
                     by_rail.setdefault(id(rail), (rail, []))[1].append(work)
+                took = False
                 for rail, works in by_rail.values():
-                    rail.assist(works)
+                    took = rail.assist(works) or took
+                if not took:
+                    return
 
     def _on_complete(self, done: Completion) -> None:
         xfer: LiveTransfer = done.work.context

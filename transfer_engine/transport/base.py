@@ -171,12 +171,12 @@ class Rail(abc.ABC):
         is closed."""
         return [], not self.closed
 
-    def assist(self, works: Sequence[Work]) -> None:
+    def assist(self, works: Sequence[Work]) -> bool:
         """Lets the calling thread, which waits for ``works`` inside a held window
         (:mod:`~transfer_engine.transport.held`), take their completions itself
-        without giving up the GIL. The default does nothing: the completions come as
-        they would."""
-        return None
+        without giving up the GIL; True if it took any. The default takes none: the
+        completions come as they would."""
+        return False
 
     @property
     @abc.abstractmethod

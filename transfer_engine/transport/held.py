@@ -35,7 +35,7 @@ import numpy as np
 from transfer_engine.transport.iovec import IOV_MAX, _advance, _MsgHdr
 
 __all__ = ["AVAILABLE", "Contention", "contention", "budget", "window", "until", "grace",
-           "send_rows", "recv_rows",
+           "send_rows", "recv_rows", "queued", "peek", "wait_for",
            "recv_exact", "readable", "default_budget"]
 
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
@@ -73,6 +73,8 @@ def _load() -> Any:
             fn.restype = ctypes.c_ssize_t
         lib.recv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         lib.recv.restype = ctypes.c_ssize_t
+        lib.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
+        lib.ioctl.restype = ctypes.c_int
         lib.ppoll.argtypes = [ctypes.POINTER(_PollFd), ctypes.c_ulong,
                               ctypes.POINTER(_TimeSpec), ctypes.c_void_p]
         lib.ppoll.restype = ctypes.c_int
@@ -329,6 +331,49 @@ def buffer_rows(buf: Any) -> np.ndarray:
     view = memoryview(buf).cast("B")
     address = ctypes.addressof((ctypes.c_char * len(view)).from_buffer(view))
     return np.array([(address, len(view))], dtype=np.uint64)
+
+
+_FIONREAD = 0x541B
+
+
+def queued(sock: socket.socket) -> int:
+    """Bytes the kernel holds unread on ``sock``, asked holding the GIL (0 on error)."""
+    assert _lib is not None
+    count = ctypes.c_int(0)
+    if _lib.ioctl(sock.fileno(), _FIONREAD, ctypes.byref(count)) < 0:
+        return 0
+    return count.value
+
+
+def peek(sock: socket.socket, n: int) -> bytes:
+    """Up to ``n`` bytes the kernel holds, left there, asked holding the GIL."""
+    assert _lib is not None
+    buf = ctypes.create_string_buffer(n)
+    k = int(_lib.recv(sock.fileno(), buf, n, _DONTWAIT | socket.MSG_PEEK))
+    return buf.raw[:k] if k > 0 else b""
+
+
+def wait_for(sock: socket.socket, nbytes: int, until: float) -> bool:
+    """Whether ``nbytes`` bytes (or the stream's end) are queued on ``sock`` before
+    ``until``, waited for holding the GIL; a TCP socket reports readable only once
+    they are (``SO_RCVLOWAT``), others are looked at again after each wake-up."""
+    fd = sock.fileno()
+    low = 1
+    try:
+        while True:
+            have = queued(sock)
+            if have >= nbytes:
+                return True
+            if sock.family != socket.AF_UNIX and nbytes - have != low:
+                low = nbytes - have
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, low)
+            if not _poll(fd, select.POLLIN, until):
+                return False
+            if peek(sock, 1) == b"" and queued(sock) == 0:
+                return True  # the stream's end (or an error): the reader finds out
+    finally:
+        if low != 1:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
 
 def recv_exact(sock: socket.socket, n: int, until: float) -> bytes:

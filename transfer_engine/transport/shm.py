@@ -264,7 +264,7 @@ class ShmRail(StreamRail):
     def _payload(self, work: Work) -> int:
         return 0  # the target copies; only (address, length) entries travel
 
-    def _send_request(self, work: Work) -> None:
+    def _send_request(self, work: Work, spill: bool = False) -> None:
         ranges = self._host.local_ranges()
         if ranges is not self._announced:  # a segment came or went: say so first
             send_bytes(self._sock, encode_announce(ranges))

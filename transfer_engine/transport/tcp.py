@@ -82,7 +82,7 @@ from transfer_engine.transport.stream import (
     send_gather,
     tune_socket,
 )
-from transfer_engine.transport.stream.io import payload_deadline
+from transfer_engine.transport.stream.io import Unsent, payload_deadline
 from transfer_engine.transport.stream.process import ServeProcess, serve_mode
 from transfer_engine.transport.tcp_congestion import (  # noqa: F401 - public here too
     AUTO,
@@ -172,14 +172,14 @@ class TcpRail(StreamRail):
         log.warning("NIC rail %s->%s#%d: %s", self.nic, self.peer, self.index, reason)
         self._fail_all(self._error(PeerLostError, f"NIC {self.nic} stalled: {reason}"))
 
-    def _send_request(self, work: Work) -> None:
+    def _send_request(self, work: Work, spill: bool = False) -> Unsent | None:
         if self.meter is not None:
             self.meter.started(id(work), work.nbytes)
         if work.op is Op.WRITE:
-            send_gather(self._sock, encode_request(KIND_WRITE, work), _host_iov(work),
-                        work.nbytes)
-        else:
-            send_bytes(self._sock, encode_request(KIND_READ, work))
+            return send_gather(self._sock, encode_request(KIND_WRITE, work),
+                               _host_iov(work), work.nbytes, spill=spill)
+        send_bytes(self._sock, encode_request(KIND_READ, work))
+        return None
 
     def _take_read(self, work: Work) -> None:
         recv_scatter(self._sock, _host_iov(work), work.nbytes, patient=True)

@@ -19,7 +19,7 @@ import time
 from bisect import bisect_right
 from collections.abc import Sequence
 from itertools import accumulate
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -207,8 +207,34 @@ def send_bytes(sock: socket.socket, data: bytes) -> None:
         raise PeerClosed(str(exc)) from exc
 
 
+class Unsent(NamedTuple):
+    """What a held send left: ``nbytes`` bytes at ``rows``, which may point into
+    ``keep`` (kept alive with them)."""
+
+    rows: np.ndarray
+    nbytes: int
+    keep: bytes
+
+
+def send_rest(sock: socket.socket, rest: Unsent, spill: bool = False) -> Unsent | None:
+    """Sends what :func:`send_gather` left; with ``spill``, in a held window, returns
+    what the socket did not take within the budget."""
+    rows, total = rest.rows, rest.nbytes
+    try:
+        until = held.until() if spill else None
+        if until is not None:
+            sent = held.send_rows(sock, rows, total, until)
+            if sent == total:
+                return None
+            return Unsent(_advance(rows, sent), total - sent, rest.keep)
+        send_iov(sock, rows, total)
+    except OSError as exc:
+        raise PeerClosed(str(exc)) from exc
+    return None
+
+
 def send_gather(sock: socket.socket, head: bytes, iov: np.ndarray | None, nbytes: int,
-                headroom: np.ndarray | None = None) -> None:
+                headroom: np.ndarray | None = None, spill: bool = False) -> Unsent | None:
     """Sends ``head`` and then the ``nbytes`` bytes ``iov`` describes.
 
     Above ``EARLY_HEAD_BYTES`` the head goes in a call of its own: with TCP_NODELAY it
@@ -216,14 +242,15 @@ def send_gather(sock: socket.socket, head: bytes, iov: np.ndarray | None, nbytes
     copied in, rather than after the sender's first 64 KiB segment. ``headroom``, if
     given, is ``iov`` with one spare row in front, which then describes the head. In
     a held window (:mod:`~transfer_engine.transport.held`) the socket takes what it can
-    within the budget holding the GIL, and the rest the usual way.
+    within the budget holding the GIL, and the rest the usual way, or, with ``spill``,
+    is returned (:func:`send_rest`).
     """
     if iov is None or not nbytes:
         send_bytes(sock, head)
-        return
+        return None
     if not IOVEC_IO:
         send_views(sock, [head, *iov_views(iov)], len(head) + nbytes)
-        return
+        return None
     until = held.until()
     if nbytes >= EARLY_HEAD_BYTES and until is None:
         send_bytes(sock, head)
@@ -231,7 +258,7 @@ def send_gather(sock: socket.socket, head: bytes, iov: np.ndarray | None, nbytes
             send_iov(sock, iov, nbytes)
         except OSError as exc:
             raise PeerClosed(str(exc)) from exc
-        return
+        return None
     if headroom is not None:
         rows = headroom
     else:
@@ -244,11 +271,14 @@ def send_gather(sock: socket.socket, head: bytes, iov: np.ndarray | None, nbytes
         if until is not None:  # the caller holds the GIL while the socket takes bytes
             sent = held.send_rows(sock, rows, total, until)
             if sent == total:
-                return
+                return None
             rows, total = _advance(rows, sent), total - sent
+            if spill:
+                return Unsent(rows, total, head)
         send_iov(sock, rows, total)
     except OSError as exc:
         raise PeerClosed(str(exc)) from exc
+    return None
 
 
 def recv_scatter(sock: socket.socket, iov: np.ndarray, nbytes: int,

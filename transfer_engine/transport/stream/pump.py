@@ -139,11 +139,11 @@ class Pump:
         if self._timer is None:
             return False
         due = time.monotonic() + grace
-        with self._held_lock:
+        with self._held_lock:  # the watch changes under it too: unhold may race us
             self._held[fd] = due
             if self._timer_at is None or due < self._timer_at:
                 self._set_timer(due)
-        self._modify(fd, 0)
+            self._modify(fd, 0)
         return True
 
     def unhold(self, fd: int) -> None:
@@ -151,7 +151,7 @@ class Pump:
         with self._held_lock:
             if self._held.pop(fd, None) is not None and not self._held:
                 self._set_timer(None)  # the timer would wake the poller for nothing
-        self._modify(fd, _EVENTS)
+            self._modify(fd, _EVENTS)
 
     def _set_timer(self, due: float | None) -> None:  # holding _held_lock
         if self._timer is None:
@@ -175,9 +175,8 @@ class Pump:
             due = [fd for fd, when in self._held.items() if when <= now]
             for fd in due:
                 del self._held[fd]
+                self.rearm(fd)
             self._set_timer(min(self._held.values()) if self._held else None)
-        for fd in due:
-            self.rearm(fd)
 
     def _modify(self, fd: int, events: int) -> None:
         # holding the GIL: the call never waits, and giving the GIL up would cost a

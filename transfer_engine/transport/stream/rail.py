@@ -24,13 +24,15 @@ from transfer_engine.errors import (
 )
 from transfer_engine.transport import held
 from transfer_engine.transport.base import Completion, Host, OnComplete, Rail, Work
-from transfer_engine.transport.stream import pump
+from transfer_engine.transport.stream import held_reading, pump
 from transfer_engine.transport.stream.io import (
     PeerClosed,
+    Unsent,
     has_bytes,
     queued_bytes,
     recv_exact,
     recv_head,
+    send_rest,
     set_recv_timeout,
 )
 from transfer_engine.transport.stream.wire import (
@@ -75,6 +77,8 @@ class StreamRail(Rail):
         self._sendq: collections.deque[Work] = collections.deque()
         self._sending = False  # a drain of _sendq is scheduled or running
         self._drainer: int | None = None  # the thread draining it (a worker, or assist)
+        # a payload a waiting caller began and left to the next drainer (assist)
+        self._parked: tuple[Work, Unsent] | None = None
         # posted work no sender has taken yet, by id(): whoever pops it owns it
         self._queued: dict[int, Work] = {}
         # work whose memory a thread of ours is copying now (at most a sender's and the
@@ -98,6 +102,7 @@ class StreamRail(Rail):
         # a pump worker that took an answer waits this long for the next (one system
         # call: the receive bound), and every receive of ours waits on past it
         set_recv_timeout(sock, pump.LINGER)
+        self._rcvbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
         self._pump = pump.acquire()
         self._pump.watch(self._fd, self._on_readable, self._on_ready)
 
@@ -106,9 +111,10 @@ class StreamRail(Rail):
         """Bytes this side sends for ``work`` besides the request itself."""
         return work.nbytes if work.op is Op.WRITE else 0
 
-    def _send_request(self, work: Work) -> None:
+    def _send_request(self, work: Work, spill: bool = False) -> Unsent | None:
         """Sends ``work``'s request (with the payload where the stream carries it);
-        raises :class:`PeerClosed` when the stream broke."""
+        raises :class:`PeerClosed` when the stream broke. With ``spill``, in a held
+        window, may return the payload the socket did not take within the budget."""
         raise NotImplementedError
 
     def _take_read(self, work: Work) -> None:
@@ -150,8 +156,8 @@ class StreamRail(Rail):
                 self._sendq.append(work)
                 schedule = not self._sending
                 self._sending = True
-        if held.until() is not None:  # the caller will take the answer itself (assist)
-            self._pump.hold(self._fd, held.grace())
+            if held.until() is not None:  # the caller will take the answer (assist)
+                self._pump.hold(self._fd, held.grace())
         if schedule:
             self._pump.submit(self._drain_sends)
         if inline:
@@ -206,69 +212,103 @@ class StreamRail(Rail):
             pump.release(self._pump)
 
     # sending (a pump worker, or a caller that waits: assist)
-    def _drain_sends(self) -> None:
+    def _drain_sends(self, spill: bool = False) -> None:
+        """Sends the queued work in order, as the rail's one drainer. ``spill``: the
+        caller waits in a held window; what the socket does not take within its budget
+        is left (parked) to a worker, which this call then starts."""
         with self._lock:
             if self._drainer is not None:
                 return  # another thread drains: it sends what this job was for
             self._drainer = threading.get_ident()
         try:
-            self._drain()
+            self._drain(spill)
         finally:
             with self._lock:
-                if self._drainer == threading.get_ident():  # left by an exception
+                mine = self._drainer == threading.get_ident()  # left by an exception
+                if mine:
                     self._drainer = None
-                    self._sending = False
+                    self._sending = bool(self._sendq) or self._parked is not None
+            if mine and self._sending:  # a caller interrupted between works: go on
+                self._pump.submit(self._drain_sends)
 
-    def _drain(self) -> None:
+    def _drain(self, spill: bool) -> None:
         while True:
             with self._lock:
+                parked, self._parked = self._parked, None
                 work = None
-                while self._sendq:
-                    candidate = self._sendq.popleft()
-                    if self._queued.pop(id(candidate), None) is not None:
-                        work = candidate
-                        break
-                    self._busy -= 1  # withdrawn, or already failed by _fail_all
-                if work is None:  # with the same lock held: a post now schedules anew
-                    self._sending = False
-                    self._drainer = None
-                    return
+                if parked is None:
+                    while self._sendq:
+                        candidate = self._sendq.popleft()
+                        if self._queued.pop(id(candidate), None) is not None:
+                            work = candidate
+                            break
+                        self._busy -= 1  # withdrawn, or already failed by _fail_all
+                    if work is None:  # with the lock held: a post now schedules anew
+                        self._sending = False
+                        self._drainer = None
+                        return
                 self._enter()
+            finished = True
+            left: Unsent | None = None
             try:
                 with self._send_lock:
-                    with self._lock:
-                        failed = self._failure
-                        touch = failed is None and self._payload(work) > 0
+                    if parked is not None:
+                        work, rest = parked
+                        left = self._transmit(work, True, spill, rest)
+                    elif work is not None:
+                        with self._lock:
+                            failed = self._failure
+                            touch = failed is None and self._payload(work) > 0
+                            if failed is None:
+                                self._pending.append(work)
+                            if touch:
+                                self._touched[id(work)] = work
                         if failed is None:
-                            self._pending.append(work)
-                        if touch:
-                            self._touched[id(work)] = work
-                    if failed is None:
-                        self._transmit(work, touch)
-                if failed is not None:
-                    self._complete(work, failed)
+                            left = self._transmit(work, touch, spill)
+                        else:
+                            self._complete(work, failed)
+                    if left is not None and work is not None:  # a worker goes on
+                        finished = False
+                        with self._lock:
+                            self._parked = (work, left)
+                            self._drainer = None  # _sending stays set
+                        self._pump.submit(self._drain_sends)
+                        return
             finally:
-                with self._lock:
-                    self._busy -= 1
+                if finished:
+                    with self._lock:
+                        self._busy -= 1
                 self._leave()
 
-    def _transmit(self, work: Work, touched: bool) -> None:
-        """Sends ``work`` (already pending), then lets go of its memory if ``touched``
-        (only a payload sent from our memory touches it; a READ's bytes are the
-        reader's)."""
+    def _transmit(self, work: Work, touched: bool, spill: bool = False,
+                  rest: Unsent | None = None) -> Unsent | None:
+        """Sends ``work`` (already pending; or ``rest``, what is left of its payload),
+        then lets go of its memory if ``touched`` (only a payload sent from our memory
+        touches it; a READ's bytes are the reader's). With ``spill``: what the socket
+        did not take within the held budget, the memory still touched (see
+        :meth:`_drain`)."""
         error = None
         try:
-            self._send_request(work)
+            left = (send_rest(self._sock, rest, spill) if rest is not None
+                    else self._send_request(work, spill))
+            if left is not None:
+                return left
             self.bytes_sent += work.nbytes
         except PeerClosed as exc:
             error = self._error(PeerLostError, f"connection lost while sending: {exc}")
         except Exception as exc:  # a bug must not leave a handle waiting forever
             log.exception("rail %s#%d send failed", self.peer, self.index)
             error = self._error(ProtocolError, f"send failed: {exc!r}")
+        except BaseException as exc:  # interrupted mid-request: the stream is broken
+            if touched:
+                self._let_go(work)
+            self._fail_all(self._error(PeerLostError, f"send interrupted: {exc!r}"))
+            raise
         if touched:
             self._let_go(work)
         if error is not None:
             self._fail_all(error)
+        return None
 
     def _let_go(self, work: Work) -> bool:
         """Our thread no longer touches ``work``'s memory; completes it if the rail
@@ -373,52 +413,8 @@ class StreamRail(Rail):
         with self._lock:
             self._reader = None
 
-    def assist(self, works: Sequence[Work]) -> None:
-        """Sends those of ``works`` still queued (unless a worker has begun to) and
-        takes this rail's answers in the calling thread, inside its held window
-        (held.py), until none of ``works`` waits for one here or one did not come
-        within the window's budget. Does nothing if another thread reads the rail."""
-        ids = {id(work) for work in works}
-        with self._lock:
-            if self._released or self._failure is not None:
-                return
-            unsent = any(key in ids for key in self._queued)
-            if unsent and self._drainer is not None:
-                return  # a worker sends them: it needs the GIL this thread would hold
-        if unsent:  # the drain is scheduled, not begun: this thread sends them itself
-            self._drain_sends()
-        with self._lock:
-            if (self._released or any(key in ids for key in self._queued)
-                    or not self._claim()):
-                return
-            self._enter()
-        alive = True
-        self._pump.quiet(self._fd)  # the poller would wake to contend for the GIL
-        try:
-            while True:
-                with self._lock:
-                    if not any(id(work) in ids for work in self._pending):
-                        break
-                until = held.until()
-                if until is None:
-                    break
-                head = held.recv_exact(self._sock, ANSWER.size, until)
-                if not head:
-                    break  # none came within the budget
-                if len(head) < ANSWER.size:  # begun: the rest follows at once
-                    head += recv_exact(self._sock, ANSWER.size - len(head), patient=True)
-                if not self._answer(head):
-                    alive = False
-                    break
-        except (PeerClosed, OSError) as exc:
-            alive = False
-            if not self._closed:
-                self._fail_all(self._error(PeerLostError, f"connection lost: {exc}"))
-        finally:
-            self._unclaim()
-            if alive:
-                self._pump.unhold(self._fd)
-            self._leave()
+    def assist(self, works: Sequence[Work]) -> bool:
+        return held_reading.assist(self, works)
 
     def _answer(self, head: bytes | None = None) -> bool | None:
         """Takes one answer (whose header the caller may have read: ``head``),
@@ -493,6 +489,9 @@ class StreamRail(Rail):
             self._pending.clear()
             queued = list(self._queued.values())
             self._queued.clear()
+            parked, self._parked = self._parked, None  # no thread sends it now
+            if parked is not None:
+                self._busy -= 1
             finish = not self._users and not self._released
             if finish:
                 self._released = True
@@ -504,6 +503,8 @@ class StreamRail(Rail):
             self._complete(work, error)
         for work in queued:
             self._complete(work, error)
+        if parked is not None:
+            self._let_go(parked[0])
         if finish:
             self._finalize()
 
