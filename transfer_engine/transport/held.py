@@ -269,17 +269,36 @@ def _call(fn: Any, fd: int, rows: np.ndarray, flags: int, left: int) -> int:
             raise OSError(err, os.strerror(err))
 
 
+class _Stretch:
+    """A wait's deadline while bytes move: each call that moves some gives the next
+    wait a whole budget again, up to four budgets in all (copying is not waiting, but
+    a peer that trickles its bytes must not hold us long either)."""
+
+    __slots__ = ("budget", "cap")
+
+    def __init__(self, until: float) -> None:
+        now = time.monotonic()
+        self.budget = max(until - now, 0.0)
+        self.cap = now + 4 * self.budget
+
+    def moved(self) -> float:
+        return min(self.cap, time.monotonic() + self.budget)
+
+
 def send_rows(sock: socket.socket, rows: np.ndarray, nbytes: int, until: float) -> int:
-    """Sends the ``nbytes`` bytes ``rows`` describes, in order, until ``until``;
-    returns how many it sent (the caller sends the rest). Raises OSError."""
+    """Sends the ``nbytes`` bytes ``rows`` describes, in order, until ``until`` (moved
+    on while the socket takes bytes: :class:`_Stretch`); returns how many it sent (the
+    caller sends the rest). Raises OSError."""
     assert _lib is not None
     fd = sock.fileno()
     sent = 0
+    stretch = _Stretch(until)
     while sent < nbytes:
         n = _call(_lib.sendmsg, fd, _advance(rows, sent) if sent else rows,
                   _DONTWAIT | _NOSIGNAL, nbytes - sent)
         if n > 0:
             sent += n
+            until = stretch.moved()
             if time.monotonic() >= until:
                 break
         elif not _poll(fd, select.POLLOUT, until):
@@ -300,6 +319,7 @@ def recv_rows(sock: socket.socket, rows: np.ndarray, nbytes: int, until: float) 
     fd = sock.fileno()
     got = 0
     low = 1
+    stretch = _Stretch(until)
     try:
         while got < nbytes:
             n = _call(_lib.recvmsg, fd, _advance(rows, got) if got else rows, _DONTWAIT,
@@ -308,6 +328,7 @@ def recv_rows(sock: socket.socket, rows: np.ndarray, nbytes: int, until: float) 
                 raise ConnectionResetError("connection closed by peer")
             if n > 0:
                 got += n
+                until = stretch.moved()
                 if time.monotonic() >= until:
                     break
                 continue
