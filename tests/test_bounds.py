@@ -94,8 +94,8 @@ def test_cancel_withdraws_queued_work_and_tears_down_a_rail_only_for_work_on_the
             assert a.stats["rails_torn_down"] == 1 and a.in_flight == 0
             seg.close(timeout=0.1)  # nothing pins it any more
             assert not first.cancel()
-        # the torn-down rail was the only one: a fresh connect brings new rails (a
-        # prefix of the cancelled write may land at the start of dst: test the end)
+        # a connect again finds the peer as it was (a prefix of the cancelled write may
+        # land at the start of dst: test the end)
         peer = a.connect(endpoint)
         data = a.register(random_bytes(MiB, 9))
         back = a.register(np.zeros(MiB, dtype=np.uint8))
@@ -216,3 +216,31 @@ def test_a_work_sent_again_notifies_once_and_after_every_rail(
     b.deliver_immediate("a", Immediate(3, 2), b"ticket", 41, True)
     assert b.notifications(timeout=0) == []
     assert b.stats["notify_duplicates"] == 2 and b.stats["notifications"] == 1
+
+
+def test_a_rail_torn_down_by_a_cancel_is_reopened_for_the_next_transfer(
+        spawn_peer: Spawn) -> None:  # noqa: F811
+    """A cancel tears down the tcp rail its work is on; the next transfer to the peer
+    opens a new one with the same ticket instead of finding none."""
+    size = 16 * MiB
+    proc, endpoint = spawn_peer("stalled", size, 3)
+    a = Engine("a", transports=[TcpTransport(rails=1)], timeout=5.0, peer_timeout=None)
+    try:
+        peer = a.connect(endpoint)
+        seg = a.register(random_bytes(size, 5))
+        remote = peer.segment("dst")
+        for round_ in range(2):
+            with stopped(proc):
+                first = a.write(peer, [(Descriptor(seg, 0, size),
+                                        Descriptor(remote, 0, size))])
+                time.sleep(0.2)  # it fills the socket buffers: on the wire
+                assert first.cancel()
+            assert a.stats["rails_torn_down"] == round_ + 1
+            data = a.register(random_bytes(MiB, 9 + round_))
+            back = a.register(np.zeros(MiB, dtype=np.uint8))
+            pairs = [(Descriptor(data, 0, MiB), Descriptor(remote, size - MiB, MiB))]
+            a.write(peer, pairs).wait(10)  # no connect() in between
+            a.read(peer, [(Descriptor(back, 0, MiB), pairs[0][1])]).wait(10)
+            assert back.view().tobytes() == data.view().tobytes()
+    finally:
+        a.close()

@@ -11,7 +11,7 @@ A handle is PENDING until the transfer ends, then DONE or FAILED, once:
 - ``cancel()`` fails it with ``TransferCancelled`` (True), or does nothing to a finished
   one (False). Work not yet sent is withdrawn; work already on the wire is stopped by
   tearing down its rail, and other transfers on that rail fail over to another
-  transport or fail with ``PeerLostError``.
+  transport or fail with ``PeerLostError``; the next transfer over tcp opens a new rail.
 - A peer that stops answering (no reply to probes for ``peer_timeout``) fails it with
   ``PeerLostError``.
 

@@ -138,7 +138,9 @@ class TcpRail(StreamRail):
         self.failover: Callable[[TcpRail, Work, TransferError], TransferError | None
                                 ] | None = None
         self._aborted = False
-        self.reopen: Callable[[], TcpRail] | None = None  # opens its NIC pair again
+        # opens its connection again: a NIC pair whose link came back, or a rail the
+        # engine tore down to stop a transfer
+        self.reopen: Callable[[], TcpRail] | None = None
         super().__init__(sock, peer, index, on_complete, host)
 
     @property
@@ -161,6 +163,11 @@ class TcpRail(StreamRail):
     def abort(self, error: TransferError) -> None:
         self._aborted = True
         super().abort(error)
+
+    @property
+    def torn_down(self) -> bool:
+        """Closed by the engine to stop a transfer or a lost peer, not broken."""
+        return self._aborted
 
     def settle(self, work: Work, error: TransferError) -> None:
         """Fails ``work``, parked after this rail broke, without moving it again."""
@@ -434,6 +441,8 @@ class TcpTransport(Transport):
         rail = TcpRail(sock, peer, len(self._rails), on_complete, self._host,
                        nic[0].name if nic else None, nic[2] if nic else 0.0)
         self._rails.append(rail)
+        rail.reopen = functools.partial(self._open, peer, key, nic, target, on_complete,
+                                        timeout, credential)
         if nic is not None:
             group = self._nic_groups.setdefault(key, [])
             group[:] = [r for r in group if not r.closed] + [rail]
@@ -441,14 +450,25 @@ class TcpTransport(Transport):
             if self._stalls is None:
                 self._stalls = StallWatch(self.name, lambda: list(
                     self._nic_groups.values()), self._nic_timeout)
-            rail.reopen = functools.partial(self._open, peer, key, nic, target, on_complete,
-                                            timeout, credential)
             self._parking.take(key, rail)  # work that waited for a NIC rail to reopen
         return rail
 
     def revived(self, rail: Rail) -> Rail | None:
-        """The rail that reopened ``rail``'s NIC pair after its link came back, once."""
-        return self._reopener.revived(rail)
+        """The rail that reopened ``rail``'s NIC pair after its link came back, once; for
+        a plain rail the engine tore down to stop a transfer (a cancel, a deadline), a
+        new connection to the same peer with the same ticket, opened now, once. (A
+        peer known lost takes no transfer: its rails are never reopened here.)"""
+        again = self._reopener.revived(rail)
+        if again is not None or not isinstance(rail, TcpRail) or rail.nic is not None:
+            return again
+        reopen, rail.reopen = rail.reopen, None
+        if reopen is None or not rail.torn_down:
+            return None
+        try:
+            return reopen()
+        except TransferError as exc:
+            log.info("tcp rail to %s not reopened: %s", rail.peer, exc)
+            return None
 
     def _failover(self, key: str, group: list[TcpRail], broken: TcpRail, work: Work,
                   error: TransferError) -> TransferError | None:

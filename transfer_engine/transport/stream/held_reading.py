@@ -82,6 +82,7 @@ def assist(rail: Any, works: Sequence[Work]) -> bool:
         rail._leave()
     return took
 
+
 def whole_answer(rail: Any, until: float) -> bool:
     """Waits, holding the GIL until ``until`` at most, for the next answer to be
     whole in the kernel, with a READ's bytes when they follow it; False if it was
