@@ -130,6 +130,9 @@ def pd_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         # prefill's lane at decode is granted at its first push, which reads instead
         completion(ports["first"], {"model": str(model), "prompt": WARM_UP,
                                     "max_tokens": 2})
+        # prefill counts that read at a later step of its own: before the tests count
+        te_grown(ports["prefill"], {}, "te_kv_sent_requests_total", 1, str(model),
+                 timeout=10.0)
         from transformers import AutoTokenizer
 
         yield {"ports": ports, "model": str(model), "logs": logs,
