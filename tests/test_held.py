@@ -27,6 +27,8 @@ from tests.helpers.transport_contract import random_bytes
 from transfer_engine import Blocks, Descriptor, Engine
 from transfer_engine.errors import PeerLostError, TransferError, TransferTimeout
 from transfer_engine.handle import TransferState
+from transfer_engine.peer import Peer
+from transfer_engine.segment import RemoteSegment, Segment
 from transfer_engine.transport import held
 from transfer_engine.transport.iovec import _advance
 
@@ -68,6 +70,20 @@ def test_detector_sees_a_busy_thread_and_then_holds(make_engine: Callable[..., E
     assert handle._assist is not None
     handle.wait(10)
     assert np.array_equal(back, _peer_bytes(4 * MiB, 2))
+
+
+def _far(make_engine: Callable[..., Engine], spawn_peer: Spawn, size: int, seed: int,
+         data_seed: int, **engine_kw: object
+         ) -> tuple[subprocess.Popen[str], Engine, np.ndarray, Segment, Peer, RemoteSegment]:
+    """A tcp peer process serving ``size`` bytes (``seed``), and an engine connected to
+    it with ``size`` random bytes (``data_seed``) registered: (peer process, engine,
+    those bytes, their segment, the peer, its ``dst``)."""
+    proc, endpoint = spawn_peer("far", size, seed)
+    a = make_engine("a", transports=["tcp"], **engine_kw)
+    src = random_bytes(size, seed=data_seed)
+    seg = a.register(src, name="src")
+    peer = a.connect(endpoint)
+    return proc, a, src, seg, peer, peer.segment("dst")
 
 
 def _peer_bytes(size: int, seed: int) -> np.ndarray:
@@ -149,12 +165,8 @@ def test_an_answer_nobody_waits_for_is_taken_after_the_grace(
         make_engine: Callable[..., Engine], spawn_peer: Spawn) -> None:
     """The caller sent holding the GIL, so the pump left the socket to it; it never
     waits, so the pump takes the answer back after the grace and completes the work."""
-    _, endpoint = spawn_peer("far", 4 * MiB, 5)
-    a = make_engine("a", transports=["tcp"], hold_gil=0.01)
-    src = random_bytes(4 * MiB, seed=6)
-    seg = a.register(src, name="src")
-    peer = a.connect(endpoint)
-    remote = peer.segment("dst")
+    _, a, src, seg, peer, remote = _far(make_engine, spawn_peer, 4 * MiB, 5, 6,
+                                        hold_gil=0.01)
     handles = [a.write(peer, [(Descriptor(seg, i * MiB, MiB), Descriptor(remote, i * MiB, MiB))])
                for i in range(4)]
     deadline = time.monotonic() + 10
@@ -170,12 +182,7 @@ def test_an_answer_nobody_waits_for_is_taken_after_the_grace(
 
 def test_done_takes_the_answer_itself(make_engine: Callable[..., Engine],
                                       spawn_peer: Spawn, busy_python: None) -> None:
-    _, endpoint = spawn_peer("far", 8 * MiB, 7)
-    a = make_engine("a", transports=["tcp"])
-    src = random_bytes(8 * MiB, seed=8)
-    seg = a.register(src, name="src")
-    peer = a.connect(endpoint)
-    remote = peer.segment("dst")
+    _, a, src, seg, peer, remote = _far(make_engine, spawn_peer, 8 * MiB, 7, 8)
     for _ in range(5):
         handle = a.write(peer, [(Descriptor(seg, 0, 8 * MiB), Descriptor(remote, 0, 8 * MiB))])
         deadline = time.monotonic() + 10
@@ -194,12 +201,8 @@ def test_a_stopped_peer_never_blocks_write_done_or_wait(
     """What the socket cannot take (or has not brought) within the budget goes on in a
     worker: write() returns at once, done() at once, wait(timeout) after its timeout,
     and the peer killed meanwhile fails the transfer with PeerLostError."""
-    proc, endpoint = spawn_peer("far", 64 * MiB, 9)
-    a = make_engine("a", transports=["tcp"], peer_timeout=None)
-    src = random_bytes(64 * MiB, seed=10)
-    seg = a.register(src, name="src")
-    peer = a.connect(endpoint)
-    remote = peer.segment("dst")
+    proc, a, _, seg, peer, remote = _far(make_engine, spawn_peer, 64 * MiB, 9, 10,
+                                         peer_timeout=None)
     pair = [(Descriptor(seg, 0, 64 * MiB), Descriptor(remote, 0, 64 * MiB))]
     submit = a.write if op == "write" else a.read
     submit(peer, pair).wait(30)  # the pump's workers are up: a worker may drain
@@ -226,12 +229,7 @@ def test_a_stopped_peer_never_blocks_write_done_or_wait(
 
 def test_a_killed_peer_fails_the_held_wait(make_engine: Callable[..., Engine],
                                            spawn_peer: Spawn, busy_python: None) -> None:
-    proc, endpoint = spawn_peer("far", 16 * MiB, 11)
-    a = make_engine("a", transports=["tcp"])
-    src = random_bytes(16 * MiB, seed=12)
-    seg = a.register(src, name="src")
-    peer = a.connect(endpoint)
-    remote = peer.segment("dst")
+    proc, a, _, seg, peer, remote = _far(make_engine, spawn_peer, 16 * MiB, 11, 12)
     pair = [(Descriptor(seg, 0, 16 * MiB), Descriptor(remote, 0, 16 * MiB))]
     a.write(peer, pair).wait(10)
     proc.kill()
@@ -316,10 +314,10 @@ def test_windows_nest_to_the_shorter_and_end(pair: tuple[socket.socket, socket.s
             assert inner is not None and inner - time.monotonic() < 0.02
         assert (held.until() or 0) - time.monotonic() > 0.5
         start = time.monotonic()
-        assert not held.readable(pair[1], time.monotonic() + 0.02)
+        assert not held.wait_for(pair[1], 1, time.monotonic() + 0.02)
         assert 0.015 < time.monotonic() - start < 0.5
     assert held.until() is None
     with held.window(0):  # takes what is there, never waits
         until = held.until()
         assert until is not None
-        assert not held.readable(pair[1], until)
+        assert not held.wait_for(pair[1], 1, until)

@@ -32,11 +32,12 @@ from typing import Any
 
 import numpy as np
 
-from transfer_engine.transport.iovec import IOV_MAX, _advance, _MsgHdr
+from transfer_engine.transport.iovec import _advance, _MsgHdr, head_rows
+from transfer_engine.transport.iovec import _call as iovec_call
 
 __all__ = ["AVAILABLE", "Contention", "contention", "budget", "window", "until", "grace",
            "send_rows", "recv_rows", "queued", "peek", "wait_for",
-           "recv_exact", "readable", "default_budget"]
+           "recv_exact", "default_budget"]
 
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
@@ -240,33 +241,19 @@ def set_timer(fd: int, delay: float | None) -> None:
                                 None))
 
 
-def readable(sock: socket.socket, until: float) -> bool:
-    """Whether bytes (or the stream's end) arrived on ``sock`` before ``until``."""
-    return _poll(sock.fileno(), select.POLLIN, until)
-
-
 CALL_BYTES = 2 << 20  # most bytes one call moves (a peer draining as fast keeps it going)
 
 
 def _call(fn: Any, fd: int, rows: np.ndarray, flags: int, left: int) -> int:
     """Bytes moved by one non-blocking call over the first :data:`CALL_BYTES` of
     ``rows`` (``left`` bytes); -1 if it would block."""
-    rows = rows[:IOV_MAX]
-    ends = np.cumsum(rows[:, 1], dtype=np.uint64) if left > CALL_BYTES else None
-    if ends is not None and int(ends[-1]) > CALL_BYTES:  # cut the row where the limit falls
-        i = int(np.searchsorted(ends, CALL_BYTES, side="left"))
-        rows = rows[:i + 1].copy()
-        rows[i, 1] -= np.uint64(int(ends[i]) - CALL_BYTES)
-    hdr = _MsgHdr(None, 0, rows.ctypes.data, len(rows), None, 0, 0)
-    while True:
-        n = int(fn(fd, ctypes.byref(hdr), flags))
-        if n >= 0:
-            return n
-        err = ctypes.get_errno()
-        if err in (errno.EAGAIN, errno.EWOULDBLOCK):
+    try:
+        return iovec_call(fn, fd, head_rows(rows, CALL_BYTES) if left > CALL_BYTES
+                          else rows, flags)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
             return -1
-        if err != errno.EINTR:
-            raise OSError(err, os.strerror(err))
+        raise
 
 
 class _Stretch:

@@ -80,6 +80,18 @@ def _advance(iov: np.ndarray, done: int) -> np.ndarray:
     return rest
 
 
+def head_rows(iov: np.ndarray, limit: int) -> np.ndarray:
+    """The rows describing the first ``limit`` bytes of ``iov`` (the row where the limit
+    falls cut short; ``iov`` itself when it holds no more)."""
+    ends = np.cumsum(iov[:, 1], dtype=np.uint64)
+    i = int(np.searchsorted(ends, limit, side="left"))
+    if i >= len(iov):
+        return iov
+    rows = iov[:i + 1].copy()
+    rows[i, 1] -= np.uint64(int(ends[i]) - limit)
+    return rows
+
+
 def _call(fn: Any, fd: int, iov: np.ndarray, flags: int) -> int:
     """One system call over at most IOV_MAX rows; retries EINTR; raises OSError."""
     rows = iov[:IOV_MAX]
@@ -238,13 +250,7 @@ def recv_iov_ready(sock: socket.socket, iov: np.ndarray, limit: int = READY_BYTE
     giving up the GIL; returns how many (0: end of stream, -1: none there)."""
     if _held is None:
         return -1
-    iov = np.ascontiguousarray(iov, dtype=np.uint64)
-    ends = np.cumsum(iov[:, 1], dtype=np.uint64)
-    i = int(np.searchsorted(ends, limit, side="left"))
-    if i < len(iov):  # cut the row where the limit falls
-        iov = iov[:i + 1].copy()
-        iov[i, 1] -= np.uint64(int(ends[i]) - limit)
-    rows = iov[:IOV_MAX]
+    rows = head_rows(np.ascontiguousarray(iov, dtype=np.uint64), limit)[:IOV_MAX]
     hdr = _MsgHdr(None, 0, rows.ctypes.data, len(rows), None, 0, 0)
     return _held_result(int(_held.recvmsg(sock.fileno(), ctypes.byref(hdr), _DONTWAIT)))
 

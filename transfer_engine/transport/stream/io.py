@@ -217,16 +217,19 @@ class Unsent(NamedTuple):
 
 
 def send_rest(sock: socket.socket, rest: Unsent, spill: bool = False) -> Unsent | None:
-    """Sends what :func:`send_gather` left; with ``spill``, in a held window, returns
-    what the socket did not take within the budget."""
+    """Sends ``rest`` (blocking socket). In a held window the socket takes what it can
+    within the budget holding the GIL, then the rest goes the usual way or, with
+    ``spill``, is returned."""
     rows, total = rest.rows, rest.nbytes
     try:
-        until = held.until() if spill else None
-        if until is not None:
+        until = held.until()
+        if until is not None:  # the caller holds the GIL while the socket takes bytes
             sent = held.send_rows(sock, rows, total, until)
             if sent == total:
                 return None
-            return Unsent(_advance(rows, sent), total - sent, rest.keep)
+            rows, total = _advance(rows, sent), total - sent
+            if spill:
+                return Unsent(rows, total, rest.keep)
         send_iov(sock, rows, total)
     except OSError as exc:
         raise PeerClosed(str(exc)) from exc
@@ -266,19 +269,7 @@ def send_gather(sock: socket.socket, head: bytes, iov: np.ndarray | None, nbytes
         rows[1:] = iov
     # the address of the bytes object's own buffer (no copy); ``head`` outlives the call
     rows[0] = (ctypes.cast(ctypes.c_char_p(head), ctypes.c_void_p).value or 0, len(head))
-    total = len(head) + nbytes
-    try:
-        if until is not None:  # the caller holds the GIL while the socket takes bytes
-            sent = held.send_rows(sock, rows, total, until)
-            if sent == total:
-                return None
-            rows, total = _advance(rows, sent), total - sent
-            if spill:
-                return Unsent(rows, total, head)
-        send_iov(sock, rows, total)
-    except OSError as exc:
-        raise PeerClosed(str(exc)) from exc
-    return None
+    return send_rest(sock, Unsent(rows, len(head) + nbytes, head), spill)
 
 
 def recv_scatter(sock: socket.socket, iov: np.ndarray, nbytes: int,
