@@ -321,3 +321,71 @@ def test_windows_nest_to_the_shorter_and_end(pair: tuple[socket.socket, socket.s
         until = held.until()
         assert until is not None
         assert not held.wait_for(pair[1], 1, until)
+
+
+def test_a_turn_begins_again_after_a_gap_or_a_long_wait(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """held.Turn: calls closer than GAP are one turn; a gap or a wait longer than the
+    switch interval (the thread was switched out) starts a new one."""
+    monkeypatch.setattr(sys, "getswitchinterval", lambda: 0.005)
+    turn = held.Turn()
+    turn.resume(10.0)
+    assert turn.began == 10.0 and turn.left(10.0) == pytest.approx(0.005)
+    turn.resume(10.0005)  # 0.5 ms later: the same turn
+    turn.pause(10.003, 0.0025)  # a held wait shorter than a turn
+    turn.resume(10.0032)
+    assert turn.began == 10.0 and turn.left(10.004) == pytest.approx(0.001)
+    turn.resume(10.0062)  # 3 ms without a call: switched out meanwhile
+    assert turn.began == 10.0062
+    turn.pause(10.02, 0.0138)  # a wait longer than a turn
+    assert turn.began == 10.02
+    assert turn.expect(4096) is None
+    turn.learned(4096, 0.002)
+    turn.learned(5000, 0.004)  # same size class (13 bits)
+    assert turn.expect(8191) == pytest.approx(0.8 * 0.002 + 0.2 * 0.004)
+    assert turn.expect(8192) is None
+    before = time.monotonic()
+    turn.give()  # nobody wants the GIL: back at once, a new turn
+    assert before <= turn.began == turn.last <= time.monotonic()
+    assert held.turn() is held.turn()
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "shm"])
+def test_a_waiter_gives_its_turn_only_while_the_peer_copies(
+        make_engine: Callable[..., Engine], spawn_peer: Spawn, busy_python: None,
+        protocol: str) -> None:
+    """Back-to-back transfers outlast a turn with the GIL: over shm, where the target
+    copies and nothing is left to send, the waiter gives the GIL up before waiting
+    (held.Turn); over tcp, where it moves the bytes itself, it never does. Bytes exact
+    either way."""
+    transports = "tcp" if protocol == "tcp" else "shm,tcp"
+    block, count = 4096, 128
+    size = block * count
+    _, endpoint = spawn_peer("far", size, 4, transports)
+    a = make_engine("a", transports=transports.split(","))
+    src = random_bytes(size, seed=9)
+    seg = a.register(src, name="src")
+    peer = a.connect(endpoint)
+    assert peer.transport == protocol
+    remote = peer.segment("dst")
+    rng = np.random.default_rng(5)
+    back = np.zeros(size, dtype=np.uint8)
+    bseg = a.register(back, name="back")
+    deadline = time.monotonic() + 20
+    done = 0
+    while time.monotonic() < deadline and done < 400 and (
+            protocol == "tcp" or not a.stats["gil_given"] or done < 50):
+        perm = rng.permutation(count)
+        a.write(peer, Blocks(seg, remote, np.arange(count) * block, perm * block, block)
+                ).wait(30)
+        done += 1
+        if done % 25 == 0:
+            a.read(peer, [(Descriptor(bseg, 0, size), Descriptor(remote, 0, size))]
+                   ).wait(30)
+            assert np.array_equal(back.reshape(count, block)[perm],
+                                  src.reshape(count, block))
+    assert done >= 50
+    if protocol == "shm":
+        assert a.stats["gil_given"] > 0
+    else:
+        assert a.stats["gil_given"] == 0

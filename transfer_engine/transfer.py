@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -119,6 +120,7 @@ class Transfers(EngineState):
             if held.contention.now():
                 hold = self.hold_gil
                 handle._assist = self._assist
+                held.turn().resume(time.monotonic())
         with self._lock:
             self._live[handle.id] = xfer
         if timeout is None:
@@ -132,6 +134,8 @@ class Transfers(EngineState):
         # held: what the caller sends inline, it sends holding the GIL (held.py)
         with held.window(hold) if hold else contextlib.nullcontext():
             failure = self._start_attempt(xfer)
+        if hold:
+            held.turn().resume(time.monotonic())
         if failure is not None:
             raise failure
         return handle
@@ -261,20 +265,49 @@ class Transfers(EngineState):
         if xfer is None:
             return
         budget = self.hold_gil if timeout is None else min(self.hold_gil, max(timeout, 0.0))
-        with held.window(budget):
-            for _ in range(3):  # the attempt, then a READ's notification or a fallback
-                with xfer.lock:
-                    items = None if xfer.posting else list(xfer.posted or ())
-                if not items or handle.state is not TransferState.PENDING:
-                    return
-                by_rail: dict[int, tuple[Rail, list[Work]]] = {}
-                for rail, work in items:
-                    by_rail.setdefault(id(rail), (rail, []))[1].append(work)
-                took = False
-                for rail, works in by_rail.values():
-                    took = rail.assist(works) or took
-                if not took:
-                    return
+        turn = held.turn()
+        start = time.monotonic()
+        turn.resume(start)
+        gave = False
+        try:
+            with held.window(budget):
+                for _ in range(3):  # the attempt, then a READ's notification or a fallback
+                    with xfer.lock:
+                        items = None if xfer.posting else list(xfer.posted or ())
+                    if not items or handle.state is not TransferState.PENDING:
+                        return
+                    by_rail: dict[int, tuple[Rail, list[Work]]] = {}
+                    for rail, work in items:
+                        by_rail.setdefault(id(rail), (rail, []))[1].append(work)
+                    if not gave and self._give_turn(turn, handle.nbytes, timeout, by_rail):
+                        gave = True
+                        start = time.monotonic()
+                        self.stats["gil_given"] += 1
+                    took = False
+                    for rail, works in by_rail.values():
+                        took = rail.assist(works) or took
+                    if not took:
+                        return
+        finally:
+            end = time.monotonic()
+            if not gave and handle.state is not TransferState.PENDING and (
+                    end - start < sys.getswitchinterval()):
+                turn.learned(handle.nbytes, end - start)
+            turn.pause(end, end - start)
+
+    @staticmethod
+    def _give_turn(turn: held.Turn, nbytes: int, timeout: float | None,
+                   by_rail: dict[int, tuple[Rail, list[Work]]]) -> bool:
+        """Gives the GIL up before the wait (held.Turn) where the wait would outlast
+        this thread's turn with it and only the peer has work left; True if it did."""
+        expected = turn.expect(nbytes)
+        interval = sys.getswitchinterval()
+        if (expected is None or (timeout is not None and timeout < 2 * interval)
+                or turn.left(time.monotonic()) >= expected
+                or not all(rail.waits_only(works) for rail, works in by_rail.values())):
+            return False
+        turn.give()
+        return True
 
     def _on_complete(self, done: Completion) -> None:
         xfer: LiveTransfer = done.work.context

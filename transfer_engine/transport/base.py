@@ -178,6 +178,13 @@ class Rail(abc.ABC):
         completions come as they would."""
         return False
 
+    def waits_only(self, works: Sequence[Work]) -> bool:
+        """Whether all that is left of ``works`` is the peer's to do: every request
+        sent, and no byte for this side to move (the peer copies). A waiter may then
+        let other threads have the GIL while the peer works (``held.Turn``). The
+        default: not known, so no."""
+        return False
+
     @property
     @abc.abstractmethod
     def closed(self) -> bool: ...

@@ -35,8 +35,8 @@ import numpy as np
 from transfer_engine.transport.iovec import _advance, _MsgHdr, head_rows
 from transfer_engine.transport.iovec import _call as iovec_call
 
-__all__ = ["AVAILABLE", "Contention", "contention", "budget", "window", "until", "grace",
-           "send_rows", "recv_rows", "queued", "peek", "wait_for",
+__all__ = ["AVAILABLE", "Contention", "Turn", "contention", "turn", "budget", "window",
+           "until", "grace", "send_rows", "recv_rows", "queued", "peek", "wait_for",
            "recv_exact", "default_budget"]
 
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
@@ -135,6 +135,74 @@ class Contention:
 
 
 contention = Contention()  # one GIL per process
+
+
+class Turn:
+    """When this thread's turn with the GIL began, as far as the engine can tell.
+
+    A contended GIL changes hands about once a switch interval: the thread that waits
+    for it asks the holder to let go after that long. A thread that holds the GIL
+    while its peer copies (the waits above) therefore loses it when its turn ends,
+    often just after the peer's answer came, and then waits a whole turn of the busy
+    thread with nothing in flight. Where a wait would outlast the turn and only the
+    peer has work left, giving the GIL up before the wait (:meth:`give`) lets the busy
+    thread's turn run while the peer copies.
+
+    The engine sees only its own calls: a gap of more than :data:`GAP` between them
+    (or a wait longer than a turn) means the thread was switched out, so its turn
+    began again when it came back; Python code of the application between two
+    transfers reads the same, which only makes the turn look longer than it is (the
+    thread then holds, as it would without this).
+    """
+
+    GAP = 0.001
+    __slots__ = ("began", "last", "_waits")
+
+    def __init__(self) -> None:
+        self.began = 0.0
+        self.last = -math.inf
+        self._waits: dict[int, float] = {}  # size class -> seconds a held wait took
+
+    def expect(self, nbytes: int) -> float | None:
+        """How long a held wait for a transfer of ``nbytes`` took lately (None: no
+        such wait was seen)."""
+        return self._waits.get(nbytes.bit_length())
+
+    def learned(self, nbytes: int, seconds: float) -> None:
+        """A held wait for ``nbytes`` ended after ``seconds``, not switched out."""
+        key = nbytes.bit_length()
+        before = self._waits.get(key)
+        self._waits[key] = seconds if before is None else 0.8 * before + 0.2 * seconds
+
+    def resume(self, now: float) -> None:
+        """The engine runs in this thread again at ``now``."""
+        if now - self.last > self.GAP:
+            self.began = now
+        self.last = now
+
+    def pause(self, now: float, waited: float) -> None:
+        """The engine leaves at ``now`` after a wait of ``waited`` seconds."""
+        if waited > sys.getswitchinterval():
+            self.began = now
+        self.last = now
+
+    def left(self, now: float) -> float:
+        """Seconds of the turn left at ``now`` (at most a switch interval)."""
+        return sys.getswitchinterval() - (now - self.began)
+
+    def give(self) -> None:
+        """Lets another thread have the GIL (back once it had a turn, or at once if
+        none wanted it): a new turn begins."""
+        time.sleep(0)
+        self.began = self.last = time.monotonic()
+
+
+def turn() -> Turn:
+    """This thread's :class:`Turn`."""
+    current: Turn | None = getattr(_local, "turn", None)
+    if current is None:
+        current = _local.turn = Turn()
+    return current
 
 
 def budget(seconds: float | None) -> float:

@@ -252,6 +252,7 @@ def outside_ranges(ranges: np.ndarray | None, rows: np.ndarray, writable: bool) 
 
 class ShmRail(StreamRail):
     transport_name = "shm"
+    peer_copies = True
 
     def __init__(self, sock: socket.socket, peer: str, index: int, on_complete: OnComplete,
                  host: Host, announced: np.ndarray, devices: DeviceTable | None = None

@@ -416,6 +416,16 @@ class StreamRail(Rail):
     def assist(self, works: Sequence[Work]) -> bool:
         return held_reading.assist(self, works)
 
+    peer_copies = False  # the target moves a work's bytes; only requests and answers travel
+
+    def waits_only(self, works: Sequence[Work]) -> bool:
+        if not self.peer_copies:
+            return False
+        ids = {id(work) for work in works}
+        with self._lock:
+            return not (any(key in ids for key in self._queued)
+                        or (self._parked is not None and id(self._parked[0]) in ids))
+
     def _answer(self, head: bytes | None = None) -> bool | None:
         """Takes one answer (whose header the caller may have read: ``head``),
         waiting up to :data:`pump.LINGER` (the socket's receive bound) for it to begin:
