@@ -323,21 +323,22 @@ def test_windows_nest_to_the_shorter_and_end(pair: tuple[socket.socket, socket.s
         assert not held.wait_for(pair[1], 1, until)
 
 
-def test_a_turn_begins_again_after_a_gap_or_a_long_wait(monkeypatch: pytest.MonkeyPatch
-                                                         ) -> None:
-    """held.Turn: calls closer than GAP are one turn; a gap or a wait longer than the
-    switch interval (the thread was switched out) starts a new one."""
+def test_a_turn_begins_again_after_time_off_the_cpu_or_a_long_wait(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """held.Turn: time between the engine's calls spent running (CPU time grows with
+    the clock) is one turn; more than GAP off the CPU (switched out), or a held wait
+    longer than the switch interval, starts a new one."""
     monkeypatch.setattr(sys, "getswitchinterval", lambda: 0.005)
     turn = held.Turn()
-    turn.resume(10.0)
+    turn.resume(10.0, cpu=1.0)
     assert turn.began == 10.0 and turn.left(10.0) == pytest.approx(0.005)
-    turn.resume(10.0005)  # 0.5 ms later: the same turn
-    turn.pause(10.003, 0.0025)  # a held wait shorter than a turn
-    turn.resume(10.0032)
+    turn.resume(10.0025, cpu=1.0024)  # 2.5 ms of the application's Python: same turn
+    turn.pause(10.0035, 0.001, cpu=1.0025)  # a held wait shorter than a turn
+    turn.resume(10.0036, cpu=1.0026)
     assert turn.began == 10.0 and turn.left(10.004) == pytest.approx(0.001)
-    turn.resume(10.0062)  # 3 ms without a call: switched out meanwhile
-    assert turn.began == 10.0062
-    turn.pause(10.02, 0.0138)  # a wait longer than a turn
+    turn.resume(10.0066, cpu=1.0027)  # 3 ms off the CPU: switched out meanwhile
+    assert turn.began == 10.0066
+    turn.pause(10.02, 0.0134, cpu=1.003)  # a wait longer than a turn
     assert turn.began == 10.02
     assert turn.expect(4096) is None
     turn.learned(4096, 0.002)
@@ -351,13 +352,14 @@ def test_a_turn_begins_again_after_a_gap_or_a_long_wait(monkeypatch: pytest.Monk
 
 
 @pytest.mark.parametrize("protocol", ["tcp", "shm"])
-def test_a_waiter_gives_its_turn_only_while_the_peer_copies(
-        make_engine: Callable[..., Engine], spawn_peer: Spawn, busy_python: None,
-        protocol: str) -> None:
-    """Back-to-back transfers outlast a turn with the GIL: over shm, where the target
-    copies and nothing is left to send, the waiter gives the GIL up before waiting
-    (held.Turn); over tcp, where it moves the bytes itself, it never does. Bytes exact
-    either way."""
+def test_a_waiter_gives_its_turn_only_while_the_peer_works(
+        make_engine: Callable[..., Engine], spawn_peer: Spawn, protocol: str) -> None:
+    """Back-to-back transfers, in a process declared contended, fill a turn with the
+    GIL (no other thread takes it here, so the turn only ends by the clock). Once a
+    WRITE is sent whole (and over shm, where the target copies, for READs too) only
+    the peer has work left, so the waiter gives the GIL up before a wait that would
+    outlast the turn (held.Turn); a tcp READ, whose bytes this thread receives, never
+    does. Bytes exact either way."""
     transports = "tcp" if protocol == "tcp" else "shm,tcp"
     block, count = 4096, 128
     size = block * count
@@ -365,27 +367,37 @@ def test_a_waiter_gives_its_turn_only_while_the_peer_copies(
     a = make_engine("a", transports=transports.split(","))
     src = random_bytes(size, seed=9)
     seg = a.register(src, name="src")
+    back = np.zeros(size, dtype=np.uint8)
+    bseg = a.register(back, name="back")
     peer = a.connect(endpoint)
     assert peer.transport == protocol
     remote = peer.segment("dst")
     rng = np.random.default_rng(5)
-    back = np.zeros(size, dtype=np.uint8)
-    bseg = a.register(back, name="back")
-    deadline = time.monotonic() + 20
-    done = 0
-    while time.monotonic() < deadline and done < 400 and (
-            protocol == "tcp" or not a.stats["gil_given"] or done < 50):
-        perm = rng.permutation(count)
-        a.write(peer, Blocks(seg, remote, np.arange(count) * block, perm * block, block)
-                ).wait(30)
-        done += 1
-        if done % 25 == 0:
-            a.read(peer, [(Descriptor(bseg, 0, size), Descriptor(remote, 0, size))]
-                   ).wait(30)
-            assert np.array_equal(back.reshape(count, block)[perm],
-                                  src.reshape(count, block))
-    assert done >= 50
-    if protocol == "shm":
-        assert a.stats["gil_given"] > 0
-    else:
-        assert a.stats["gil_given"] == 0
+    model = np.zeros((count, block), dtype=np.uint8)  # what the peer's dst holds
+    rows = src.reshape(count, block)
+
+    def rounds(op: str) -> int:
+        """Transfers until one gave its turn (at least 50, at most 400 or 20 s), each
+        WRITE's blocks to a new order, each READ's back to a new order."""
+        given = a.stats["gil_given"]
+        deadline = time.monotonic() + 20
+        done = 0
+        while time.monotonic() < deadline and done < 400 and (
+                done < 50 or a.stats["gil_given"] == given):
+            perm = rng.permutation(count)
+            if op == "write":
+                a.write(peer, Blocks(seg, remote, np.arange(count) * block, perm * block,
+                                     block)).wait(30)
+                model[perm] = rows
+            else:
+                back[:] = 0
+                a.read(peer, Blocks(bseg, remote, perm * block, np.arange(count) * block,
+                                    block)).wait(30)
+                assert np.array_equal(back.reshape(count, block)[perm], model)
+            done += 1
+        assert done >= 50
+        return a.stats["gil_given"] - given
+
+    assert rounds("write") > 0
+    given = rounds("read")
+    assert given > 0 if protocol == "shm" else given == 0

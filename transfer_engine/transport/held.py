@@ -148,19 +148,20 @@ class Turn:
     peer has work left, giving the GIL up before the wait (:meth:`give`) lets the busy
     thread's turn run while the peer copies.
 
-    The engine sees only its own calls: a gap of more than :data:`GAP` between them
-    (or a wait longer than a turn) means the thread was switched out, so its turn
-    began again when it came back; Python code of the application between two
-    transfers reads the same, which only makes the turn look longer than it is (the
-    thread then holds, as it would without this).
+    The engine sees only its own calls. Between two of them the thread either ran
+    (Python of the application: its CPU time grew as fast as the clock, and it held the
+    GIL all along) or was off the CPU for more than :data:`GAP` (switched out, or in a
+    call that gives the GIL up): then its turn began again when it came back. A held
+    wait longer than a turn counts as a switch too.
     """
 
     GAP = 0.001
-    __slots__ = ("began", "last", "_waits")
+    __slots__ = ("began", "last", "cpu", "_waits")
 
     def __init__(self) -> None:
         self.began = 0.0
-        self.last = -math.inf
+        self.last = -math.inf  # time.monotonic() and time.thread_time() of the last call
+        self.cpu = 0.0
         self._waits: dict[int, float] = {}  # size class -> seconds a held wait took
 
     def expect(self, nbytes: int) -> float | None:
@@ -174,17 +175,20 @@ class Turn:
         before = self._waits.get(key)
         self._waits[key] = seconds if before is None else 0.8 * before + 0.2 * seconds
 
-    def resume(self, now: float) -> None:
-        """The engine runs in this thread again at ``now``."""
-        if now - self.last > self.GAP:
-            self.began = now
-        self.last = now
+    def resume(self, now: float, cpu: float | None = None) -> None:
+        """The engine runs in this thread again at ``now`` (``cpu``: the thread's
+        ``time.thread_time()`` then)."""
+        cpu = time.thread_time() if cpu is None else cpu
+        if (now - self.last) - (cpu - self.cpu) > self.GAP:
+            self.began = now  # off the CPU meanwhile
+        self.last, self.cpu = now, cpu
 
-    def pause(self, now: float, waited: float) -> None:
-        """The engine leaves at ``now`` after a wait of ``waited`` seconds."""
+    def pause(self, now: float, waited: float, cpu: float | None = None) -> None:
+        """The engine leaves at ``now`` after a held wait of ``waited`` seconds (off
+        the CPU, but holding the GIL unless it was longer than a turn)."""
         if waited > sys.getswitchinterval():
             self.began = now
-        self.last = now
+        self.last, self.cpu = now, time.thread_time() if cpu is None else cpu
 
     def left(self, now: float) -> float:
         """Seconds of the turn left at ``now`` (at most a switch interval)."""
@@ -195,6 +199,7 @@ class Turn:
         none wanted it): a new turn begins."""
         time.sleep(0)
         self.began = self.last = time.monotonic()
+        self.cpu = time.thread_time()
 
 
 def turn() -> Turn:

@@ -419,11 +419,14 @@ class StreamRail(Rail):
     peer_copies = False  # the target moves a work's bytes; only requests and answers travel
 
     def waits_only(self, works: Sequence[Work]) -> bool:
-        if not self.peer_copies:
+        """Every request sent whole (a WRITE's payload too), and no READ's bytes to
+        come to us (unless the target copies them itself)."""
+        if not self.peer_copies and any(work.op is Op.READ for work in works):
             return False
         ids = {id(work) for work in works}
         with self._lock:
             return not (any(key in ids for key in self._queued)
+                        or any(key in ids for key in self._touched)
                         or (self._parked is not None and id(self._parked[0]) in ids))
 
     def _answer(self, head: bytes | None = None) -> bool | None:
