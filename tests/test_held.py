@@ -340,11 +340,13 @@ def test_a_turn_begins_again_after_time_off_the_cpu_or_a_long_wait(
     assert turn.began == 10.0066
     turn.pause(10.02, 0.0134, cpu=1.003)  # a wait longer than a turn
     assert turn.began == 10.02
-    assert turn.expect(4096) is None
-    turn.learned(4096, 0.002)
-    turn.learned(5000, 0.004)  # same size class (13 bits)
-    assert turn.expect(8191) == pytest.approx(0.8 * 0.002 + 0.2 * 0.004)
-    assert turn.expect(8192) is None
+    assert turn.expect("shm", 4096) is None
+    turn.learned("shm", 4096, 0.002)
+    turn.learned("shm", 5000, 0.004)  # same size class (13 bits)
+    turn.learned("tcp", 5000, 0.009)  # another kind: kept apart
+    assert turn.expect("shm", 8191) == pytest.approx(0.8 * 0.002 + 0.2 * 0.004)
+    assert turn.expect("shm", 8192) is None
+    assert turn.expect("tcp", 4096) == 0.009
     before = time.monotonic()
     turn.give()  # nobody wants the GIL: back at once, a new turn
     assert before <= turn.began == turn.last <= time.monotonic()
@@ -376,7 +378,7 @@ def test_a_waiter_gives_its_turn_only_while_the_peer_works(
     model = np.zeros((count, block), dtype=np.uint8)  # what the peer's dst holds
     rows = src.reshape(count, block)
 
-    def rounds(op: str) -> int:
+    def rounds(op: str, notify: bytes | None = None) -> int:
         """Transfers until one gave its turn (at least 50, at most 400 or 20 s), each
         WRITE's blocks to a new order, each READ's back to a new order."""
         given = a.stats["gil_given"]
@@ -392,7 +394,7 @@ def test_a_waiter_gives_its_turn_only_while_the_peer_works(
             else:
                 back[:] = 0
                 a.read(peer, Blocks(bseg, remote, perm * block, np.arange(count) * block,
-                                    block)).wait(30)
+                                    block), notify=notify).wait(30)
                 assert np.array_equal(back.reshape(count, block)[perm], model)
             done += 1
         assert done >= 50
@@ -401,3 +403,5 @@ def test_a_waiter_gives_its_turn_only_while_the_peer_works(
     assert rounds("write") > 0
     given = rounds("read")
     assert given > 0 if protocol == "shm" else given == 0
+    if protocol == "tcp":  # nor for the notification's answer, a small WRITE's
+        assert rounds("read", notify=b"read") == 0

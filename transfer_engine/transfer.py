@@ -267,22 +267,31 @@ class Transfers(EngineState):
         budget = self.hold_gil if timeout is None else min(self.hold_gil, max(timeout, 0.0))
         turn = held.turn()
         start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
         turn.resume(start)
+        kind = (handle.transport, handle.op)  # what a wait's length is learned for
         gave = False
         try:
-            with held.window(budget):
-                for _ in range(3):  # the attempt, then a READ's notification or a fallback
+            with contextlib.ExitStack() as windows:
+                windows.enter_context(held.window(budget))
+                for step in range(3):  # the attempt, then a READ's notification or a fallback
                     with xfer.lock:
                         items = None if xfer.posting else list(xfer.posted or ())
+                        notifying = xfer.notifying
                     if not items or handle.state is not TransferState.PENDING:
                         return
                     by_rail: dict[int, tuple[Rail, list[Work]]] = {}
                     for rail, work in items:
                         by_rail.setdefault(id(rail), (rail, []))[1].append(work)
-                    if not gave and self._give_turn(turn, handle.nbytes, timeout, by_rail):
+                    if step == 0 and not notifying and self._give_turn(
+                            turn, turn.expect(kind, handle.nbytes), timeout, by_rail):
                         gave = True
                         start = time.monotonic()
                         self.stats["gil_given"] += 1
+                        if deadline is not None:  # the turn given took its share
+                            if deadline <= start:
+                                return
+                            windows.enter_context(held.window(deadline - start))
                     took = False
                     for rail, works in by_rail.values():
                         took = rail.assist(works) or took
@@ -292,15 +301,15 @@ class Transfers(EngineState):
             end = time.monotonic()
             if not gave and handle.state is not TransferState.PENDING and (
                     end - start < sys.getswitchinterval()):
-                turn.learned(handle.nbytes, end - start)
+                turn.learned(kind, handle.nbytes, end - start)
             turn.pause(end, end - start)
 
     @staticmethod
-    def _give_turn(turn: held.Turn, nbytes: int, timeout: float | None,
+    def _give_turn(turn: held.Turn, expected: float | None, timeout: float | None,
                    by_rail: dict[int, tuple[Rail, list[Work]]]) -> bool:
-        """Gives the GIL up before the wait (held.Turn) where the wait would outlast
-        this thread's turn with it and only the peer has work left; True if it did."""
-        expected = turn.expect(nbytes)
+        """Gives the GIL up before the wait (held.Turn) where it is ``expected`` to
+        outlast this thread's turn with it and only the peer has work left; True if
+        it did."""
         interval = sys.getswitchinterval()
         if (expected is None or (timeout is not None and timeout < 2 * interval)
                 or turn.left(time.monotonic()) >= expected

@@ -27,7 +27,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import numpy as np
@@ -162,16 +162,17 @@ class Turn:
         self.began = 0.0
         self.last = -math.inf  # time.monotonic() and time.thread_time() of the last call
         self.cpu = 0.0
-        self._waits: dict[int, float] = {}  # size class -> seconds a held wait took
+        # (kind, size class) -> seconds a held wait took
+        self._waits: dict[tuple[Hashable, int], float] = {}
 
-    def expect(self, nbytes: int) -> float | None:
-        """How long a held wait for a transfer of ``nbytes`` took lately (None: no
-        such wait was seen)."""
-        return self._waits.get(nbytes.bit_length())
+    def expect(self, kind: Hashable, nbytes: int) -> float | None:
+        """How long a held wait for a transfer of this ``kind`` (say, its transport and
+        operation) and of about ``nbytes`` took lately (None: no such wait was seen)."""
+        return self._waits.get((kind, nbytes.bit_length()))
 
-    def learned(self, nbytes: int, seconds: float) -> None:
-        """A held wait for ``nbytes`` ended after ``seconds``, not switched out."""
-        key = nbytes.bit_length()
+    def learned(self, kind: Hashable, nbytes: int, seconds: float) -> None:
+        """A held wait for such a transfer ended after ``seconds``, not switched out."""
+        key = (kind, nbytes.bit_length())
         before = self._waits.get(key)
         self._waits[key] = seconds if before is None else 0.8 * before + 0.2 * seconds
 
