@@ -17,6 +17,7 @@ import pytest
 from tests.helpers.faults import finish_as_engine, rail_socket, stopped
 from tests.helpers.transport_contract import random_bytes
 from transfer_engine import (
+    Blocks,
     ClosedError,
     Descriptor,
     Engine,
@@ -242,5 +243,42 @@ def test_a_rail_torn_down_by_a_cancel_is_reopened_for_the_next_transfer(
             a.write(peer, pairs).wait(10)  # no connect() in between
             a.read(peer, [(Descriptor(back, 0, MiB), pairs[0][1])]).wait(10)
             assert back.view().tobytes() == data.view().tobytes()
+    finally:
+        a.close()
+
+
+@pytest.mark.parametrize("posted", [0, 1])
+def test_a_rail_closed_between_being_chosen_and_posted_to_hands_its_work_on(
+        spawn_peer: Spawn, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+        posted: int) -> None:
+    """Another transfer's cancel can tear a rail down after a transfer chose it and
+    before it posted to it: the work goes to another open rail of the peer (or to the
+    same one, reopened) instead of failing with "rail is closed". The cancel's timing
+    is made certain by tearing the rail down as the transfer posts its ``posted``-th
+    work (over one rail: its only one, reopened; over two: the second's)."""
+    size = 16 * MiB
+    _, endpoint = spawn_peer("far", size, 3)
+    a = Engine("a", transports=[TcpTransport(rails=posted + 1, spread=posted + 1,
+                                             slice_size=4 * MiB)], timeout=10.0)
+    try:
+        peer = a.connect(endpoint)
+        data = random_bytes(size, 7)
+        got = np.zeros(size, dtype=np.uint8)
+        src, back = a.register(data), a.register(got)
+        remote = peer.segment("dst")
+        posts: list[Any] = []
+        for rail in list(peer.rails["tcp"]):
+            def post(work: Any, rail: Any = rail, post: Any = rail.post) -> None:
+                posts.append(rail)
+                if len(posts) == posted + 1:  # what a cancel's teardown does to it
+                    rail.abort(PeerLostError("torn down to stop another transfer",
+                                             peer="far"))
+                post(work)
+            monkeypatch.setattr(rail, "post", post)
+        pairs = Blocks(src, remote, np.arange(16) * MiB, np.arange(16)[::-1] * MiB, MiB)
+        a.write(peer, pairs).wait(10)
+        assert len(posts) > posted and posts[posted].closed
+        a.read(peer, [(Descriptor(back, 0, size), Descriptor(remote, 0, size))]).wait(10)
+        assert np.array_equal(got.reshape(16, MiB), data.reshape(16, MiB)[::-1])
     finally:
         a.close()

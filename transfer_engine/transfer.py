@@ -225,6 +225,22 @@ class Transfers(EngineState):
             return
         self._post(xfer, items)
 
+    def _stand_in(self, xfer: LiveTransfer, closed: Rail) -> Rail | None:
+        """Another rail of the attempt's transport that can carry its work, for one
+        closed after it was chosen (another transfer's cancel tore it down); reopened
+        if need be. None if there is none."""
+        name = xfer.handle.transport
+        transport = self._transports.get(name) if name else None
+        listed = xfer.peer.rails.get(name, []) if name else []
+        if transport is None or self._closed:
+            return None
+        rails = [rail for rail in listed if not rail.closed and rail is not closed]
+        if not rails:
+            rails = [rail for rail in self._revive(listed, transport) or []
+                     if rail is not closed]
+        rails = transport.carriers(rails, xfer.local_segments, xfer.extents.remote_ids())
+        return min(rails, key=lambda rail: rail.inflight) if rails else None
+
     @staticmethod
     def _revive(listed: list[Rail], transport: Transport) -> list[Rail] | None:
         """Puts the rails ``transport`` reopened in place of closed ones in ``listed``
@@ -244,7 +260,15 @@ class Transfers(EngineState):
                     try:
                         if xfer.staged is not None and xfer.op is Op.WRITE:
                             xfer.staged.ready_for(work.local)  # copies overlap sends
-                        rail.post(work)
+                        try:
+                            rail.post(work)
+                        except ClosedError:  # torn down since it was chosen (a cancel)
+                            stand_in = self._stand_in(xfer, rail)
+                            if stand_in is None:
+                                raise
+                            stand_in.post(work)
+                            with xfer.lock:
+                                items[i] = (stand_in, work)
                         continue
                     except TransferError as exc:
                         error = exc
