@@ -282,3 +282,37 @@ def test_a_rail_closed_between_being_chosen_and_posted_to_hands_its_work_on(
         assert np.array_equal(got.reshape(16, MiB), data.reshape(16, MiB)[::-1])
     finally:
         a.close()
+
+
+def test_a_cancel_that_tears_a_rail_down_costs_the_other_transfers_on_it_nothing(
+        spawn_peer: Spawn) -> None:  # noqa: F811
+    """Transfers that shared the torn-down rail with a cancelled one are posted again
+    (over a reopened rail) and land byte for byte; only the cancelled one fails."""
+    size = 16 * MiB
+    proc, endpoint = spawn_peer("stalled", size, 3)
+    a = Engine("a", transports=[TcpTransport(rails=1)], timeout=10.0, peer_timeout=None)
+    try:
+        peer = a.connect(endpoint)
+        big = a.register(random_bytes(size, 5))
+        data = random_bytes(2 * MiB, 11)
+        small = a.register(data)
+        got = np.zeros(2 * MiB, dtype=np.uint8)
+        back = a.register(got)
+        remote = peer.segment("dst")
+        near_end = Descriptor(remote, size - 2 * MiB, 2 * MiB)
+        with stopped(proc):
+            first = a.write(peer, [(Descriptor(big, 0, size - 2 * MiB),
+                                    Descriptor(remote, 0, size - 2 * MiB))])
+            time.sleep(0.2)  # it fills the socket buffers: on the wire
+            second = a.write(peer, [(Descriptor(small, 0, 2 * MiB), near_end)])
+            time.sleep(0.1)
+            assert first.cancel()
+        assert a.stats["rails_torn_down"] == 1
+        second.wait(10)
+        assert a.stats["retries_torn_down"] >= 1
+        with pytest.raises(TransferCancelled):
+            first.wait(1)
+        a.read(peer, [(Descriptor(back, 0, 2 * MiB), near_end)]).wait(10)
+        assert np.array_equal(got, data)
+    finally:
+        a.close()

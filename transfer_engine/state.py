@@ -80,6 +80,7 @@ class LiveTransfer:
     posting: bool = False  # rail.post calls of ``posted`` under way
     stopping: TransferError | None = None  # why it was cancelled (or timed out)
     staged: Staged | None = None  # device memory moved through a bounce (staging.py)
+    retries: int = 0  # attempts made again after another transfer's cancel (transfer.py)
 
 
 class EngineState:

@@ -41,6 +41,16 @@ log = logging.getLogger(__name__)
 
 # Failures after which the same transfer is repeated over the peer's next transport.
 _FALLBACK_ERRORS = (NotSupportedError, PeerLostError)
+RETRIES = 3  # attempts again over the same transport after a cancel tore its rail down
+
+
+class _TornDown(PeerLostError):
+    """A rail the engine closed itself to stop one transfer (a cancel, a deadline):
+    the other transfers it carried are posted again, since their peer is not lost."""
+
+    def __init__(self, message: str, *, stopping: int = -1, **context: Any) -> None:
+        super().__init__(message, **context)
+        self.stopping = stopping  # the transfer it was torn down for
 _BYTES_STAT = {Op.WRITE: "bytes_write", Op.READ: "bytes_read"}
 
 
@@ -353,12 +363,25 @@ class Transfers(EngineState):
             if xfer.remaining > 0:
                 return
             error = xfer.error
-            fallback = (error is not None and isinstance(error, _FALLBACK_ERRORS)
+            again = (isinstance(error, _TornDown) and error.stopping != xfer.handle.id
+                     and xfer.retries < RETRIES and not xfer.notifying
+                     and not self._closed and xfer.stopping is None)
+            fallback = (not again and error is not None
+                        and isinstance(error, _FALLBACK_ERRORS)
                         and len(xfer.transports) > 1 and not xfer.notifying
                         and not self._closed and xfer.stopping is None)
+            if again:
+                xfer.retries += 1
             if fallback:
                 failed = xfer.transports.pop(0)
         if error is not None:
+            if again:  # a bystander of another transfer's cancel: the same way again
+                self.stats["retries_torn_down"] += 1
+                log.info("transfer %d to %s: %s; posting it again", xfer.handle.id,
+                         xfer.peer.name, error.message)
+                xfer.handle._bytes_done = 0
+                self._start_attempt(xfer)
+                return
             if fallback:
                 xfer.peer.demote(failed)
                 if self.traffic is not None:
@@ -473,9 +496,10 @@ class Transfers(EngineState):
             self.stats["rails_torn_down"] += 1
             log.info("tearing down a %s rail to %s to stop transfer %d (%s)",
                      xfer.handle.transport, xfer.peer.name, xfer.handle.id, error.message)
-            rail.abort(PeerLostError(
+            rail.abort(_TornDown(
                 f"rail torn down to stop transfer {xfer.handle.id} ({error.message})",
-                peer=xfer.peer.name, transport=xfer.handle.transport))
+                stopping=xfer.handle.id, peer=xfer.peer.name,
+                transport=xfer.handle.transport))
         return True
 
     def _segment_stuck(self, seg: Segment) -> None:
