@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 # Failures after which the same transfer is repeated over the peer's next transport.
 _FALLBACK_ERRORS = (NotSupportedError, PeerLostError)
+_BYTES_STAT = {Op.WRITE: "bytes_write", Op.READ: "bytes_read"}
 RETRIES = 3  # attempts again over the same transport after a cancel tore its rail down
 
 
@@ -51,7 +52,6 @@ class _TornDown(PeerLostError):
     def __init__(self, message: str, *, stopping: int = -1, **context: Any) -> None:
         super().__init__(message, **context)
         self.stopping = stopping  # the transfer it was torn down for
-_BYTES_STAT = {Op.WRITE: "bytes_write", Op.READ: "bytes_read"}
 
 
 class Transfers(EngineState):
@@ -168,10 +168,7 @@ class Transfers(EngineState):
     def _post_attempt(self, xfer: LiveTransfer) -> None:
         while True:  # rails torn down (a cancel, a dead connection) carry nothing more
             name = xfer.transports[0]
-            listed = xfer.peer.rails[name]
-            rails = [rail for rail in listed if not rail.closed]
-            if len(rails) < len(listed):  # a broken path the transport opened again
-                rails = self._revive(listed, self._transports[name]) or rails
+            rails = self._live_rails(xfer.peer.rails[name], self._transports[name])
             if rails:
                 break
             with xfer.lock:
@@ -239,27 +236,24 @@ class Transfers(EngineState):
         """Another rail of the attempt's transport that can carry its work, for one
         closed after it was chosen (another transfer's cancel tore it down); reopened
         if need be. None if there is none."""
-        name = xfer.handle.transport
-        transport = self._transports.get(name) if name else None
-        listed = xfer.peer.rails.get(name, []) if name else []
-        if transport is None or self._closed:
+        if self._closed:
             return None
-        rails = [rail for rail in listed if not rail.closed and rail is not closed]
-        if not rails:
-            rails = [rail for rail in self._revive(listed, transport) or []
-                     if rail is not closed]
+        name = xfer.transports[0]
+        transport = self._transports[name]
+        listed = xfer.peer.rails[name]
+        rails = ([rail for rail in listed if not rail.closed]
+                 or self._live_rails(listed, transport))
         rails = transport.carriers(rails, xfer.local_segments, xfer.extents.remote_ids())
         return min(rails, key=lambda rail: rail.inflight) if rails else None
 
     @staticmethod
-    def _revive(listed: list[Rail], transport: Transport) -> list[Rail] | None:
-        """Puts the rails ``transport`` reopened in place of closed ones in ``listed``
-        (the peer's); the open rails when any was, else None."""
-        found = False
+    def _live_rails(listed: list[Rail], transport: Transport) -> list[Rail]:
+        """The open rails of ``listed`` (the peer's), once those of its closed ones that
+        ``transport`` reopened (a broken path) are put in their place."""
         for i, rail in enumerate(listed):
             if rail.closed and (new := transport.revived(rail)) is not None:
-                listed[i], found = new, True
-        return [rail for rail in listed if not rail.closed] if found else None
+                listed[i] = new
+        return [rail for rail in listed if not rail.closed]
 
     def _post(self, xfer: LiveTransfer, items: list[tuple[Rail, Work]]) -> None:
         """Posts ``items`` (already ``xfer.posted``, with ``xfer.posting`` set)."""
@@ -363,13 +357,12 @@ class Transfers(EngineState):
             if xfer.remaining > 0:
                 return
             error = xfer.error
-            again = (isinstance(error, _TornDown) and error.stopping != xfer.handle.id
-                     and xfer.retries < RETRIES and not xfer.notifying
-                     and not self._closed and xfer.stopping is None)
-            fallback = (not again and error is not None
-                        and isinstance(error, _FALLBACK_ERRORS)
-                        and len(xfer.transports) > 1 and not xfer.notifying
-                        and not self._closed and xfer.stopping is None)
+            repeat = (error is not None and not xfer.notifying and not self._closed
+                      and xfer.stopping is None)
+            again = (repeat and isinstance(error, _TornDown)
+                     and error.stopping != xfer.handle.id and xfer.retries < RETRIES)
+            fallback = (repeat and not again and isinstance(error, _FALLBACK_ERRORS)
+                        and len(xfer.transports) > 1)
             if again:
                 xfer.retries += 1
             if fallback:
