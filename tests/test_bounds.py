@@ -6,10 +6,11 @@ answer nothing); every test resumes or kills what it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -28,11 +29,37 @@ from transfer_engine import (
 )
 from transfer_engine.descriptor import Op
 from transfer_engine.handle import TransferHandle
+from transfer_engine.peer import Peer
+from transfer_engine.segment import RemoteSegment, Segment
 from transfer_engine.transport.base import Immediate
 from transfer_engine.transport.tcp import TcpTransport
 
 MiB = 1 << 20
 Spawn = Callable[..., tuple[subprocess.Popen[str], str]]
+STALLED = 16 * MiB  # what a peer to stall serves, and what fills its sockets
+
+
+class OneRail(NamedTuple):
+    proc: subprocess.Popen[str]  # the peer process, to stop
+    endpoint: str
+    engine: Engine
+    peer: Peer
+    seg: Segment  # STALLED random bytes of the engine's
+    remote: RemoteSegment  # the peer's dst
+
+
+@contextlib.contextmanager
+def one_rail_to_a_peer(spawn_peer: Spawn, timeout: float = 5.0) -> Iterator[OneRail]:
+    """An engine with one tcp rail to a peer process serving STALLED bytes, closed
+    after the block."""
+    proc, endpoint = spawn_peer("stalled", STALLED, 3)
+    a = Engine("a", transports=[TcpTransport(rails=1)], timeout=timeout, peer_timeout=None)
+    try:
+        peer = a.connect(endpoint)
+        yield OneRail(proc, endpoint, a, peer, a.register(random_bytes(STALLED, 5)),
+                      peer.segment("dst"))
+    finally:
+        a.close()
 
 
 def open_sockets(peer: Any) -> list[Any]:
@@ -71,13 +98,8 @@ def test_cancel_after_completion_is_a_no_op(make_engine: Callable[..., Engine]) 
 
 def test_cancel_withdraws_queued_work_and_tears_down_a_rail_only_for_work_on_the_wire(
         spawn_peer: Spawn) -> None:  # noqa: F811
-    size = 16 * MiB
-    proc, endpoint = spawn_peer("stalled", size, 3)
-    a = Engine("a", transports=[TcpTransport(rails=1)], timeout=5.0, peer_timeout=None)
-    try:
-        peer = a.connect(endpoint)
-        seg = a.register(random_bytes(size, 5))
-        remote = peer.segment("dst")
+    size = STALLED
+    with one_rail_to_a_peer(spawn_peer) as (proc, endpoint, a, peer, seg, remote):
         with stopped(proc):
             first = a.write(peer, [(Descriptor(seg, 0, size), Descriptor(remote, 0, size))])
             queued = a.write(peer, [(Descriptor(seg, 0, MiB), Descriptor(remote, 0, MiB))])
@@ -105,8 +127,6 @@ def test_cancel_withdraws_queued_work_and_tears_down_a_rail_only_for_work_on_the
         a.write(peer, pairs).wait(10)
         a.read(peer, [(Descriptor(back, 0, MiB), pairs[0][1])]).wait(10)
         assert back.view().tobytes() == data.view().tobytes()
-    finally:
-        a.close()
 
 
 def test_a_deadline_fails_a_stalled_transfer_with_transfer_timeout(
@@ -223,13 +243,8 @@ def test_a_rail_torn_down_by_a_cancel_is_reopened_for_the_next_transfer(
         spawn_peer: Spawn) -> None:  # noqa: F811
     """A cancel tears down the tcp rail its work is on; the next transfer to the peer
     opens a new one with the same ticket instead of finding none."""
-    size = 16 * MiB
-    proc, endpoint = spawn_peer("stalled", size, 3)
-    a = Engine("a", transports=[TcpTransport(rails=1)], timeout=5.0, peer_timeout=None)
-    try:
-        peer = a.connect(endpoint)
-        seg = a.register(random_bytes(size, 5))
-        remote = peer.segment("dst")
+    size = STALLED
+    with one_rail_to_a_peer(spawn_peer) as (proc, _, a, peer, seg, remote):
         for round_ in range(2):
             with stopped(proc):
                 first = a.write(peer, [(Descriptor(seg, 0, size),
@@ -243,8 +258,6 @@ def test_a_rail_torn_down_by_a_cancel_is_reopened_for_the_next_transfer(
             a.write(peer, pairs).wait(10)  # no connect() in between
             a.read(peer, [(Descriptor(back, 0, MiB), pairs[0][1])]).wait(10)
             assert back.view().tobytes() == data.view().tobytes()
-    finally:
-        a.close()
 
 
 @pytest.mark.parametrize("posted", [0, 1])
@@ -288,17 +301,12 @@ def test_a_cancel_that_tears_a_rail_down_costs_the_other_transfers_on_it_nothing
         spawn_peer: Spawn) -> None:  # noqa: F811
     """Transfers that shared the torn-down rail with a cancelled one are posted again
     (over a reopened rail) and land byte for byte; only the cancelled one fails."""
-    size = 16 * MiB
-    proc, endpoint = spawn_peer("stalled", size, 3)
-    a = Engine("a", transports=[TcpTransport(rails=1)], timeout=10.0, peer_timeout=None)
-    try:
-        peer = a.connect(endpoint)
-        big = a.register(random_bytes(size, 5))
+    size = STALLED
+    with one_rail_to_a_peer(spawn_peer, timeout=10.0) as (proc, _, a, peer, big, remote):
         data = random_bytes(2 * MiB, 11)
         small = a.register(data)
         got = np.zeros(2 * MiB, dtype=np.uint8)
         back = a.register(got)
-        remote = peer.segment("dst")
         near_end = Descriptor(remote, size - 2 * MiB, 2 * MiB)
         with stopped(proc):
             first = a.write(peer, [(Descriptor(big, 0, size - 2 * MiB),
@@ -314,5 +322,3 @@ def test_a_cancel_that_tears_a_rail_down_costs_the_other_transfers_on_it_nothing
             first.wait(1)
         a.read(peer, [(Descriptor(back, 0, 2 * MiB), near_end)]).wait(10)
         assert np.array_equal(got, data)
-    finally:
-        a.close()

@@ -73,13 +73,13 @@ def test_detector_sees_a_busy_thread_and_then_holds(make_engine: Callable[..., E
 
 
 def _far(make_engine: Callable[..., Engine], spawn_peer: Spawn, size: int, seed: int,
-         data_seed: int, **engine_kw: object
+         data_seed: int, transports: str = "tcp", **engine_kw: object
          ) -> tuple[subprocess.Popen[str], Engine, np.ndarray, Segment, Peer, RemoteSegment]:
-    """A tcp peer process serving ``size`` bytes (``seed``), and an engine connected to
-    it with ``size`` random bytes (``data_seed``) registered: (peer process, engine,
-    those bytes, their segment, the peer, its ``dst``)."""
-    proc, endpoint = spawn_peer("far", size, seed)
-    a = make_engine("a", transports=["tcp"], **engine_kw)
+    """A peer process serving ``size`` bytes (``seed``) over ``transports``, and an
+    engine connected to it with ``size`` random bytes (``data_seed``) registered: (peer
+    process, engine, those bytes, their segment, the peer, its ``dst``)."""
+    proc, endpoint = spawn_peer("far", size, seed, transports)
+    a = make_engine("a", transports=transports.split(","), **engine_kw)
     src = random_bytes(size, seed=data_seed)
     seg = a.register(src, name="src")
     peer = a.connect(endpoint)
@@ -96,17 +96,12 @@ def _peer_bytes(size: int, seed: int) -> np.ndarray:
 def test_transfers_to_another_process_are_exact_held(
         make_engine: Callable[..., Engine], spawn_peer: Spawn, busy_python: None,
         protocol: str, block: int, count: int) -> None:
-    transports = "tcp" if protocol == "tcp" else "shm,tcp"
     size = block * count
-    _, endpoint = spawn_peer("far", size, 3, transports)
-    a = make_engine("a", transports=transports.split(","))
-    src = random_bytes(size, seed=block)
+    _, a, src, seg, peer, remote = _far(make_engine, spawn_peer, size, 3, block,
+                                        "tcp" if protocol == "tcp" else "shm,tcp")
     back = np.zeros(size, dtype=np.uint8)
-    seg = a.register(src, name="src")
     bseg = a.register(back, name="back")
-    peer = a.connect(endpoint)
     assert peer.transport == protocol
-    remote = peer.segment("dst")
     # what the peer holds before: read it back whole, held
     handle = a.read(peer, [(Descriptor(bseg, 0, size), Descriptor(remote, 0, size))])
     assert handle._assist is not None  # held: the peer is another process
@@ -362,18 +357,13 @@ def test_a_waiter_gives_its_turn_only_while_the_peer_works(
     the peer has work left, so the waiter gives the GIL up before a wait that would
     outlast the turn (held.Turn); a tcp READ, whose bytes this thread receives, never
     does. Bytes exact either way."""
-    transports = "tcp" if protocol == "tcp" else "shm,tcp"
     block, count = 4096, 128
     size = block * count
-    _, endpoint = spawn_peer("far", size, 4, transports)
-    a = make_engine("a", transports=transports.split(","))
-    src = random_bytes(size, seed=9)
-    seg = a.register(src, name="src")
+    _, a, src, seg, peer, remote = _far(make_engine, spawn_peer, size, 4, 9,
+                                        "tcp" if protocol == "tcp" else "shm,tcp")
     back = np.zeros(size, dtype=np.uint8)
     bseg = a.register(back, name="back")
-    peer = a.connect(endpoint)
     assert peer.transport == protocol
-    remote = peer.segment("dst")
     rng = np.random.default_rng(5)
     model = np.zeros((count, block), dtype=np.uint8)  # what the peer's dst holds
     rows = src.reshape(count, block)
