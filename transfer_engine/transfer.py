@@ -27,13 +27,21 @@ from transfer_engine.errors import (
     TransferTimeout,
 )
 from transfer_engine.handle import TransferHandle, TransferState
+from transfer_engine.interrupts import Deferred
 from transfer_engine.peer import Peer
 from transfer_engine.planner import plan_columns
 from transfer_engine.segment import Segment
 from transfer_engine.staging import Staging
 from transfer_engine.state import EngineState, LiveTransfer
 from transfer_engine.transport import held
-from transfer_engine.transport.base import Completion, Immediate, Rail, Transport, Work
+from transfer_engine.transport.base import (
+    Completion,
+    Immediate,
+    Rail,
+    TornDown,
+    Transport,
+    Work,
+)
 from transfer_engine.validate import Pairs, validate
 from transfer_engine.watchdog import Watchdog
 
@@ -42,16 +50,9 @@ log = logging.getLogger(__name__)
 # Failures after which the same transfer is repeated over the peer's next transport.
 _FALLBACK_ERRORS = (NotSupportedError, PeerLostError)
 _BYTES_STAT = {Op.WRITE: "bytes_write", Op.READ: "bytes_read"}
-RETRIES = 3  # attempts again over the same transport after a cancel tore its rail down
-
-
-class _TornDown(PeerLostError):
-    """A rail the engine closed itself to stop one transfer (a cancel, a deadline):
-    the other transfers it carried are posted again, since their peer is not lost."""
-
-    def __init__(self, message: str, *, stopping: int = -1, **context: Any) -> None:
-        super().__init__(message, **context)
-        self.stopping = stopping  # the transfer it was torn down for
+# attempts again over the same transport after this side tore its rail down (a cancel
+# of another transfer, an interrupted call)
+RETRIES = 3
 
 
 class Transfers(EngineState):
@@ -108,46 +109,48 @@ class Transfers(EngineState):
         extents, locals_ = validate(self._segments, op, peer, pairs)
         nbytes = extents.nbytes
         handle = TransferHandle(next(self._transfer_ids), op, peer.name, nbytes)
-        pinned: list[Segment] = []
-        try:
-            for seg in locals_:
-                seg.pin()
-                pinned.append(seg)
-        except TransferError as exc:
-            for seg in pinned:
-                seg.unpin()
-            raise exc.with_context(peer=peer.name, op=str(op)) from None
-        xfer = LiveTransfer(handle, peer, op, extents,
-                            bytes(notify) if notify is not None else None,
-                            self._route(peer), pinned)
-        handle._canceller = self._cancel_handle
-        # a peer in this very process needs our GIL to move the bytes: never held then;
-        # others only while the GIL is seen contended (held.Contention)
-        hold = 0.0
-        if self.hold_gil and held.AVAILABLE and not (
-                peer.info.pid == os.getpid() and peer.info.host_id == self.host_id):
-            handle._lagged = held.contention.saw
-            if held.contention.now():
-                hold = self.hold_gil
-                handle._assist = self._assist
+        # Ctrl-C midway would leave segments pinned or work posted in part
+        with Deferred():
+            pinned: list[Segment] = []
+            try:
+                for seg in locals_:
+                    seg.pin()
+                    pinned.append(seg)
+            except TransferError as exc:
+                for seg in pinned:
+                    seg.unpin()
+                raise exc.with_context(peer=peer.name, op=str(op)) from None
+            xfer = LiveTransfer(handle, peer, op, extents,
+                                bytes(notify) if notify is not None else None,
+                                self._route(peer), pinned)
+            handle._canceller = self._cancel_handle
+            # a peer in this very process needs our GIL to move the bytes: never held then;
+            # others only while the GIL is seen contended (held.Contention)
+            hold = 0.0
+            if self.hold_gil and held.AVAILABLE and not (
+                    peer.info.pid == os.getpid() and peer.info.host_id == self.host_id):
+                handle._lagged = held.contention.saw
+                if held.contention.now():
+                    hold = self.hold_gil
+                    handle._assist = self._assist
+                    held.turn().resume(time.monotonic())
+            with self._lock:
+                self._live[handle.id] = xfer
+            if timeout is None:
+                timeout = self.transfer_timeout
+            watchdog = self._watchdog
+            if watchdog is None and (timeout is not None or self.peer_timeout is not None):
+                watchdog = self._start_watchdog()
+            if timeout is not None and watchdog is not None:
+                watchdog.add(time.monotonic() + timeout, handle.id, timeout)
+            self.stats["transfers"] += 1
+            # held: what the caller sends inline, it sends holding the GIL (held.py)
+            with held.window(hold) if hold else contextlib.nullcontext():
+                failure = self._start_attempt(xfer)
+            if hold:
                 held.turn().resume(time.monotonic())
-        with self._lock:
-            self._live[handle.id] = xfer
-        if timeout is None:
-            timeout = self.transfer_timeout
-        watchdog = self._watchdog
-        if watchdog is None and (timeout is not None or self.peer_timeout is not None):
-            watchdog = self._start_watchdog()
-        if timeout is not None and watchdog is not None:
-            watchdog.add(time.monotonic() + timeout, handle.id, timeout)
-        self.stats["transfers"] += 1
-        # held: what the caller sends inline, it sends holding the GIL (held.py)
-        with held.window(hold) if hold else contextlib.nullcontext():
-            failure = self._start_attempt(xfer)
-        if hold:
-            held.turn().resume(time.monotonic())
-        if failure is not None:
-            raise failure
+            if failure is not None:
+                raise failure
         return handle
 
     def _start_attempt(self, xfer: LiveTransfer) -> Exception | None:
@@ -301,6 +304,7 @@ class Transfers(EngineState):
         gave = False
         try:
             with contextlib.ExitStack() as windows:
+                windows.enter_context(Deferred())  # bookkeeping in this thread
                 windows.enter_context(held.window(budget))
                 for step in range(3):  # the attempt, then a READ's notification or a fallback
                     with xfer.lock:
@@ -359,7 +363,7 @@ class Transfers(EngineState):
             error = xfer.error
             repeat = (error is not None and not xfer.notifying and not self._closed
                       and xfer.stopping is None)
-            again = (repeat and isinstance(error, _TornDown)
+            again = (repeat and isinstance(error, TornDown)
                      and error.stopping != xfer.handle.id and xfer.retries < RETRIES)
             fallback = (repeat and not again and isinstance(error, _FALLBACK_ERRORS)
                         and len(xfer.transports) > 1)
@@ -368,7 +372,7 @@ class Transfers(EngineState):
             if fallback:
                 failed = xfer.transports.pop(0)
         if error is not None:
-            if again:  # a bystander of another transfer's cancel: the same way again
+            if again:  # its rail was torn down by this side: the same way again
                 self.stats["retries_torn_down"] += 1
                 log.info("transfer %d to %s: %s; posting it again", xfer.handle.id,
                          xfer.peer.name, error.message)
@@ -459,7 +463,10 @@ class Transfers(EngineState):
     def _cancel_handle(self, handle: TransferHandle, error: TransferError) -> bool:
         with self._lock:
             xfer = self._live.get(handle.id)
-        return xfer is not None and self._cancel(xfer, error)
+        if xfer is None:
+            return False
+        with Deferred():  # Ctrl-C midway would leave work neither withdrawn nor failed
+            return self._cancel(xfer, error)
 
     def _cancel(self, xfer: LiveTransfer, error: TransferError) -> bool:
         """Fails ``xfer`` with ``error`` once nothing of ours touches its memory: work
@@ -489,7 +496,7 @@ class Transfers(EngineState):
             self.stats["rails_torn_down"] += 1
             log.info("tearing down a %s rail to %s to stop transfer %d (%s)",
                      xfer.handle.transport, xfer.peer.name, xfer.handle.id, error.message)
-            rail.abort(_TornDown(
+            rail.abort(TornDown(
                 f"rail torn down to stop transfer {xfer.handle.id} ({error.message})",
                 stopping=xfer.handle.id, peer=xfer.peer.name,
                 transport=xfer.handle.transport))

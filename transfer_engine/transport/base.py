@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from transfer_engine.descriptor import Op
+from transfer_engine.errors import PeerLostError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     from transfer_engine.segment import Segment
 
 __all__ = ["Capabilities", "Immediate", "Work", "Completion", "OnComplete", "Host",
-           "Transport", "Rail"]
+           "Transport", "Rail", "TornDown"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +103,18 @@ class Completion:
 
 
 OnComplete = Callable[[Completion], None]
+
+
+class TornDown(PeerLostError):
+    """A rail this side closed itself, its peer being fine: to stop one transfer (a
+    cancel, a deadline; ``stopping`` is that transfer's id), or because a call on it
+    was interrupted midway (Ctrl-C in a wait), which leaves its stream unusable. The
+    other work it carried may be posted again, on a rail the transport reopens."""
+
+    def __init__(self, message: str, *, stopping: int | None = None, **context: Any
+                 ) -> None:
+        super().__init__(message, **context)
+        self.stopping = stopping
 
 
 class Host(Protocol):

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import os
 import select
@@ -503,7 +504,14 @@ class ShmTransport(Transport):
         rail = ShmRail(sock, peer, len(self._rails), on_complete, self._host, announced,
                        self._devices if info.get("ipc") is True else None)
         self._rails.append(rail)
+        rail.reopen = functools.partial(self.connect, peer, info, on_complete, timeout,
+                                        credential)
         return rail
+
+    def revived(self, rail: Rail) -> Rail | None:
+        """For a rail this side tore down (a cancel, a deadline, an interrupted call), a
+        new connection to the same peer with the same ticket, opened now, once."""
+        return rail.reopened() if isinstance(rail, ShmRail) else None
 
     def revoke(self, segment: Segment) -> None:
         if self._process is not None:

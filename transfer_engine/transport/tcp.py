@@ -45,7 +45,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -137,10 +137,6 @@ class TcpRail(StreamRail):
         # set by the transport on NIC rails: moves work off this rail when it breaks
         self.failover: Callable[[TcpRail, Work, TransferError], TransferError | None
                                 ] | None = None
-        self._aborted = False
-        # opens its connection again: a NIC pair whose link came back, or a rail the
-        # engine tore down to stop a transfer
-        self.reopen: Callable[[], TcpRail] | None = None
         super().__init__(sock, peer, index, on_complete, host)
 
     @property
@@ -154,20 +150,11 @@ class TcpRail(StreamRail):
         # Only a connection that broke by itself fails over: a rail the engine tore
         # down (a cancel, a lost peer) or closed must fail its work, not move it.
         if (isinstance(error, PeerLostError) and self.failover is not None
-                and not self._aborted and not self._closed):
+                and not self._torn_down and not self._closed):
             error = self.failover(self, work, error)
             if error is None:
                 return  # another NIC's rail carries it now
         super()._complete(work, error)
-
-    def abort(self, error: TransferError) -> None:
-        self._aborted = True
-        super().abort(error)
-
-    @property
-    def torn_down(self) -> bool:
-        """Closed by the engine to stop a transfer or a lost peer, not broken."""
-        return self._aborted
 
     def settle(self, work: Work, error: TransferError) -> None:
         """Fails ``work``, parked after this rail broke, without moving it again."""
@@ -455,20 +442,13 @@ class TcpTransport(Transport):
 
     def revived(self, rail: Rail) -> Rail | None:
         """The rail that reopened ``rail``'s NIC pair after its link came back, once; for
-        a plain rail the engine tore down to stop a transfer (a cancel, a deadline), a
-        new connection to the same peer with the same ticket, opened now, once. (A
-        peer known lost takes no transfer: its rails are never reopened here.)"""
+        a rail this side tore down (a cancel, a deadline, an interrupted call), a new
+        connection to the same peer with the same ticket, opened now, once. (A peer
+        known lost takes no transfer: its rails are never reopened here.)"""
         again = self._reopener.revived(rail)
-        if again is not None or not isinstance(rail, TcpRail) or rail.nic is not None:
+        if again is not None or not isinstance(rail, StreamRail):
             return again
-        reopen, rail.reopen = rail.reopen, None
-        if reopen is None or not rail.torn_down:
-            return None
-        try:
-            return reopen()
-        except TransferError as exc:
-            log.info("tcp rail to %s not reopened: %s", rail.peer, exc)
-            return None
+        return rail.reopened()
 
     def _failover(self, key: str, group: list[TcpRail], broken: TcpRail, work: Work,
                   error: TransferError) -> TransferError | None:
@@ -507,9 +487,9 @@ class TcpTransport(Transport):
                 lambda: any(not r.closed for r in group) or self._parking.waiting(key),
                 soon=soon)
 
-    def _reopen(self, key: str, reopen: Callable[[], TcpRail]) -> TcpRail:
+    def _reopen(self, key: str, reopen: Callable[[], Rail]) -> TcpRail:
         try:
-            return reopen()
+            return cast(TcpRail, reopen())  # a TcpRail's reopen is this transport's _open
         except ConnectError as exc:
             if isinstance(exc.__cause__, ConnectionRefusedError):
                 self._parking.fail(key, "the peer refused a new connection")

@@ -73,7 +73,7 @@ def assist(rail: Any, works: Sequence[Work]) -> bool:
     except BaseException as exc:  # interrupted (Ctrl-C): a half-read answer breaks
         if midway:                # the stream, so the rail goes
             alive = False
-            rail._fail_all(rail._error(PeerLostError, f"read interrupted: {exc!r}"))
+            rail._interrupted("read", exc)
         raise
     finally:
         rail._unclaim()

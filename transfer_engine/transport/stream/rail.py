@@ -13,7 +13,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from transfer_engine.descriptor import Op
 from transfer_engine.errors import (
@@ -23,7 +23,7 @@ from transfer_engine.errors import (
     TransferError,
 )
 from transfer_engine.transport import held
-from transfer_engine.transport.base import Completion, Host, OnComplete, Rail, Work
+from transfer_engine.transport.base import Completion, Host, OnComplete, Rail, TornDown, Work
 from transfer_engine.transport.stream import held_reading, pump
 from transfer_engine.transport.stream.io import (
     PeerClosed,
@@ -88,6 +88,9 @@ class StreamRail(Rail):
         self._held: dict[int, TransferError] = {}
         self._closed = False
         self._failure: TransferError | None = None
+        self._torn_down = False  # closed by this side, the peer being fine (torn_down)
+        # opens a new connection on the same path (set by the transport): see reopened
+        self.reopen: Callable[[], Rail] | None = None
         self._send_lock = threading.Lock()
         self._busy = 0  # work queued or being sent
         self.bytes_sent = 0
@@ -302,7 +305,7 @@ class StreamRail(Rail):
         except BaseException as exc:  # interrupted mid-request: the stream is broken
             if touched:
                 self._let_go(work)
-            self._fail_all(self._error(PeerLostError, f"send interrupted: {exc!r}"))
+            self._interrupted("send", exc)
             raise
         if touched:
             self._let_go(work)
@@ -521,7 +524,37 @@ class StreamRail(Rail):
         if finish:
             self._finalize()
 
+    def _interrupted(self, call: str, exc: BaseException) -> None:
+        """A ``call`` of ours on the socket was interrupted midway (Ctrl-C in a waiting
+        caller): the stream is broken, the peer is not, so the rail goes as torn down
+        and its work may be posted again (:class:`TornDown`)."""
+        self._torn_down = True
+        self._fail_all(self._error(TornDown, f"{call} interrupted: {exc!r}"))
+
+    @property
+    def torn_down(self) -> bool:
+        """Closed by this side (to stop a transfer, for a lost peer, after an
+        interrupted call), not broken by the peer or the network."""
+        return self._torn_down
+
+    def reopened(self) -> Rail | None:
+        """A new connection on this rail's path, opened now, once, if this side tore it
+        down; None otherwise (a broken path is the transport's to try again)."""
+        reopen = self.reopen
+        if reopen is None or not self._torn_down:
+            return None
+        self.reopen = None
+        try:
+            return reopen()
+        except TransferError as exc:
+            log.info("%s rail to %s not reopened: %s", self.transport_name, self.peer, exc)
+            return None
+        except BaseException:  # interrupted (Ctrl-C): the next transfer tries again
+            self.reopen = reopen
+            raise
+
     def abort(self, error: TransferError) -> None:
+        self._torn_down = True
         with self._lock:
             if self._failure is None and not self._closed:
                 self._failure = error
