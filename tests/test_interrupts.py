@@ -10,6 +10,7 @@ the main thread (pytest's) from another thread, every couple of milliseconds.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import subprocess
 import threading
@@ -173,3 +174,38 @@ def test_ctrl_c_while_submitting_and_waiting_costs_nothing(
     bseg = a.register(back, name="back")
     a.read(peer, [(Descriptor(bseg, 0, size), Descriptor(dst, 0, size))]).wait(10)
     assert np.array_equal(back, src)
+
+
+def test_ctrl_c_while_closing_still_closes_everything(
+        make_engine: Callable[..., Engine], spawn_peer: Spawn) -> None:
+    """A close that Ctrl-C hits midway goes on to its end (a second close would do
+    nothing): transfers failed, serving process gone, no thread or descriptor left
+    (the fixtures check those)."""
+    size = 16 * MiB
+    _, endpoint = spawn_peer("far", size, 3, "shm,tcp")
+    a = make_engine("a", transports=["shm", "tcp"])
+    seg = a.register(random_bytes(size, seed=5), name="src")
+    peer = a.connect(endpoint)
+    dst = peer.segment("dst")
+    serving = a.transports["shm"].info("serve_pid")
+    handles = [a.write(peer, [(Descriptor(seg, 0, size), Descriptor(dst, 0, size))])
+               for _ in range(4)]
+    with _Armed(0.0005) as ctrl_c:
+        ctrl_c.armed = True
+        try:
+            a.close()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            ctrl_c.armed = False
+    assert a.closed and all(h.done() for h in handles) and not a._live
+    if serving is not None:
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            try:
+                os.kill(serving, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.01)
+        else:
+            pytest.fail(f"serving process {serving} outlived the close")

@@ -14,6 +14,7 @@ from typing import Any
 
 import zmq
 
+from transfer_engine import interrupts
 from transfer_engine.control.messages import (
     Hello,
     Message,
@@ -41,7 +42,7 @@ class ControlEndpoint(EngineState):
         # a socket per connected peer: ZeroMQ's default cap (1023) would stop an engine
         # short of a thousand peers; the process's descriptor limit is the real one
         self._zctx.set(zmq.MAX_SOCKETS, max(1024, _descriptor_limit()))
-        self._stack.callback(self._zctx.term)
+        self._stack.callback(interrupts.term, self._zctx)
         # exposure was checked by the engine, which knows whether it was opted in
         service = Service(self._zctx, host, port, self._handle_control,
                           f"control-{self.name}", self._signer, insecure=True,

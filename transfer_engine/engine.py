@@ -50,6 +50,7 @@ from transfer_engine.errors import (
     NotSupportedError,
     TransferEngineError,
 )
+from transfer_engine.interrupts import Deferred
 from transfer_engine.latency import Latencies
 from transfer_engine.membership import Membership
 from transfer_engine.notify import ImmediateCounter, KeptNotes, Notification
@@ -364,31 +365,30 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
 
     def close(self) -> None:
         """Fails the transfers in flight with :class:`ClosedError`, then closes peers,
-        transports, segments and the control endpoint. Idempotent.
-
-        Transfers go first whatever the order things were made in: a segment waits for
-        the transfers that use it, and those finish only once their rails are closed.
-        """
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._notes_cond.notify_all()
-            peers = list(self._peers.values())
-        try:
-            if self._watchdog is not None:
-                self._watchdog.close()
-            for peer in peers:  # their rails fail the work they hold with ClosedError
-                peer.close()
+        transports, segments and the control endpoint. Idempotent. Transfers go first
+        whatever the order things were made in: a segment waits for the transfers that
+        use it, and those finish only once their rails are closed."""
+        with Deferred():  # a close cut short by Ctrl-C could not be done again
             with self._lock:
-                live = list(self._live.values())
-            for xfer in live:
-                self._finish(xfer, ClosedError("engine closed", peer=xfer.peer.name,
-                                               op=str(xfer.op)))
-            if self._staging_area is not None:
-                self._staging_area.close()
-        finally:
-            self._stack.close()
+                if self._closed:
+                    return
+                self._closed = True
+                self._notes_cond.notify_all()
+                peers = list(self._peers.values())
+            try:
+                if self._watchdog is not None:
+                    self._watchdog.close()
+                for peer in peers:  # their rails fail the work they hold with ClosedError
+                    peer.close()
+                with self._lock:
+                    live = list(self._live.values())
+                for xfer in live:
+                    self._finish(xfer, ClosedError("engine closed", peer=xfer.peer.name,
+                                                   op=str(xfer.op)))
+                if self._staging_area is not None:
+                    self._staging_area.close()
+            finally:
+                self._stack.close()
 
     def _unclosed(self) -> str:
         return f"Engine {self.name!r} was not closed"

@@ -20,7 +20,7 @@ try:  # the C module: the ``signal`` wrappers cost microseconds in enum conversi
 except ImportError:  # pragma: no cover - not CPython
     import signal as _sig
 
-__all__ = ["Deferred"]
+__all__ = ["Deferred", "term"]
 
 _SIGINT = int(_sig.SIGINT)
 _MAIN = threading.main_thread().ident
@@ -63,3 +63,16 @@ class Deferred:
         if caught is not None:
             before(*caught)
 
+
+
+def term(context: Any) -> None:
+    """Terminates a ZeroMQ ``context`` with SIGINT blocked in this thread. A signal
+    that interrupts libzmq's term makes it return early, and pyzmq then forgets the
+    context, leaking its threads and descriptors; blocked here, the signal waits (or
+    goes to another thread) and its handler runs once term is done. Call it once the
+    context's sockets are closed, so that term returns."""
+    before = _sig.pthread_sigmask(_sig.SIG_BLOCK, {_SIGINT})
+    try:
+        context.term()
+    finally:
+        _sig.pthread_sigmask(_sig.SIG_SETMASK, before)

@@ -37,6 +37,7 @@ from typing import Any
 
 import zmq
 
+from transfer_engine import interrupts
 from transfer_engine.control.auth import OVERHEAD, AuthConfig
 from transfer_engine.control.messages import (
     MAX_MESSAGE_BYTES,
@@ -477,7 +478,7 @@ class RegistryClient:
         if self._dispatcher is not None and self._dispatcher is not threading.current_thread():
             self._dispatcher.join(5)
         self._req.close()
-        self._ctx.term()
+        interrupts.term(self._ctx)
 
     def __enter__(self) -> RegistryClient:
         return self

@@ -54,6 +54,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from transfer_engine import interrupts
 from transfer_engine.control.auth import OVERHEAD, AuthConfig, open_request
 from transfer_engine.control.limits import RegistryLimits, SourceBuckets, check_bind
 from transfer_engine.control.messages import (
@@ -221,7 +222,7 @@ class Registry:
                 self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except BaseException:
             sock.close(0)
-            self._ctx.term()
+            interrupts.term(self._ctx)
             self._ctx = None
             raise
         self._sock = sock
@@ -241,7 +242,7 @@ class Registry:
         if self._sock is not None:
             self._sock.close(0)
         if self._ctx is not None:
-            self._ctx.term()
+            interrupts.term(self._ctx)
 
     def __enter__(self) -> Registry:
         return self.start()

@@ -24,6 +24,7 @@ from typing import Any
 
 import zmq
 
+from transfer_engine import interrupts
 from transfer_engine.control.auth import Signer, open_reply, seal
 from transfer_engine.control.messages import ErrorReply, Message
 from transfer_engine.errors import ClosedError, RemoteError, TransferTimeout
@@ -83,7 +84,7 @@ class SignedClient:
             self._sock = self._open()
         except BaseException:
             if self._own:
-                self._zctx.term()
+                interrupts.term(self._zctx)
             raise
 
     def _open(self) -> zmq.Socket[bytes]:
@@ -182,7 +183,7 @@ class SignedClient:
             self._closed = True
             self._sock.close(linger=0)
             if self._own:
-                self._zctx.term()
+                interrupts.term(self._zctx)
 
     def __repr__(self) -> str:
         state = "CLOSED" if self._closed else "OPEN"
