@@ -9,6 +9,7 @@ the main thread (pytest's) from another thread, every couple of milliseconds.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -21,11 +22,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.helpers.faults import stopped
 from tests.helpers.transport_contract import random_bytes
+from tests.test_bounds import STALLED, one_rail_to_a_peer
 from transfer_engine import Descriptor, Engine
 from transfer_engine.errors import TransferCancelled
 from transfer_engine.handle import TransferHandle
-from transfer_engine.interrupts import Deferred
+from transfer_engine.interrupts import Deferred, allowed, blocking
 from transfer_engine.transport import held
 
 MiB = 1 << 20
@@ -209,3 +212,97 @@ def test_ctrl_c_while_closing_still_closes_everything(
             time.sleep(0.01)
         else:
             pytest.fail(f"serving process {serving} outlived the close")
+
+
+def test_a_block_whose_exit_was_cut_short_heals_at_the_next_ctrl_c() -> None:
+    """Another signal's handler raising in a block's exit can leave the block's note
+    installed. The next SIGINT, once the guarded function has returned, puts the
+    original handler back and runs it; a block entered meanwhile restores the original
+    too, not the note."""
+
+    def cut_short() -> None:  # a guarded function whose block's exit never ran
+        Deferred().__enter__()
+
+    def guarded() -> None:
+        with Deferred():
+            signal.raise_signal(signal.SIGINT)
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        cut_short()
+        assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        cut_short()
+        with pytest.raises(KeyboardInterrupt):
+            guarded()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_a_blocking_call_where_allowed_lets_ctrl_c_through_at_once() -> None:
+    """Inside a block, a call that may block for long (reopening a rail) lets Ctrl-C
+    act at once, one noted before included, where its caller allowed it; elsewhere it
+    waits for the block's end. The block's note comes back after."""
+    reached: list[str] = []
+
+    def guarded(early: bool, allow: bool) -> None:
+        with Deferred():
+            if early:
+                signal.raise_signal(signal.SIGINT)
+            with allowed() if allow else contextlib.nullcontext(), blocking():
+                reached.append("in")
+                signal.raise_signal(signal.SIGINT)
+                reached.append("past")
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            guarded(False, True)
+        assert reached == ["in"]
+        with pytest.raises(KeyboardInterrupt):
+            guarded(True, True)
+        assert reached == ["in"]  # the noted one was raised on entering
+        with pytest.raises(KeyboardInterrupt):
+            guarded(False, False)
+        assert reached == ["in", "in", "past"]  # raised at the block's end only
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_ctrl_c_while_a_write_reopens_a_rail_to_a_stopped_peer(spawn_peer: Spawn) -> None:
+    """A cancel tore the only rail down; the next write reopens it, and the stopped
+    peer never answers the handshake. Ctrl-C ends that write at once (not after the
+    connect timeout), its transfer ends too, and once the peer resumes the next
+    transfer reopens the rail and moves its bytes exactly."""
+    with one_rail_to_a_peer(spawn_peer) as (proc, _, a, peer, seg, remote):
+        size = STALLED
+        with stopped(proc):
+            first = a.write(peer, [(Descriptor(seg, 0, size), Descriptor(remote, 0, size))])
+            time.sleep(0.2)  # it fills the socket buffers: on the wire
+            assert first.cancel()
+            main = threading.main_thread().ident
+            assert main is not None
+            sent: list[float] = []
+            timer = threading.Timer(0.3, lambda: (sent.append(time.monotonic()),
+                                                  signal.pthread_kill(main, signal.SIGINT)))
+            before = signal.signal(signal.SIGINT, signal.default_int_handler)
+            try:
+                timer.start()
+                with pytest.raises(KeyboardInterrupt):
+                    a.write(peer, [(Descriptor(seg, 0, 4096), Descriptor(remote, 0, 4096))])
+                late = time.monotonic() - sent[0]
+            finally:
+                timer.cancel()
+                signal.signal(signal.SIGINT, before)
+            assert late < 1.0  # the connect timeout is 5 s
+            assert not a._live and seg._pins == 0
+        data = a.register(random_bytes(MiB, 9))
+        back = a.register(np.zeros(MiB, dtype=np.uint8))
+        pairs = [(Descriptor(data, 0, MiB), Descriptor(remote, 0, MiB))]
+        a.write(peer, pairs).wait(10)
+        a.read(peer, [(Descriptor(back, 0, MiB), pairs[0][1])]).wait(10)
+        assert back.view().tobytes() == data.view().tobytes()

@@ -11,8 +11,11 @@ signal, then runs the original once, as it would have run, when the block ends.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import threading
-from types import TracebackType
+from collections.abc import Iterator
+from types import FrameType, TracebackType
 from typing import Any
 
 try:  # the C module: the ``signal`` wrappers cost microseconds in enum conversions
@@ -20,49 +23,110 @@ try:  # the C module: the ``signal`` wrappers cost microseconds in enum conversi
 except ImportError:  # pragma: no cover - not CPython
     import signal as _sig
 
-__all__ = ["Deferred", "term"]
+__all__ = ["Deferred", "allowed", "blocking", "term"]
 
 _SIGINT = int(_sig.SIGINT)
 _MAIN = threading.main_thread().ident
+_local = threading.local()
+
+
+def _on_stack(target: FrameType | None, frame: FrameType | None) -> bool:
+    while frame is not None:
+        if frame is target:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class Deferred:
     """A block in which Ctrl-C waits: its Python handler runs once the block ends
     (with the frame it would have seen). Only the main thread, and only a Python
-    handler, is concerned: ``SIG_IGN`` ignores and ``SIG_DFL`` kills as before."""
+    handler, is concerned: ``SIG_IGN`` ignores and ``SIG_DFL`` kills as before. Use it
+    as ``with Deferred():`` in the function whose work it guards. A block inside
+    another leaves it to the outer one.
 
-    __slots__ = ("_before", "_caught")
+    Should another signal's handler raise in the block's exit before the handler is
+    back, the note left installed notices at the next SIGINT (the guarded function is
+    no longer running) and puts the handler back then, and runs it."""
+
+    __slots__ = ("_before", "_caught", "_frame")
 
     def __init__(self) -> None:
         self._before: Any = None
         self._caught: Any = None
+        self._frame: FrameType | None = None  # the guarded function's, while it runs
 
     def _note(self, signum: int, frame: Any) -> None:
-        if self._caught is None:
-            self._caught = (signum, frame)
+        if _on_stack(self._frame, frame):
+            if self._caught is None:
+                self._caught = (signum, frame)
+            return
+        _sig.signal(_SIGINT, self._before)  # left behind by an exit cut short
+        self._before(signum, frame)
 
     def __enter__(self) -> Deferred:
         if threading.get_ident() != _MAIN:
             return self
         before = _sig.getsignal(_SIGINT)
-        if callable(before):
-            try:
-                _sig.signal(_SIGINT, self._note)
-            except ValueError:  # not the main interpreter
-                return self
-            self._before = before
+        owner = getattr(before, "__self__", None)
+        if type(owner) is Deferred:
+            if _on_stack(owner._frame, sys._getframe(1)):
+                return self  # inside another block: its end runs the handler
+            before = owner._before  # a block whose exit was cut short
+        if not callable(before):
+            return self
+        try:
+            _sig.signal(_SIGINT, self._note)
+        except ValueError:  # not the main interpreter
+            return self
+        self._before = before
+        self._frame = sys._getframe(1)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        before, self._before = self._before, None
+        before = self._before
         if before is None:
             return
         _sig.signal(_SIGINT, before)
+        self._before = self._frame = None
         caught, self._caught = self._caught, None
         if caught is not None:
             before(*caught)
 
+
+@contextlib.contextmanager
+def allowed() -> Iterator[None]:
+    """Marks a stretch of a :class:`Deferred` block in which a call that may block for
+    long (:func:`blocking`) may be cut short: where nothing half done would be left
+    (no completion is being taken there)."""
+    before = getattr(_local, "allowed", False)
+    _local.allowed = True
+    try:
+        yield
+    finally:
+        _local.allowed = before
+
+
+@contextlib.contextmanager
+def blocking() -> Iterator[None]:
+    """Around a call that may block for long (a handshake with a peer that does not
+    answer): Ctrl-C acts at once, one noted already included, where the caller
+    :func:`allowed` it; else it waits for its block's end as usual."""
+    current = (_sig.getsignal(_SIGINT) if getattr(_local, "allowed", False)
+               and threading.get_ident() == _MAIN else None)
+    owner = getattr(current, "__self__", None)
+    if type(owner) is not Deferred or owner._before is None:
+        yield
+        return
+    try:
+        _sig.signal(_SIGINT, owner._before)
+        caught, owner._caught = owner._caught, None
+        if caught is not None:
+            owner._before(*caught)
+        yield
+    finally:
+        _sig.signal(_SIGINT, current)
 
 
 def term(context: Any) -> None:

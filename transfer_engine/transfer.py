@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any
 
+from transfer_engine import interrupts
 from transfer_engine.descriptor import Op
 from transfer_engine.errors import (
     ClosedError,
@@ -23,6 +24,7 @@ from transfer_engine.errors import (
     NotSupportedError,
     PeerLostError,
     ProtocolError,
+    TransferCancelled,
     TransferError,
     TransferTimeout,
 )
@@ -53,6 +55,12 @@ _BYTES_STAT = {Op.WRITE: "bytes_write", Op.READ: "bytes_read"}
 # attempts again over the same transport after this side tore its rail down (a cancel
 # of another transfer, an interrupted call)
 RETRIES = 3
+
+
+def _interrupted(xfer: LiveTransfer) -> TransferCancelled:
+    return TransferCancelled("interrupted (Ctrl-C) while a rail to the peer was reopened",
+                             peer=xfer.peer.name, op=str(xfer.op),
+                             transport=xfer.transports[0] if xfer.transports else None)
 
 
 class Transfers(EngineState):
@@ -146,19 +154,20 @@ class Transfers(EngineState):
             self.stats["transfers"] += 1
             # held: what the caller sends inline, it sends holding the GIL (held.py)
             with held.window(hold) if hold else contextlib.nullcontext():
-                failure = self._start_attempt(xfer)
+                failure = self._start_attempt(xfer, interruptible=True)
             if hold:
                 held.turn().resume(time.monotonic())
             if failure is not None:
                 raise failure
         return handle
 
-    def _start_attempt(self, xfer: LiveTransfer) -> Exception | None:
+    def _start_attempt(self, xfer: LiveTransfer, interruptible: bool = False
+                       ) -> Exception | None:
         """Plans and posts the transfer's next attempt. Should that fail unexpectedly,
         the transfer fails (its segments unpinned, its handle finished) and the exception
         is returned, for :meth:`_submit` to raise; nothing is left waiting."""
         try:
-            self._post_attempt(xfer)
+            self._post_attempt(xfer, interruptible)
         except Exception as exc:
             log.exception("transfer %d to %s could not start", xfer.handle.id,
                           xfer.peer.name)
@@ -168,10 +177,17 @@ class Transfers(EngineState):
             return exc
         return None
 
-    def _post_attempt(self, xfer: LiveTransfer) -> None:
+    def _post_attempt(self, xfer: LiveTransfer, interruptible: bool) -> None:
+        """``interruptible``: Ctrl-C may cut a rail's reopening short (in ``write()``,
+        not in a completion, whose rail's bookkeeping it would cut too)."""
         while True:  # rails torn down (a cancel, a dead connection) carry nothing more
             name = xfer.transports[0]
-            rails = self._live_rails(xfer.peer.rails[name], self._transports[name])
+            try:
+                with interrupts.allowed() if interruptible else contextlib.nullcontext():
+                    rails = self._live_rails(xfer.peer.rails[name], self._transports[name])
+            except BaseException:  # Ctrl-C while a rail was reopened: nothing posted yet
+                self._finish(xfer, _interrupted(xfer))
+                raise
             if rails:
                 break
             with xfer.lock:
@@ -233,7 +249,7 @@ class Transfers(EngineState):
         if stopped is not None:
             self._finish(xfer, stopped)
             return
-        self._post(xfer, items)
+        self._post(xfer, items, interruptible)
 
     def _stand_in(self, xfer: LiveTransfer, closed: Rail) -> Rail | None:
         """Another rail of the attempt's transport that can carry its work, for one
@@ -258,7 +274,8 @@ class Transfers(EngineState):
                 listed[i] = new
         return [rail for rail in listed if not rail.closed]
 
-    def _post(self, xfer: LiveTransfer, items: list[tuple[Rail, Work]]) -> None:
+    def _post(self, xfer: LiveTransfer, items: list[tuple[Rail, Work]],
+              interruptible: bool = False) -> None:
         """Posts ``items`` (already ``xfer.posted``, with ``xfer.posting`` set)."""
         try:
             for i, (rail, work) in enumerate(items):
@@ -270,7 +287,14 @@ class Transfers(EngineState):
                         try:
                             rail.post(work)
                         except ClosedError:  # torn down since it was chosen (a cancel)
-                            stand_in = self._stand_in(xfer, rail)
+                            try:
+                                with (interrupts.allowed() if interruptible
+                                      else contextlib.nullcontext()):
+                                    stand_in = self._stand_in(xfer, rail)
+                            except BaseException:  # Ctrl-C while a rail was reopened
+                                for _, unposted in items[i:]:
+                                    self._on_complete(Completion(unposted, _interrupted(xfer)))
+                                raise
                             if stand_in is None:
                                 raise
                             stand_in.post(work)
@@ -302,39 +326,39 @@ class Transfers(EngineState):
         turn.resume(start)
         kind = (handle.transport, handle.op)  # what a wait's length is learned for
         gave = False
-        try:
-            with contextlib.ExitStack() as windows:
-                windows.enter_context(Deferred())  # bookkeeping in this thread
-                windows.enter_context(held.window(budget))
-                for step in range(3):  # the attempt, then a READ's notification or a fallback
-                    with xfer.lock:
-                        items = None if xfer.posting else list(xfer.posted or ())
-                        notifying = xfer.notifying
-                    if not items or handle.state is not TransferState.PENDING:
-                        return
-                    by_rail: dict[int, tuple[Rail, list[Work]]] = {}
-                    for rail, work in items:
-                        by_rail.setdefault(id(rail), (rail, []))[1].append(work)
-                    if step == 0 and not notifying and self._give_turn(
-                            turn, turn.expect(kind, handle.nbytes), timeout, by_rail):
-                        gave = True
-                        start = time.monotonic()
-                        self.stats["gil_given"] += 1
-                        if deadline is not None:  # the turn given took its share
-                            if deadline <= start:
-                                return
-                            windows.enter_context(held.window(deadline - start))
-                    took = False
-                    for rail, works in by_rail.values():
-                        took = rail.assist(works) or took
-                    if not took:
-                        return
-        finally:
-            end = time.monotonic()
-            if not gave and handle.state is not TransferState.PENDING and (
-                    end - start < sys.getswitchinterval()):
-                turn.learned(kind, handle.nbytes, end - start)
-            turn.pause(end, end - start)
+        with Deferred():  # Ctrl-C midway would leave bookkeeping half done
+            try:
+                with contextlib.ExitStack() as windows:
+                    windows.enter_context(held.window(budget))
+                    for step in range(3):  # the attempt, then a READ's notification or a fallback
+                        with xfer.lock:
+                            items = None if xfer.posting else list(xfer.posted or ())
+                            notifying = xfer.notifying
+                        if not items or handle.state is not TransferState.PENDING:
+                            return
+                        by_rail: dict[int, tuple[Rail, list[Work]]] = {}
+                        for rail, work in items:
+                            by_rail.setdefault(id(rail), (rail, []))[1].append(work)
+                        if step == 0 and not notifying and self._give_turn(
+                                turn, turn.expect(kind, handle.nbytes), timeout, by_rail):
+                            gave = True
+                            start = time.monotonic()
+                            self.stats["gil_given"] += 1
+                            if deadline is not None:  # the turn given took its share
+                                if deadline <= start:
+                                    return
+                                windows.enter_context(held.window(deadline - start))
+                        took = False
+                        for rail, works in by_rail.values():
+                            took = rail.assist(works) or took
+                        if not took:
+                            return
+            finally:
+                end = time.monotonic()
+                if not gave and handle.state is not TransferState.PENDING and (
+                        end - start < sys.getswitchinterval()):
+                    turn.learned(kind, handle.nbytes, end - start)
+                turn.pause(end, end - start)
 
     @staticmethod
     def _give_turn(turn: held.Turn, expected: float | None, timeout: float | None,
@@ -361,12 +385,11 @@ class Transfers(EngineState):
             if xfer.remaining > 0:
                 return
             error = xfer.error
-            repeat = (error is not None and not xfer.notifying and not self._closed
-                      and xfer.stopping is None)
+            repeat = error is not None and not self._closed and xfer.stopping is None
             again = (repeat and isinstance(error, TornDown)
                      and error.stopping != xfer.handle.id and xfer.retries < RETRIES)
-            fallback = (repeat and not again and isinstance(error, _FALLBACK_ERRORS)
-                        and len(xfer.transports) > 1)
+            fallback = (repeat and not again and not xfer.notifying
+                        and isinstance(error, _FALLBACK_ERRORS) and len(xfer.transports) > 1)
             if again:
                 xfer.retries += 1
             if fallback:
@@ -376,6 +399,10 @@ class Transfers(EngineState):
                 self.stats["retries_torn_down"] += 1
                 log.info("transfer %d to %s: %s; posting it again", xfer.handle.id,
                          xfer.peer.name, error.message)
+                if xfer.notifying:  # a READ's notification: the same work, which the
+                    done.work.resent = True  # peer drops should it have counted it
+                    self._notify(xfer, done.work)
+                    return
                 xfer.handle._bytes_done = 0
                 self._start_attempt(xfer)
                 return
@@ -394,17 +421,21 @@ class Transfers(EngineState):
             return
         if xfer.op is Op.READ and xfer.notify is not None and not xfer.notifying:
             xfer.notifying = True
-            name = xfer.transports[0]
-            work = Work(next(self._wr_ids), Op.WRITE, [], [], 0,
-                        Immediate(next(self._transfer_ids), 1, xfer.notify), None, xfer)
-            rails = xfer.peer.rails[name]
-            items = [(next((r for r in rails if not r.closed), rails[0]), work)]
-            with xfer.lock:
-                xfer.remaining = 1
-                xfer.posted, xfer.posting = items, True
-            self._post(xfer, items)
+            self._notify(xfer, Work(next(self._wr_ids), Op.WRITE, [], [], 0, Immediate(
+                next(self._transfer_ids), 1, xfer.notify), None, xfer))
             return
         self._finish(xfer, None)
+
+    def _notify(self, xfer: LiveTransfer, work: Work) -> None:
+        """Posts a READ's notification (a WRITE of no bytes with its immediate), once
+        the bytes are in."""
+        rails = xfer.peer.rails[xfer.transports[0]]
+        items = [(next((r for r in rails if not r.closed), rails[0]), work)]
+        with xfer.lock:
+            xfer.remaining = 1
+            xfer.error = None
+            xfer.posted, xfer.posting = items, True
+        self._post(xfer, items)
 
     def _finish(self, xfer: LiveTransfer, error: TransferError | None) -> None:
         with xfer.lock:  # once: a closing engine may race a late completion here

@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from transfer_engine import interrupts
 from transfer_engine.control.tickets import Credential
 from transfer_engine.descriptor import Op
 from transfer_engine.errors import (
@@ -493,7 +494,8 @@ class ShmTransport(Transport):
             sock.settimeout(timeout)
             sock.connect(str(info["path"]))
             grant_attach(peer_credentials(sock)[0])  # the kernel's word, not the peer's
-            open_rail(sock, credential, self.name, timeout, announced)
+            with interrupts.blocking():  # the peer may not answer
+                open_rail(sock, credential, self.name, timeout, announced)
         except AuthenticationError as exc:
             sock.close()
             raise exc.with_context(peer=peer, op="connect", transport=self.name) from None
@@ -501,6 +503,9 @@ class ShmTransport(Transport):
             sock.close()
             raise ConnectError(f"cannot open shm rail at {info.get('path')}: {exc}",
                                peer=peer, op="connect", transport=self.name) from exc
+        except BaseException:  # Ctrl-C
+            sock.close()
+            raise
         rail = ShmRail(sock, peer, len(self._rails), on_complete, self._host, announced,
                        self._devices if info.get("ipc") is True else None)
         self._rails.append(rail)

@@ -49,6 +49,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from transfer_engine import interrupts
 from transfer_engine.control.auth import is_loopback
 from transfer_engine.control.tickets import Credential
 from transfer_engine.descriptor import Op
@@ -417,7 +418,8 @@ class TcpTransport(Transport):
             if nic is not None and _TCP_USER_TIMEOUT is not None:
                 sock.setsockopt(socket.IPPROTO_TCP, _TCP_USER_TIMEOUT,
                                 int(self._nic_timeout * 1000))
-            open_rail(sock, credential, self.name, timeout)
+            with interrupts.blocking():  # the peer may not answer
+                open_rail(sock, credential, self.name, timeout)
         except AuthenticationError as exc:
             sock.close()
             raise exc.with_context(peer=peer, op="connect", transport=self.name) from None
@@ -425,6 +427,9 @@ class TcpTransport(Transport):
             sock.close()
             raise ConnectError(f"rail handshake with {target} failed: {exc}", peer=peer,
                                op="connect", transport=self.name) from exc
+        except BaseException:  # Ctrl-C
+            sock.close()
+            raise
         rail = TcpRail(sock, peer, len(self._rails), on_complete, self._host,
                        nic[0].name if nic else None, nic[2] if nic else 0.0)
         self._rails.append(rail)
@@ -481,7 +486,7 @@ class TcpTransport(Transport):
                       soon: bool = False) -> None:
         """Has ``broken``'s NIC pair opened again in the background while another rail
         of its group is open (the peer is still in use) or work waits for one."""
-        if broken.reopen is not None:
+        if broken.reopen is not None and not broken.torn_down:  # those: on demand
             self._reopener.schedule(
                 broken, functools.partial(self._reopen, key, broken.reopen),
                 lambda: any(not r.closed for r in group) or self._parking.waiting(key),

@@ -539,25 +539,27 @@ class StreamRail(Rail):
 
     def reopened(self) -> Rail | None:
         """A new connection on this rail's path, opened now, once, if this side tore it
-        down; None otherwise (a broken path is the transport's to try again)."""
-        reopen = self.reopen
-        if reopen is None or not self._torn_down:
-            return None
-        self.reopen = None
+        down; None otherwise (a broken path is the transport's to try again). Cut
+        short (Ctrl-C), the next transfer tries again."""
+        with self._lock:
+            reopen = self.reopen
+            if reopen is None or not self._torn_down:
+                return None
+            self.reopen = None
         try:
             return reopen()
         except TransferError as exc:
             log.info("%s rail to %s not reopened: %s", self.transport_name, self.peer, exc)
             return None
-        except BaseException:  # interrupted (Ctrl-C): the next transfer tries again
+        except BaseException:
             self.reopen = reopen
             raise
 
     def abort(self, error: TransferError) -> None:
-        self._torn_down = True
         with self._lock:
             if self._failure is None and not self._closed:
                 self._failure = error
+                self._torn_down = True  # not if it had broken by itself first
         try:  # close with a reset: bytes still queued either side are dropped, not landed
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
         except OSError:
