@@ -7,7 +7,10 @@ answer nothing); every test resumes or kills what it stopped.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -322,3 +325,53 @@ def test_a_cancel_that_tears_a_rail_down_costs_the_other_transfers_on_it_nothing
             first.wait(1)
         a.read(peer, [(Descriptor(back, 0, 2 * MiB), near_end)]).wait(10)
         assert np.array_equal(got, data)
+
+
+def test_a_reads_notification_on_a_rail_torn_down_by_a_cancel_comes_once(
+        make_engine: Callable[..., Engine]) -> None:
+    """A READ's notification sits behind another transfer's WRITE on the only rail
+    (the target's serving process stopped) when that WRITE is cancelled and tears the
+    rail down: the notification is posted again on a reopened rail, the READ succeeds
+    and the target is told exactly once."""
+    size = 16 * MiB
+    b = make_engine("b", transports=["tcp"], serve="process")
+    b.register(random_bytes(size, seed=3), name="dst")
+    a = make_engine("a", transports=[TcpTransport(rails=1)], peer_timeout=None)
+    seg = a.register(random_bytes(size, seed=5), name="src")
+    peer = a.connect(b.endpoint)
+    dst = peer.segment("dst")
+    serving = b.transports["tcp"].info("serve_pid")
+    assert serving is not None
+    notify = a._notify
+    cancelled: list[TransferHandle] = []
+
+    def resume() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(serving, signal.SIGCONT)
+
+    def stall_then_notify(xfer: Any, work: Any) -> None:
+        if cancelled:  # posted again: as it is
+            notify(xfer, work)
+            return
+        os.kill(serving, signal.SIGSTOP)
+        big = a.write(peer, [(Descriptor(seg, 0, size), Descriptor(dst, 0, size))])
+        cancelled.append(big)
+        time.sleep(0.3)  # it fills the socket buffers: on the wire
+        notify(xfer, work)  # queued behind it
+        threading.Timer(0.3, resume).start()
+        assert big.cancel()
+
+    a._notify = stall_then_notify  # type: ignore[method-assign]
+    try:
+        back = a.register(np.zeros(4096, dtype=np.uint8), name="back")
+        read = a.read(peer, [(Descriptor(back, 0, 4096), Descriptor(dst, 0, 4096))],
+                      notify=b"once")
+        read.wait(20)
+    finally:
+        resume()
+    assert cancelled and a.stats["retries_torn_down"] >= 1
+    got = b.notifications(timeout=5)
+    time.sleep(0.5)
+    got += b.notifications(timeout=0)
+    assert [n.payload for n in got] == [b"once"]
+    assert back.view().tobytes() == random_bytes(size, seed=3)[:4096].tobytes()

@@ -306,3 +306,4 @@ def test_ctrl_c_while_a_write_reopens_a_rail_to_a_stopped_peer(spawn_peer: Spawn
         a.write(peer, pairs).wait(10)
         a.read(peer, [(Descriptor(back, 0, MiB), pairs[0][1])]).wait(10)
         assert back.view().tobytes() == data.view().tobytes()
+
