@@ -85,23 +85,28 @@ class Deferred:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        before = self._before
-        if before is None:
+        if self._before is None:
             return
-        _sig.signal(_SIGINT, before)
-        self._before = self._frame = None
+        try:
+            self._let_through()
+        finally:
+            self._before = self._frame = None
+
+    def _let_through(self) -> None:
+        """Puts the original handler back, and runs it for the signal noted, if any."""
+        _sig.signal(_SIGINT, self._before)
         caught, self._caught = self._caught, None
         if caught is not None:
-            before(*caught)
+            self._before(*caught)
 
 
 @contextlib.contextmanager
-def allowed() -> Iterator[None]:
+def allowed(allow: bool = True) -> Iterator[None]:
     """Marks a stretch of a :class:`Deferred` block in which a call that may block for
     long (:func:`blocking`) may be cut short: where nothing half done would be left
-    (no completion is being taken there)."""
+    (no completion is being taken there). ``allow=False`` marks nothing."""
     before = getattr(_local, "allowed", False)
-    _local.allowed = True
+    _local.allowed = before or allow
     try:
         yield
     finally:
@@ -120,10 +125,7 @@ def blocking() -> Iterator[None]:
         yield
         return
     try:
-        _sig.signal(_SIGINT, owner._before)
-        caught, owner._caught = owner._caught, None
-        if caught is not None:
-            owner._before(*caught)
+        owner._let_through()
         yield
     finally:
         _sig.signal(_SIGINT, current)

@@ -183,7 +183,7 @@ class Transfers(EngineState):
         while True:  # rails torn down (a cancel, a dead connection) carry nothing more
             name = xfer.transports[0]
             try:
-                with interrupts.allowed() if interruptible else contextlib.nullcontext():
+                with interrupts.allowed(interruptible):
                     rails = self._live_rails(xfer.peer.rails[name], self._transports[name])
             except BaseException:  # Ctrl-C while a rail was reopened: nothing posted yet
                 self._finish(xfer, _interrupted(xfer))
@@ -288,12 +288,12 @@ class Transfers(EngineState):
                             rail.post(work)
                         except ClosedError:  # torn down since it was chosen (a cancel)
                             try:
-                                with (interrupts.allowed() if interruptible
-                                      else contextlib.nullcontext()):
+                                with interrupts.allowed(interruptible):
                                     stand_in = self._stand_in(xfer, rail)
                             except BaseException:  # Ctrl-C while a rail was reopened
+                                cut = _interrupted(xfer)
                                 for _, unposted in items[i:]:
-                                    self._on_complete(Completion(unposted, _interrupted(xfer)))
+                                    self._on_complete(Completion(unposted, cut))
                                 raise
                             if stand_in is None:
                                 raise
