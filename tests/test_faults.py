@@ -13,7 +13,12 @@ import numpy as np
 import pytest
 import zmq
 
-from tests.helpers.faults import BrokenPostTcpTransport, DroppingTcpTransport, RefusingShmTransport
+from tests.helpers.faults import (
+    AnswerLosingShmTransport,
+    BrokenPostTcpTransport,
+    DroppingTcpTransport,
+    RefusingShmTransport,
+)
 from tests.helpers.transport_contract import random_bytes
 from transfer_engine import (
     ClosedError,
@@ -22,6 +27,7 @@ from transfer_engine import (
     PeerLostError,
     TransferState,
 )
+from transfer_engine.transport.shm import ShmTransport
 from transfer_engine.transport.tcp import TcpTransport
 
 MiB = 1 << 20
@@ -180,6 +186,45 @@ def test_shm_refused_falls_back_to_tcp(make_engine: Callable[..., Engine]) -> No
     notes += b.notifications(timeout=0)
     assert [n.payload for n in notes] == [b"once"]
     assert peer.transport == "tcp" and a.stats["fallback_shm"] == 1
+
+
+@pytest.mark.parametrize("serve", ["thread", "process"])
+def test_a_write_that_landed_but_lost_its_answer_notifies_once(
+        make_engine: Callable[..., Engine], serve: str) -> None:
+    """The target counts a WRITE's immediate (and notifies), then its shm connection
+    drops before the answer: the initiator cannot know the bytes landed, so the WRITE
+    is made again over tcp (served from threads or a serving process) as a later
+    attempt naming its first. Bytes exact, one notification (two before attempts named
+    their first)."""
+    a = make_engine("a", transports=[ShmTransport(rails=1), TcpTransport()])
+    b = make_engine("b", transports=[AnswerLosingShmTransport(), TcpTransport(serve=serve)])
+    size = 4 * MiB
+    src = random_bytes(size, 21)
+    dst = random_bytes(size, 22)
+    seg = a.register(src)
+    b.register(dst, name="dst")
+    peer = a.connect(b.endpoint)
+    assert peer.transport == "shm"
+    remote = peer.segment("dst")
+    h = a.write(peer, [(Descriptor(seg, 0, size), Descriptor(remote, 0, size))],
+                notify=b"once")
+    h.wait(20)
+    assert h.transport == "tcp" and a.stats["fallback_shm"] == 1
+    assert np.array_equal(dst, src)
+    notes = b.notifications(timeout=2)
+    time.sleep(0.3)
+    notes += b.notifications(timeout=0)
+    assert [n.payload for n in notes] == [b"once"]
+    assert b.stats["notify_duplicates"] == 1
+    # the next transfers notify as usual, each once
+    for k in range(3):
+        a.write(peer, [(Descriptor(seg, 0, MiB), Descriptor(remote, 0, MiB))],
+                notify=b"n%d" % k).wait(10)
+    notes = b.notifications(timeout=2)
+    deadline = time.monotonic() + 5
+    while len(notes) < 3 and time.monotonic() < deadline:
+        notes += b.notifications(timeout=0.5)
+    assert [n.payload for n in notes] == [b"n0", b"n1", b"n2"]
 
 
 def test_malformed_rail_bytes_do_not_stop_the_target(make_engine: Callable[..., Engine]) -> None:

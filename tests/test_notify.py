@@ -252,6 +252,52 @@ def test_a_refused_immediate_is_not_remembered() -> None:
     assert c.arrive("p", 5, 3, b"x", b"t", work=3) == Notification("p", 5, b"x")
 
 
+def test_the_attempts_of_one_transfer_notify_once_in_either_order() -> None:
+    """A transfer whose answer was lost after its bytes landed is made again as a new
+    attempt (a new transfer id, so the counts never mix) naming its first: the target
+    notifies once, whichever attempt completes first, and with the first's id."""
+    c = ImmediateCounter()
+    # the first attempt completes, then the later one (same connection)
+    assert c.arrive("p", 10, 2, b"n", b"t") is None
+    assert c.arrive("p", 10, 2, None, b"t") == Notification("p", 10, b"n")
+    assert c.arrive("p", 11, 1, b"n", b"t", first=10) is None
+    assert c.arrive("p", 12, 2, b"n", b"t", first=10) is None  # a third: counted, dropped
+    assert c.arrive("p", 12, 2, None, b"t", first=10) is None
+    assert c.duplicates == 2 and len(c) == 0
+    # the later attempt completes first; the first attempt's last immediate comes after
+    assert c.arrive("p", 20, 2, None, b"t") is None
+    assert c.arrive("p", 21, 1, b"m", b"t", first=20) == Notification("p", 20, b"m")
+    assert c.arrive("p", 20, 2, b"m", b"t") is None
+    assert c.duplicates == 3
+    # a first attempt that never completed: the later one notifies, once
+    assert c.arrive("p", 31, 2, b"k", b"t", first=30) is None
+    assert c.arrive("p", 31, 2, None, b"t", first=30) == Notification("p", 30, b"k")
+    assert c.arrive("p", 32, 1, b"k", b"t", first=30) is None
+    # another connection (a restarted peer, an impostor) is another transfer
+    assert c.arrive("p", 11, 1, b"n", b"u", first=10) == Notification("p", 10, b"n")
+    assert c.arrive("q", 11, 1, b"n", b"t", first=10) == Notification("q", 10, b"n")
+
+
+def test_a_peer_that_never_names_a_first_attempt_is_never_dropped() -> None:
+    """Transfer ids are the initiator's: one that reuses them (a client of its own)
+    gets every notification, as before."""
+    c = ImmediateCounter()
+    for _ in range(3):
+        assert c.arrive("p", 5, 1, b"x", b"t") == Notification("p", 5, b"x")
+    assert c.duplicates == 0
+
+
+def test_remembered_notifications_are_bounded() -> None:
+    c = ImmediateCounter(max_fired=10)
+    for tid in range(1, 101):
+        c.arrive("p", tid, 1, None, b"t")
+    assert len(c._fired) == 10
+    assert c.arrive("p", 200, 1, None, b"t", first=100) is None  # still remembered
+    assert c.arrive("p", 201, 1, None, b"t", first=1) is not None  # long gone
+    with pytest.raises(ValueError, match="max_fired"):
+        ImmediateCounter(max_fired=0)
+
+
 def test_an_engines_kept_notifications_are_bounded(make_engine, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
                                                    ) -> None:
     """Notifications are kept for Engine.notifications() even when callbacks take them;

@@ -317,10 +317,11 @@ def test_random_psn_is_24_bits() -> None:
 
 def test_notify_framing() -> None:
     data = pack_notify(1 << 40, 3, 2, b"done")
-    assert unpack_notify(data) == (1 << 40, 3, 2, b"done")
-    assert unpack_notify(memoryview(pack_notify(1, 1, 0, b""))) == (1, 1, 0, b"")
+    assert unpack_notify(data) == (1 << 40, 3, 2, b"done", None)
+    assert unpack_notify(memoryview(pack_notify(1, 1, 0, b""))) == (1, 1, 0, b"", None)
+    assert unpack_notify(pack_notify(9, 2, 1, b"x", first=7)) == (9, 2, 1, b"x", 7)
     # an immediate moved to a SEND carries no notification: not an empty one
-    assert unpack_notify(pack_notify(1, 2, 3, None)) == (1, 2, 3, None)
+    assert unpack_notify(pack_notify(1, 2, 3, None)) == (1, 2, 3, None, None)
     with pytest.raises(ProtocolError, match="shorter"):
         unpack_notify(b"abc", peer="p")
     with pytest.raises(ProtocolError, match="expects no"):

@@ -235,9 +235,9 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
             duplicates = self._counter.duplicates
             try:
                 note = self._counter.arrive(peer, imm.transfer_id, imm.expected, imm.notify,
-                                            origin, work, resent)
+                                            origin, work, resent, imm.first)
                 if self._counter.duplicates != duplicates:
-                    self.stats["notify_duplicates"] += 1  # a work sent again
+                    self.stats["notify_duplicates"] += 1  # a work or attempt again
             except ValueError as exc:
                 log.warning("bad immediate from %s: %s", peer, exc)
                 return

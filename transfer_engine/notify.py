@@ -30,6 +30,7 @@ class _Pending:
     expected: int
     seen: int = 0
     payload: bytes | None = None
+    first: int | None = None  # a later attempt's: the transfer id of its first
 
 
 @dataclass
@@ -55,6 +56,15 @@ class ImmediateCounter:
     counted are remembered, and a resent one among them is dropped (counted in
     ``duplicates``). Only a resent arrival is ever dropped: work ids need only be unique
     per rail for everything else.
+
+    A transfer whose answer was lost after its bytes landed (its rail torn down, its
+    transport failing) is made again as a new attempt, with a new transfer id so that
+    the two attempts' counts never mix; its immediates name the first attempt's id
+    (``first``). Of the attempts of one transfer, only the first to complete notifies:
+    the last ``max_fired`` notifications are remembered, and an attempt naming one of
+    them is dropped (counted in ``duplicates``), as is a first attempt that completes
+    after a later one notified for it. A peer that never names a first attempt is
+    never dropped this way, whatever its transfer ids.
     """
 
     max_pending: int = 65536
@@ -62,6 +72,7 @@ class ImmediateCounter:
     max_bytes: int = 256 << 20
     max_peer_bytes: int = 16 << 20
     max_recent: int = 65536
+    max_fired: int = 16384
     # per peer, partial transfers by (origin, transfer id): the origin (the rail
     # ticket the immediates came through) keeps two connections that use one name, a
     # restarted peer's or an impostor's, from completing each other's counts
@@ -71,22 +82,27 @@ class ImmediateCounter:
     _total_bytes: int = 0
     # (peer, origin, work) of the latest works counted, oldest first
     _recent: OrderedDict[tuple[str, bytes, int], None] = field(default_factory=OrderedDict)
+    # (peer, origin, transfer id) of the latest notifications, oldest first: True where
+    # a later attempt notified for that first attempt
+    _fired: OrderedDict[tuple[str, bytes, int], bool] = field(default_factory=OrderedDict)
     dropped: int = 0
     duplicates: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_pending", "max_per_peer", "max_bytes", "max_peer_bytes",
-                     "max_recent"):
+                     "max_recent", "max_fired"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     def arrive(self, peer: str, transfer_id: int, expected: int,
                payload: bytes | None = None, origin: bytes = b"",
-               work: int | None = None, resent: bool = False) -> Notification | None:
+               work: int | None = None, resent: bool = False, first: int | None = None
+               ) -> Notification | None:
         """Records one immediate; returns the notification when it was the last one.
         ``origin`` names the connection the immediates of one transfer share; ``work``
         (if known) the initiator's work request it came with, ``resent`` whether that
-        work was sent before on another rail."""
+        work was sent before on another rail; ``first`` the transfer id of the
+        transfer's first attempt, when this is a later one."""
         if expected < 1:
             raise ValueError(f"expected must be >= 1, got {expected}")
         if work is not None:
@@ -108,7 +124,7 @@ class ImmediateCounter:
                 self._recent.popitem(last=False)
         if entry is None:
             if expected == 1:
-                return Notification(peer, transfer_id, payload or b"")
+                return self._fire(peer, origin, transfer_id, first, payload or b"")
             if table is None:
                 table = self._peers[peer] = {}
                 self._bytes[peer] = 0
@@ -118,14 +134,31 @@ class ImmediateCounter:
                 self._evict(max(self._peers, key=lambda p: len(self._peers[p])))
             entry = table[key] = _Pending(expected)
             self._count += 1
+        if first is not None:
+            entry.first = first
         entry.seen += 1
         if entry.seen < entry.expected:
             if payload is not None:
                 self._hold(peer, entry, payload)
             return None
         self._drop(peer, key)
-        return Notification(peer, transfer_id, (payload if payload is not None
-                                                else entry.payload) or b"")
+        return self._fire(peer, origin, transfer_id, entry.first,
+                          (payload if payload is not None else entry.payload) or b"")
+
+    def _fire(self, peer: str, origin: bytes, transfer_id: int, first: int | None,
+              payload: bytes) -> Notification | None:
+        """The notification of a completed attempt, unless another attempt of the same
+        transfer notified already."""
+        later = first is not None
+        fired = (peer, origin, first if first is not None else transfer_id)
+        if self._fired.get(fired, False) or (later and fired in self._fired):
+            self.duplicates += 1
+            return None
+        self._fired[fired] = later
+        self._fired.move_to_end(fired)
+        if len(self._fired) > self.max_fired:
+            self._fired.popitem(last=False)
+        return Notification(peer, transfer_id if first is None else first, payload)
 
     def _hold(self, peer: str, entry: _Pending, payload: bytes) -> None:
         """Keeps ``payload`` with ``entry``, evicting within the byte bounds."""

@@ -81,6 +81,7 @@ class LiveTransfer:
     stopping: TransferError | None = None  # why it was cancelled (or timed out)
     staged: Staged | None = None  # device memory moved through a bounce (staging.py)
     retries: int = 0  # attempts made again after another transfer's cancel (transfer.py)
+    first_id: int | None = None  # the first attempt's transfer id (its immediates')
 
 
 class EngineState:

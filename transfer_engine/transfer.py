@@ -227,13 +227,16 @@ class Transfers(EngineState):
                             remote_scatter=caps.remote_scatter, weights=weights,
                             min_split=caps.min_split)
         transfer_id = next(self._transfer_ids)  # fresh per attempt: counts never mix
+        first = xfer.first_id  # a later attempt names the first: notified once
+        if first is None:
+            xfer.first_id = transfer_id
         notify_pending = xfer.notify is not None and xfer.op is Op.WRITE
         works: list[Work] = []
         for wr in plan.requests:
             imm = None
             if wr.imm and xfer.op is Op.WRITE and xfer.notify is not None:
                 imm = Immediate(transfer_id, plan.rails_used,
-                                xfer.notify if notify_pending else None)
+                                xfer.notify if notify_pending else None, first)
                 notify_pending = False
             works.append(Work(next(self._wr_ids), xfer.op, wr.local, wr.remote, wr.nbytes,
                               imm, transport.prepare(wr, xfer.local_segments), xfer))

@@ -57,6 +57,53 @@ class RefusingShmTransport(ShmTransport):
         return info
 
 
+class AnswerLosingShmServer(ShmServer):
+    """Lands a WRITE and counts its immediate, then drops the connection instead of
+    answering, once: the initiator cannot tell whether the bytes landed."""
+
+    lost = False
+
+    def _answer(self, wr_id: int, exc: Any) -> bytes:
+        if exc is None and self._counted and not self.lost:
+            self.lost = True
+            raise OSError("fault injected: the answer is lost")
+        return super()._answer(wr_id, exc)
+
+
+class AnswerLosingShmTransport(ShmTransport):
+    """An shm transport whose target loses the answer of the first WRITE with an
+    immediate (see :class:`AnswerLosingShmServer`); served from threads."""
+
+    def __init__(self) -> None:
+        super().__init__(serve="thread")
+
+    def start(self, host: Any) -> dict[str, Any]:
+        info = super().start(host)
+        server = self._server
+        assert server is not None
+        server.__class__ = AnswerLosingShmServer
+        server._counted = False  # type: ignore[attr-defined]
+        deliver = server._host.deliver_immediate
+
+        def counted(*args: Any, **kwargs: Any) -> None:
+            deliver(*args, **kwargs)
+            server._counted = True  # type: ignore[attr-defined]
+
+        server._host = _Relay(server._host, counted)
+        return info
+
+
+class _Relay:
+    """``host`` with its ``deliver_immediate`` replaced."""
+
+    def __init__(self, host: Any, deliver_immediate: Callable[..., None]) -> None:
+        self._host = host
+        self.deliver_immediate = deliver_immediate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._host, name)
+
+
 class DroppingTcpServer(TcpServer):
     """Resets the connection after ``drop_after`` payload bytes of a WRITE landed."""
 

@@ -75,6 +75,9 @@ class Immediate:
     transfer_id: int
     expected: int  # immediates the target must see before notifying
     notify: bytes | None = None  # carried by one immediate per transfer
+    # a later attempt's: the transfer id of the transfer's first attempt, so that the
+    # target notifies once however many attempts land (notify.ImmediateCounter)
+    first: int | None = None
 
 
 @dataclass(slots=True)

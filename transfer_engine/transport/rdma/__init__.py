@@ -45,8 +45,10 @@ RDMA_WRITE_WITH_IMM (``plan.encode_imm``), which consumes a receive at the targe
 its completion feeds ``host.deliver_immediate`` exactly as the stream transports do.
 Notification bytes do not fit in 32 bits, so work whose immediate carries ``notify``
 ends instead in a plain WRITE then a SEND_WITH_IMM whose payload is a
-``plan.NOTIFY_HEADER`` (full 64-bit id, expected, origin rail) and the bytes; RC
-ordering makes the SEND land after the WRITE. Notify payloads are bounded by
+``plan.NOTIFY_HEADER`` (full 64-bit id, expected, origin rail, and a later attempt's
+first attempt id) and the bytes; RC ordering makes the SEND land after the WRITE. The
+immediates of a transfer's later attempt (after a teardown or a fallback) travel so
+too, so that the target notifies once for all attempts. Notify payloads are bounded by
 ``max_notify``.
 
 Failure: the first error completion moves a QP to the error state and flushes the

@@ -428,34 +428,35 @@ class QpInfo:
 
 
 # Notification SEND payload: header then the notify bytes. The header repeats the
-# immediate's facts with the full 64-bit id, and names the rail the immediate stands for
-# so a retry on another rail is counted once.
-NOTIFY_HEADER = struct.Struct("<QIHH")  # transfer_id, expected, origin rail, flags
+# immediate's facts with the full 64-bit id, names the rail the immediate stands for
+# so a retry on another rail is counted once, and, for a later attempt of a transfer,
+# the first attempt's id (0: none), so that the target notifies once for all of them.
+NOTIFY_HEADER = struct.Struct("<QIHHQ")  # transfer_id, expected, origin rail, flags, first
 _HAS_NOTIFY = 1  # flags: the payload is the transfer's notification
 
 
 def pack_notify(transfer_id: int, expected: int, origin_rail: int,
-                payload: bytes | None) -> bytes:
+                payload: bytes | None, first: int | None = None) -> bytes:
     """The SEND payload; ``payload`` None: an immediate that carries no notification
     (one moved to a SEND by a rail failover), told apart from an empty notification."""
     flags = _HAS_NOTIFY if payload is not None else 0
-    return NOTIFY_HEADER.pack(transfer_id, expected, origin_rail, flags) + (payload or b"")
+    return NOTIFY_HEADER.pack(transfer_id, expected, origin_rail, flags,
+                              first or 0) + (payload or b"")
 
 
 def unpack_notify(data: bytes | memoryview, peer: str | None = None
-                  ) -> tuple[int, int, int, bytes | None]:
-    """``(transfer_id, expected, origin_rail, payload or None)``; ``ProtocolError`` if
-    short."""
+                  ) -> tuple[int, int, int, bytes | None, int | None]:
+    """``(transfer_id, expected, origin_rail, payload or None, first or None)``;
+    ``ProtocolError`` if short."""
     if len(data) < NOTIFY_HEADER.size:
         raise ProtocolError(f"notification of {len(data)} bytes is shorter than its "
                             "header", peer=peer, transport="rdma")
-    tid, expected, origin, flags = NOTIFY_HEADER.unpack_from(data)
+    tid, expected, origin, flags, first = NOTIFY_HEADER.unpack_from(data)
     if expected < 1:
         raise ProtocolError("notification expects no immediates", peer=peer,
                             transport="rdma")
-    if not flags & _HAS_NOTIFY:
-        return tid, expected, origin, None
-    return tid, expected, origin, bytes(data[NOTIFY_HEADER.size:])
+    payload = bytes(data[NOTIFY_HEADER.size:]) if flags & _HAS_NOTIFY else None
+    return tid, expected, origin, payload, first or None
 
 
 class CqRoom:

@@ -194,7 +194,7 @@ class RdmaRail(Rail):
     def _specs(self, work: Work, origin: int) -> tuple[WrBatch, int | None]:
         imm = work.imm
         via_send = imm is not None and (imm.notify is not None or origin != self.index
-                                        or work.op is Op.READ)
+                                        or work.op is Op.READ or imm.first is not None)
         direct = encode_imm(imm.transfer_id, imm.expected) if imm and not via_send else None
         max_sge = self._max_sge if work.op is Op.WRITE else self.device.max_sge_rd
         if work.nbytes == 0 and imm is not None and not work.local and not work.remote:
@@ -217,7 +217,7 @@ class RdmaRail(Rail):
             raise BlockingIOError  # no free notify slot yet: stay in the backlog
         slot = self._notify_free.pop()
         size = NOTIFY_HEADER.size + self._transport.max_notify
-        data = pack_notify(imm.transfer_id, imm.expected, origin, imm.notify)
+        data = pack_notify(imm.transfer_id, imm.expected, origin, imm.notify, imm.first)
         self._notify_mr.write(data, len(data), slot * size)
         specs.unsignal_last()
         sge = Sge(self._notify_mr.buf + slot * size, len(data), self._notify_mr.lkey)

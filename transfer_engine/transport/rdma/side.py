@@ -21,7 +21,7 @@ from transfer_engine.transport.rdma.plan import (
 
 log = logging.getLogger(__name__)
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: the notification header names a later attempt's first
 _FRAME = struct.Struct("<I")
 _MAX_FRAME = 16 << 20
 _MAX_OPENING_FRAME = 16 << 10  # a connect message before its ticket is proven

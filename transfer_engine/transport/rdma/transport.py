@@ -474,17 +474,18 @@ class RdmaTransport(SideServer, Transport):
                 self._deliver(conn.peer, tid, expected, conn.rail, None, conn.origin)
             else:
                 data = conn.payload(index, min(wc.byte_len, conn.slot))
-                tid, expected, origin, payload = unpack_notify(data, conn.peer)
+                tid, expected, origin, payload, first = unpack_notify(data, conn.peer)
                 with self._lock:
                     self._unwrap.observe(conn.peer, tid)
-                self._deliver(conn.peer, tid, expected, origin, payload, conn.origin)
+                self._deliver(conn.peer, tid, expected, origin, payload, conn.origin, first)
         except TransferError as exc:
             log.warning("dropped a malformed rdma immediate from %s: %s", conn.peer, exc)
         finally:
             conn.post_recv(index)
 
     def _deliver(self, peer: str, tid: int, expected: int, origin: int,
-                 payload: bytes | None, ticket: bytes = b"") -> None:
+                 payload: bytes | None, ticket: bytes = b"", first: int | None = None
+                 ) -> None:
         seen = (peer, ticket, tid, origin)  # per connection, as the engine counts
         with self._lock:  # one poller thread per NIC: they share this table
             if seen in self._seen:
@@ -493,4 +494,5 @@ class RdmaTransport(SideServer, Transport):
             if len(self._seen) > _SEEN_MAX:
                 self._seen.popitem(last=False)
         if self._host is not None:
-            self._host.deliver_immediate(peer, Immediate(tid, expected, payload), ticket)
+            self._host.deliver_immediate(peer, Immediate(tid, expected, payload, first),
+                                         ticket)

@@ -38,6 +38,7 @@ from transfer_engine.transport.stream.server import (
 from transfer_engine.transport.stream.targets import Targets
 from transfer_engine.transport.stream.wire import (
     ANSWER,
+    FLAG_FIRST,
     FLAG_IMM,
     FLAG_UNIFORM,
     HEADER,
@@ -57,9 +58,9 @@ from transfer_engine.transport.stream.wire import (
     unpack_error,
 )
 
-__all__ = ["ANSWER", "FLAG_IMM", "FLAG_UNIFORM", "HEADER", "HELLO_TIMEOUT", "KIND_ANNOUNCE",
-           "KIND_ANSWER", "KIND_HELLO", "KIND_READ", "KIND_WRITE", "LOCAL_DT", "MAX_BODY",
-           "MAX_CONNECTIONS", "MAX_ENTRIES", "MAX_OPENING", "RESOURCE_ERRORS",
+__all__ = ["ANSWER", "FLAG_FIRST", "FLAG_IMM", "FLAG_UNIFORM", "HEADER", "HELLO_TIMEOUT",
+           "KIND_ANNOUNCE", "KIND_ANSWER", "KIND_HELLO", "KIND_READ", "KIND_WRITE", "LOCAL_DT",
+           "MAX_BODY", "MAX_CONNECTIONS", "MAX_ENTRIES", "MAX_OPENING", "RESOURCE_ERRORS",
            "STALL_TIMEOUT", "WIRE_VERSION",
            "Connection", "PeerClosed", "Refused", "StreamRail", "StreamServer", "Targets",
            "drain", "encode_announce", "encode_request", "open_rail", "pack_local",

@@ -127,8 +127,8 @@ class ServeProcess:
                 op = msg.get("op")
                 if op == "imm":
                     self._immediates.put((msg["peer"], Immediate(
-                        msg["transfer"], msg["expected"], msg["notify"]), msg["origin"],
-                        msg.get("work"), bool(msg.get("resent"))))
+                        msg["transfer"], msg["expected"], msg["notify"], msg.get("first")),
+                        msg["origin"], msg.get("work"), bool(msg.get("resent"))))
                 elif op == "admit":
                     self._admit(msg)
                 elif op == "release":

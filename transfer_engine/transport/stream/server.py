@@ -51,6 +51,8 @@ from transfer_engine.transport.stream.io import (
 from transfer_engine.transport.stream.targets import Targets, stage, unstage
 from transfer_engine.transport.stream.wire import (
     ANSWER,
+    FIRST,
+    FLAG_FIRST,
     FLAG_IMM,
     FLAG_RESENT,
     FLAG_UNIFORM,
@@ -417,6 +419,12 @@ class StreamServer:
         blob = recv_exact(sock, local_end + body_len)  # entries and body: one call
         local = np.frombuffer(blob, LOCAL_DT, n_local, remote_end) if n_local else None
         body = blob[local_end:]
+        first = None
+        if flags & FLAG_FIRST and flags & FLAG_IMM:  # a later attempt names its first
+            if len(body) < FIRST.size:
+                raise ProtocolError("a later attempt's immediate without its first "
+                                    "attempt's id", peer=conn.peer)
+            (first,), body = FIRST.unpack_from(body), body[FIRST.size:]
         op = Op.WRITE if kind == KIND_WRITE else Op.READ
         nbytes = 0
         if uniform:
@@ -467,7 +475,7 @@ class StreamServer:
                 self.bytes_received += nbytes
                 if flags & FLAG_IMM:
                     self._host.deliver_immediate(
-                        conn.peer, Immediate(transfer_id, expected, body or None),
+                        conn.peer, Immediate(transfer_id, expected, body or None, first),
                         conn.ticket.id if conn.ticket is not None else b"", wr_id,
                         bool(flags & FLAG_RESENT))
                 send_bytes(sock, self._answer(wr_id, None))

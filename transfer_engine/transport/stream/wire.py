@@ -16,13 +16,15 @@ Wire format (little-endian; one request, one answer, in order on each connection
     header   = kind u8, flags u8, n_remote u16, n_local u16, pad u16, body_len u32,
                wr_id u64, transfer_id u64, expected u32
     flags    = 1: with immediate; 2: uniform remote entries; 4: sent before, on another
-               rail of this connection (its immediate counts once)
+               rail of this connection (its immediate counts once); 8: the immediate
+               is a later attempt's (the body begins with the first attempt's
+               transfer id, u64: the target notifies once for all attempts)
     remote   = n_remote of (segment u64, offset u64, length u64)   (target memory)
              | uniform: segment u64, length u64, then n_remote offsets u64
              | ANNOUNCE: n_remote of (address u64, length u64, writable u64)
     local    = address u64, length u64                    (initiator memory, shm only)
     body     = HELLO: msgpack {version, ticket, nonce, proof, pid};
-               WRITE with immediate: notify bytes
+               WRITE with immediate: [first attempt's transfer id u64] notify bytes
     payload  = the bytes (tcp WRITE only)
     answer   = kind u8 (0x81), status u8 (0 ok, else an error code), pad u16,
                body_len u32, wr_id u64; body = msgpack error details (the HELLO's: the
@@ -38,7 +40,8 @@ a third of the bytes, and one reduction to check them all. Each NumPy call count
 the kernel's copy of a batch evicts the caches, so a call costs 10-15 us when the next
 request comes, several times its warm cost.
 Versions (``version`` in the HELLO): 1, 20-byte remote entries (segment u32); 2, 24-byte
-entries; 3, uniform entries added; 4, the challenge, ticket-bound rails and ANNOUNCE.
+entries; 3, uniform entries added; 4, the challenge, ticket-bound rails and ANNOUNCE;
+5, flag 8 (a later attempt names its first).
 
 Bounds (:mod:`.server` enforces them): a connection must open within
 ``HELLO_TIMEOUT`` seconds; at most ``MAX_OPENING`` connections may be opening at once (a
@@ -66,11 +69,14 @@ from transfer_engine.errors import (
 from transfer_engine.planner import Extents
 from transfer_engine.transport.base import Work
 
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 KIND_HELLO, KIND_WRITE, KIND_READ, KIND_ANNOUNCE, KIND_ANSWER = 1, 2, 3, 4, 0x81
 KIND_DEVICES = 5  # shm: the initiator's device segments and their IPC handles
-FLAG_IMM, FLAG_UNIFORM, FLAG_RESENT = 1, 2, 4
+# FLAG_FIRST: the immediate is a later attempt's; the body begins with FIRST, the
+# transfer id of the transfer's first attempt (the notification follows it)
+FLAG_IMM, FLAG_UNIFORM, FLAG_RESENT, FLAG_FIRST = 1, 2, 4, 8
 HEADER = struct.Struct("<BBHHHIQQI")
+FIRST = struct.Struct("<Q")
 UNIFORM = struct.Struct("<QQ")  # segment, length of every entry
 ANSWER = struct.Struct("<BBHIQ")
 REMOTE_WORDS = 3  # segment, offset, length: u64 each
@@ -116,6 +122,9 @@ def encode_request(kind: int, work: Work | None, body: bytes = b"", local: bytes
         flags |= FLAG_RESENT
     if imm is not None and imm.notify:
         body = imm.notify
+    if imm is not None and imm.first is not None:
+        flags |= FLAG_FIRST
+        body = FIRST.pack(imm.first) + body
     remote = work.remote
     n_remote = len(remote)
     if n_remote > MAX_ENTRIES:

@@ -128,7 +128,8 @@ class ProxyHost:
                           work: int | None = None, resent: bool = False) -> None:
         self._chan.send({"op": "imm", "peer": peer, "origin": origin,
                          "transfer": imm.transfer_id, "expected": imm.expected,
-                         "notify": imm.notify, "work": work, "resent": resent})
+                         "notify": imm.notify, "first": imm.first, "work": work,
+                         "resent": resent})
 
     def admit_rail(self, ticket: object, transport: str, challenge: bytes, nonce: object,
                    proof: object) -> tuple[Any, bytes]:
