@@ -252,6 +252,20 @@ def test_a_refused_immediate_is_not_remembered() -> None:
     assert c.arrive("p", 5, 3, b"x", b"t", work=3) == Notification("p", 5, b"x")
 
 
+@pytest.mark.parametrize("bounds", [{"max_per_peer": 1}, {"max_pending": 3}])
+def test_evicting_a_peers_only_entry_keeps_the_new_one(bounds: dict[str, int]) -> None:
+    """The entry evicted to make room can be the arriving peer's only one: the new
+    entry still counts, fires, and the count of entries stays true."""
+    c = ImmediateCounter(**bounds)
+    c.arrive("a", 1, 2)
+    for peer in ("b", "c") if "max_pending" in bounds else ():
+        c.arrive(peer, 1, 2)  # then every peer holds one: the first, a, is the fullest
+    assert c.arrive("a", 2, 2, b"x") is None  # evicts a's transfer 1
+    assert c.pending("a") == 1 and len(c) == sum(c.pending(p) for p in "abc")
+    assert c.arrive("a", 2, 2) == Notification("a", 2, b"x")
+    assert c.pending("a") == 0 and c.pending_bytes == 0
+
+
 def test_the_attempts_of_one_transfer_notify_once_in_either_order() -> None:
     """A transfer whose answer was lost after its bytes landed is made again as a new
     attempt (a new transfer id, so the counts never mix) naming its first: the target

@@ -132,6 +132,9 @@ class ImmediateCounter:
                 self._evict(peer)
             elif self._count >= self.max_pending:
                 self._evict(max(self._peers, key=lambda p: len(self._peers[p])))
+            if peer not in self._peers:  # its last entry was the one evicted
+                table = self._peers[peer] = {}
+                self._bytes[peer] = 0
             entry = table[key] = _Pending(expected)
             self._count += 1
         if first is not None:
