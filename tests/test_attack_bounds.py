@@ -94,19 +94,22 @@ def _legit_roundtrip_tcp(b: Engine) -> None:
     assert np.array_equal(b.segments["kv"].view()[:4096], data)
 
 
+@pytest.mark.parametrize("refused", [False, True])
 def test_a_trickled_write_is_dropped_in_bounded_time(
-        make_engine: Callable[..., Engine]) -> None:
+        make_engine: Callable[..., Engine], refused: bool) -> None:
     """A peer that sends a WRITE's payload a byte at a time, each well within the stall
     timeout, does not hold a serving thread: the payload must average 64 KiB/s past
     one stall, so this 4 KiB one is cut after about two stalls, nothing is left pinned,
-    and the target serves others."""
+    and the target serves others. So too the payload of a WRITE refused (an unknown
+    segment), which the target takes off the stream (it once had no time bound)."""
     b, mem, seg_id = tight_tcp(make_engine, 0.5)
     _, credential = handshake(b)
     rail = RawRail(b, credential)
     started = time.monotonic()
     try:
         head = HEADER.pack(KIND_WRITE, 0, 1, 0, 0, 0, 1, 0, 0)
-        rail.sock.sendall(head + np.array([seg_id, 0, 4096], dtype="<u8").tobytes())
+        rail.sock.sendall(head + np.array([4242 if refused else seg_id, 0, 4096],
+                                          dtype="<u8").tobytes())
         closed = False
         for _ in range(100):  # a byte every 0.1 s would take 400 s
             try:

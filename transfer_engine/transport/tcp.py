@@ -206,7 +206,7 @@ class TcpServer(StreamServer):
                     views.headroom)
 
     def refuse_write(self, conn: Connection, nbytes: int) -> None:
-        drain(conn.sock, nbytes)
+        drain(conn.sock, nbytes, payload_deadline(self._stall, nbytes))
 
 
 class TcpTransport(Transport):

@@ -294,11 +294,13 @@ def recv_scatter(sock: socket.socket, iov: np.ndarray, nbytes: int,
         raise PeerClosed(str(exc)) from exc
 
 
-def drain(sock: socket.socket, nbytes: int) -> None:
+def drain(sock: socket.socket, nbytes: int, deadline: float | None = None) -> None:
+    """Receives and drops ``nbytes`` (by ``deadline``, ``time.monotonic()``, if given:
+    a payload a refused request still owes is bounded as an accepted one's is)."""
     scratch = memoryview(bytearray(min(nbytes, 1 << 20) or 1))
     while nbytes > 0:
         chunk = scratch[:min(nbytes, len(scratch))]
-        recv_into_views(sock, [chunk], len(chunk))
+        recv_into_views(sock, [chunk], len(chunk), deadline=deadline)
         nbytes -= len(chunk)
 
 
