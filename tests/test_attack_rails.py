@@ -289,6 +289,24 @@ def test_a_ticket_opens_a_bounded_number_of_rails(victim: tuple[Engine, np.ndarr
             rail.close()
 
 
+def test_a_name_past_the_bound_gets_no_ticket(make_engine: Callable[..., Engine]) -> None:
+    """A peer's name travels with every rail and every immediate relayed from a serving
+    process: a hello naming itself with megabytes gets no ticket (a 3 MB name once took
+    the serving process's link down, and every peer's rails with it), and the serving
+    process goes on serving."""
+    b = make_engine("victim", transports=["tcp"], serve="process")
+    mem = random_bytes(SIZE, 11)
+    b.register(mem, name="kv")
+    with pytest.raises(AssertionError):  # an error reply, not a Welcome
+        handshake(b, name="m" * 3_000_000)
+    with pytest.raises(AssertionError):
+        handshake(b, name="m" * 1025)
+    handshake(b, name="m" * 1024)
+    with pytest.raises(ValueError, match="1 to 1024 characters"):
+        Engine("n" * 1025)
+    _legit_roundtrip(make_engine, b, mem, ["tcp"])
+
+
 def test_a_crowd_of_stalled_openings_does_not_lock_a_peer_out(
         make_engine: Callable[..., Engine], victim: tuple[Engine, np.ndarray, int]) -> None:
     b, mem, _ = victim

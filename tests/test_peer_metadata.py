@@ -56,6 +56,7 @@ def answering() -> Iterator[Any]:
 @pytest.mark.parametrize(("meta", "says"), [
     ({"name": 5}, "'name' is of type int, not a string"),
     ({"name": ""}, "without a name"),
+    ({"name": "n" * 1025}, "without a name of 1 to 1024 characters"),
     ({"name": "x", "transports": "tcp"}, "'transports' is of type str, not a map"),
     ({"name": "x", "transports": {"tcp": 3}}, "transport 'tcp' is not a name with a map"),
     ({"name": "x", "segments": "s"}, "'segments' is of type str, not a list"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -433,3 +434,103 @@ def test_a_serving_process_that_cannot_start_leaves_threads_serving(
     a.write(peer, [(Descriptor(a.register(src), 0, MiB),
                     Descriptor(peer.segment("kv"), 0, MiB))]).wait(10)
     assert np.array_equal(dst, src)
+
+
+def test_a_message_over_the_links_frame_bound_is_refused_and_the_link_stays() -> None:
+    """The other end takes a frame over MAX_FRAME for the link closing: the sender
+    refuses it instead, and later messages still go through."""
+    from transfer_engine.transport.stream.channel import (
+        MAX_FRAME,
+        Channel,
+        FrameTooLarge,
+    )
+
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a, b = Channel(left), Channel(right)
+    try:
+        with pytest.raises(FrameTooLarge, match="imm message"):
+            a.send({"op": "imm", "notify": b"x" * (MAX_FRAME + 1)})
+        a.send({"op": "imm", "notify": b"y" * 1024})
+        msg, fds = b.recv()
+        assert msg == {"op": "imm", "notify": b"y" * 1024} and fds == []
+    finally:
+        a.close()
+        b.close()
+
+
+def _peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM"))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_memory_reached_through_the_mem_file_moves_through_a_bounded_bounce(
+        make_engine: Callable[..., Engine], transport: str) -> None:
+    """Memory the serving process reaches through the mem file (an mmap here) moves
+    through one bounce of a bounded size, whatever the request: pieces larger than it
+    arrive exact, and one READ naming the same MiB 96 times costs the serving process
+    no more than a few MiB (it once allocated every piece of a request at once: a
+    READ of 1 GiB cost 1 GiB)."""
+    import mmap
+
+    kind = TcpTransport if transport == "tcp" else ShmTransport
+    t = make_engine("t", transports=[kind(serve="process")])
+    a = make_engine("a", transports=[kind(rails=1, slice_size=128 * MiB)])  # one request
+    size = 3 * MiB + 5
+    area = mmap.mmap(-1, size)
+    try:
+        mem = np.frombuffer(area, dtype=np.uint8)
+        seg_t = t.register(mem, name="m")
+        src = random_bytes(size, 41)
+        src_seg = a.register(src)
+        peer = a.connect(t.endpoint)
+        remote = peer.segment("m")
+        a.write(peer, [(Descriptor(src_seg, 0, size), Descriptor(remote, 0, size))]).wait(30)
+        assert np.array_equal(mem, src)
+        pid = t.transports[transport].info("serve_pid")
+        assert isinstance(pid, int)
+        before = _peak_rss(pid)
+        copies = 96
+        back = np.zeros(copies * MiB, dtype=np.uint8)
+        with a.register(back) as back_seg:
+            a.read(peer, [(Descriptor(back_seg, i * MiB, MiB), Descriptor(remote, 7, MiB))
+                          for i in range(copies)]).wait(60)
+        assert np.array_equal(back.reshape(copies, MiB),
+                              np.broadcast_to(src[7:7 + MiB], (copies, MiB)))
+        assert _peak_rss(pid) - before < 24 * MiB
+        seg_t.close()
+        del mem
+    finally:
+        area.close()
+
+
+@pytest.mark.parametrize("serve", ["thread", "process"])
+def test_closing_a_segment_a_stalled_peer_writes_into_keeps_to_its_timeout(
+        make_engine: Callable[..., Engine], serve: str) -> None:
+    """A peer stops in the middle of a WRITE's payload: ``close(timeout=1)`` tears its
+    rail down and returns within about that (the serving process once waited 5 s
+    whatever the caller asked), and nothing the peer sends later lands."""
+    from transfer_engine.transport.stream import HEADER
+
+    b = make_engine("victim", transports=[TcpTransport(stall_timeout=20, serve=serve)])
+    mem = random_bytes(MiB, 12)
+    seg = b.register(mem, name="kv")
+    _, credential = handshake(b)
+    rail = RawRail(b, credential)
+    try:
+        rail.sock.sendall(HEADER.pack(KIND_WRITE, 0, 1, 0, 0, 0, 1, 0, 0)
+                          + np.array([seg.id, 0, MiB], dtype="<u8").tobytes() + b"\x01" * 1000)
+        time.sleep(0.3)
+        started = time.monotonic()
+        seg.close(timeout=1.0)
+        assert time.monotonic() - started < 3
+        snapshot = mem.copy()
+        try:
+            for _ in range(20):
+                rail.sock.sendall(b"\x02" * 65536)
+        except OSError:
+            pass
+        assert rail.closed_by_target(timeout=5)
+        assert np.array_equal(mem, snapshot)
+    finally:
+        rail.close()

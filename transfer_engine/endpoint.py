@@ -23,6 +23,7 @@ from transfer_engine.control.messages import (
     Welcome,
 )
 from transfer_engine.control.service import Service
+from transfer_engine.control.tickets import MAX_NAME, valid_name
 from transfer_engine.errors import ProtocolError
 from transfer_engine.state import EngineState
 
@@ -58,8 +59,8 @@ class ControlEndpoint(EngineState):
     def _handle_control(self, msg: Message) -> Message:
         if isinstance(msg, Hello):
             name = msg.meta.get("name")
-            if not isinstance(name, str) or not name:
-                raise ProtocolError("hello without a name")
+            if not valid_name(name):
+                raise ProtocolError(f"hello without a name of 1 to {MAX_NAME} characters")
             if name == self.name:
                 raise ProtocolError(f"peer uses our own name {name!r}")
             pid = msg.meta.get("pid")

@@ -42,7 +42,7 @@ import numpy as np
 from transfer_engine.closeable import Closeable
 from transfer_engine.control.auth import AuthConfig, check_exposure
 from transfer_engine.control.metastore import MetadataStore
-from transfer_engine.control.tickets import Ticket, TicketBook
+from transfer_engine.control.tickets import Ticket, TicketBook, check_name
 from transfer_engine.endpoint import ControlEndpoint
 from transfer_engine.errors import (
     ClosedError,
@@ -141,7 +141,7 @@ class Engine(Transfers, Peers, Membership, ControlEndpoint, Closeable):
                  serve: str | None = None, hold_gil: float | None = None) -> None:
         self.serve = None if serve is None else serve_mode(serve)  # checked here, once
         self.hold_gil = held.budget(hold_gil)
-        self.name = name
+        self.name = check_name(name)
         self.traffic = traffic
         self.transfer_timeout = transfer_timeout
         self.peer_timeout = peer_timeout

@@ -13,6 +13,7 @@ import zmq
 from transfer_engine.control.auth import Signer
 from transfer_engine.control.messages import SegmentsReply, SegmentsRequest
 from transfer_engine.control.request import SignedClient
+from transfer_engine.control.tickets import MAX_NAME, valid_name
 from transfer_engine.errors import InvalidDescriptorError, PeerLostError, ProtocolError
 from transfer_engine.health import PeerHealth
 from transfer_engine.segment import RemoteSegment
@@ -68,8 +69,9 @@ class PeerInfo:
         if not isinstance(meta, Mapping):
             raise ProtocolError(f"peer metadata is a {type(meta).__name__}, not a map")
         name = _field(meta, "name", str, "", "a string")
-        if not name:
-            raise ProtocolError("peer metadata without a name")
+        if not valid_name(name):
+            raise ProtocolError(f"peer metadata without a name of 1 to {MAX_NAME} "
+                                "characters")
         transports = _field(meta, "transports", dict, {}, "a map")
         for key, value in transports.items():
             if not isinstance(key, str) or not isinstance(value, dict):

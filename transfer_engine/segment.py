@@ -120,7 +120,7 @@ class Segment:
     __slots__ = (
         "id", "name", "address", "length", "device", "writable", "keys",
         "_owner", "_view", "_cond", "_pins", "_open", "_released", "_on_close",
-        "_on_stuck", "__weakref__",
+        "_on_stuck", "close_timeout", "__weakref__",
     )
 
     def __init__(
@@ -147,6 +147,7 @@ class Segment:
         self._released = False
         self._on_close = on_close
         self._on_stuck = on_stuck
+        self.close_timeout: float | None = 5.0  # close's, for what it waits on elsewhere
 
     @property
     def closed(self) -> bool:
@@ -211,6 +212,7 @@ class Segment:
         with self._cond:
             if self._released:
                 return
+            self.close_timeout = timeout
             self._open = False  # new pins are refused from here on
             drained = self._cond.wait_for(lambda: self._pins == 0, timeout)
         if not drained and self._on_stuck is not None:

@@ -34,16 +34,33 @@ import hmac
 import os
 import threading
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from transfer_engine.errors import AuthenticationError
 
-__all__ = ["Ticket", "TicketBook", "Credential", "CHALLENGE_MAGIC", "CHALLENGE_BYTES",
-           "rail_key", "client_proof", "server_proof", "new_challenge"]
+__all__ = ["Ticket", "TicketBook", "Credential", "MAX_NAME", "valid_name", "check_name",
+           "CHALLENGE_MAGIC", "CHALLENGE_BYTES", "rail_key", "client_proof", "server_proof",
+           "new_challenge"]
 
+MAX_NAME = 1024  # characters in an engine's name: every ticket, rail and relay carries it
 CHALLENGE_MAGIC = b"TEr4"
 CHALLENGE_BYTES = len(CHALLENGE_MAGIC) + 32
 ID_BYTES = 16
 KEY_BYTES = 32
+
+
+def valid_name(name: object) -> TypeGuard[str]:
+    """Whether ``name`` can name an engine: a non-empty string of at most
+    :data:`MAX_NAME` characters (a peer's is checked at its hello, which is refused)."""
+    return isinstance(name, str) and 0 < len(name) <= MAX_NAME
+
+
+def check_name(name: object) -> str:
+    """``name`` if :func:`valid_name`, else ``ValueError``."""
+    if not valid_name(name):
+        raise ValueError(f"an engine's name is a string of 1 to {MAX_NAME} characters, "
+                         f"not {str(name)[:64]!r}{'...' if len(str(name)) > 64 else ''}")
+    return str(name)
 
 
 def rail_key(secret: bytes, ticket_id: bytes, target: str, initiator: str) -> bytes:

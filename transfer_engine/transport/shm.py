@@ -46,7 +46,7 @@ import shutil
 import socket
 import struct
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -356,19 +356,21 @@ class ShmServer(StreamServer):
         if _exited(conn.pidfd):
             raise PeerLostError("peer process is gone", peer=conn.peer, op=op,
                                 transport="shm")
-        ours, after = self.rows(views, write_to_peer)
-        try:
-            cross_copy(conn.pid, ours, theirs, write=write_to_peer)
-        except OSError as exc:
-            raise _translate(exc, conn, op) from exc
-        if after is not None:
-            after()
+        for ours, part, after in self.copies(views, theirs, write_to_peer):
+            try:
+                cross_copy(conn.pid, ours, part, write=write_to_peer)
+            except OSError as exc:
+                raise _translate(exc, conn, op) from exc
+            if after is not None:
+                after()
 
-    def rows(self, views: Targets, write_to_peer: bool
-             ) -> tuple[list[tuple[int, int]], Callable[[], None] | None]:
-        """Our side of a copy as (address, length) rows in this process, and what to
-        run after a copy into them (a serving process puts bytes in place)."""
-        return views.iov.tolist(), None
+    def copies(self, views: Targets, theirs: list[tuple[int, int]], write_to_peer: bool
+               ) -> Iterator[tuple[list[tuple[int, int]], list[tuple[int, int]],
+                                   Callable[[], None] | None]]:
+        """The copy in steps: our (address, length) rows in this process, the peer's
+        rows for the same bytes, and what to run after the step (a serving process
+        puts bounced bytes in place, a bounded buffer at a time). Here: one step."""
+        yield views.iov.tolist(), theirs, None
 
     def land(self, conn: Connection, views: Targets, local: np.ndarray | None) -> None:
         self._copy(conn, views, local, write_to_peer=False, op="write")
@@ -381,6 +383,28 @@ class ShmServer(StreamServer):
             send_bytes(conn.sock, self._answer(wr_id, exc))
             return
         send_bytes(conn.sock, self._answer(wr_id, None))
+
+
+def sweep_dead(parent: str) -> None:
+    """Removes the socket folders (``te-shm-<pid>-*``, ours to remove) of processes of
+    this user that are gone: a process killed outright cannot remove its own."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 4 or parts[:2] != ["te", "shm"] or not parts[2].isdigit():
+            continue
+        path = os.path.join(parent, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(parts[2]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except (OSError, ValueError, OverflowError):
+            continue
 
 
 class ShmTransport(Transport):
@@ -440,7 +464,9 @@ class ShmTransport(Transport):
 
     def start(self, host: Host) -> dict[str, Any]:
         self._host = host
-        self._dir = tempfile.mkdtemp(prefix="te-shm-", dir=self._parent)  # mode 0700
+        sweep_dead(self._parent)
+        self._dir = tempfile.mkdtemp(prefix=f"te-shm-{os.getpid()}-",  # mode 0700
+                                     dir=self._parent)
         self._path = os.path.join(self._dir, "rail.sock")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

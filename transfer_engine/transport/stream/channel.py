@@ -25,6 +25,11 @@ class ChannelClosed(Exception):
     """The other end is gone (exited, killed, or closed the link)."""
 
 
+class FrameTooLarge(ValueError):
+    """A message over :data:`MAX_FRAME`: not sent (the other end would take it for the
+    link closing)."""
+
+
 class Channel:
     """One end of the link; ``send`` and ``call`` from any thread, ``recv`` from one."""
 
@@ -38,6 +43,9 @@ class Channel:
 
     def send(self, msg: dict[str, Any], fds: Sequence[int] = ()) -> None:
         data = msgpack.packb(msg, use_bin_type=True)
+        if len(data) > MAX_FRAME:
+            raise FrameTooLarge(f"a {msg.get('op', 'reply')} message of {len(data)} bytes "
+                                f"(at most {MAX_FRAME})")
         frame = _LEN.pack(len(data)) + data
         try:
             with self._wlock:

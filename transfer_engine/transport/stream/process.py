@@ -67,6 +67,7 @@ class ServeProcess:
         self._bodies: dict[int, shared.Body] = {}  # segment id -> its shared pages
         self._lock = threading.Lock()
         self._dead = False
+        self._closing = False
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         mem: int | None = None
         try:
@@ -117,6 +118,7 @@ class ServeProcess:
     # --- what the serving process asks ------------------------------------------------
 
     def _read(self) -> None:
+        reason = "link closed"
         try:
             while True:
                 msg, fds = self._chan.recv()
@@ -136,12 +138,13 @@ class ServeProcess:
                         ticket = self._admitted.pop(msg["admission"], None)
                     if ticket is not None:
                         ticket.release()
-        except ChannelClosed:
-            pass
-        except Exception:
+        except ChannelClosed as exc:
+            reason = str(exc)
+        except Exception as exc:
             log.exception("serving process link failed")
+            reason = repr(exc)
         finally:
-            self._gone()
+            self._gone(reason)
 
     def _deliver(self) -> None:
         while (item := self._immediates.get()) is not None:
@@ -166,7 +169,7 @@ class ServeProcess:
                          "ticket": ticket.id, "peer": ticket.peer, "pid": ticket.pid,
                          "proof": proof})
 
-    def _gone(self) -> None:
+    def _gone(self, reason: str = "link closed") -> None:
         with self._lock:
             was_dead, self._dead = self._dead, True
             admitted = list(self._admitted.values())
@@ -174,9 +177,12 @@ class ServeProcess:
         for ticket in admitted:
             ticket.release()
         self._immediates.put(None)  # after every immediate that arrived
-        if not was_dead:
+        if not was_dead and not self._closing:
             code = self._proc.poll()
-            if code not in (None, 0):
+            if code is None:  # the link failed, not the process: it exits without it
+                log.error("%s serving process link failed (%s): peers' rails to this "
+                          "engine are down", self.kind, reason)
+            elif code != 0:
                 log.error("%s serving process exited (%s): peers' rails to this engine "
                           "are down", self.kind, _describe(code))
         self._chan.close()
@@ -228,9 +234,10 @@ class ServeProcess:
         with self._lock:
             body = self._bodies.pop(seg.id, None)
         try:
-            if self.alive:
-                reply = self._call({"op": "drop", "seg": seg.id, "timeout": 5.0},
-                                   timeout=CALL_TIMEOUT + 5.0)
+            if self.alive:  # the serving process's transfers get close's time too
+                wait = 5.0 if seg.close_timeout is None else min(seg.close_timeout, 5.0)
+                reply = self._call({"op": "drop", "seg": seg.id, "timeout": wait},
+                                   timeout=CALL_TIMEOUT + 2 * wait)
                 if not reply.get("ok"):
                     log.warning("segment %s: %s", seg.name, reply.get("error"))
         except ClosedError as exc:
@@ -256,6 +263,7 @@ class ServeProcess:
         self._proc.wait(timeout=10)
 
     def close(self) -> None:
+        self._closing = True
         try:
             self._chan.send({"op": "close"})
         except ChannelClosed:

@@ -51,8 +51,6 @@ from transfer_engine.transport.stream.io import (
 from transfer_engine.transport.stream.targets import Targets, stage, unstage
 from transfer_engine.transport.stream.wire import (
     ANSWER,
-    FIRST,
-    FLAG_FIRST,
     FLAG_IMM,
     FLAG_RESENT,
     FLAG_UNIFORM,
@@ -71,6 +69,7 @@ from transfer_engine.transport.stream.wire import (
     UNIFORM,
     WIRE_VERSION,
     pack_error,
+    take_first,
 )
 
 log = logging.getLogger(__name__)
@@ -167,8 +166,8 @@ class StreamServer:
         """Moves a WRITE's bytes into ``views`` (already checked and pinned).
 
         ``local`` holds the initiator's (address, length) records when it sent them
-        (shm).
-        """
+        (shm). Raising ``TransferError``, it has taken the whole payload off the
+        stream (the error is answered and the rail goes on)."""
         raise NotImplementedError
 
     def serve(self, conn: Connection, wr_id: int, views: Targets,
@@ -195,8 +194,7 @@ class StreamServer:
         tune_socket(sock, self._buffer_bytes)
 
     def vouch(self, conn: Connection) -> None:
-        """Checks what the transport itself can tell of the peer once its ticket is
-        good (shm: the kernel's word on its process); raises :class:`Refused`."""
+        """The transport's own check of a peer with a good ticket; raises ``Refused``."""
 
     def _accept_loop(self) -> None:
         backoff = 0.0
@@ -418,13 +416,7 @@ class StreamServer:
         local_end = remote_end + n_local * LOCAL_DT.itemsize
         blob = recv_exact(sock, local_end + body_len)  # entries and body: one call
         local = np.frombuffer(blob, LOCAL_DT, n_local, remote_end) if n_local else None
-        body = blob[local_end:]
-        first = None
-        if flags & FLAG_FIRST and flags & FLAG_IMM:  # a later attempt names its first
-            if len(body) < FIRST.size:
-                raise ProtocolError("a later attempt's immediate without its first "
-                                    "attempt's id", peer=conn.peer)
-            (first,), body = FIRST.unpack_from(body), body[FIRST.size:]
+        first, body = take_first(flags, blob[local_end:], conn.peer)
         op = Op.WRITE if kind == KIND_WRITE else Op.READ
         nbytes = 0
         if uniform:

@@ -62,6 +62,7 @@ import msgpack
 import numpy as np
 
 from transfer_engine.errors import (
+    ProtocolError,
     TransferError,
     error_code,
     error_from_wire,
@@ -138,6 +139,17 @@ def encode_request(kind: int, work: Work | None, body: bytes = b"", local: bytes
                          len(body), work.wr_id, imm.transfer_id if imm else 0,
                          imm.expected if imm else 0)
     return b"".join((header, entries, local, body))
+
+
+def take_first(flags: int, body: bytes, peer: str) -> tuple[int | None, bytes]:
+    """A request's ``body`` less the first attempt's id that begins it where the flags
+    say so (``FLAG_FIRST``, with an immediate), and that id (else None)."""
+    if not (flags & FLAG_FIRST and flags & FLAG_IMM):
+        return None, body
+    if len(body) < FIRST.size:
+        raise ProtocolError("a later attempt's immediate without its first attempt's id",
+                            peer=peer)
+    return FIRST.unpack_from(body)[0], body[FIRST.size:]
 
 
 def encode_announce(ranges: np.ndarray) -> bytes:

@@ -27,20 +27,23 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from transfer_engine.errors import AuthenticationError, InvalidDescriptorError
+from transfer_engine.errors import AuthenticationError, InvalidDescriptorError, ProtocolError
 from transfer_engine.segment import MemoryInfo, Segment, _view_at
 from transfer_engine.transport.base import Immediate
 from transfer_engine.transport.shm import ShmServer
-from transfer_engine.transport.stream.channel import Channel, ChannelClosed
+from transfer_engine.transport.stream.channel import Channel, ChannelClosed, FrameTooLarge
 from transfer_engine.transport.stream.io import (
+    PeerClosed,
+    drain,
     payload_deadline,
     recv_into_views,
     recv_scatter,
+    send_bytes,
     send_gather,
     send_views,
 )
@@ -52,6 +55,7 @@ from transfer_engine.transport.tcp import TcpServer
 log = logging.getLogger(__name__)
 _U64 = 1 << 64
 BOUNCE = 1 << 20  # bytes moved through the mem file per call
+_parent = 0  # the application's pid (main)
 
 
 class ServedSegment(Segment):
@@ -126,10 +130,13 @@ class ProxyHost:
 
     def deliver_immediate(self, peer: str, imm: Immediate, origin: bytes = b"",
                           work: int | None = None, resent: bool = False) -> None:
-        self._chan.send({"op": "imm", "peer": peer, "origin": origin,
-                         "transfer": imm.transfer_id, "expected": imm.expected,
-                         "notify": imm.notify, "first": imm.first, "work": work,
-                         "resent": resent})
+        try:
+            self._chan.send({"op": "imm", "peer": peer, "origin": origin,
+                             "transfer": imm.transfer_id, "expected": imm.expected,
+                             "notify": imm.notify, "first": imm.first, "work": work,
+                             "resent": resent})
+        except FrameTooLarge as exc:  # the peer's rail goes, not the link
+            raise ProtocolError(f"immediate not relayed: {exc}", peer=peer) from None
 
     def admit_rail(self, ticket: object, transport: str, challenge: bytes, nonce: object,
                    proof: object) -> tuple[Any, bytes]:
@@ -228,17 +235,24 @@ class ServeTcpServer(TcpServer):
             recv_scatter(conn.sock, iov, views.nbytes, deadline=deadline)
             return
         bounce = memoryview(bytearray(min(BOUNCE, views.nbytes)))
-        for address, length, here in _pieces(views):
-            if here:
-                recv_into_views(conn.sock, [_view_at(here, length, True)], length,
-                                deadline=deadline)
-                continue
-            done = 0
-            while done < length:
-                n = min(len(bounce), length - done)
-                recv_into_views(conn.sock, [bounce[:n]], n, deadline=deadline)
-                _full(os.pwrite, self._mem, bounce[:n], address + done)
-                done += n
+        taken = 0  # payload bytes received so far
+        try:
+            for address, length, here in _pieces(views):
+                if here:
+                    recv_into_views(conn.sock, [_view_at(here, length, True)], length,
+                                    deadline=deadline)
+                    taken += length
+                    continue
+                done = 0
+                while done < length:
+                    n = min(len(bounce), length - done)
+                    recv_into_views(conn.sock, [bounce[:n]], n, deadline=deadline)
+                    taken += n
+                    _full(os.pwrite, self._mem, bounce[:n], address + done)
+                    done += n
+        except InvalidDescriptorError:  # the rest of the payload is still owed: taken
+            drain(conn.sock, views.nbytes - taken, deadline)  # so the stream stays in step
+            raise
 
     def serve(self, conn: Connection, wr_id: int, views: Targets,
               local: np.ndarray | None) -> None:
@@ -249,15 +263,21 @@ class ServeTcpServer(TcpServer):
             headroom[1:] = iov
             send_gather(conn.sock, answer, iov, views.nbytes, headroom)
             return
-        bufs: list[Any] = [answer]
+        # through one bounded bounce: a READ that names a piece many times must not
+        # cost its size in memory here (the answer is out: a failure drops the rail)
+        send_bytes(conn.sock, answer)
+        bounce = memoryview(bytearray(min(BOUNCE, views.nbytes) or 1))
         for address, length, here in _pieces(views):
             if here:
-                bufs.append(_view_at(here, length, False))
-            else:
-                chunk = bytearray(length)
-                _full(os.preadv, self._mem, memoryview(chunk), address)
-                bufs.append(chunk)
-        send_views(conn.sock, bufs)
+                send_views(conn.sock, [_view_at(here, length, False)], length)
+                continue
+            for done in range(0, length, len(bounce)):
+                n = min(len(bounce), length - done)
+                try:
+                    _full(os.preadv, self._mem, bounce[:n], address + done)
+                except InvalidDescriptorError as exc:
+                    raise PeerClosed(f"read answer cut short: {exc}") from None
+                send_views(conn.sock, [bounce[:n]], n)
 
 
 class ServeShmServer(ShmServer):
@@ -272,37 +292,89 @@ class ServeShmServer(ShmServer):
         self._mem = mem_fd
         super().__init__(listener, host, 0, stall_timeout)
 
-    def rows(self, views: Targets, write_to_peer: bool
-             ) -> tuple[list[tuple[int, int]], Callable[[], None] | None]:
+    def copies(self, views: Targets, theirs: list[tuple[int, int]], write_to_peer: bool
+               ) -> Iterator[tuple[list[tuple[int, int]], list[tuple[int, int]],
+                                   Callable[[], None] | None]]:
         iov = direct_rows(views)
         if iov is not None:
-            return iov.tolist(), None
+            yield iov.tolist(), theirs, None
+            return
+        # what is not in shared pages goes through one bounce of at most BOUNCE bytes,
+        # refilled step by step: a request naming a piece many times costs no more
+        bounce = memoryview(bytearray(min(BOUNCE, views.nbytes) or 1))
+        base = ctypes.addressof(ctypes.c_char.from_buffer(bounce))
+        peer = _Rows(theirs)
         rows: list[tuple[int, int]] = []
         bounced: list[tuple[memoryview, int]] = []
-        for address, length, here in _pieces(views):
-            if here:
-                rows.append((here, length))
-                continue
-            buf = memoryview(bytearray(length))
-            rows.append((ctypes.addressof(ctypes.c_char.from_buffer(buf)), length))
-            bounced.append((buf, address))
+        used = size = 0
+
+        def step() -> tuple[list[tuple[int, int]], list[tuple[int, int]],
+                            Callable[[], None] | None]:
             if write_to_peer:
-                _full(os.preadv, self._mem, buf, address)
-        def put_in_place() -> None:  # also keeps the bounce buffers alive until then
-            if not write_to_peer:
                 for buf, address in bounced:
+                    _full(os.preadv, self._mem, buf, address)
+            done = list(bounced)
+
+            def put_in_place() -> None:
+                for buf, address in done:
                     _full(os.pwrite, self._mem, buf, address)
-        return rows, put_in_place
+            return rows, peer.take(size), None if write_to_peer else put_in_place
+
+        for address, length, here in _pieces(views):
+            off = 0
+            while off < length:
+                if here:
+                    n = length - off
+                    rows.append((here + off, n))
+                else:
+                    n = min(length - off, len(bounce) - used)
+                    rows.append((base + used, n))
+                    bounced.append((bounce[used:used + n], address + off))
+                    used += n
+                off += n
+                size += n
+                if used == len(bounce):
+                    yield step()
+                    rows, bounced, used, size = [], [], 0, 0
+        if rows:
+            yield step()
+
+
+class _Rows:
+    """(address, length) rows taken as one run of bytes, handed out in order."""
+
+    def __init__(self, rows: list[tuple[int, int]]) -> None:
+        self._rows = rows
+        self._i = 0
+        self._off = 0  # bytes of row ``_i`` already handed out
+
+    def take(self, nbytes: int) -> list[tuple[int, int]]:
+        """The rows of the next ``nbytes``."""
+        out: list[tuple[int, int]] = []
+        while nbytes > 0 and self._i < len(self._rows):
+            address, length = self._rows[self._i]
+            n = min(length - self._off, nbytes)
+            out.append((address + self._off, n))
+            nbytes -= n
+            self._off += n
+            if self._off == length:
+                self._i, self._off = self._i + 1, 0
+        return out
 
 
 def _full(call: Any, fd: int, buf: memoryview, offset: int) -> None:
     """One whole pread/pwrite of ``buf`` at ``offset`` of the mem file."""
     done = 0
     while done < len(buf):
-        n = (call(fd, buf[done:], offset + done) if call is os.pwrite
-             else call(fd, [buf[done:]], offset + done))
+        try:
+            n = (call(fd, buf[done:], offset + done) if call is os.pwrite
+                 else call(fd, [buf[done:]], offset + done))
+        except OSError:
+            n = 0
         if n <= 0:
-            raise InvalidDescriptorError("memory of the application is gone",
+            if os.getppid() != _parent:  # it exited: its peers' rails go
+                raise PeerClosed("the application is gone")
+            raise InvalidDescriptorError("memory of the application is not mapped",
                                          offset=offset + done)
         done += n
 
@@ -311,8 +383,10 @@ def main() -> None:
     """The serving process's main thread: set up, then read the channel until it closes."""
     logging.basicConfig(level=os.environ.get("TE_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s te-serve %(levelname)s %(message)s")
+    global _parent
     ctrl, listen, mem = (int(v) for v in os.environ["TE_SERVE_FDS"].split(","))
-    if os.getppid() != int(os.environ["TE_SERVE_PARENT"]):
+    _parent = int(os.environ["TE_SERVE_PARENT"])
+    if os.getppid() != _parent:
         sys.exit(0)  # the application is gone already
     chan = Channel(socket.socket(fileno=ctrl))
     cfg, _ = chan.recv()
