@@ -6,6 +6,7 @@ Real engines, real sockets, a real child process; random bytes checked byte for 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -24,7 +25,13 @@ import torch
 from tests.helpers.faults import serving_process_boots_with
 from tests.helpers.rails import RawRail, handshake, hello_frame
 from tests.helpers.transport_contract import MiB, TransportContract, random_bytes
-from transfer_engine import Descriptor, Engine, InvalidDescriptorError, TransferError
+from transfer_engine import (
+    Descriptor,
+    Engine,
+    InvalidDescriptorError,
+    PeerLostError,
+    TransferError,
+)
 from transfer_engine.transport.shm import ShmTransport
 from transfer_engine.transport.stream import KIND_WRITE, shared
 from transfer_engine.transport.tcp import TcpTransport
@@ -154,6 +161,45 @@ def test_a_killed_serving_process_fails_transfers_and_closes_cleanly(
     assert time.monotonic() - start < 30
     t.close()  # no hang
     assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_stopped_serving_process_is_killed_and_its_transfers_fail(
+        make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture, transport: str) -> None:
+    """The serving process stops (SIGSTOP) while the application still answers its
+    peers' control probes: the application finds it answers no ping and kills it, and
+    a WRITE in flight fails with PeerLostError instead of waiting for ever."""
+    from transfer_engine.transport.stream.process import ServeProcess
+
+    monkeypatch.setattr(ServeProcess, "PULSE", 0.2)
+    monkeypatch.setattr(ServeProcess, "HUNG_AFTER", 1.5)
+    kind = TcpTransport if transport == "tcp" else ShmTransport
+    t = make_engine("t", transports=[kind(serve="process")])
+    a = make_engine("a", transports=[transport])
+    t.register(torch.zeros(64 * MiB, dtype=torch.uint8), name="kv")
+    src = random_bytes(64 * MiB, 9)
+    src_seg = a.register(src)
+    peer = a.connect(t.endpoint)
+    remote = peer.segment("kv")
+    a.write(peer, [(Descriptor(src_seg, 0, MiB), Descriptor(remote, 0, MiB))]).wait(10)
+    pid = t.transports[transport].info("serve_pid")
+    assert isinstance(pid, int)
+    time.sleep(1.0)  # pings answered meanwhile: it stays
+    assert not _zombie(pid)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        handle = a.write(peer, [(Descriptor(src_seg, 0, 64 * MiB),
+                                 Descriptor(remote, 0, 64 * MiB))])
+        with pytest.raises(PeerLostError):
+            handle.wait(20)
+        assert time.monotonic() - start < 10
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert _zombie(pid)
+    assert "answered nothing" in caplog.text
 
 
 def _zombie(pid: int) -> bool:

@@ -57,6 +57,9 @@ class ServeProcess:
     ``ClosedError`` and the listener stays the caller's). Relays what it asks of
     ``host``; closed by its transport."""
 
+    PULSE = 2.0  # seconds between pings
+    HUNG_AFTER = 2 * CALL_TIMEOUT  # no answer for this long: the process is killed
+
     def __init__(self, kind: str, listener: socket.socket, host: Host, *,
                  stall_timeout: float, buffer_bytes: int = 0,
                  congestion: str | None = None) -> None:
@@ -68,6 +71,7 @@ class ServeProcess:
         self._lock = threading.Lock()
         self._dead = False
         self._closing = False
+        self._hung = False  # killed for answering no ping (_watch)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         mem: int | None = None
         try:
@@ -114,6 +118,10 @@ class ServeProcess:
         self._reader = threading.Thread(target=self._read, daemon=True,
                                         name=f"te-{kind}-serve-link")
         self._reader.start()
+        self._stopping = threading.Event()
+        self._pulse = threading.Thread(target=self._watch, daemon=True,
+                                       name=f"te-{kind}-serve-pulse")
+        self._pulse.start()
 
     # --- what the serving process asks ------------------------------------------------
 
@@ -146,6 +154,25 @@ class ServeProcess:
         finally:
             self._gone(reason)
 
+    def _watch(self) -> None:
+        """Pings the serving process every :attr:`PULSE` seconds. One that answers
+        nothing for :attr:`HUNG_AFTER` seconds (stopped, or hung) is killed: its peers'
+        transfers then fail at once, where they would wait for it for ever, since
+        this process still answers their control probes."""
+        while not self._stopping.wait(self.PULSE):
+            try:
+                self._call({"op": "ping"}, timeout=self.HUNG_AFTER)
+            except ClosedError as exc:
+                if (self._stopping.is_set() or self._closing or self._dead
+                        or self._proc.poll() is not None or sys.is_finalizing()):
+                    return  # closed, or it exited (the link's reader tells)
+                log.error("%s serving process answered nothing for %gs (%s): killing "
+                          "it; peers' rails to this engine are down", self.kind,
+                          self.HUNG_AFTER, exc)
+                self._hung = True  # said once, here
+                self._kill()
+                return
+
     def _deliver(self) -> None:
         while (item := self._immediates.get()) is not None:
             try:
@@ -177,7 +204,7 @@ class ServeProcess:
         for ticket in admitted:
             ticket.release()
         self._immediates.put(None)  # after every immediate that arrived
-        if not was_dead and not self._closing:
+        if not was_dead and not self._closing and not self._hung:
             code = self._proc.poll()
             if code is None:  # the link failed, not the process: it exits without it
                 log.error("%s serving process link failed (%s): peers' rails to this "
@@ -264,6 +291,7 @@ class ServeProcess:
 
     def close(self) -> None:
         self._closing = True
+        self._stopping.set()
         try:
             self._chan.send({"op": "close"})
         except ChannelClosed:
@@ -279,6 +307,7 @@ class ServeProcess:
         self._chan.close()
         self._reader.join(timeout=5)
         self._deliverer.join(timeout=5)
+        self._pulse.join(timeout=5)
         with self._lock:
             bodies = list(self._bodies.values())
             self._bodies.clear()

@@ -414,6 +414,8 @@ def main() -> None:
                 seg = host.segments.get(msg["seg"])
                 if seg is not None:
                     server.revoke(seg)
+            elif op == "ping":
+                chan.send({"re": msg["id"]})
             elif op == "stats":
                 chan.send({"re": msg["id"], "bytes_received": server.bytes_received,
                            "stats": dict(server.stats)})
