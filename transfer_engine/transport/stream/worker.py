@@ -55,6 +55,7 @@ from transfer_engine.transport.tcp import TcpServer
 log = logging.getLogger(__name__)
 _U64 = 1 << 64
 BOUNCE = 1 << 20  # bytes moved through the mem file per call
+_GATHER = 512  # buffers sent in one gathered call at most
 _parent = 0  # the application's pid (main)
 
 
@@ -263,21 +264,33 @@ class ServeTcpServer(TcpServer):
             headroom[1:] = iov
             send_gather(conn.sock, answer, iov, views.nbytes, headroom)
             return
-        # through one bounded bounce: a READ that names a piece many times must not
-        # cost its size in memory here (the answer is out: a failure drops the rail)
-        send_bytes(conn.sock, answer)
+        # through one bounded bounce, sent (gathered) each time it is full: a READ that
+        # names a piece many times must not cost its size in memory here
         bounce = memoryview(bytearray(min(BOUNCE, views.nbytes) or 1))
+        bufs: list[Any] = [answer]
+        used = 0
         for address, length, here in _pieces(views):
             if here:
-                send_views(conn.sock, [_view_at(here, length, False)], length)
+                bufs.append(_view_at(here, length, False))
                 continue
-            for done in range(0, length, len(bounce)):
-                n = min(len(bounce), length - done)
+            done = 0
+            while done < length:
+                if used == len(bounce) or len(bufs) >= _GATHER:
+                    send_views(conn.sock, bufs)
+                    bufs, used = [], 0
+                n = min(len(bounce) - used, length - done)
                 try:
-                    _full(os.preadv, self._mem, bounce[:n], address + done)
+                    _full(os.preadv, self._mem, bounce[used:used + n], address + done)
                 except InvalidDescriptorError as exc:
+                    if len(bufs) and bufs[0] is answer:  # nothing sent yet: say why
+                        send_bytes(conn.sock, self._answer(wr_id, exc))
+                        return
                     raise PeerClosed(f"read answer cut short: {exc}") from None
-                send_views(conn.sock, [bounce[:n]], n)
+                bufs.append(bounce[used:used + n])
+                used += n
+                done += n
+        if bufs:
+            send_views(conn.sock, bufs)
 
 
 class ServeShmServer(ShmServer):
