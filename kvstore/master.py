@@ -151,7 +151,6 @@ class Master(Placement, Reclaim, Journal, Nodes, Closeable):
         self._put_ids = itertools.count(1)
         self._leases: dict[int, tuple[float, I64]] = {}
         self._lease_heap: list[tuple[float, int]] = []
-        self._lease_ids = itertools.count(1)
         self._key_bytes = 0  # space a key of the latest put took, replicas included
         # puts waiting for frees: (client, put, answer by, parked at)
         self._parked: list[tuple[bytes, KvPut, float, float]] = []
@@ -290,10 +289,7 @@ class Master(Placement, Reclaim, Journal, Nodes, Closeable):
         lease = 0
         if hit.size:
             np.add.at(t.leases, hit, 1)
-            lease = next(self._lease_ids)
-            expiry = self._clock() + self.lease_s
-            self._leases[lease] = (expiry, hit)
-            heapq.heappush(self._lease_heap, (expiry, lease))
+            lease = self._lease(hit)
         miss = keys.shape[0] - int(hit.size)
         if miss and self._key_bytes:
             # a prefix cache puts the blocks it missed once it has computed them: make

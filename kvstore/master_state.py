@@ -13,6 +13,8 @@ type check on its own. Every part runs on the master's thread with its lock held
 from __future__ import annotations
 
 import collections
+import heapq
+import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +69,8 @@ class Node:
     quarantine: collections.deque[tuple[int, list[tuple[int, int, int]]]] = field(
         default_factory=collections.deque)
     moving: list[int] = field(default_factory=list)  # rows of tier copies not yet sent
+    # a client's write to it failed lately: new objects go elsewhere while they can
+    suspect_until: float = 0.0
     copies: collections.deque[tuple[int, list[int]]] = field(
         default_factory=collections.deque)  # (journal seq, rows copied by it)
 
@@ -127,7 +131,6 @@ class MasterState(TierMoves):
         _put_ids: itertools.count[int]
         _leases: dict[int, tuple[float, I64]]
         _lease_heap: list[tuple[float, int]]
-        _lease_ids: itertools.count[int]
         _key_bytes: int
         _parked: list[tuple[bytes, KvPut, float, float]]
         _version: int
@@ -148,6 +151,18 @@ class MasterState(TierMoves):
         def _send_node(self, node: Node, frame: bytes) -> None: ...
         def _acked(self, node: Node, seq: int) -> None: ...
         def _drop_node(self, node: Node, reason: str) -> None: ...
+
+    def _lease(self, rows: I64) -> int:
+        """A new lease on ``rows`` (their counts already raised), ending after
+        ``lease_s``; its id is random, so that no client can release another's, nor a
+        client of a previous master a lease of this one."""
+        lease = secrets.randbits(62) or 1
+        while lease in self._leases:
+            lease = secrets.randbits(62) or 1
+        expiry = self._clock() + self.lease_s
+        self._leases[lease] = (expiry, rows)
+        heapq.heappush(self._lease_heap, (expiry, lease))
+        return lease
 
     def _keys(self, data: bytes) -> npt.NDArray[np.uint64]:
         keys = column(data, "<u8", None, "keys")

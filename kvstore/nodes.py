@@ -17,11 +17,12 @@ no object names them, so that restarts do not grow the master's pool list.
 
 from __future__ import annotations
 
-import heapq
 import logging
+from typing import Any
 
 import numpy as np
 
+from kvstore.errors import InvalidArgumentError
 from kvstore.master_state import MasterState, Node, Pool
 from kvstore.objects import State
 from kvstore.protocol import ENTRY, KvBeat, KvBeatAck, KvNode, KvNodeWelcome, column
@@ -33,6 +34,9 @@ __all__ = ["Nodes"]
 log = logging.getLogger("kvstore.master")  # the master's log, as its other lines
 
 MAX_NODE_POOLS = 64
+MAX_POOLS = 4096  # pools the master holds, live and dead ones not yet reused
+MAX_TEXT = 1024  # characters in a node's name, incarnation, endpoint, place, pool names
+MAX_POOL_BYTES = 1 << 56  # capacity one pool may claim
 MAX_DIRECTORY = 1 << 22  # objects a rejoining node may report (56 bytes each here)
 MAX_VERSION = 1 << 62
 REGISTER_S = 60.0
@@ -67,6 +71,12 @@ class Nodes(MasterState):
 
     def _register(self, ident: bytes, msg: KvNode) -> KvNodeWelcome:
         now = self._clock()
+        for what in ("name", "incarnation", "control", "pod", "zone"):
+            text = getattr(msg, what)
+            if not isinstance(text, str) or len(text) > MAX_TEXT or (
+                    what == "name" and not text):
+                raise ProtocolError(f"node registration: {what} is a string of at most "
+                                    f"{MAX_TEXT} characters")
         node = self._nodes.get(msg.name)
         if msg.part == 0:
             if node is not None and self._held_elsewhere(node, ident, now):
@@ -100,12 +110,18 @@ class Nodes(MasterState):
         node.parts = []
         seen_before = bool(msg.epoch) or entries.size > 0
         usable_after = now + self.grace_s if seen_before else now
-        for local, spec in enumerate(msg.pools):
-            if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)
-                    and isinstance(spec[1], int) and isinstance(spec[2], str)):
-                raise ProtocolError(f"node {msg.name}: pools rows are [segment, bytes, tier]")
-            mine = entries[entries["pool"] == local]
-            space = Space.from_used(spec[1], mine["offset"], mine["length"])
+        try:  # every row checked before a pool is made: a refusal leaves nothing behind
+            spaces = [self._pool_space(msg, spec, entries, local)
+                      for local, spec in enumerate(msg.pools)]
+            if (entries["pool"] >= len(msg.pools)).any() or (entries["pool"] < 0).any():
+                raise ProtocolError(f"node {msg.name}: directory names an unknown pool")
+            if len(self._pools) + len(spaces) - len(self._dead_pools) > MAX_POOLS:
+                raise ProtocolError(f"node {msg.name}: the master holds at most "
+                                    f"{MAX_POOLS} pools")
+        except (ProtocolError, InvalidArgumentError) as exc:
+            self._drop_node(node, "registration refused")
+            raise ProtocolError(str(exc)) from None
+        for local, (spec, space) in enumerate(zip(msg.pools, spaces, strict=True)):
             index = self._pool_slot(now)
             pool = Pool(index, node, local, spec[0], spec[2], space, usable_after)
             if index == len(self._pools):
@@ -113,8 +129,6 @@ class Nodes(MasterState):
             else:
                 self._pools[index] = pool
             node.pools.append(pool.index)
-        if (entries["pool"] >= len(msg.pools)).any() or (entries["pool"] < 0).any():
-            raise ProtocolError(f"node {msg.name}: directory names an unknown pool")
         node.active = True
         if entries.size:
             self._recover(node, entries)
@@ -122,6 +136,20 @@ class Nodes(MasterState):
                  len(node.pools), entries.size)
         return KvNodeWelcome(epoch=self.epoch, interval=self.node_interval,
                              max_missed=self.node_max_missed)
+
+    @staticmethod
+    def _pool_space(msg: KvNode, spec: Any, entries: np.ndarray, local: int) -> Space:
+        """The space of a registering node's pool row ``spec`` (``[segment, bytes,
+        tier]``) with its directory's objects in place; ProtocolError if malformed."""
+        if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)
+                and type(spec[1]) is int and isinstance(spec[2], str)
+                and 0 < spec[1] <= MAX_POOL_BYTES
+                and len(spec[0]) <= MAX_TEXT and len(spec[2]) <= MAX_TEXT):
+            raise ProtocolError(f"node {msg.name}: pools rows are [segment, bytes, tier] "
+                                f"(1 to 2**56 bytes, names of at most {MAX_TEXT} "
+                                "characters)")
+        mine = entries[entries["pool"] == local]
+        return Space.from_used(spec[1], mine["offset"], mine["length"])
 
     def _pool_slot(self, now: float) -> int:
         """A number for a new pool: a dead pool's, once ``2 * grace`` has passed since
@@ -183,10 +211,7 @@ class Nodes(MasterState):
             t.publish(rows)
             # readers of the previous master may still be reading these
             np.add.at(t.leases, rows, 1)
-            lease = next(self._lease_ids)
-            expiry = self._clock() + self.lease_s
-            self._leases[lease] = (expiry, rows)
-            heapq.heappush(self._lease_heap, (expiry, lease))
+            self._lease(rows)
 
     def _drop_node(self, node: Node, reason: str) -> None:
         log.warning("kvstore master: dropping node %s (%s)", node.name, reason)

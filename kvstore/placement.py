@@ -29,6 +29,7 @@ from transfer_engine.errors import ProtocolError
 __all__ = ["Placement", "SPREAD_BYTES"]
 
 SPREAD_BYTES = 8 << 20
+SUSPECT_S = 10.0  # seconds a node a client reported failing gets new objects only if need be
 """A put batch of at least this many bytes (all replicas) is spread over the nodes."""
 
 
@@ -62,6 +63,10 @@ class Placement(MasterState):
         # disk pools are filled by demotion only: new objects are the likeliest to be read
         usable = [p for p in self._pools if p.alive and p.node.active and p.tier != DISK]
         ready = [p for p in usable if p.usable_after <= now]
+        trusted = [p for p in ready if p.node.suspect_until <= now]
+        if len({p.node.name for p in trusted}) >= min(
+                msg.replicas, len({p.node.name for p in ready})):
+            ready = trusted  # nodes a client could not write to lately: only if need be
         ready.sort(key=lambda p: p.index)
         biggest = max((p.space.capacity for p in usable), default=0)
         want = min(msg.replicas, len({p.node.name for p in ready}))
@@ -260,6 +265,10 @@ class Placement(MasterState):
             self._free_rows(rows)
             return KvCommitted(status=status.tobytes())
         failed = {str(name) for name in msg.failed}
+        for name in failed:  # new objects keep off it a while (a node that heartbeats
+            node = self._nodes.get(name)  # but serves nothing would take every retry)
+            if node is not None:
+                node.suspect_until = self._clock() + SUSPECT_S
         if failed:
             bad = [p.index for p in self._pools if p.node.name in failed]
             gone = self._drop_replicas(rows, np.array(bad, dtype=np.int32), free=True)

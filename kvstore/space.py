@@ -57,9 +57,12 @@ class Space:
         out-of-range entries raise :class:`InvalidArgumentError`."""
         space = cls(capacity, align=align)
         off = np.asarray(offsets, dtype=np.int64)
-        size = space.round(np.asarray(sizes, dtype=np.int64))
+        size = np.asarray(sizes, dtype=np.int64)
         if off.size == 0:
             return space
+        if (off < 0).any() or (size < 0).any() or (off > space.capacity - size).any():
+            raise InvalidArgumentError("used ranges overlap or leave the pool")
+        size = space.round(size)  # within the pool: no overflow
         order = np.argsort(off, kind="stable")
         off, size = off[order], size[order]
         end = off + size

@@ -5,6 +5,7 @@ nodes that restart again and again."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -17,7 +18,16 @@ from kvstore import nodes as nodes_module
 from kvstore.client import Client
 from kvstore.master import Master
 from kvstore.node import StorageNode
-from kvstore.protocol import ENTRY, KvBeat, KvCommit, KvNode, KvNodeWelcome, KvPut, Status
+from kvstore.protocol import (
+    ENTRY,
+    KvBeat,
+    KvCommit,
+    KvNode,
+    KvNodeWelcome,
+    KvPut,
+    KvStats,
+    Status,
+)
 from transfer_engine.control.messages import ErrorReply, Message, decode, encode
 
 
@@ -121,6 +131,78 @@ def test_registrations_are_bounded(cluster: tuple[Master, Raw],
     assert len(m._pools) == pools_before
 
 
+def test_registrations_that_lie_are_refused_and_leave_nothing(
+        cluster: tuple[Master, Raw], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Names of a megabyte (they once made every client's stats() fail), pools that
+    claim 2**63 bytes, a directory entry whose end overflows, and pools past the
+    master's bound are each refused precisely; no pool is left half-registered, and
+    the store goes on serving."""
+    m, raw = cluster
+    pools_before = len(m._pools)
+    ok_pool = [["s", 1 << 20, "dram"]]
+    cases = [
+        (KvNode(name="n" * (1 << 20), incarnation="i", pools=ok_pool, part=0, last=True),
+         "name is a string of at most 1024"),
+        (KvNode(name="z", incarnation="i", zone="z" * 5000, pools=ok_pool, part=0,
+                last=True), "zone is a string"),
+        (KvNode(name="big", incarnation="i", pools=[["s", 1 << 63, "dram"]], part=0,
+                last=True), "1 to 2**56 bytes"),
+        (KvNode(name="long", incarnation="i", pools=[["s" * 5000, 1 << 20, "dram"]],
+                part=0, last=True), "names of at most"),
+    ]
+    entry = np.zeros(1, ENTRY)
+    entry["offset"], entry["length"], entry["pool"] = (1 << 63) - 64, 128, 1
+    cases.append((KvNode(name="wraps", incarnation="i", entries=entry.tobytes(),
+                         pools=ok_pool * 2, part=0, last=True), "leave the pool"))
+    for msg, says in cases:
+        rep = raw.ask(msg)
+        assert isinstance(rep, ErrorReply) and says in rep.message, (says, rep)
+        assert len(m._pools) == pools_before and msg.name not in m._nodes
+    monkeypatch.setattr(nodes_module, "MAX_POOLS", pools_before + 3)
+    rep = raw.ask(KvNode(name="fits", incarnation="i", pools=ok_pool * 3, part=0, last=True))
+    assert isinstance(rep, KvNodeWelcome)
+    rep = raw.ask(KvNode(name="over", incarnation="i", pools=ok_pool, part=0, last=True))
+    assert isinstance(rep, ErrorReply) and "at most" in rep.message
+    assert "over" not in m._nodes and len(m._pools) == pools_before + 3
+    with Client(m.endpoint) as c:
+        assert c.stats()
+        c.put(2, b"still serving")
+        assert c.get(2) == b"still serving"
+
+
+def test_a_node_that_beats_but_serves_nothing_does_not_take_every_put(
+        cluster: tuple[Master, Raw]) -> None:
+    """A node that registers pools and heartbeats, but that no client can write to:
+    once a client reports a write to it failed, new objects go to the nodes that
+    work, so every put succeeds (each retry used to land on it again)."""
+    m, raw = cluster
+    stop = threading.Event()
+    rep = raw.ask(KvNode(name="liar", incarnation="i", pools=[["nope", 1 << 30, "dram"]] * 8,
+                         part=0, last=True))
+    assert isinstance(rep, KvNodeWelcome)
+
+    def beat() -> None:
+        while not stop.wait(0.02):
+            raw.sock.send(encode(KvBeat(name="liar", incarnation="i", epoch=m.epoch)))
+            while raw.sock.poll(0):
+                raw.sock.recv()
+
+    beating = threading.Thread(target=beat, daemon=True)
+    beating.start()
+    try:
+        time.sleep(0.3)  # past the grace: the liar's pools are ready
+        assert "liar" in m._nodes
+        with Client(m.endpoint, timeout=5) as c:
+            values = {k: np.random.default_rng(k).bytes(3000) for k in range(1, 21)}
+            for key, value in values.items():
+                c.put(key, value)
+            for key, value in values.items():
+                assert c.get(key) == value
+    finally:
+        stop.set()
+        beating.join(5)
+
+
 def test_restarting_nodes_reuse_pool_numbers(cluster: tuple[Master, Raw]) -> None:
     """A node that registers again and again (a restart each time) leaves the master's
     pool list as long as its live pools need, once the dead ones' time has passed."""
@@ -151,6 +233,22 @@ def test_put_ids_cannot_be_guessed(cluster: tuple[Master, Raw]) -> None:
         rep = raw.ask(KvCommit(put_id=guess, abort=True))
         assert isinstance(rep, ErrorReply) and "unknown put" in rep.message
     assert set(ids) <= set(m._puts)
+
+
+def test_lease_ids_cannot_be_guessed(cluster: tuple[Master, Raw]) -> None:
+    """A get's lease is released by its id alone, with the reader's next request: ids
+    are random, so neither another client nor a client of a previous master (whose
+    ids it still holds after a restart) can release a lease that keeps space from
+    being reused under a reader."""
+    m, raw = cluster
+    with Client(m.endpoint) as c:
+        c.put(5, b"leased bytes")
+        assert c.get(5) == b"leased bytes"  # its lease is held until c's next request
+        assert len(m._leases) == 1
+        (lease,) = m._leases
+        assert lease > 1 << 20
+        raw.ask(KvStats(release=np.arange(1, 400, dtype="<u8").tobytes()))
+        assert set(m._leases) == {lease}
 
 
 def test_a_live_nodes_name_cannot_be_taken(cluster: tuple[Master, Raw]) -> None:
