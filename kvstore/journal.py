@@ -51,6 +51,19 @@ class Journal(MasterState):
                 e["version"] = t.version[these]
                 pool.node.outbox.append(ops)
 
+    def _journal_retired(self, rows: I64) -> None:
+        """Tells the nodes holding ``rows`` that these objects are gone, though their
+        space stays held (leased) until freed."""
+        t = self.table
+        for row in rows.tolist():
+            for p, off in t.replicas(row):
+                pool = self._pools[p]
+                if pool.alive:
+                    op = np.zeros(1, dtype=JOURNAL)
+                    op["op"] = Op.RETIRE
+                    op["entry"]["pool"], op["entry"]["offset"] = pool.local, off
+                    pool.node.outbox.append(op)
+
     def _flush(self) -> None:
         """Sends each node its pending journal operations."""
         now = self._clock()

@@ -40,6 +40,7 @@ from kvstore.link import locate_master, moved_master
 from kvstore.protocol import (
     ENTRY,
     JOURNAL,
+    RETIRED_VERSION,
     KvBeat,
     KvBeatAck,
     KvJournal,
@@ -311,6 +312,8 @@ class StorageNode(Closeable):
                         self._drop(pool, off)
                     elif op == Op.COPY:
                         self._copy((k0, k1, pool, off, length, ck, ver))
+                    elif op == Op.RETIRE:
+                        self._retire(pool, off)
             self.applied = msg.seq
         if msg.seq <= self.applied:
             self._beat()  # acknowledge at once: the master reuses freed space only then
@@ -333,6 +336,15 @@ class StorageNode(Closeable):
                 where.discard((pool, off))
                 if not where:
                     del self._copies[ident]
+
+    def _retire(self, pool: int, off: int) -> None:
+        """The object at (pool, off) is no longer stored; its space stays held (a
+        reader's lease) until the FREE that follows: kept at version 0, never a copy
+        source, never published again by a restarted master."""
+        entry = self.directory.get((pool, off))
+        if entry is not None and entry[6] != RETIRED_VERSION:
+            self._drop(pool, off)
+            self.directory[(pool, off)] = (*entry[:6], RETIRED_VERSION)
 
     def _copy(self, entry: Entry) -> None:
         """Copies the object (key, version) of ``entry`` from the pool holding it into

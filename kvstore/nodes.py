@@ -25,7 +25,15 @@ import numpy as np
 from kvstore.errors import InvalidArgumentError
 from kvstore.master_state import MasterState, Node, Pool
 from kvstore.objects import State
-from kvstore.protocol import ENTRY, KvBeat, KvBeatAck, KvNode, KvNodeWelcome, column
+from kvstore.protocol import (
+    ENTRY,
+    RETIRED_VERSION,
+    KvBeat,
+    KvBeatAck,
+    KvNode,
+    KvNodeWelcome,
+    column,
+)
 from kvstore.space import Space
 from transfer_engine.errors import ProtocolError
 
@@ -170,6 +178,12 @@ class Nodes(MasterState):
         """Adds a rejoining node's directory to the table: the newest version of a key
         wins, replicas of one version merge, everything else is freed."""
         t = self.table
+        gone = entries["version"] == RETIRED_VERSION
+        if gone.any():
+            self._hold_retired(node, entries[gone])
+            entries = entries[~gone]
+            if entries.size == 0:
+                return
         pool_of = np.array(node.pools, dtype=np.int64)[entries["pool"]]
         keys = np.ascontiguousarray(entries["key"]).astype(np.uint64)
         order = np.lexsort((~entries["version"].astype(np.uint64), keys[:, 1], keys[:, 0]))
@@ -212,6 +226,23 @@ class Nodes(MasterState):
             # readers of the previous master may still be reading these
             np.add.at(t.leases, rows, 1)
             self._lease(rows)
+
+    def _hold_retired(self, node: Node, entries: np.ndarray) -> None:
+        """Objects a previous master removed while a reader's lease held them: never
+        published again; their space is freed once a lease of ours has passed (such a
+        reader may still be reading)."""
+        t = self.table
+        rows = t.new_rows(entries.size)
+        t.keys[rows] = np.ascontiguousarray(entries["key"]).astype(np.uint64)
+        t.length[rows] = entries["length"]
+        t.checksum[rows] = entries["checksum"]
+        t.version[rows] = RETIRED_VERSION
+        t.pool[rows, 0] = np.array(node.pools, dtype=np.int64)[entries["pool"]]
+        t.offset[rows, 0] = entries["offset"]
+        t.nrep[rows] = 1
+        t.state[rows] = State.RETIRED
+        np.add.at(t.leases, rows, 1)
+        self._lease(rows)
 
     def _drop_node(self, node: Node, reason: str) -> None:
         log.warning("kvstore master: dropping node %s (%s)", node.name, reason)

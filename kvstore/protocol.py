@@ -64,6 +64,7 @@ class Op(enum.IntEnum):
     COMMIT = 1
     FREE = 2
     COPY = 3  # copy the node's replica of (key, version) to the entry's range, then COMMIT it
+    RETIRE = 4  # the object at (pool, offset) is gone from the index; its space follows
 
 
 ENTRY = np.dtype([("key", "<u8", (2,)), ("pool", "<i8"), ("offset", "<i8"),
@@ -71,9 +72,13 @@ ENTRY = np.dtype([("key", "<u8", (2,)), ("pool", "<i8"), ("offset", "<i8"),
 """One object replica in a node's directory (``pool`` is the node's own segment number)."""
 
 JOURNAL = np.dtype([("op", "<i8"), ("entry", ENTRY)])
-"""One journal operation: commit the entry, free the range at (pool, offset), or copy the
+"""One journal operation: commit the entry, free the range at (pool, offset), copy the
 node's replica of the entry's (key, version) into the entry's range and commit it (a
-move between the node's DRAM and disk pools)."""
+move between the node's DRAM and disk pools), or retire the object at (pool, offset): a
+reader's lease still holds its space, but it is no longer stored (a directory entry of
+version 0, which a restarted master frees once its own lease passes, and never
+publishes)."""
+RETIRED_VERSION = 0  # a directory entry's version once retired (versions start above)
 
 
 def column(data: object, dtype: npt.DTypeLike, count: int | None, what: str,

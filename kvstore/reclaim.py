@@ -43,7 +43,8 @@ class Reclaim(MasterState):
         t = self.table
         held = t.leases[rows] > 0
         t.state[rows[held]] = State.RETIRED
-        self._free_rows(rows[~held])
+        self._journal_retired(rows[held])  # a master restarted meanwhile must not
+        self._free_rows(rows[~held])       # publish them again from the directories
 
     def _free_rows(self, rows: I64) -> None:
         """Frees the space of ``rows`` (through the nodes' journals) and the rows."""

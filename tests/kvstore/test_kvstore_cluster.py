@@ -432,6 +432,39 @@ def test_master_restart_rebuilds_from_nodes() -> None:
         master.close()
 
 
+def test_a_key_removed_under_a_readers_lease_stays_removed_after_a_master_restart(
+        ) -> None:
+    """A reader's lease keeps a removed key's space (it may still be reading), so the
+    space is freed later; the node is told at once that the object is gone, and a
+    master restarted meanwhile never publishes it again (it came back before). Its
+    space is freed once the new master's lease has passed."""
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    opts = dict(lease_s=5.0, put_timeout_s=1.0, grace_s=0.3, node_interval=0.1)
+    master = Master(endpoint, **opts)  # type: ignore[arg-type]
+    node = StorageNode(endpoint, 4 << 20, name="n0")
+    try:
+        master.wait_nodes(1)
+        value = np.random.default_rng(3).bytes(1000)
+        with Client(endpoint, timeout=3.0) as writer, Client(endpoint, timeout=3.0) as reader:
+            writer.put("k", value)
+            writer.put("kept", value[::-1])
+            assert reader.get("k") == value  # its lease lasts until its next request
+            assert writer.remove("k") is True
+            assert writer.get("k") is None
+            time.sleep(0.4)  # the journal reaches the node
+            master.close()
+            master = Master(endpoint, **opts)  # type: ignore[arg-type]
+            master.wait_nodes(1)
+            with Client(endpoint, timeout=3.0) as fresh:
+                assert fresh.get("k") is None
+                assert fresh.get("kept") == value[::-1]
+                assert master.stats()["objects"] == 1
+    finally:
+        node.close()
+        master.close()
+
+
 def test_authentication_and_bad_messages() -> None:
     with Master(auth=SECRET) as master:
         with StorageNode(master.endpoint, 4 << 20, auth=SECRET):
