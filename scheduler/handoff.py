@@ -88,9 +88,9 @@ def unsupported(body: dict[str, Any], chat: bool = False,
         return "stream_options not an object"
     if body.get("n", 1) != 1 or body.get("best_of") not in (None, 1):
         return "n > 1"
-    if body.get("echo") or body.get("top_logprobs") or \
-            body.get("logprobs") not in (None, False):
-        return "echo or logprobs"
+    if body.get("echo") or body.get("top_logprobs") or (
+            body.get("logprobs") if chat else body.get("logprobs") is not None):
+        return "echo or logprobs"  # completions' logprobs 0 asks for the sampled ones
     if body.get("presence_penalty") or body.get("frequency_penalty"):
         return "penalties over output tokens"  # the first token would count as prompt
     temperature = body.get("temperature")
@@ -109,6 +109,18 @@ def unsupported(body: dict[str, Any], chat: bool = False,
     if max_tokens is not None and max_model_len is not None and max_tokens > max_model_len:
         return "max_tokens over the model's context"
     return None
+
+
+def refused(body: dict[str, Any], chat: bool = False,
+            max_model_len: int | None = None) -> bool:
+    """Whether a server would refuse this request for its limits or field types alone
+    (it then goes straight to decode, which says why, and costs prefill nothing)."""
+    why = unsupported(body, chat, max_model_len)
+    n = body.get("n", 1)
+    return (why is not None and not why.startswith(("fields", "echo", "penalties",
+                                                    "a seeded", "n >", "not one",
+                                                    "spaces_between")))\
+        or not (type(n) is int and n >= 1)
 
 
 def load_tokenizer(path: str) -> Any:

@@ -72,7 +72,15 @@ sys.path.insert(0, str(HERE.parent))
 if str(HERE) not in sys.path:  # the helpers beside this file, however it was loaded
     sys.path.insert(1, str(HERE))
 
-from pd_proxy_handoff import end_with_error, first_ended, follow, usage, write_chunk  # noqa: E402
+from pd_proxy_handoff import (  # noqa: E402
+    ClientGone,
+    end_with_error,
+    first_ended,
+    follow,
+    relay,
+    usage,
+    write_chunk,
+)
 from pd_proxy_routing import (  # noqa: E402
     CHARS_PER_TOKEN,
     LOCAL_BELOW,
@@ -91,6 +99,7 @@ from scheduler.errors import NoInstanceError  # noqa: E402
 from scheduler.handoff import (  # noqa: E402
     SAMPLING_FIELDS,
     TextAssembler,
+    refused,
     requested_max_tokens,
     unsupported,
 )
@@ -122,23 +131,25 @@ class Proxy(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-        if self.path not in ("/v1/completions", "/v1/chat/completions"):
-            self._error(404, f"unknown path {self.path}")
-            return
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
             length = -1
-        if length <= 0 or length > MAX_BODY:
-            self._error(400, "a JSON body of at most 16 MiB is required")
+        if self.path not in ("/v1/completions", "/v1/chat/completions") or \
+                length <= 0 or length > MAX_BODY:
+            self.close_connection = True  # its body unread: nothing after it is a request
+            self._error(*((404, f"unknown path {self.path}") if length > 0 else (
+                400, "a JSON body of at most 16 MiB (with its Content-Length) is required")))
             return
         try:
             request = json.loads(self.rfile.read(length))
             if not isinstance(request, dict):
                 raise ValueError("body is not an object")
         except (ValueError, RecursionError) as exc:
+            self.close_connection = True  # a Content-Length too short leaves bytes behind
             self._error(400, f"bad JSON: {exc!r:.200}")
             return
+        request.pop("kv_transfer_params", None)  # the router's alone to set
         try:
             self._dispatch(request)
         except Exception as exc:  # a bug or an input not foreseen: answer, count nothing
@@ -166,7 +177,9 @@ class Proxy(BaseHTTPRequestHandler):
         req = request_of(request, router.cost.block_tokens * CHARS_PER_TOKEN, tok)
         failed: set[str] = set()
         errors: list[str] = []
-        local = False
+        # a request a server refuses for its limits goes where it is refused for free
+        local = refused(request, chat, self.tokenizers.max_model_len(
+            fleet.decode.urls[0]) if fleet.decode.urls else None)
         attempts = 2 + len(fleet.prefill) + len(fleet.decode)
         for _ in range(attempts):
             try:
@@ -406,10 +419,13 @@ class Proxy(BaseHTTPRequestHandler):
                 sent_ids = len(asm.token_ids)
             if not started:  # from here a failure is the client's or the stream's
                 started = True  # (a client gone at once is no fault of decode's)
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream; charset=utf-8")
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                except OSError as exc:
+                    raise ClientGone(str(exc)) from exc
             self._write_chunk(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
         conn: http.client.HTTPConnection | None = None
@@ -440,6 +456,8 @@ class Proxy(BaseHTTPRequestHandler):
                     raise http.client.HTTPException(
                         f"decode answered {resp.status}: {resp.read()[:300]!r}")
                 finish, stop_reason = follow(resp, asm, emit if stream else None)
+                if finish is None:
+                    raise http.client.HTTPException("decode's answer ended unfinished")
                 self._ok(fleet.decode.names[d.decode])
             elif max_tokens != 1 and isinstance(stop_reason, str) and \
                     answer.get("kv_transfer_params"):
@@ -477,12 +495,13 @@ class Proxy(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(data)
         except (OSError, http.client.HTTPException, ValueError) as exc:
-            if d is None:  # the client went away while the answer was written
+            if d is None or isinstance(exc, ClientGone):  # the client went away
                 self.close_connection = True
                 return
             name = fleet.decode.names[d.decode]
-            if not started and conn is not None:
+            if conn is not None:  # decode's fault, whether the client saw a token or not
                 self._fail(name, f"decode failed: {exc!r}", failed, errors)
+            if not started and conn is not None:
                 self._release(d)
                 d = None  # type: ignore[assignment]
                 raise UpstreamError from exc
@@ -504,32 +523,8 @@ class Proxy(BaseHTTPRequestHandler):
 
     def _relay(self, d: Decision, conn: http.client.HTTPConnection,
                resp: http.client.HTTPResponse) -> None:
-        name = self.router.fleet.decode.names[d.decode]
-        done = False
-        try:
-            self.send_response(resp.status)
-            self.send_header("Content-Type", resp.getheader("Content-Type",
-                                                            "application/json"))
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            while True:
-                chunk = resp.read1(65536)
-                if not chunk:
-                    break
-                self._write_chunk(chunk)
-            done = True
-        except (OSError, http.client.HTTPException):
-            self.close_connection = True  # the client sees a cut-off response
-        finally:
-            conn.close()
-            self._release(d)  # before the client can see the end
-            if done:
-                self._ok(name)
-        if done:
-            try:
-                self.wfile.write(b"0\r\n\r\n")
-            except OSError:
-                self.close_connection = True
+        relay(self, self.router.fleet.decode.names[d.decode], lambda: self._release(d),
+              conn, resp)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         sys.stderr.write(f"pd_proxy: {format % args}\n")

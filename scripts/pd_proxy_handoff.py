@@ -11,7 +11,8 @@ from typing import Any
 
 from scheduler.handoff import TextAssembler
 
-__all__ = ["first_ended", "usage", "follow", "write_chunk", "end_with_error"]
+__all__ = ["ClientGone", "first_ended", "usage", "follow", "relay", "write_chunk",
+           "end_with_error"]
 
 
 def first_ended(answer: dict[str, Any]) -> bool:
@@ -57,10 +58,18 @@ def follow(resp: http.client.HTTPResponse, asm: TextAssembler,
     return None, None
 
 
+class ClientGone(OSError):
+    """Writing to the client failed: no fault of the servers'."""
+
+
 def write_chunk(wfile: Any, data: bytes) -> None:
-    """One chunk of a chunked HTTP body, sent at once."""
-    wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-    wfile.flush()
+    """One chunk of a chunked HTTP body, sent at once; :class:`ClientGone` if the
+    client cannot take it."""
+    try:
+        wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        wfile.flush()
+    except OSError as exc:
+        raise ClientGone(str(exc)) from exc
 
 
 def end_with_error(wfile: Any, error: bytes) -> None:
@@ -70,3 +79,39 @@ def end_with_error(wfile: Any, error: bytes) -> None:
         write_chunk(wfile, b"data: " + data + b"\n\n")
     wfile.write(b"0\r\n\r\n")
     wfile.flush()
+
+
+def relay(handler: Any, name: str, release: Any, conn: http.client.HTTPConnection,
+          resp: http.client.HTTPResponse) -> None:
+    """Passes decode server ``name``'s answer on to the client of ``handler`` (the
+    sequential hand-off) as it comes; ``release`` frees the routing's hold before the
+    client can see the end. A failure of decode's counts against it, the client's
+    going away does not."""
+    done = False
+    try:
+        handler.send_response(resp.status)
+        handler.send_header("Content-Type", resp.getheader("Content-Type",
+                                                           "application/json"))
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        while True:
+            chunk = resp.read1(65536)
+            if not chunk:
+                break
+            write_chunk(handler.wfile, chunk)
+        done = True
+    except ClientGone:
+        handler.close_connection = True
+    except (OSError, http.client.HTTPException) as exc:
+        handler.close_connection = True  # the client sees a cut-off response
+        handler._fail(name, f"decode's answer cut off: {exc!r}", set(), [])
+    finally:
+        conn.close()
+        release()  # before the client can see the end
+        if done:
+            handler._ok(name)
+    if done:
+        try:
+            handler.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            handler.close_connection = True

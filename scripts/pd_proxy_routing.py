@@ -23,6 +23,7 @@ from scheduler.router import DEFAULT_POLICY, Request, Router
 __all__ = ["CHARS_PER_TOKEN", "LOCAL_BELOW", "make_router", "request_of", "Tokenizers"]
 
 CHARS_PER_TOKEN = 4  # without the model's tokenizer: a rough, model-free estimate
+TOKENIZE_CHARS = 16384  # characters of a prompt counted with the tokenizer (the head)
 LOCAL_BELOW = 64  # prompts this short prefill on decode: measured cheaper (README)
 
 
@@ -56,7 +57,13 @@ def request_of(body: dict[str, Any], block_chars: int, tokenizer: Any = None) ->
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         tokens = len(prompt)
     elif isinstance(prompt, str) and tokenizer is not None:
-        tokens = len(tokenizer.encode(prompt).ids)
+        # counted on a bounded head (a tokenizer keeps the GIL: a prompt of megabytes
+        # would stop every other request of the router for seconds), the rest estimated
+        try:
+            tokens = len(tokenizer.encode(prompt[:TOKENIZE_CHARS]).ids)
+        except Exception:  # noqa: BLE001 - text it cannot take (a lone surrogate): the
+            tokens = min(len(prompt), TOKENIZE_CHARS) // CHARS_PER_TOKEN  # server says
+        tokens += max(0, len(prompt) - TOKENIZE_CHARS) // CHARS_PER_TOKEN
     else:
         tokens = len(text) // CHARS_PER_TOKEN
     return Request(text_keys(text, block_chars), max(1, tokens),
@@ -79,9 +86,13 @@ class Tokenizers:
         self._lock = threading.Lock()
 
     def _load(self, path: str) -> Any:
-        if path not in self._by_path:
-            self._by_path[path] = load_tokenizer(path)
-        return self._by_path[path]
+        with self._lock:
+            tok = self._by_path.get(path)
+        if tok is None:  # loaded outside the lock (seconds, maybe)
+            tok = load_tokenizer(path)
+            with self._lock:
+                tok = self._by_path.setdefault(path, tok)
+        return tok
 
     def get(self, url: str) -> Any:
         with self._lock:
@@ -89,23 +100,28 @@ class Tokenizers:
             known = self._by_url.get(url)
             if known is not None and (known[1] is not None or now < known[0]):
                 return known[1]
-            tok = None
+            # asked by one request at a time; the others take the sequential hand-off
+            # meanwhile rather than wait for a server that may be slow to answer
+            self._by_url[url] = (now + self.RETRY_S, None)
+        tok = None
+        try:
+            model: Any = {}
             try:
-                model: Any = {}
-                try:
-                    model = get_json(url, "/v1/models", 10.0)["data"][0]
-                    limit = model.get("max_model_len")
-                    if type(limit) is int and limit > 0:
+                model = get_json(url, "/v1/models", 10.0)["data"][0]
+                limit = model.get("max_model_len")
+                if type(limit) is int and limit > 0:
+                    with self._lock:
                         self._limits[url] = limit
-                except Exception:  # noqa: BLE001 - no limit known; a path may be given
-                    if not self.path:
-                        raise
-                tok = self._load(str(self.path or model["root"]))
-            except Exception as exc:  # noqa: BLE001 - no tokenizer: sequential hand-off
-                sys.stderr.write(f"pd_proxy: no tokenizer for {url} ({exc!r:.200}); "
-                                 "its requests take the sequential hand-off\n")
-            self._by_url[url] = (now + self.RETRY_S, tok)
-            return tok
+            except Exception:  # noqa: BLE001 - no limit known; a path may be given
+                if not self.path:
+                    raise
+            tok = self._load(str(self.path or model["root"]))
+        except Exception as exc:  # noqa: BLE001 - no tokenizer: sequential hand-off
+            sys.stderr.write(f"pd_proxy: no tokenizer for {url} ({exc!r:.200}); "
+                             "its requests take the sequential hand-off\n")
+        with self._lock:
+            self._by_url[url] = (time.monotonic() + self.RETRY_S, tok)
+        return tok
 
     def max_model_len(self, url: str) -> int | None:
         """The server's context length, once :meth:`get` has asked it."""

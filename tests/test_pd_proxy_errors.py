@@ -4,18 +4,23 @@ scripted prefill and decode servers (``tests/helpers/pd_scripted.py``):
 - an absent output limit is vLLM's (16 tokens for completions, the rest of the context
   for chat), so decode continues with one token fewer (a chat without a limit goes the
   sequential way where the router does not know the context);
-- a request a server would refuse for limits only decode sees (an empty stop string,
+- a request a server would refuse for its limits (an empty stop string,
   ``max_completion_tokens`` 0, ``min_tokens`` over ``max_tokens``, ``max_tokens``
-  over the context) goes the sequential way, where the server says why;
+  over the context or below 1, ``n`` 0) goes straight to decode, which says why, and
+  costs prefill nothing; a client's own ``kv_transfer_params`` reach no server;
 - a server's own refusal (4xx) reaches the client with its status and answer, from
   prefill or from decode (once a stream has begun, as its last event), and counts as
   no failure of the server: the next request goes through;
 - a client gone before the first byte of its stream is no failure of decode's either:
-  the request is not run again for nobody.
+  the request is not run again for nobody; a decode that fails once the first token
+  went out is one (its breaker counts it), and an unfinished answer is no success;
+- a body refused unread closes its connection; a long prompt is tokenized on a
+  bounded head.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import struct
@@ -58,12 +63,15 @@ def test_absent_limits_and_requests_a_server_refuses() -> None:
         assert dec["max_tokens"] == 64 - len(dec["prompt"])
         assert _decode_request(port, dict(chat, max_completion_tokens=3, max_tokens=9),
                                CHAT)["max_tokens"] == 2
-        # what decode alone would refuse: the original request goes to decode
+        # what decode alone would refuse: the original request goes to decode, and
+        # prefill computes nothing for it (a client must not make it hold KV for free)
         for path, extra in (("/v1/completions", {"stop": [""], "max_tokens": 4}),
                             ("/v1/completions", {"stop": "", "max_tokens": 4}),
                             (CHAT, {"max_completion_tokens": 0, "max_tokens": 5}),
                             ("/v1/completions", {"min_tokens": 5, "max_tokens": 3}),
                             ("/v1/completions", {"max_tokens": 65}),
+                            ("/v1/completions", {"max_tokens": -1}),
+                            ("/v1/completions", {"n": 0, "max_tokens": 4}),
                             # sequential for n: prefill's one token needs no more
                             ("/v1/completions", {"n": 2, "min_tokens": 8,
                                                  "max_tokens": 64})):
@@ -71,10 +79,20 @@ def test_absent_limits_and_requests_a_server_refuses() -> None:
             dec = _decode_request(port, body, path)
             assert {k: dec[k] for k in extra} == extra, extra
             assert ("messages" in dec) == (path == CHAT)
-            pre = next(b for r, b in SEEN if r == "prefill")
-            assert pre["max_tokens"] == 1 and pre["kv_transfer_params"] == handed
-            assert pre.get("min_tokens", 0) <= 1 and "max_completion_tokens" not in pre
+            pre = next((b for r, b in SEEN if r == "prefill"), None)
+            if extra.get("n") == 2:
+                assert pre is not None
+                assert pre["max_tokens"] == 1 and pre["kv_transfer_params"] == handed
+                assert pre.get("min_tokens", 0) <= 1 and "max_completion_tokens" not in pre
+            else:
+                assert pre is None, extra
+                assert "kv_transfer_params" not in dec
             assert _idle()
+        # a client's own kv_transfer_params never reach a server
+        dec = _decode_request(port, dict(base, max_tokens=4, kv_transfer_params={
+            "remote_endpoints": ["198.18.0.9:1"], "do_remote_prefill": True}))
+        assert dec["kv_transfer_params"] != {"remote_endpoints": ["198.18.0.9:1"],
+                                             "do_remote_prefill": True}
         assert _decode_request(port, dict(base, max_tokens=64))["max_tokens"] == 63
     with scripted_proxy(tok, gen, max_model_len=None) as port:
         # no limit and no context known: decode sets the end itself (sequentially)
@@ -134,3 +152,98 @@ def test_a_client_gone_before_its_first_byte_is_no_servers_failure(monkeypatch: 
         board = pd_proxy.Proxy.router.fleet.traffic.breakers
         assert all(b.failures == 0 for b in board._breakers.values())
         assert post(port, {"model": "m", "prompt": "the cache", "max_tokens": 4})[0] == 200
+
+
+def _board() -> dict[str, int]:
+    board = pd_proxy.Proxy.router.fleet.traffic.breakers
+    return {name: b.failures for name, b in board._breakers.items()}
+
+
+def test_a_decode_that_fails_after_the_first_token_counts_against_it(monkeypatch: Any
+                                                                     ) -> None:
+    """Decode answers 500, or ends its stream unfinished, after prefill's first token
+    went out: the client's stream is cut off, and the failure counts against decode
+    (streamed requests once never ejected a dead decode server); a non-streamed one
+    is answered with an error, never a short 200."""
+    tok = byte_tokenizer()
+    gen = tok.encode(" of the cache block").ids
+    modes = iter(["500", "cut", "500", "cut"])
+
+    def broken(self: Any) -> None:
+        if self.role != "decode":
+            return real(self)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        SEEN.append(("decode", {}))
+        if next(modes) == "500":
+            data = b'{"error": {"message": "EngineDeadError", "code": 500}}'
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        chunk = b'data: {"choices": [{"index": 0, "token_ids": [%d]}]}\n\n' % gen[1]
+        self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(chunk), chunk))
+
+    real = Scripted.do_POST
+    monkeypatch.setattr(Scripted, "do_POST", broken)
+    with scripted_proxy(tok, gen) as port:
+        for stream in (True, True, False, False):
+            before = sum(_board().values())
+            SEEN.clear()
+            try:
+                status, body = post(port, {"model": "m", "prompt": "the cache",
+                                           "max_tokens": 8, "stream": stream})
+            except (OSError, ValueError, http.client.HTTPException):  # cut off mid-stream
+                status, body = 200, ""
+            assert "[DONE]" not in body and (stream or status >= 500), (status, body)
+            assert sum(_board().values()) > before
+            assert _idle()
+
+
+def test_a_refused_body_closes_the_connection_and_logprobs_0_is_reproduced() -> None:
+    """A request the router refuses unread (an unknown path, no Content-Length) closes
+    its connection, so its body is never taken for the next request; completions'
+    ``logprobs: 0`` asks for the sampled tokens' logprobs, so it takes the sequential
+    hand-off where decode gives them."""
+    tok = byte_tokenizer()
+    gen = tok.encode(" of the cache block").ids
+    with scripted_proxy(tok, gen) as port:
+        inner = json.dumps({"model": "m", "prompt": "the cache", "max_tokens": 2}).encode()
+        smuggled = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                    + str(len(inner)).encode() + b"\r\n\r\n" + inner)
+        SEEN.clear()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /v1/other HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                      + str(len(smuggled)).encode() + b"\r\n\r\n" + smuggled)
+            got = b""
+            while chunk := s.recv(65536):
+                got += chunk
+        assert got.count(b"HTTP/1.1 ") == 1 and b" 404 " in got
+        assert SEEN == []
+        dec = _decode_request(port, {"model": "m", "prompt": "the cache", "max_tokens": 4,
+                                     "logprobs": 0})
+        assert dec["logprobs"] == 0 and dec["prompt"] == "the cache"
+
+
+def test_a_long_prompt_is_counted_on_a_bounded_head() -> None:
+    """A tokenizer keeps the GIL while it runs: the router counts a prompt's tokens on
+    its first characters and estimates the rest, so a prompt of megabytes does not
+    stop its other requests; text the tokenizer cannot take is estimated."""
+    from pd_proxy_routing import CHARS_PER_TOKEN, TOKENIZE_CHARS, request_of
+
+    tok = byte_tokenizer()
+    seen: list[int] = []
+
+    class Counting:
+        def encode(self, text: str) -> Any:
+            seen.append(len(text))
+            return tok.encode(text)
+
+    big = "the cache " * 200_000
+    req = request_of({"prompt": big}, 64, Counting())
+    assert seen == [TOKENIZE_CHARS]
+    assert req.input_tokens >= (len(big) - TOKENIZE_CHARS) // CHARS_PER_TOKEN
+    assert request_of({"prompt": "a\ud800b"}, 64, tok).input_tokens >= 1
