@@ -13,13 +13,13 @@ from __future__ import annotations
 import numpy as np
 
 from kvstore.master_state import I64, MasterState, Node
-from kvstore.protocol import JOURNAL, KvJournal, Op
+from kvstore.protocol import JOURNAL, KvJournal, Op, wall_time
 from transfer_engine.control.auth import seal
 from transfer_engine.control.reply import send_frame
 
 __all__ = ["Journal"]
 
-_JOURNAL_CHUNK = 50_000  # ops per journal message (64 bytes each, under the 4 MiB limit)
+_JOURNAL_CHUNK = 50_000  # ops per journal message (72 bytes each, under the 4 MiB limit)
 
 
 class Journal(MasterState):
@@ -49,6 +49,7 @@ class Journal(MasterState):
                 e["length"] = t.length[these]
                 e["checksum"] = t.checksum[these]
                 e["version"] = t.version[these]
+                e["expires"] = wall_time(t.deadline[these], self._clock())
                 pool.node.outbox.append(ops)
 
     def _journal_retired(self, rows: I64) -> None:

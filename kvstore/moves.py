@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstore.objects import ObjectTable, State
-from kvstore.protocol import JOURNAL, Op
+from kvstore.protocol import JOURNAL, Op, wall_time
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -135,6 +135,7 @@ class TierMoves:
                 e["length"] = length
                 e["checksum"] = t.checksum[row]
                 e["version"] = t.version[row]
+                e["expires"] = wall_time(t.deadline[row:row + 1], self._clock())[0]
                 target.node.outbox.append(ops)
                 target.node.moving.append(dst)
             t.nrep[dst] = len(new)

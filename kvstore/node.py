@@ -61,9 +61,10 @@ __all__ = ["StorageNode", "main"]
 
 log = logging.getLogger(__name__)
 
-_PART = 60_000  # directory entries per registration message (56 bytes each)
+_PART = 60_000  # directory entries per registration message (64 bytes each)
 
-Entry = tuple[int, int, int, int, int, int, int]  # key lo, key hi, pool, offset, len, ck, ver
+# key lo, key hi, pool, offset, len, ck, ver, expires (epoch seconds, 0: never)
+Entry = tuple[int, int, int, int, int, int, int, float]
 
 
 class StorageNode(Closeable):
@@ -273,6 +274,7 @@ class StorageNode(Closeable):
                 entries[name] = np.array(col, dtype=np.int64)
             entries["checksum"] = np.array(cols[5], dtype=np.uint64)
             entries["version"] = np.array(cols[6], dtype=np.uint64)
+            entries["expires"] = np.array(cols[7], dtype=np.float64)
         parts = max(1, -(-entries.size // _PART))
         welcome: KvNodeWelcome | None = None
         for part in range(parts):
@@ -305,13 +307,13 @@ class StorageNode(Closeable):
         if msg.seq == self.applied + 1:
             ops = column(msg.ops, JOURNAL, None, "ops")
             with self._lock:
-                for op, ((k0, k1), pool, off, length, ck, ver) in ops.tolist():
+                for op, ((k0, k1), pool, off, length, ck, ver, exp) in ops.tolist():
                     if op == Op.COMMIT:
-                        self._add((k0, k1, pool, off, length, ck, ver))
+                        self._add((k0, k1, pool, off, length, ck, ver, exp))
                     elif op == Op.FREE:
                         self._drop(pool, off)
                     elif op == Op.COPY:
-                        self._copy((k0, k1, pool, off, length, ck, ver))
+                        self._copy((k0, k1, pool, off, length, ck, ver, exp))
                     elif op == Op.RETIRE:
                         self._retire(pool, off)
             self.applied = msg.seq
@@ -344,12 +346,12 @@ class StorageNode(Closeable):
         entry = self.directory.get((pool, off))
         if entry is not None and entry[6] != RETIRED_VERSION:
             self._drop(pool, off)
-            self.directory[(pool, off)] = (*entry[:6], RETIRED_VERSION)
+            self.directory[(pool, off)] = (*entry[:6], RETIRED_VERSION, entry[7])
 
     def _copy(self, entry: Entry) -> None:
         """Copies the object (key, version) of ``entry`` from the pool holding it into
         ``entry``'s range (a tier move); journal order guarantees the source is here."""
-        k0, k1, pool, off, length, _, ver = entry
+        k0, k1, pool, off, length, _, ver, _ = entry
         src = next((w for w in self._copies.get((k0, k1, ver), ()) if w[0] != pool), None)
         if src is None or not (0 <= pool < len(self._memory)):
             self.copy_failures += 1

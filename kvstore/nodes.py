@@ -18,6 +18,8 @@ no object names them, so that restarts do not grow the master's pool list.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from typing import Any
 
 import numpy as np
@@ -178,7 +180,9 @@ class Nodes(MasterState):
         """Adds a rejoining node's directory to the table: the newest version of a key
         wins, replicas of one version merge, everything else is freed."""
         t = self.table
-        gone = entries["version"] == RETIRED_VERSION
+        # removed under a lease, or past their TTL: held a lease's time, then freed
+        gone = (entries["version"] == RETIRED_VERSION) | (
+            (entries["expires"] > 0) & (entries["expires"] <= time.time()))
         if gone.any():
             self._hold_retired(node, entries[gone])
             entries = entries[~gone]
@@ -192,7 +196,8 @@ class Nodes(MasterState):
         new_rows: list[int] = []
         prev_key: tuple[int, int] | None = None
         winner = -1
-        for i, ((k0, k1), _, off, length, checksum, version) in enumerate(entries.tolist()):
+        for i, ((k0, k1), _, off, length, checksum, version, expires) in enumerate(
+                entries.tolist()):
             if (k0, k1) != prev_key:
                 prev_key = (k0, k1)
                 row = current[i]
@@ -207,6 +212,8 @@ class Nodes(MasterState):
                     t.length[winner] = length
                     t.checksum[winner] = checksum
                     t.version[winner] = version
+                    t.deadline[winner] = (math.inf if expires <= 0 else  # its TTL
+                                          self._clock() + expires - time.time())
                     t.state[winner] = State.PENDING
                     new_rows.append(winner)
             n = int(t.nrep[winner])

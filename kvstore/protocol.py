@@ -25,6 +25,7 @@ Who sends what:
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -68,8 +69,11 @@ class Op(enum.IntEnum):
 
 
 ENTRY = np.dtype([("key", "<u8", (2,)), ("pool", "<i8"), ("offset", "<i8"),
-                  ("length", "<i8"), ("checksum", "<u8"), ("version", "<u8")])
-"""One object replica in a node's directory (``pool`` is the node's own segment number)."""
+                  ("length", "<i8"), ("checksum", "<u8"), ("version", "<u8"),
+                  ("expires", "<f8")])
+"""One object replica in a node's directory (``pool`` is the node's own segment number;
+``expires``: when its TTL ends, in seconds of the epoch (``time.time()``), 0 for never,
+so that a restarted master keeps it)."""
 
 JOURNAL = np.dtype([("op", "<i8"), ("entry", ENTRY)])
 """One journal operation: commit the entry, free the range at (pool, offset), copy the
@@ -79,6 +83,13 @@ reader's lease still holds its space, but it is no longer stored (a directory en
 version 0, which a restarted master frees once its own lease passes, and never
 publishes)."""
 RETIRED_VERSION = 0  # a directory entry's version once retired (versions start above)
+
+
+def wall_time(deadlines: np.ndarray, now: float) -> np.ndarray:
+    """The master's TTL ``deadlines`` (its clock, which reads ``now``) as the epoch
+    seconds a node keeps in ``expires`` (0: none)."""
+    finite = np.isfinite(deadlines)
+    return np.where(finite, time.time() + np.where(finite, deadlines, now) - now, 0.0)
 
 
 def column(data: object, dtype: npt.DTypeLike, count: int | None, what: str,

@@ -465,6 +465,38 @@ def test_a_key_removed_under_a_readers_lease_stays_removed_after_a_master_restar
         master.close()
 
 
+def test_a_ttl_outlives_a_master_restart() -> None:
+    """Nodes keep each object's TTL (as a time of the epoch) in their directories: a
+    restarted master expires a key when its TTL ends, not never, and a key whose TTL
+    ended while no master ran is not published again."""
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    opts = dict(lease_s=0.3, put_timeout_s=1.0, grace_s=0.3, node_interval=0.1)
+    master = Master(endpoint, **opts)  # type: ignore[arg-type]
+    node = StorageNode(endpoint, 4 << 20, name="n0")
+    try:
+        master.wait_nodes(1)
+        with Client(endpoint, timeout=3.0) as client:
+            client.put("soon", b"gone at 0.3 s", ttl=0.3)
+            client.put("later", b"gone at 3 s", ttl=3.0)
+            client.put("kept", b"no ttl")
+            time.sleep(0.2)  # the journal reaches the node
+            master.close()
+            time.sleep(0.3)  # "soon" ends while no master runs
+            master = Master(endpoint, **opts)  # type: ignore[arg-type]
+            master.wait_nodes(1)
+            assert client.get("soon") is None
+            assert client.get("later") == b"gone at 3 s"
+            deadline = time.monotonic() + 8
+            while client.get("later") is not None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert client.get("later") is None and client.get("kept") == b"no ttl"
+            assert master.stats()["objects"] == 1
+    finally:
+        node.close()
+        master.close()
+
+
 def test_authentication_and_bad_messages() -> None:
     with Master(auth=SECRET) as master:
         with StorageNode(master.endpoint, 4 << 20, auth=SECRET):
