@@ -83,9 +83,13 @@ def unsupported(body: dict[str, Any], chat: bool = False,
         return "stop not a string or strings"
     if stop == "" or (isinstance(stop, list) and "" in stop):
         return "an empty stop string"
-    if body.get("stream_options") is not None and not isinstance(body["stream_options"],
-                                                                 dict):
-        return "stream_options not an object"
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict) and all(
+            k in ("include_usage", "continuous_usage_stats") and isinstance(v, bool | None)
+            for k, v in options.items())):
+        return "stream_options not an object of booleans"
+    if (options or {}).get("continuous_usage_stats"):
+        return "fields ['stream_options.continuous_usage_stats']"  # usage in every chunk
     if body.get("n", 1) != 1 or body.get("best_of") not in (None, 1):
         return "n > 1"
     if body.get("echo") or body.get("top_logprobs") or (

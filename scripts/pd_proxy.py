@@ -455,7 +455,8 @@ class Proxy(BaseHTTPRequestHandler):
                 if resp.status != 200:
                     raise http.client.HTTPException(
                         f"decode answered {resp.status}: {resp.read()[:300]!r}")
-                finish, stop_reason = follow(resp, asm, emit if stream else None)
+                finish, stop_reason = follow(resp, asm, emit if stream else None,
+                                             None if stream else self.connection)
                 if finish is None:
                     raise http.client.HTTPException("decode's answer ended unfinished")
                 self._ok(fleet.decode.names[d.decode])

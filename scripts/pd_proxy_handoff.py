@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import select
+import socket
 from typing import Any
 
 from scheduler.handoff import TextAssembler
@@ -27,12 +29,26 @@ def usage(prompt_ids: list[int], asm: TextAssembler) -> dict[str, Any]:
             "completion_tokens": n, "prompt_tokens_details": None}
 
 
+def client_gone(sock: socket.socket) -> bool:
+    """Whether the client closed its side of ``sock`` (it sends nothing while it
+    waits for an answer, so a readable socket with no bytes is its end)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
+
+
 def follow(resp: http.client.HTTPResponse, asm: TextAssembler,
-           emit: Any) -> tuple[str | None, Any]:
+           emit: Any, client: socket.socket | None = None) -> tuple[str | None, Any]:
     """Reads decode's stream into ``asm`` until it ends or a stop string ends the
     completion first; streams each piece of text through ``emit`` (unless None).
-    Returns the finish reason and stop reason."""
+    Returns the finish reason and stop reason. Raises :class:`ClientGone` once the
+    ``client`` waiting for the whole answer has gone (decode is then aborted, as a
+    server alone aborts a request whose client left)."""
     for raw in iter(resp.readline, b""):
+        if client is not None and client_gone(client):
+            raise ClientGone("the client closed its connection")
         line = raw.strip()
         if not line.startswith(b"data: "):
             continue

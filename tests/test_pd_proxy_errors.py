@@ -247,3 +247,61 @@ def test_a_long_prompt_is_counted_on_a_bounded_head() -> None:
     assert seen == [TOKENIZE_CHARS]
     assert req.input_tokens >= (len(big) - TOKENIZE_CHARS) // CHARS_PER_TOKEN
     assert request_of({"prompt": "a\ud800b"}, 64, tok).input_tokens >= 1
+
+
+def test_a_client_that_leaves_a_whole_answer_it_waits_for_aborts_decode(monkeypatch: Any
+                                                                       ) -> None:
+    """A client waiting for a non-streamed answer closes its connection: decode's
+    stream is closed at its next token (a server alone aborts such a request), not
+    run to its end for nobody; no server is blamed."""
+    tok = byte_tokenizer()
+    gen = tok.encode(" of the cache block of the engine of the cache block").ids
+    sent: list[int] = []
+
+    def slow(self: Any) -> None:
+        if self.role != "decode":
+            return real(self)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        try:
+            for t in self.gen[1:1 + body["max_tokens"]]:
+                time.sleep(0.1)
+                chunk = {"choices": [{"index": 0, "token_ids": [t], "finish_reason": None}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+                sent.append(t)
+        except OSError:
+            pass
+
+    real = Scripted.do_POST
+    monkeypatch.setattr(Scripted, "do_POST", slow)
+    with scripted_proxy(tok, gen) as port:
+        body = json.dumps({"model": "m", "prompt": "the cache", "max_tokens": 30}).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                      + str(len(body)).encode() + b"\r\n\r\n" + body)
+            time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while not _idle() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert _idle() and 0 < len(sent) < 12
+        assert all(f == 0 for f in _board().values())
+
+
+def test_stream_options_the_hand_off_cannot_give_go_elsewhere() -> None:
+    """Usage in every chunk takes the sequential hand-off (decode streams all of it);
+    stream options a server refuses go straight to decode."""
+    tok = byte_tokenizer()
+    gen = tok.encode(" of the cache block").ids
+    with scripted_proxy(tok, gen) as port:
+        base = {"model": "m", "prompt": "the cache", "max_tokens": 4, "stream": True}
+        dec = _decode_request(port, dict(base, stream_options={
+            "include_usage": True, "continuous_usage_stats": True}))
+        assert dec["prompt"] == "the cache" and dec["stream_options"][
+            "continuous_usage_stats"] is True
+        assert [r for r, _ in SEEN] == ["prefill", "decode"]
+        dec = _decode_request(port, dict(base, stream_options={"include_usage": 5}))
+        assert [r for r, _ in SEEN] == ["decode"] and "kv_transfer_params" not in dec
