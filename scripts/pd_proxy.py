@@ -93,6 +93,7 @@ from pd_proxy_upstream import (  # noqa: E402
     DecodeWorkers,
     UpstreamError,
     post_json,
+    relay_get,
 )
 
 from scheduler.errors import NoInstanceError  # noqa: E402
@@ -130,7 +131,11 @@ class Proxy(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def do_GET(self) -> None:  # noqa: N802 - /v1/models and /health, as decode answers
+        relay_get(self, self.router.fleet.decode.urls, self.connect_timeout)
+
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        self.path = urllib.parse.urlsplit(self.path).path  # a query changes nothing
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:

@@ -10,10 +10,11 @@ import sys
 import threading
 import time
 import urllib.parse
+from collections.abc import Sequence
 from http.server import ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["BoundedServer", "DecodeWorkers", "UpstreamError", "post_json", "get_json"]
+__all__ = ["BoundedServer", "DecodeWorkers", "UpstreamError", "post_json", "get_json", "relay_get"]
 
 
 class UpstreamError(Exception):
@@ -45,6 +46,26 @@ def get_json(base: str, path: str, timeout: float) -> Any:
         if resp.status != 200:
             raise OSError(f"GET {path} answered {resp.status}")
         return json.loads(data)
+    finally:
+        conn.close()
+
+
+def relay_get(handler: Any, urls: Sequence[str], timeout: float) -> None:
+    """A GET of ``/v1/models`` or ``/health`` (what a client asks before its first
+    request), answered as the first decode server answers it."""
+    path = urllib.parse.urlsplit(handler.path).path
+    if path not in ("/v1/models", "/health") or not urls:
+        handler._error(404, f"unknown path {handler.path}")
+        return
+    url = urllib.parse.urlsplit(urls[0])
+    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80,
+                                      timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        handler._reply(resp.status, resp.read())
+    except (OSError, http.client.HTTPException) as exc:
+        handler._error(502, f"decode server unreachable: {exc!r:.200}")
     finally:
         conn.close()
 

@@ -305,3 +305,35 @@ def test_stream_options_the_hand_off_cannot_give_go_elsewhere() -> None:
         assert [r for r, _ in SEEN] == ["prefill", "decode"]
         dec = _decode_request(port, dict(base, stream_options={"include_usage": 5}))
         assert [r for r, _ in SEEN] == ["decode"] and "kv_transfer_params" not in dec
+
+
+def test_models_and_health_are_decodes_and_a_query_string_changes_nothing(
+        monkeypatch: Any) -> None:
+    """What a client asks before its first request (``GET /v1/models``, ``/health``)
+    is answered as decode answers it, and a query string on a path (some clients add
+    an API version) is ignored, as the server ignores it."""
+    tok = byte_tokenizer()
+    gen = tok.encode(" of the cache block").ids
+    models = json.dumps({"object": "list", "data": [{"id": "m", "max_model_len": 64}]})
+
+    def do_get(self: Any) -> None:
+        data = models.encode() if self.path == "/v1/models" else b""
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    monkeypatch.setattr(Scripted, "do_GET", do_get, raising=False)
+    with scripted_proxy(tok, gen) as port:
+        for path, want in (("/v1/models?x=1", models), ("/health", ""),
+                           ("/v1/other", None)):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", path)
+            resp = conn.getresponse()
+            body = resp.read().decode()
+            conn.close()
+            assert (resp.status, body) == (200, want) if want is not None \
+                else resp.status == 404, (path, resp.status, body)
+        status, _ = post(port, {"model": "m", "prompt": "the cache", "max_tokens": 4},
+                         path="/v1/completions?api-version=1")
+        assert status == 200
