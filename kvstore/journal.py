@@ -27,6 +27,15 @@ class Journal(MasterState):
     acknowledgements."""
 
     def _journal_commits(self, rows: I64) -> None:
+        self._journal_rows(rows, Op.COMMIT)
+
+    def _journal_retired(self, rows: I64) -> None:
+        """Tells the nodes holding ``rows`` that these objects are gone, though their
+        space stays held (leased) until freed."""
+        self._journal_rows(rows, Op.RETIRE)
+
+    def _journal_rows(self, rows: I64, op: Op) -> None:
+        """Journals ``op`` for every replica of ``rows``, one batch per pool."""
         t = self.table
         if rows.size == 0:
             return
@@ -41,7 +50,7 @@ class Journal(MasterState):
                     continue
                 these = sel[pools == p]
                 ops = np.zeros(these.size, dtype=JOURNAL)
-                ops["op"] = Op.COMMIT
+                ops["op"] = op
                 e = ops["entry"]
                 e["key"] = t.keys[these]
                 e["pool"] = pool.local
@@ -51,19 +60,6 @@ class Journal(MasterState):
                 e["version"] = t.version[these]
                 e["expires"] = wall_time(t.deadline[these], self._clock())
                 pool.node.outbox.append(ops)
-
-    def _journal_retired(self, rows: I64) -> None:
-        """Tells the nodes holding ``rows`` that these objects are gone, though their
-        space stays held (leased) until freed."""
-        t = self.table
-        for row in rows.tolist():
-            for p, off in t.replicas(row):
-                pool = self._pools[p]
-                if pool.alive:
-                    op = np.zeros(1, dtype=JOURNAL)
-                    op["op"] = Op.RETIRE
-                    op["entry"]["pool"], op["entry"]["offset"] = pool.local, off
-                    pool.node.outbox.append(op)
 
     def _flush(self) -> None:
         """Sends each node its pending journal operations."""

@@ -70,7 +70,7 @@ class ServeProcess:
         self._bodies: dict[int, shared.Body] = {}  # segment id -> its shared pages
         self._lock = threading.Lock()
         self._dead = False
-        self._closing = False
+        self._stopping = threading.Event()  # close() began: nothing to report after it
         self._hung = False  # killed for answering no ping (_watch)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         mem: int | None = None
@@ -118,7 +118,6 @@ class ServeProcess:
         self._reader = threading.Thread(target=self._read, daemon=True,
                                         name=f"te-{kind}-serve-link")
         self._reader.start()
-        self._stopping = threading.Event()
         self._pulse = threading.Thread(target=self._watch, daemon=True,
                                        name=f"te-{kind}-serve-pulse")
         self._pulse.start()
@@ -163,7 +162,7 @@ class ServeProcess:
             try:
                 self._call({"op": "ping"}, timeout=self.HUNG_AFTER)
             except ClosedError as exc:
-                if (self._stopping.is_set() or self._closing or self._dead
+                if (self._stopping.is_set() or self._dead
                         or self._proc.poll() is not None or sys.is_finalizing()):
                     return  # closed, or it exited (the link's reader tells)
                 log.error("%s serving process answered nothing for %gs (%s): killing "
@@ -204,7 +203,7 @@ class ServeProcess:
         for ticket in admitted:
             ticket.release()
         self._immediates.put(None)  # after every immediate that arrived
-        if not was_dead and not self._closing and not self._hung:
+        if not was_dead and not self._stopping.is_set() and not self._hung:
             code = self._proc.poll()
             if code is None:  # the link failed, not the process: it exits without it
                 log.error("%s serving process link failed (%s): peers' rails to this "
@@ -290,7 +289,6 @@ class ServeProcess:
         self._proc.wait(timeout=10)
 
     def close(self) -> None:
-        self._closing = True
         self._stopping.set()
         try:
             self._chan.send({"op": "close"})
