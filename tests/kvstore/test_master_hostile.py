@@ -225,6 +225,8 @@ def test_put_ids_cannot_be_guessed(cluster: tuple[Master, Raw]) -> None:
     """A put is committed (or aborted) by its id alone: ids are random, so another
     client cannot publish a put whose bytes are not written yet, nor abort it."""
     m, raw = cluster
+    with m._lock:  # the fixture's 0.2 s could pass during the guesses on a loaded host
+        m.put_timeout_s = 30.0
     placed = [raw.ask(KvPut(keys=_keys([100 + i]), lengths=np.array([64], "<i8").tobytes(),
                             checksums=np.zeros(1, "<u8").tobytes())) for i in range(2)]
     ids = [p.put_id for p in placed]  # type: ignore[attr-defined]
