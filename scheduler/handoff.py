@@ -57,23 +57,53 @@ def unsupported(body: dict[str, Any], chat: bool = False,
     this completions (or chat completions) request, or ``None`` when it can. A request
     a server would refuse goes the sequential way, where a server says why (prefill
     sees only its first token's limits)."""
+    return invalid(body, chat, max_model_len) or beyond(body, chat)
+
+
+def beyond(body: dict[str, Any], chat: bool = False) -> str | None:
+    """What of this (valid) request the first-token hand-off cannot reproduce, if
+    anything: a server answers it, but only a single one gives that answer."""
     extra = sorted(set(body) - (CHAT_FIELDS if chat else FIRST_TOKEN_FIELDS))
     if extra:
         return f"fields {extra}"
-    if chat:
-        if not isinstance(body.get("messages"), list):
-            return "no messages"
-    else:
+    if not chat:
         prompt = body.get("prompt")
         if not (isinstance(prompt, str) or (
                 isinstance(prompt, list) and prompt
                 and all(type(t) is int and 0 <= t < 1 << 31 for t in prompt))):
             return "not one prompt"
+    if ((body.get("stream_options") or {}) if isinstance(body.get("stream_options"), dict)
+            else {}).get("continuous_usage_stats"):
+        return "fields ['stream_options.continuous_usage_stats']"  # usage in every chunk
+    if body.get("n", 1) != 1 or body.get("best_of") not in (None, 1):
+        return "n > 1"
+    if body.get("echo") or body.get("top_logprobs") or (
+            body.get("logprobs") if chat else body.get("logprobs") is not None):
+        return "echo or logprobs"  # completions' logprobs 0 asks for the sampled ones
+    if body.get("presence_penalty") or body.get("frequency_penalty"):
+        return "penalties over output tokens"  # the first token would count as prompt
+    if body.get("seed") is not None and body.get("temperature") != 0:
+        return "a seeded sampler"  # decode's draws would start one token late
+    if body.get("spaces_between_special_tokens") is False and \
+            body.get("skip_special_tokens") is False:
+        return "spaces_between_special_tokens"
+    return None
+
+
+def invalid(body: dict[str, Any], chat: bool = False,
+            max_model_len: int | None = None) -> str | None:
+    """Why a server would refuse this request for its limits or field types alone
+    (as far as the router can tell), or ``None``."""
+    if chat and not isinstance(body.get("messages"), list):
+        return "no messages"
     # fields the hand-off reads itself must have their types (else the server's error)
     for name in ("stream", "skip_special_tokens", "include_stop_str_in_output",
                  "return_token_ids"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             return f"{name} not a boolean"
+    n = body.get("n", 1)
+    if not (type(n) is int and n >= 1):
+        return "n not a positive integer"
     min_tokens = body.get("min_tokens")
     if min_tokens is not None and (type(min_tokens) is not int or min_tokens < 0):
         return "min_tokens"
@@ -88,22 +118,7 @@ def unsupported(body: dict[str, Any], chat: bool = False,
             k in ("include_usage", "continuous_usage_stats") and isinstance(v, bool | None)
             for k, v in options.items())):
         return "stream_options not an object of booleans"
-    if (options or {}).get("continuous_usage_stats"):
-        return "fields ['stream_options.continuous_usage_stats']"  # usage in every chunk
-    if body.get("n", 1) != 1 or body.get("best_of") not in (None, 1):
-        return "n > 1"
-    if body.get("echo") or body.get("top_logprobs") or (
-            body.get("logprobs") if chat else body.get("logprobs") is not None):
-        return "echo or logprobs"  # completions' logprobs 0 asks for the sampled ones
-    if body.get("presence_penalty") or body.get("frequency_penalty"):
-        return "penalties over output tokens"  # the first token would count as prompt
-    temperature = body.get("temperature")
-    if body.get("seed") is not None and temperature != 0:
-        return "a seeded sampler"  # decode's draws would start one token late
-    if body.get("spaces_between_special_tokens") is False and \
-            body.get("skip_special_tokens") is False:
-        return "spaces_between_special_tokens"
-    if body.get("stream_options") is not None and not body.get("stream"):
+    if options is not None and not body.get("stream"):
         return "stream_options without stream"  # the server's error to give
     max_tokens = requested_max_tokens(body, chat)
     if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
@@ -119,12 +134,7 @@ def refused(body: dict[str, Any], chat: bool = False,
             max_model_len: int | None = None) -> bool:
     """Whether a server would refuse this request for its limits or field types alone
     (it then goes straight to decode, which says why, and costs prefill nothing)."""
-    why = unsupported(body, chat, max_model_len)
-    n = body.get("n", 1)
-    return (why is not None and not why.startswith(("fields", "echo", "penalties",
-                                                    "a seeded", "n >", "not one",
-                                                    "spaces_between")))\
-        or not (type(n) is int and n >= 1)
+    return invalid(body, chat, max_model_len) is not None
 
 
 def load_tokenizer(path: str) -> Any:

@@ -74,6 +74,8 @@ if str(HERE) not in sys.path:  # the helpers beside this file, however it was lo
 
 from pd_proxy_handoff import (  # noqa: E402
     ClientGone,
+    begin_stream,
+    end_stream,
     end_with_error,
     first_ended,
     follow,
@@ -347,9 +349,6 @@ class Proxy(BaseHTTPRequestHandler):
 
     # --- the first-token hand-off ---------------------------------------------------
 
-    def _write_chunk(self, data: bytes) -> None:
-        write_chunk(self.wfile, data)
-
     def _first_token(self, request: dict[str, Any], d: Decision, failed: set[str],
                      errors: list[str], tok: Any) -> None:
         """Prefill samples the first token, which goes to the client at once; decode
@@ -424,14 +423,8 @@ class Proxy(BaseHTTPRequestHandler):
                 sent_ids = len(asm.token_ids)
             if not started:  # from here a failure is the client's or the stream's
                 started = True  # (a client gone at once is no fault of decode's)
-                try:
-                    self.send_response(200)
-                    self.send_header("Content-Type", "text/event-stream; charset=utf-8")
-                    self.send_header("Transfer-Encoding", "chunked")
-                    self.end_headers()
-                except OSError as exc:
-                    raise ClientGone(str(exc)) from exc
-            self._write_chunk(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                begin_stream(self, 200, "text/event-stream; charset=utf-8")
+            write_chunk(self, b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
         conn: http.client.HTTPConnection | None = None
         try:
@@ -476,11 +469,11 @@ class Proxy(BaseHTTPRequestHandler):
                 if (request.get("stream_options") or {}).get("include_usage"):
                     chunk = dict(head, object=obj, choices=[],
                                  usage=usage(prompt_ids, asm))
-                    self._write_chunk(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                self._write_chunk(b"data: [DONE]\n\n")
+                    write_chunk(self, b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                write_chunk(self, b"data: [DONE]\n\n")
                 self._release(d)  # before the client can see the end
                 d = None  # type: ignore[assignment]
-                self.wfile.write(b"0\r\n\r\n")
+                end_stream(self)
                 return
             c = dict(choice, finish_reason=finish, stop_reason=stop_reason,
                      token_ids=asm.token_ids if want_ids else None)
@@ -525,7 +518,7 @@ class Proxy(BaseHTTPRequestHandler):
         if not started:
             self._reply(status, body)
         else:
-            end_with_error(self.wfile, body)
+            end_with_error(self, body)
 
     def _relay(self, d: Decision, conn: http.client.HTTPConnection,
                resp: http.client.HTTPResponse) -> None:

@@ -13,8 +13,8 @@ from typing import Any
 
 from scheduler.handoff import TextAssembler
 
-__all__ = ["ClientGone", "first_ended", "usage", "follow", "relay", "write_chunk",
-           "end_with_error"]
+__all__ = ["ClientGone", "first_ended", "usage", "follow", "relay", "begin_stream",
+           "write_chunk", "end_stream", "end_with_error"]
 
 
 def first_ended(answer: dict[str, Any]) -> bool:
@@ -78,23 +78,51 @@ class ClientGone(OSError):
     """Writing to the client failed: no fault of the servers'."""
 
 
-def write_chunk(wfile: Any, data: bytes) -> None:
-    """One chunk of a chunked HTTP body, sent at once; :class:`ClientGone` if the
-    client cannot take it."""
+def begin_stream(handler: Any, status: int, content_type: str) -> None:
+    """Starts an answer whose length is not known yet: chunked for an HTTP/1.1 client;
+    an HTTP/1.0 one, which cannot read chunks, gets the bytes as they are and the
+    connection's close as their end. :class:`ClientGone` if the client is gone."""
+    handler.chunked = handler.request_version not in ("HTTP/0.9", "HTTP/1.0")
     try:
-        wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-        wfile.flush()
+        handler.send_response(status)
+        handler.send_header("Content-Type", content_type)
+        if handler.chunked:
+            handler.send_header("Transfer-Encoding", "chunked")
+        else:
+            handler.send_header("Connection", "close")
+            handler.close_connection = True
+        handler.end_headers()
     except OSError as exc:
         raise ClientGone(str(exc)) from exc
 
 
-def end_with_error(wfile: Any, error: bytes) -> None:
-    """Ends a chunked event stream with ``error`` (a server's JSON error answer) as its
+def write_chunk(handler: Any, data: bytes) -> None:
+    """One piece of an answer :func:`begin_stream` started, sent at once;
+    :class:`ClientGone` if the client cannot take it."""
+    try:
+        handler.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n"
+                            if handler.chunked else data)
+        handler.wfile.flush()
+    except OSError as exc:
+        raise ClientGone(str(exc)) from exc
+
+
+def end_stream(handler: Any) -> None:
+    """Ends an answer :func:`begin_stream` started (a chunked one's last chunk)."""
+    try:
+        if handler.chunked:
+            handler.wfile.write(b"0\r\n\r\n")
+        handler.wfile.flush()
+    except OSError:
+        handler.close_connection = True
+
+
+def end_with_error(handler: Any, error: bytes) -> None:
+    """Ends an event stream with ``error`` (a server's JSON error answer) as its
     last event, as vLLM reports an error met once its stream has begun."""
     for data in (error.strip() or b'{"error": "decode refused the request"}', b"[DONE]"):
-        write_chunk(wfile, b"data: " + data + b"\n\n")
-    wfile.write(b"0\r\n\r\n")
-    wfile.flush()
+        write_chunk(handler, b"data: " + data + b"\n\n")
+    end_stream(handler)
 
 
 def relay(handler: Any, name: str, release: Any, conn: http.client.HTTPConnection,
@@ -105,16 +133,13 @@ def relay(handler: Any, name: str, release: Any, conn: http.client.HTTPConnectio
     going away does not."""
     done = False
     try:
-        handler.send_response(resp.status)
-        handler.send_header("Content-Type", resp.getheader("Content-Type",
-                                                           "application/json"))
-        handler.send_header("Transfer-Encoding", "chunked")
-        handler.end_headers()
+        begin_stream(handler, resp.status, resp.getheader("Content-Type",
+                                                          "application/json"))
         while True:
             chunk = resp.read1(65536)
             if not chunk:
                 break
-            write_chunk(handler.wfile, chunk)
+            write_chunk(handler, chunk)
         done = True
     except ClientGone:
         handler.close_connection = True
@@ -127,7 +152,4 @@ def relay(handler: Any, name: str, release: Any, conn: http.client.HTTPConnectio
         if done:
             handler._ok(name)
     if done:
-        try:
-            handler.wfile.write(b"0\r\n\r\n")
-        except OSError:
-            handler.close_connection = True
+        end_stream(handler)

@@ -98,6 +98,50 @@ def test_proxy_prefills_then_streams_decode(proxy: int) -> None:
     assert dec["kv_transfer_params"] == {"remote_block_ids": [1, 2]}
 
 
+def _http10(port: int, body: dict[str, Any]) -> tuple[bytes, bytes]:
+    """POSTs ``body`` as an HTTP/1.0 client does and reads until the router closes;
+    the answer's head and body."""
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(data) + data)
+        raw = b""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            got = s.recv(65536)
+            if not got:
+                break
+            raw += got
+        else:
+            raise AssertionError("the router kept an HTTP/1.0 connection open")
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    return head, rest
+
+
+def test_an_http10_client_gets_its_stream_unchunked_and_closed(
+        proxy: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An HTTP/1.0 client cannot read chunks: a streamed answer (the sequential relay
+    and the first-token hand-off alike) comes as plain bytes, ended by the close."""
+    monkeypatch.setattr(pd_proxy.Proxy, "handoff", "sequential")
+    head, body = _http10(proxy, {"model": "m", "prompt": "hi", "max_tokens": 16,
+                                 "stream": True})
+    assert head.startswith(b"HTTP/1.1 200") and b"chunked" not in head.lower()
+    assert body.startswith(b"data: ") and body.endswith(b"data: [DONE]\n\n")
+    assert body.count(b"data:") == 4
+    tok = byte_tokenizer()
+    with scripted_proxy(tok, tok.encode("of the cache block").ids) as port:
+        head, body = _http10(port, {"model": "m", "prompt": "the cache", "max_tokens": 4,
+                                    "stream": True})
+        assert head.startswith(b"HTTP/1.1 200") and b"chunked" not in head.lower()
+        events = [json.loads(line[6:]) for line in body.decode().splitlines()
+                  if line.startswith("data: {")]
+        assert body.endswith(b"data: [DONE]\n\n") and len(events) >= 2
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        status, text = post(port, {"model": "m", "prompt": "the cache", "max_tokens": 4,
+                                   "stream": True})  # HTTP/1.1: chunked, as before
+        assert status == 200 and text.endswith("data: [DONE]\n\n")
+
+
 def test_proxy_rejects_bad_requests(proxy: int) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", proxy, timeout=10)
     conn.request("POST", "/v1/completions", b"{not json", {"Content-Type": "x"})
