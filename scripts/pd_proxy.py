@@ -77,6 +77,7 @@ from pd_proxy_handoff import (  # noqa: E402
     begin_stream,
     end_stream,
     end_with_error,
+    event,
     first_ended,
     follow,
     relay,
@@ -404,27 +405,26 @@ class Proxy(BaseHTTPRequestHandler):
 
         obj = "chat.completion.chunk" if chat else "text_completion"
 
+        with_usage = bool((request.get("stream_options") or {}).get("include_usage"))
+        fingerprint = answer.get("system_fingerprint")
+
         def emit(text: str, fin: str | None, reason: Any) -> None:
             nonlocal sent_ids, started
-            c: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": fin,
-                                 "stop_reason": reason}
-            chunk = dict(head, object=obj, choices=[c])
-            if chat:
-                delta = {"role": "assistant"} if not started else {}
-                if text or not started:
-                    delta["content"] = text
-                c["delta"] = delta
-            else:
-                c["text"] = text
+            ids = None
             if want_ids:
-                if not started:
-                    (chunk if chat else c)["prompt_token_ids"] = prompt_ids
-                c["token_ids"] = asm.token_ids[sent_ids:]
-                sent_ids = len(asm.token_ids)
+                ids, sent_ids = asm.token_ids[sent_ids:], len(asm.token_ids)
+            first_ids = prompt_ids if want_ids and not started else None
+            events = [event(head, chat, text, fin, reason, ids,
+                            None if chat else first_ids)]
+            if chat and not started:  # the role alone comes first
+                events.insert(0, event(head, chat, None, None, None, None, first_ids))
+            if fin is not None and not with_usage and fingerprint is not None:
+                events[-1]["system_fingerprint"] = fingerprint  # on the last, as vLLM
             if not started:  # from here a failure is the client's or the stream's
                 started = True  # (a client gone at once is no fault of decode's)
                 begin_stream(self, 200, "text/event-stream; charset=utf-8")
-            write_chunk(self, b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            write_chunk(self, b"".join(b"data: " + json.dumps(e).encode() + b"\n\n"
+                                       for e in events))
 
         conn: http.client.HTTPConnection | None = None
         try:
@@ -466,9 +466,11 @@ class Proxy(BaseHTTPRequestHandler):
                                  head["id"])
             if stream:
                 emit(asm.delta(True), finish, stop_reason)
-                if (request.get("stream_options") or {}).get("include_usage"):
+                if with_usage:
                     chunk = dict(head, object=obj, choices=[],
-                                 usage=usage(prompt_ids, asm))
+                                 usage=usage(prompt_ids, asm, streamed=True))
+                    if fingerprint is not None:
+                        chunk["system_fingerprint"] = fingerprint
                     write_chunk(self, b"data: " + json.dumps(chunk).encode() + b"\n\n")
                 write_chunk(self, b"data: [DONE]\n\n")
                 self._release(d)  # before the client can see the end

@@ -13,7 +13,7 @@ from typing import Any
 
 from scheduler.handoff import TextAssembler
 
-__all__ = ["ClientGone", "first_ended", "usage", "follow", "relay", "begin_stream",
+__all__ = ["ClientGone", "first_ended", "usage", "event", "follow", "relay", "begin_stream",
            "write_chunk", "end_stream", "end_with_error"]
 
 
@@ -23,10 +23,38 @@ def first_ended(answer: dict[str, Any]) -> bool:
     return bool((answer.get("choices") or [{}])[0].get("finish_reason") == "stop")
 
 
-def usage(prompt_ids: list[int], asm: TextAssembler) -> dict[str, Any]:
+def usage(prompt_ids: list[int], asm: TextAssembler, streamed: bool = False
+          ) -> dict[str, Any]:
+    """The joined answer's usage, as vLLM writes it: a whole answer names its empty
+    details, a stream's usage event leaves them out."""
     n = len(asm.token_ids)
-    return {"prompt_tokens": len(prompt_ids), "total_tokens": len(prompt_ids) + n,
-            "completion_tokens": n, "prompt_tokens_details": None}
+    out: dict[str, Any] = {"prompt_tokens": len(prompt_ids),
+                           "total_tokens": len(prompt_ids) + n, "completion_tokens": n}
+    if not streamed:
+        out.update(prompt_tokens_details=None, completion_tokens_details=None)
+    return out
+
+
+def event(head: dict[str, Any], chat: bool, text: str | None, fin: str | None,
+          reason: Any, ids: list[int] | None, prompt_ids: list[int] | None = None
+          ) -> dict[str, Any]:
+    """One streamed event of the joined answer, keyed as vLLM keys a single server's:
+    ``text`` None is chat's opening event (the role alone, before any token); ``ids``
+    None unless the client asked for token ids; ``prompt_ids`` on the first event
+    only, when asked."""
+    c: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": fin}
+    chunk = dict(head, object="chat.completion.chunk" if chat else "text_completion",
+                 choices=[c])
+    if not chat:
+        c.update(text=text, stop_reason=reason, prompt_token_ids=prompt_ids, token_ids=ids)
+    elif text is None:
+        c["delta"] = {"role": "assistant", "content": ""}
+        chunk.update(prompt_token_ids=prompt_ids, prompt_text=None)
+    else:
+        c.update(delta={"content": text}, token_ids=ids)
+        if fin is not None:
+            c["stop_reason"] = reason
+    return chunk
 
 
 def client_gone(sock: socket.socket) -> bool:

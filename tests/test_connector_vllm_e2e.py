@@ -52,7 +52,7 @@ from bench.vllm_servers import (
     wait_healthy,
     wait_in_log,
 )
-from tests.helpers.openai_answers import chat, completion
+from tests.helpers.openai_answers import chat, completion, shape
 from tests.helpers.vllm_engines import BLOCK_BYTES, BLOCK_SIZE, MAX_TOKENS, EngineProcess
 
 pytestmark = [
@@ -515,6 +515,26 @@ def test_first_token_handoff_chat(pd_servers: dict[str, Any]) -> None:
         assert chat(ports["first"], body) == want, body
     after = by_source(ports["decode"])
     assert after["local_compute"] - before["local_compute"] == 3  # the first tokens
+
+
+def test_first_token_handoff_events_have_the_single_servers_keys(
+        pd_servers: dict[str, Any]) -> None:
+    """A strict client sees the keys a single server sends, event by event: chat's
+    opening event with the role alone, nulls where vLLM writes nulls, the fingerprint
+    on the last event, usage without the empty details in a stream (with them in a
+    whole answer)."""
+    ports, model = pd_servers["ports"], pd_servers["model"]
+    prompt = " ".join(WORDS[i % len(WORDS)] for i in range(70))
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        base: dict[str, Any] = {"model": model, "temperature": 0, "max_tokens": 6}
+        base.update({"messages": [{"role": "user", "content": prompt}]} if "chat" in path
+                    else {"prompt": prompt})
+        for extra in ({}, {"stream": True}, {"return_token_ids": True, "stream": True},
+                      {"stream": True, "stream_options": {"include_usage": True}},
+                      {"max_tokens": 1, "stream": True}):
+            body = dict(base, **extra)
+            assert shape(ports["first"], path, body) == shape(ports["prefill"], path, body), \
+                (path, extra)
 
 
 def test_figures_first_token_break_even(pd_servers: dict[str, Any]) -> None:

@@ -58,3 +58,28 @@ def sse_text(body: str) -> str:
     """The completion text of a streamed answer."""
     return "".join(json.loads(line[6:])["choices"][0]["text"] for line in body.splitlines()
                    if line.startswith("data: ") and line != "data: [DONE]")
+
+
+def _keys(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _keys(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_keys(v) for v in value[:1]]  # a list's shape: its first item's
+    return None if value is None else type(value).__name__
+
+
+def shape(port: int, path: str, body: dict[str, Any]) -> Any:
+    """What a strict client parses of an answer, values aside: each event's keys
+    (recursively, with the types of their values, ``None`` kept), consecutive equal
+    shapes counted once (how many tokens one event carries is the server's timing)."""
+    status, raw = http_json(port, "POST", path, body, timeout=120)
+    assert status == 200, raw
+    if not body.get("stream"):
+        return [_keys(json.loads(raw))]
+    shapes: list[Any] = []
+    for line in raw.splitlines():
+        if line.startswith("data: "):
+            s = line[6:] if line == "data: [DONE]" else _keys(json.loads(line[6:]))
+            if not shapes or shapes[-1] != s:
+                shapes.append(s)
+    return shapes
