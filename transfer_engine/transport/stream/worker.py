@@ -21,6 +21,7 @@ is killed (``PR_SET_PDEATHSIG`` would follow the thread that started it instead)
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -55,7 +56,6 @@ from transfer_engine.transport.tcp import TcpServer
 log = logging.getLogger(__name__)
 _U64 = 1 << 64
 BOUNCE = 1 << 20  # bytes moved through the mem file per call
-_GATHER = 512  # buffers sent in one gathered call at most
 _parent = 0  # the application's pid (main)
 
 
@@ -219,6 +219,42 @@ def direct_rows(views: Targets) -> np.ndarray | None:
     return out
 
 
+Batch = list[tuple[int, int, int]]  # (local address, length, mem file address or -1)
+
+
+def _batches(views: Targets, bounce: memoryview) -> Iterator[Batch]:
+    """A request's bytes in order, as batches of local rows: a piece in shared pages
+    as itself (mem file address -1), the rest in ``bounce``, standing for the mem
+    file's bytes at the address given. A batch ends when the bounce is full, so that
+    a request naming a piece many times costs one bounce however large it is."""
+    base = ctypes.addressof(ctypes.c_char.from_buffer(bounce))
+    batch: Batch = []
+    used = 0
+    for address, length, here in _pieces(views):
+        if here:
+            batch.append((here, length, -1))
+            continue
+        off = 0
+        while off < length:
+            n = min(length - off, len(bounce) - used)
+            batch.append((base + used, n, address + off))
+            used += n
+            off += n
+            if used == len(bounce):
+                yield batch
+                batch, used = [], 0
+    if batch:
+        yield batch
+
+
+def _through_mem(batch: Batch, call: Any, fd: int) -> None:
+    """Reads (``os.preadv``) or writes (``os.pwrite``) a batch's bounced rows from or
+    to the mem file."""
+    for local, n, address in batch:
+        if address >= 0:
+            _full(call, fd, _view_at(local, n, call is os.preadv), address)
+
+
 class ServeTcpServer(TcpServer):
     """:class:`TcpServer` over the application's memory from outside its process."""
 
@@ -238,19 +274,12 @@ class ServeTcpServer(TcpServer):
         bounce = memoryview(bytearray(min(BOUNCE, views.nbytes)))
         taken = 0  # payload bytes received so far
         try:
-            for address, length, here in _pieces(views):
-                if here:
-                    recv_into_views(conn.sock, [_view_at(here, length, True)], length,
-                                    deadline=deadline)
-                    taken += length
-                    continue
-                done = 0
-                while done < length:
-                    n = min(len(bounce), length - done)
-                    recv_into_views(conn.sock, [bounce[:n]], n, deadline=deadline)
-                    taken += n
-                    _full(os.pwrite, self._mem, bounce[:n], address + done)
-                    done += n
+            for batch in _batches(views, bounce):
+                n = sum(row[1] for row in batch)
+                recv_into_views(conn.sock, [_view_at(a, k, True) for a, k, _ in batch], n,
+                                deadline=deadline)
+                taken += n
+                _through_mem(batch, os.pwrite, self._mem)
         except InvalidDescriptorError:  # the rest of the payload is still owed: taken
             drain(conn.sock, views.nbytes - taken, deadline)  # so the stream stays in step
             raise
@@ -267,30 +296,20 @@ class ServeTcpServer(TcpServer):
         # through one bounded bounce, sent (gathered) each time it is full: a READ that
         # names a piece many times must not cost its size in memory here
         bounce = memoryview(bytearray(min(BOUNCE, views.nbytes) or 1))
-        bufs: list[Any] = [answer]
-        used = 0
-        for address, length, here in _pieces(views):
-            if here:
-                bufs.append(_view_at(here, length, False))
-                continue
-            done = 0
-            while done < length:
-                if used == len(bounce) or len(bufs) >= _GATHER:
-                    send_views(conn.sock, bufs)
-                    bufs, used = [], 0
-                n = min(len(bounce) - used, length - done)
-                try:
-                    _full(os.preadv, self._mem, bounce[used:used + n], address + done)
-                except InvalidDescriptorError as exc:
-                    if len(bufs) and bufs[0] is answer:  # nothing sent yet: say why
-                        send_bytes(conn.sock, self._answer(wr_id, exc))
-                        return
-                    raise PeerClosed(f"read answer cut short: {exc}") from None
-                bufs.append(bounce[used:used + n])
-                used += n
-                done += n
-        if bufs:
-            send_views(conn.sock, bufs)
+        first = True
+        for batch in _batches(views, bounce):
+            try:
+                _through_mem(batch, os.preadv, self._mem)
+            except InvalidDescriptorError as exc:
+                if first:  # nothing sent yet: say why
+                    send_bytes(conn.sock, self._answer(wr_id, exc))
+                    return
+                raise PeerClosed(f"read answer cut short: {exc}") from None
+            send_views(conn.sock, [answer] * first + [_view_at(a, k, False)
+                                                      for a, k, _ in batch])
+            first = False
+        if first:
+            send_views(conn.sock, [answer])
 
 
 class ServeShmServer(ShmServer):
@@ -315,42 +334,13 @@ class ServeShmServer(ShmServer):
         # what is not in shared pages goes through one bounce of at most BOUNCE bytes,
         # refilled step by step: a request naming a piece many times costs no more
         bounce = memoryview(bytearray(min(BOUNCE, views.nbytes) or 1))
-        base = ctypes.addressof(ctypes.c_char.from_buffer(bounce))
         peer = _Rows(theirs)
-        rows: list[tuple[int, int]] = []
-        bounced: list[tuple[memoryview, int]] = []
-        used = size = 0
-
-        def step() -> tuple[list[tuple[int, int]], list[tuple[int, int]],
-                            Callable[[], None] | None]:
+        for batch in _batches(views, bounce):
             if write_to_peer:
-                for buf, address in bounced:
-                    _full(os.preadv, self._mem, buf, address)
-            done = list(bounced)
-
-            def put_in_place() -> None:
-                for buf, address in done:
-                    _full(os.pwrite, self._mem, buf, address)
-            return rows, peer.take(size), None if write_to_peer else put_in_place
-
-        for address, length, here in _pieces(views):
-            off = 0
-            while off < length:
-                if here:
-                    n = length - off
-                    rows.append((here + off, n))
-                else:
-                    n = min(length - off, len(bounce) - used)
-                    rows.append((base + used, n))
-                    bounced.append((bounce[used:used + n], address + off))
-                    used += n
-                off += n
-                size += n
-                if used == len(bounce):
-                    yield step()
-                    rows, bounced, used, size = [], [], 0, 0
-        if rows:
-            yield step()
+                _through_mem(batch, os.preadv, self._mem)
+            yield ([(a, k) for a, k, _ in batch], peer.take(sum(row[1] for row in batch)),
+                   None if write_to_peer else functools.partial(
+                       _through_mem, batch, os.pwrite, self._mem))
 
 
 class _Rows:
