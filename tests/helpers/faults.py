@@ -62,6 +62,7 @@ class AnswerLosingShmServer(ShmServer):
     answering, once: the initiator cannot tell whether the bytes landed."""
 
     lost = False
+    _counted = False  # the WRITE's immediate was counted (set by the transport below)
 
     def _answer(self, wr_id: int, exc: Any) -> bytes:
         if exc is None and self._counted and not self.lost:
@@ -172,7 +173,7 @@ class SlowCopyNode(StorageNode):
     slow = False
     delay = 0.5
 
-    def _copy(self, entry: tuple[int, int, int, int, int, int, int]) -> None:
+    def _copy(self, entry: tuple[int, int, int, int, int, int, int, float]) -> None:
         if self.slow:
             time.sleep(self.delay)
         super()._copy(entry)

@@ -36,6 +36,7 @@ user) or ``CAP_SYS_PTRACE`` nothing is granted; at 2 or 3 only the capability wo
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
@@ -474,7 +475,8 @@ class ShmTransport(Transport):
             if self._serve == "process":
                 try:
                     self._process = ServeProcess("shm", listener, host,
-                                                 stall_timeout=self._stall)
+                                                 stall_timeout=self._stall,
+                                                 rebind=self._rebind)
                 except ClosedError as exc:
                     log.warning("%s; serving shm from threads of this process instead",
                                 exc)
@@ -491,6 +493,20 @@ class ShmTransport(Transport):
         if self._process is None:
             info["ipc"] = True  # served here: device IPC mappings can be opened
         return info
+
+    def _rebind(self) -> socket.socket:
+        """A listener on the rail socket's path again, for a new serving process."""
+        if self._path is None:
+            raise OSError("the shm transport is closed")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path)
+        again = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            again.bind(self._path)
+        except OSError:
+            again.close()
+            raise
+        return again
 
     def register(self, segment: Segment) -> dict[str, Any]:
         if self._process is not None:

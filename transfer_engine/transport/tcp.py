@@ -331,11 +331,22 @@ class TcpTransport(Transport):
         listener.bind(addr[4])
         bound = listener.getsockname()
         if self._serve == "process":
+
+            def rebind() -> socket.socket:  # the address peers know, for a new process
+                again = socket.socket(addr[0], socket.SOCK_STREAM)
+                try:
+                    again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    again.bind(bound)
+                except OSError:
+                    again.close()
+                    raise
+                return again
+
             try:
                 self._process = ServeProcess("tcp", listener, host,
                                              stall_timeout=self._stall,
                                              buffer_bytes=self._buffer_bytes,
-                                             congestion=self._congestion)
+                                             congestion=self._congestion, rebind=rebind)
                 return {"host": bound[0], "port": bound[1]}
             except ClosedError as exc:
                 log.warning("%s; serving tcp from threads of this process instead", exc)

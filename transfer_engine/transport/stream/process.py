@@ -9,9 +9,10 @@ application's memory (shared in place, see :mod:`.shared`) while the application
 What still needs the application: a rail's opening (its tickets), and the immediates,
 which arrive here in order on one thread, after their bytes.
 
-If the serving process dies, its rails drop (initiators see their transfers fail), new
-rails are refused (the listening socket died with it), and this side logs it once; the
-engine's own transfers to other peers are unaffected.
+If the serving process dies, its rails drop (initiators see their transfers fail), this
+side logs it once and starts it again on the same address with every registered
+segment, so that peers' next rails reach it; the engine's own transfers to other peers
+are unaffected.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,23 +58,48 @@ class ServeProcess:
     unix socket's peers see its credentials (shm initiators let that process copy).
     The serving process owns the listener from then on (if it cannot start, raises
     ``ClosedError`` and the listener stays the caller's). Relays what it asks of
-    ``host``; closed by its transport."""
+    ``host``; closed by its transport. One that dies (killed, crashed, or hung and
+    killed) is started again on a listener from ``rebind`` (the same address), with
+    every segment registered, at most :attr:`RESPAWNS` times in
+    :attr:`RESPAWN_WINDOW` seconds."""
 
     PULSE = 2.0  # seconds between pings
     HUNG_AFTER = 2 * CALL_TIMEOUT  # no answer for this long: the process is killed
+    RESPAWNS = 3
+    RESPAWN_WINDOW = 60.0
 
     def __init__(self, kind: str, listener: socket.socket, host: Host, *,
                  stall_timeout: float, buffer_bytes: int = 0,
-                 congestion: str | None = None) -> None:
+                 congestion: str | None = None,
+                 rebind: Callable[[], socket.socket] | None = None) -> None:
         self.kind = kind
         self._host = host
+        self._hello = {"kind": kind, "name": host.name, "host_id": host.host_id,
+                       "buffer_bytes": buffer_bytes, "congestion": congestion,
+                       "stall": stall_timeout}
+        self._rebind = rebind
+        self._respawns: list[float] = []  # when it was started again
+        self._segments: dict[int, Segment] = {}  # what a new process is told of
+        self._registering = threading.RLock()  # registrations and a respawn: one at once
         self._admitted: dict[int, Any] = {}  # admission id -> the host's ticket
         self._next_admission = 0
         self._bodies: dict[int, shared.Body] = {}  # segment id -> its shared pages
         self._lock = threading.Lock()
-        self._dead = False
         self._stopping = threading.Event()  # close() began: nothing to report after it
-        self._hung = False  # killed for answering no ping (_watch)
+        self._generation = 0  # which process the link's threads serve
+        # immediates go to the engine from a thread of their own, in order: a
+        # notification callback may call back here (register, close a segment), which
+        # waits for an answer only the link's reader can take
+        self._immediates: queue.SimpleQueue[
+            tuple[str, Immediate, bytes, int | None, bool] | None] = queue.SimpleQueue()
+        self._spawn(listener)
+        self._deliverer = threading.Thread(target=self._deliver, daemon=True,
+                                           name=f"te-{kind}-serve-notify")
+        self._deliverer.start()
+
+    def _spawn(self, listener: socket.socket) -> None:
+        """Starts a serving process on ``listener`` and the threads of its link."""
+        kind = self.kind
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         mem: int | None = None
         try:
@@ -79,9 +107,9 @@ class ServeProcess:
             fds = (theirs.fileno(), listener.fileno(), mem)
             env = {**os.environ, "TE_SERVE_FDS": ",".join(map(str, fds)),
                    "TE_SERVE_PARENT": str(os.getpid())}
-            self._proc = subprocess.Popen([sys.executable, "-c", _BOOT, _ROOT], env=env,
-                                          pass_fds=fds, stdin=subprocess.DEVNULL,
-                                          start_new_session=False)
+            proc = subprocess.Popen([sys.executable, "-c", _BOOT, _ROOT], env=env,
+                                    pass_fds=fds, stdin=subprocess.DEVNULL,
+                                    start_new_session=False)
         except OSError as exc:
             ours.close()
             raise ClosedError(f"{kind} serving process did not start: {exc}",
@@ -90,48 +118,44 @@ class ServeProcess:
             theirs.close()
             if mem is not None:
                 os.close(mem)
-        self._chan = Channel(ours)
+        chan = Channel(ours)
         try:
-            self._chan.send({"kind": kind, "name": host.name, "host_id": host.host_id,
-                             "buffer_bytes": buffer_bytes, "congestion": congestion,
-                             "stall": stall_timeout})
+            chan.send(self._hello)
             ours.settimeout(START_TIMEOUT)
-            ready, _ = self._chan.recv()
+            ready, _ = chan.recv()
             ours.settimeout(None)
             if ready.get("op") != "ready":
                 raise ChannelClosed(f"unexpected {ready!r}")
         except (ChannelClosed, OSError) as exc:
-            self._kill()
-            self._chan.close()
+            _kill(proc)
+            chan.close()
             raise ClosedError(f"{kind} serving process did not start: {exc}",
                               transport=kind) from None
         listener.close()  # the serving process holds it now; on failure it stays ours
-        self.pid = int(ready["pid"])
-        # immediates go to the engine from a thread of their own, in order: a
-        # notification callback may call back here (register, close a segment), which
-        # waits for an answer only the link's reader can take
-        self._immediates: queue.SimpleQueue[
-            tuple[str, Immediate, bytes, int | None, bool] | None] = queue.SimpleQueue()
-        self._deliverer = threading.Thread(target=self._deliver, daemon=True,
-                                           name=f"te-{kind}-serve-notify")
-        self._deliverer.start()
-        self._reader = threading.Thread(target=self._read, daemon=True,
-                                        name=f"te-{kind}-serve-link")
+        with self._lock:
+            self._proc, self._chan = proc, chan
+            self.pid = int(ready["pid"])
+            self._dead = False
+            self._hung = False  # killed for answering no ping (_watch)
+            self._generation += 1
+            generation = self._generation
+        self._reader = threading.Thread(target=self._read, args=(chan, generation),
+                                        daemon=True, name=f"te-{kind}-serve-link")
         self._reader.start()
-        self._pulse = threading.Thread(target=self._watch, daemon=True,
-                                       name=f"te-{kind}-serve-pulse")
+        self._pulse = threading.Thread(target=self._watch, args=(proc, generation),
+                                       daemon=True, name=f"te-{kind}-serve-pulse")
         self._pulse.start()
 
     # --- what the serving process asks ------------------------------------------------
 
-    def _read(self) -> None:
+    def _read(self, chan: Channel, generation: int) -> None:
         reason = "link closed"
         try:
             while True:
-                msg, fds = self._chan.recv()
+                msg, fds = chan.recv()
                 for fd in fds:
                     os.close(fd)
-                if self._chan.answer(msg):
+                if chan.answer(msg):
                     continue
                 op = msg.get("op")
                 if op == "imm":
@@ -139,7 +163,7 @@ class ServeProcess:
                         msg["transfer"], msg["expected"], msg["notify"], msg.get("first")),
                         msg["origin"], msg.get("work"), bool(msg.get("resent"))))
                 elif op == "admit":
-                    self._admit(msg)
+                    self._admit(chan, msg)
                 elif op == "release":
                     with self._lock:
                         ticket = self._admitted.pop(msg["admission"], None)
@@ -151,25 +175,25 @@ class ServeProcess:
             log.exception("serving process link failed")
             reason = repr(exc)
         finally:
-            self._gone(reason)
+            self._gone(reason, generation)
 
-    def _watch(self) -> None:
+    def _watch(self, proc: subprocess.Popen[bytes], generation: int) -> None:
         """Pings the serving process every :attr:`PULSE` seconds. One that answers
         nothing for :attr:`HUNG_AFTER` seconds (stopped, or hung) is killed: its peers'
         transfers then fail at once, where they would wait for it for ever, since
         this process still answers their control probes."""
-        while not self._stopping.wait(self.PULSE):
+        while not self._stopping.wait(self.PULSE) and self._generation == generation:
             try:
                 self._call({"op": "ping"}, timeout=self.HUNG_AFTER)
             except ClosedError as exc:
-                if (self._stopping.is_set() or self._dead
-                        or self._proc.poll() is not None or sys.is_finalizing()):
+                if (self._stopping.is_set() or self._generation != generation
+                        or self._dead or proc.poll() is not None or sys.is_finalizing()):
                     return  # closed, or it exited (the link's reader tells)
                 log.error("%s serving process answered nothing for %gs (%s): killing "
                           "it; peers' rails to this engine are down", self.kind,
                           self.HUNG_AFTER, exc)
                 self._hung = True  # said once, here
-                self._kill()
+                _kill(proc)
                 return
 
     def _deliver(self) -> None:
@@ -179,39 +203,84 @@ class ServeProcess:
             except Exception:
                 log.exception("immediate from %s not delivered", item[0])
 
-    def _admit(self, msg: dict[str, Any]) -> None:
+    def _admit(self, chan: Channel, msg: dict[str, Any]) -> None:
         try:
             ticket, proof = self._host.admit_rail(msg["ticket"], msg["transport"],
                                                   msg["challenge"], msg["nonce"],
                                                   msg["proof"])
         except TransferError:
-            self._chan.send({"re": msg["id"], "ok": False})
+            chan.send({"re": msg["id"], "ok": False})
             return
         with self._lock:
             self._next_admission += 1
             admission = self._next_admission
             self._admitted[admission] = ticket
-        self._chan.send({"re": msg["id"], "ok": True, "admission": admission,
+        chan.send({"re": msg["id"], "ok": True, "admission": admission,
                          "ticket": ticket.id, "peer": ticket.peer, "pid": ticket.pid,
                          "proof": proof})
 
-    def _gone(self, reason: str = "link closed") -> None:
+    def _gone(self, reason: str, generation: int) -> None:
         with self._lock:
             was_dead, self._dead = self._dead, True
             admitted = list(self._admitted.values())
             self._admitted.clear()
+            proc, chan = self._proc, self._chan
         for ticket in admitted:
             ticket.release()
-        self._immediates.put(None)  # after every immediate that arrived
         if not was_dead and not self._stopping.is_set() and not self._hung:
-            code = self._proc.poll()
+            try:  # a killed process's link closes before it can be reaped
+                code: int | None = proc.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                code = None
             if code is None:  # the link failed, not the process: it exits without it
                 log.error("%s serving process link failed (%s): peers' rails to this "
                           "engine are down", self.kind, reason)
             elif code != 0:
                 log.error("%s serving process exited (%s): peers' rails to this engine "
                           "are down", self.kind, _describe(code))
-        self._chan.close()
+        chan.close()
+        if not self._stopping.is_set() and self._respawn(proc):
+            return
+        self._immediates.put(None)  # after every immediate that arrived
+
+    def _respawn(self, proc: subprocess.Popen[bytes]) -> bool:
+        """Starts the serving process again after ``proc`` died, on the same address and
+        with every registered segment: peers' next rails reach it. False where it
+        stays down (closing, no ``rebind``, or too many deaths lately)."""
+        if self._rebind is None:
+            return False
+        now = time.monotonic()
+        self._respawns = [t for t in self._respawns if now - t < self.RESPAWN_WINDOW]
+        if len(self._respawns) >= self.RESPAWNS:
+            log.error("%s serving process died %d times in %gs: it stays down, and "
+                      "peers' rails to this engine are refused", self.kind,
+                      len(self._respawns) + 1, self.RESPAWN_WINDOW)
+            return False
+        self._respawns.append(now)
+        while not self._registering.acquire(timeout=0.1):
+            if self._stopping.is_set():
+                return False
+        try:
+            if self._stopping.is_set():
+                return False
+            _kill(proc)  # a link that failed leaves it running
+            try:
+                self._spawn(self._rebind())
+            except (OSError, ClosedError) as exc:
+                log.error("%s serving process not started again: %s", self.kind, exc)
+                return False
+            lost = []
+            for seg in list(self._segments.values()):
+                try:
+                    self._share(seg)
+                except (ClosedError, OSError) as exc:
+                    lost.append(f"{seg.name}: {exc}")
+            log.warning("%s serving process started again (pid %d) with %d segments%s",
+                        self.kind, self.pid, len(self._segments) - len(lost),
+                        f"; not served: {lost}" if lost else "")
+            return True
+        finally:
+            self._registering.release()
 
     # --- what the transport tells it --------------------------------------------------
 
@@ -236,6 +305,11 @@ class ServeProcess:
     def register(self, seg: Segment) -> None:
         """Tells the serving process of ``seg`` (sharing its pages when it can) before
         the engine publishes it."""
+        with self._registering:
+            self._share(seg)
+            self._segments[seg.id] = seg
+
+    def _share(self, seg: Segment) -> None:
         body = shared.share_body(seg.address, seg.length) if seg.device == "cpu" else None
         msg: dict[str, Any] = {"op": "seg", "seg": seg.id, "name": seg.name,
                                "address": seg.address, "length": seg.length,
@@ -253,10 +327,15 @@ class ServeProcess:
                 os.close(body.fd)
         if body is not None:
             with self._lock:
+                old = self._bodies.pop(seg.id, None)
                 self._bodies[seg.id] = body
+            if old is not None:  # shared again for a new serving process
+                shared.release(old)
 
     def deregister(self, seg: Segment) -> None:
         """Returns once the serving process no longer touches ``seg``."""
+        with self._registering:
+            self._segments.pop(seg.id, None)
         with self._lock:
             body = self._bodies.pop(seg.id, None)
         try:
@@ -283,13 +362,10 @@ class ServeProcess:
             return {"bytes_received": 0, "stats": {}}
         return self._call({"op": "stats"})
 
-    def _kill(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.kill()
-        self._proc.wait(timeout=10)
-
     def close(self) -> None:
         self._stopping.set()
+        with self._registering:  # a respawn under way ends first
+            pass
         try:
             self._chan.send({"op": "close"})
         except ChannelClosed:
@@ -301,7 +377,7 @@ class ServeProcess:
             self._proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             log.warning("%s serving process did not stop; killing it", self.kind)
-            self._kill()
+            _kill(self._proc)
         self._chan.close()
         self._reader.join(timeout=5)
         self._deliverer.join(timeout=5)
@@ -311,6 +387,12 @@ class ServeProcess:
             self._bodies.clear()
         for body in bodies:
             shared.release(body)
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
 
 
 def _describe(code: int) -> str:
