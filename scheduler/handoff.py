@@ -96,11 +96,15 @@ def invalid(body: dict[str, Any], chat: bool = False,
     (as far as the router can tell), or ``None``."""
     if chat and not isinstance(body.get("messages"), list):
         return "no messages"
-    # fields the hand-off reads itself must have their types (else the server's error)
+    # fields the hand-off reads itself, or drops, must have their types (else the
+    # server's error); a value a server might still take goes to decode, which says
     for name in ("stream", "skip_special_tokens", "include_stop_str_in_output",
                  "return_token_ids"):
-        if body.get(name) is not None and not isinstance(body[name], bool):
+        if name in body and not isinstance(body[name], bool):
             return f"{name} not a boolean"
+    for name in ("max_tokens", "max_completion_tokens"):
+        if body.get(name) is not None and type(body[name]) is not int:
+            return f"{name} not an integer"
     n = body.get("n", 1)
     if not (type(n) is int and n >= 1):
         return "n not a positive integer"

@@ -49,14 +49,14 @@ Start the pair and the proxy (one host; add ``"host"`` in the extra config for o
         -d '{"model": "MODEL", "prompt": "Hello", "max_tokens": 16, "stream": true}'
 
 The routing pieces live beside this file: ``pd_proxy_routing.py`` (router, request
-view, tokenizers), ``pd_proxy_upstream.py`` (calls to the servers, the HTTP server with
-its bound on clients) and ``pd_proxy_handoff.py`` (reading answers for the first-token
-hand-off).
+view, tokenizers, options), ``pd_proxy_upstream.py`` (calls to the servers, the HTTP
+server with its bound on clients), ``pd_proxy_http.py`` (bodies, errors, and every
+request not routed here passed to a decode server) and ``pd_proxy_handoff.py``
+(reading answers for the first-token hand-off).
 """
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import secrets
@@ -81,13 +81,23 @@ from pd_proxy_handoff import (  # noqa: E402
     first_ended,
     follow,
     relay,
+    response_role,
     usage,
     write_chunk,
 )
+from pd_proxy_http import (  # noqa: E402
+    ROUTED,
+    BodyError,
+    error_body,
+    linger,
+    pass_on,
+    read_body,
+    target,
+)
 from pd_proxy_routing import (  # noqa: E402
     CHARS_PER_TOKEN,
-    LOCAL_BELOW,
     Tokenizers,
+    arguments,
     make_router,
     request_of,
 )
@@ -96,7 +106,6 @@ from pd_proxy_upstream import (  # noqa: E402
     DecodeWorkers,
     UpstreamError,
     post_json,
-    relay_get,
 )
 
 from scheduler.errors import NoInstanceError  # noqa: E402
@@ -107,10 +116,8 @@ from scheduler.handoff import (  # noqa: E402
     requested_max_tokens,
     unsupported,
 )
-from scheduler.router import DEFAULT_POLICY, Decision, Router  # noqa: E402
+from scheduler.router import Decision, Router  # noqa: E402
 from transfer_engine.control.client import RegistryStore  # noqa: E402
-
-MAX_BODY = 16 << 20
 
 
 class Proxy(BaseHTTPRequestHandler):
@@ -124,39 +131,56 @@ class Proxy(BaseHTTPRequestHandler):
     push: DecodeWorkers | None = None  # where decode's workers are: prefill pushes
 
     def _error(self, code: int, message: str) -> None:
-        self._reply(code, json.dumps({"error": {"message": message, "code": code}}).encode())
+        self._reply(code, error_body(code, message))
 
     def _reply(self, code: int, data: bytes) -> None:
         """An answer as a server gave it (a client error is the client's to see)."""
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
-    def do_GET(self) -> None:  # noqa: N802 - /v1/models and /health, as decode answers
-        relay_get(self, self.router.fleet.decode.urls, self.connect_timeout)
+    def _pass_on(self) -> None:
+        """Not a request the router routes: the first decode server answers it."""
+        try:
+            body = read_body(self) if self.command not in ("GET", "HEAD") else None
+        except BodyError as exc:
+            self.close_connection = True
+            self._error(exc.status, str(exc))
+            linger(self)
+            return
+        self.path = target(self)
+        pass_on(self, self.command, body, self.router.fleet.decode.urls,
+                self.upstream_timeout)
+
+    do_GET = do_HEAD = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _pass_on  # noqa: N815
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-        self.path = urllib.parse.urlsplit(self.path).path  # a query changes nothing
         try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            length = -1
-        if self.path not in ("/v1/completions", "/v1/chat/completions") or \
-                length <= 0 or length > MAX_BODY:
-            self.close_connection = True  # its body unread: nothing after it is a request
-            self._error(*((404, f"unknown path {self.path}") if length > 0 else (
-                400, "a JSON body of at most 16 MiB (with its Content-Length) is required")))
+            body = read_body(self)
+        except BodyError as exc:
+            self.close_connection = True  # what is left of it is no request
+            self._error(exc.status, str(exc))
+            linger(self)
             return
+        self.path = target(self)
+        path = self.path.split("?", 1)[0]  # a query changes nothing
+        ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
         try:
-            request = json.loads(self.rfile.read(length))
-            if not isinstance(request, dict):
-                raise ValueError("body is not an object")
-        except (ValueError, RecursionError) as exc:
-            self.close_connection = True  # a Content-Length too short leaves bytes behind
-            self._error(400, f"bad JSON: {exc!r:.200}")
+            request = json.loads(body) if path in ROUTED and ctype == "application/json" \
+                else None
+        except (ValueError, RecursionError):
+            request = None
+        if not isinstance(request, dict) or not isinstance(
+                request.get("kv_transfer_params", {}), dict | None):
+            # the server's own words for it (a body it cannot parse, another path)
+            pass_on(self, "POST", body, self.router.fleet.decode.urls,
+                    self.upstream_timeout)
             return
+        self.path = path
         request.pop("kv_transfer_params", None)  # the router's alone to set
         try:
             self._dispatch(request)
@@ -335,8 +359,12 @@ class Proxy(BaseHTTPRequestHandler):
             decode_body = dict(request, kv_transfer_params=params) if params else request
         name = fleet.decode.names[d.decode]
         try:
-            conn, resp = post_json(dec_url, self.path, decode_body,
-                                   self.upstream_timeout)
+            conn, resp = post_json(dec_url, self.path, decode_body, self.upstream_timeout,
+                                   None if request.get("stream") else self.connection)
+        except ClientGone:  # before decode answered: it aborts the request
+            self._release(d)
+            self.close_connection = True
+            return None, None
         except (OSError, http.client.HTTPException) as exc:
             self._fail(name, f"decode failed: {exc!r}", failed, errors)
             self._release(d)
@@ -386,8 +414,9 @@ class Proxy(BaseHTTPRequestHandler):
                             stop=request.get("stop"), min_tokens=min_tokens,
                             include_stop_str_in_output=bool(
                                 request.get("include_stop_str_in_output")))
-        rest = (max_tokens if max_tokens is not None else (self.tokenizers.max_model_len(
-            fleet.decode.urls[d.decode]) or 0) - len(prompt_ids)) - 1  # decode's limit
+        limit = self.tokenizers.max_model_len(fleet.decode.urls[d.decode])
+        caps = [c for c in (max_tokens, limit and limit - len(prompt_ids)) if c is not None]
+        rest = (min(caps) if caps else 0) - 1  # decode's part: vLLM stops at the context's end
         head = {"id": answer.get("id", "cmpl-pd"), "created": answer.get("created",
                 int(time.time())), "model": answer.get("model", request.get("model"))}
         want_ids = bool(request.get("return_token_ids"))
@@ -417,7 +446,8 @@ class Proxy(BaseHTTPRequestHandler):
             events = [event(head, chat, text, fin, reason, ids,
                             None if chat else first_ids)]
             if chat and not started:  # the role alone comes first
-                events.insert(0, event(head, chat, None, None, None, None, first_ids))
+                events.insert(0, event(head, chat, None, None, None, None, first_ids,
+                                       role=response_role(request)))
             if fin is not None and not with_usage and fingerprint is not None:
                 events[-1]["system_fingerprint"] = fingerprint  # on the last, as vLLM
             if not started:  # from here a failure is the client's or the stream's
@@ -532,33 +562,7 @@ class Proxy(BaseHTTPRequestHandler):
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--prefill", nargs="*", default=[], help="base URLs of prefill servers")
-    ap.add_argument("--decode", nargs="*", default=[], help="base URLs of decode servers")
-    ap.add_argument("--registry", help="find servers in this registry (tcp://HOST:PORT)")
-    ap.add_argument("--policy", default=DEFAULT_POLICY,
-                    help="round_robin, least_loaded, prefix_only or cache_aware (default)")
-    ap.add_argument("--local-below", "--local-prefill-tokens", type=int,
-                    default=LOCAL_BELOW,
-                    dest="local_below", metavar="TOKENS",
-                    help="send prompts of at most this many uncached tokens straight to "
-                         "decode (policy cache_aware; see the README for the break-even)")
-    ap.add_argument("--handoff", choices=("first", "sequential"), default="first",
-                    help="first (default): prefill's first token goes to the client at "
-                         "once and decode continues after it; sequential: decode "
-                         "answers the whole request after prefill")
-    ap.add_argument("--push", action="store_true",
-                    help="prefill pushes the KV layer by layer into decode's staging "
-                         "memory (default: decode reads it from prefill's blocks; see "
-                         "the README for which is faster where)")
-    ap.add_argument("--tokenizer", help="the served model's tokenizer (a path or hub "
-                    "name; default: the model path decode's /v1/models names)")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream call")
-    args = ap.parse_args(argv)
-    if not (args.prefill or args.decode or args.registry):
-        ap.error("give --prefill/--decode URLs or --registry")
+    args = arguments(argv, __doc__.split("\n\n")[0])
     Proxy.router = make_router(args.prefill, args.decode, policy=args.policy,
                                local_prefill_tokens=args.local_below)
     Proxy.upstream_timeout = args.timeout

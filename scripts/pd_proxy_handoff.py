@@ -13,8 +13,8 @@ from typing import Any
 
 from scheduler.handoff import TextAssembler
 
-__all__ = ["ClientGone", "first_ended", "usage", "event", "follow", "relay", "begin_stream",
-           "write_chunk", "end_stream", "end_with_error"]
+__all__ = ["ClientGone", "first_ended", "usage", "event", "response_role", "follow", "relay",
+           "begin_stream", "write_chunk", "end_stream", "end_with_error"]
 
 
 def first_ended(answer: dict[str, Any]) -> bool:
@@ -35,9 +35,18 @@ def usage(prompt_ids: list[int], asm: TextAssembler, streamed: bool = False
     return out
 
 
+def response_role(request: dict[str, Any]) -> Any:
+    """The role of a chat answer, as vLLM names it: the assistant's, or without a
+    generation prompt, the last message's (its continuation)."""
+    if request.get("add_generation_prompt", True):
+        return "assistant"
+    last = (request.get("messages") or [{}])[-1]
+    return last.get("role", "assistant") if isinstance(last, dict) else "assistant"
+
+
 def event(head: dict[str, Any], chat: bool, text: str | None, fin: str | None,
-          reason: Any, ids: list[int] | None, prompt_ids: list[int] | None = None
-          ) -> dict[str, Any]:
+          reason: Any, ids: list[int] | None, prompt_ids: list[int] | None = None,
+          role: Any = "assistant") -> dict[str, Any]:
     """One streamed event of the joined answer, keyed as vLLM keys a single server's:
     ``text`` None is chat's opening event (the role alone, before any token); ``ids``
     None unless the client asked for token ids; ``prompt_ids`` on the first event
@@ -48,7 +57,7 @@ def event(head: dict[str, Any], chat: bool, text: str | None, fin: str | None,
     if not chat:
         c.update(text=text, stop_reason=reason, prompt_token_ids=prompt_ids, token_ids=ids)
     elif text is None:
-        c["delta"] = {"role": "assistant", "content": ""}
+        c["delta"] = {"role": role, "content": ""}
         chunk.update(prompt_token_ids=prompt_ids, prompt_text=None)
     else:
         c.update(delta={"content": text}, token_ids=ids)

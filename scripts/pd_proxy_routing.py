@@ -5,6 +5,7 @@ imported from the scripts folder once the repository root is on ``sys.path``.)""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import threading
@@ -20,7 +21,8 @@ from scheduler.policy import BreakerBoard, TrafficPolicy
 from scheduler.prefix import text_keys
 from scheduler.router import DEFAULT_POLICY, Request, Router
 
-__all__ = ["CHARS_PER_TOKEN", "LOCAL_BELOW", "make_router", "request_of", "Tokenizers"]
+__all__ = ["CHARS_PER_TOKEN", "LOCAL_BELOW", "arguments", "make_router", "request_of",
+           "Tokenizers"]
 
 CHARS_PER_TOKEN = 4  # without the model's tokenizer: a rough, model-free estimate
 TOKENIZE_CHARS = 16384  # characters of a prompt counted with the tokenizer (the head)
@@ -127,3 +129,35 @@ class Tokenizers:
         """The server's context length, once :meth:`get` has asked it."""
         with self._lock:
             return self._limits.get(url)
+
+
+def arguments(argv: list[str] | None, description: str) -> argparse.Namespace:
+    """The proxy's command line."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--prefill", nargs="*", default=[], help="base URLs of prefill servers")
+    ap.add_argument("--decode", nargs="*", default=[], help="base URLs of decode servers")
+    ap.add_argument("--registry", help="find servers in this registry (tcp://HOST:PORT)")
+    ap.add_argument("--policy", default=DEFAULT_POLICY,
+                    help="round_robin, least_loaded, prefix_only or cache_aware (default)")
+    ap.add_argument("--local-below", "--local-prefill-tokens", type=int,
+                    default=LOCAL_BELOW,
+                    dest="local_below", metavar="TOKENS",
+                    help="send prompts of at most this many uncached tokens straight to "
+                         "decode (policy cache_aware; see the README for the break-even)")
+    ap.add_argument("--handoff", choices=("first", "sequential"), default="first",
+                    help="first (default): prefill's first token goes to the client at "
+                         "once and decode continues after it; sequential: decode "
+                         "answers the whole request after prefill")
+    ap.add_argument("--push", action="store_true",
+                    help="prefill pushes the KV layer by layer into decode's staging "
+                         "memory (default: decode reads it from prefill's blocks; see "
+                         "the README for which is faster where)")
+    ap.add_argument("--tokenizer", help="the served model's tokenizer (a path or hub "
+                    "name; default: the model path decode's /v1/models names)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream call")
+    args = ap.parse_args(argv)
+    if not (args.prefill or args.decode or args.registry):
+        ap.error("give --prefill/--decode URLs or --registry")
+    return args

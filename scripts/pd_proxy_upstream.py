@@ -6,29 +6,46 @@ from __future__ import annotations
 
 import http.client
 import json
+import select
+import socket
 import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Sequence
 from http.server import ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["BoundedServer", "DecodeWorkers", "UpstreamError", "post_json", "get_json", "relay_get"]
+from pd_proxy_handoff import ClientGone, client_gone
+
+__all__ = ["BoundedServer", "DecodeWorkers", "UpstreamError", "post_json", "get_json"]
 
 
 class UpstreamError(Exception):
     """An upstream call failed before anything reached the client: safe to retry."""
 
 
-def post_json(base: str, path: str, body: dict[str, Any], timeout: float
+def post_json(base: str, path: str, body: dict[str, Any], timeout: float,
+              client: socket.socket | None = None
               ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """POSTs ``body``; the connection and the response, its status line read. With
+    ``client``, the one waiting for this answer: :class:`ClientGone` once it has gone
+    before the server answers (the request's connection closes: the server aborts
+    it, as it aborts one whose client left)."""
     url = urllib.parse.urlsplit(base)
     conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80,
                                       timeout=timeout)
     try:
         conn.request("POST", path, json.dumps(body).encode(),
                      {"Content-Type": "application/json"})
+        end = time.monotonic() + timeout
+        while client is not None and (left := end - time.monotonic()) > 0:
+            ready, _, _ = select.select([conn.sock, client], [], [], min(left, 1.0))
+            if conn.sock in ready:
+                break
+            if client in ready:  # it sent more (a pipelined request) or it left
+                if client_gone(client):
+                    raise ClientGone("the client closed its connection")
+                client = None
         return conn, conn.getresponse()
     except BaseException:
         conn.close()
@@ -46,26 +63,6 @@ def get_json(base: str, path: str, timeout: float) -> Any:
         if resp.status != 200:
             raise OSError(f"GET {path} answered {resp.status}")
         return json.loads(data)
-    finally:
-        conn.close()
-
-
-def relay_get(handler: Any, urls: Sequence[str], timeout: float) -> None:
-    """A GET of ``/v1/models`` or ``/health`` (what a client asks before its first
-    request), answered as the first decode server answers it."""
-    path = urllib.parse.urlsplit(handler.path).path
-    if path not in ("/v1/models", "/health") or not urls:
-        handler._error(404, f"unknown path {handler.path}")
-        return
-    url = urllib.parse.urlsplit(urls[0])
-    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80,
-                                      timeout=timeout)
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        handler._reply(resp.status, resp.read())
-    except (OSError, http.client.HTTPException) as exc:
-        handler._error(502, f"decode server unreachable: {exc!r:.200}")
     finally:
         conn.close()
 
@@ -141,6 +138,7 @@ class BoundedServer(ThreadingHTTPServer):
 
     daemon_threads = True
     max_clients = 1024
+    request_queue_size = 1024  # listen backlog: a burst of clients must not be reset
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._slots = threading.BoundedSemaphore(self.max_clients)

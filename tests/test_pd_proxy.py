@@ -32,6 +32,7 @@ from tests.helpers.pd_scripted import (  # noqa: E402
     SEEN,
     Scripted,
     byte_tokenizer,
+    parsed,
     post,
     scripted_proxy,
     serve,
@@ -42,7 +43,9 @@ class Upstream(BaseHTTPRequestHandler):
     role = ""
 
     def do_POST(self) -> None:  # noqa: N802
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = parsed(self)
+        if body is None:
+            return
         SEEN.append((self.role, body))
         if self.role == "prefill":
             data = json.dumps({"choices": [{"text": "x"}],
@@ -142,12 +145,24 @@ def test_an_http10_client_gets_its_stream_unchunked_and_closed(
         assert status == 200 and text.endswith("data: [DONE]\n\n")
 
 
-def test_proxy_rejects_bad_requests(proxy: int) -> None:
+def test_a_request_the_router_does_not_route_is_decodes_to_answer(proxy: int) -> None:
+    """A body that is not a JSON object, another content type, another path or method:
+    the decode server answers it (a single server's words), the connection stays."""
+    SEEN.clear()
     conn = http.client.HTTPConnection("127.0.0.1", proxy, timeout=10)
-    conn.request("POST", "/v1/completions", b"{not json", {"Content-Type": "x"})
-    resp = conn.getresponse()
-    assert resp.status == 400 and b"bad JSON" in resp.read()
+    for method, path, body, ctype in (
+            ("POST", "/v1/completions", b"{not json", "application/json"),
+            ("POST", "/v1/completions", b'{"prompt": "hi"}', "text/plain"),
+            ("POST", "/v1/completions", b"[1, 2]", "application/json"),
+            ("POST", "//v1/completions", b"{}", "application/json"),
+            ("PUT", "/v1/completions", b"{}", "application/json")):
+        conn.request(method, path, body, {"Content-Type": ctype})
+        resp = conn.getresponse()
+        answer = resp.read()
+        assert resp.status in (400, 404, 501), (method, path, resp.status)
+        assert b"detail" in answer or b"Unsupported method" in answer, answer
     conn.close()
+    assert SEEN == []  # no prefill was asked, nothing routed
 
 
 def test_proxy_routes_around_a_dead_decode_url() -> None:

@@ -24,6 +24,7 @@ import http.client
 import json
 import socket
 import struct
+import threading
 import time
 from typing import Any
 
@@ -93,7 +94,16 @@ def test_absent_limits_and_requests_a_server_refuses() -> None:
             "remote_endpoints": ["198.18.0.9:1"], "do_remote_prefill": True}))
         assert dec["kv_transfer_params"] != {"remote_endpoints": ["198.18.0.9:1"],
                                              "do_remote_prefill": True}
-        assert _decode_request(port, dict(base, max_tokens=64))["max_tokens"] == 63
+        # vLLM stops at the context's end, whatever max_tokens asks (one prompt token
+        # short of it: prefill's token is the last there is room for)
+        dec = _decode_request(port, dict(base, max_tokens=64))
+        assert dec["max_tokens"] == 64 - len(dec["prompt"])
+        full = next(t for n in range(20, 200) if len(tok.encode(t := "cache " * n).ids) >= 63)
+        assert len(tok.encode(full).ids) == 63  # prefill's token fills the context
+        SEEN.clear()
+        status, body = post(port, dict(base, prompt=full, max_tokens=5))
+        assert status == 200 and json.loads(body)["choices"][0]["finish_reason"] == "length"
+        assert [r for r, _ in SEEN] == ["prefill"]
     with scripted_proxy(tok, gen, max_model_len=None) as port:
         # no limit and no context known: decode sets the end itself (sequentially)
         assert "messages" in _decode_request(port, chat, CHAT)
@@ -140,7 +150,8 @@ def test_a_client_gone_before_its_first_byte_is_no_servers_failure(monkeypatch: 
                            "stream": True}).encode()
         SEEN.clear()
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: "
                       + str(len(body)).encode() + b"\r\n\r\n" + body)
             time.sleep(0.1)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -203,11 +214,12 @@ def test_a_decode_that_fails_after_the_first_token_counts_against_it(monkeypatch
             assert _idle()
 
 
-def test_a_refused_body_closes_the_connection_and_logprobs_0_is_reproduced() -> None:
-    """A request the router refuses unread (an unknown path, no Content-Length) closes
-    its connection, so its body is never taken for the next request; completions'
-    ``logprobs: 0`` asks for the sampled tokens' logprobs, so it takes the sequential
-    hand-off where decode gives them."""
+def test_a_passed_on_body_is_never_a_request_and_logprobs_0_is_reproduced() -> None:
+    """A request for another path is read whole and passed to decode, so its body is
+    never taken for a request of its own; one whose body cannot be read (a bad
+    Content-Length) is answered and its connection closed; completions' ``logprobs:
+    0`` asks for the sampled tokens' logprobs, so it takes the sequential hand-off
+    where decode gives them."""
     tok = byte_tokenizer()
     gen = tok.encode(" of the cache block").ids
     with scripted_proxy(tok, gen) as port:
@@ -216,13 +228,22 @@ def test_a_refused_body_closes_the_connection_and_logprobs_0_is_reproduced() -> 
                     + str(len(inner)).encode() + b"\r\n\r\n" + inner)
         SEEN.clear()
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-            s.sendall(b"POST /v1/other HTTP/1.1\r\nHost: x\r\nContent-Length: "
-                      + str(len(smuggled)).encode() + b"\r\n\r\n" + smuggled)
+            s.sendall(b"POST /v1/other HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                      b"Content-Length: " + str(len(smuggled)).encode() + b"\r\n\r\n"
+                      + smuggled)
             got = b""
             while chunk := s.recv(65536):
                 got += chunk
         assert got.count(b"HTTP/1.1 ") == 1 and b" 404 " in got
         assert SEEN == []
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                      b"12x\r\n\r\n" + smuggled)
+            got = b""
+            while chunk := s.recv(65536):
+                got += chunk
+        assert got.count(b"HTTP/1.1 ") == 1 and b" 400 " in got
+        assert b"Connection: close" in got and SEEN == []
         dec = _decode_request(port, {"model": "m", "prompt": "the cache", "max_tokens": 4,
                                      "logprobs": 0})
         assert dec["logprobs"] == 0 and dec["prompt"] == "the cache"
@@ -317,7 +338,13 @@ def test_models_and_health_are_decodes_and_a_query_string_changes_nothing(
     models = json.dumps({"object": "list", "data": [{"id": "m", "max_model_len": 64}]})
 
     def do_get(self: Any) -> None:
-        data = models.encode() if self.path == "/v1/models" else b""
+        path = self.path.split("?", 1)[0]  # as vLLM's server reads it
+        if path not in ("/v1/models", "/health"):
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        data = models.encode() if path == "/v1/models" else b""
         self.send_response(200)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -337,3 +364,65 @@ def test_models_and_health_are_decodes_and_a_query_string_changes_nothing(
         status, _ = post(port, {"model": "m", "prompt": "the cache", "max_tokens": 4},
                          path="/v1/completions?api-version=1")
         assert status == 200
+
+
+def test_a_burst_of_clients_is_queued_not_reset() -> None:
+    """Clients connecting all at once wait in the listen queue (vLLM's is 2048): none
+    is reset, every one is answered."""
+    tok = byte_tokenizer()
+    gen = tok.encode(" of the cache block").ids
+    with scripted_proxy(tok, gen) as port:
+        n = 96
+        ready = threading.Barrier(n)
+        results: list[Any] = []
+
+        def client() -> None:
+            ready.wait(10)
+            try:
+                results.append(post(port, {"model": "m", "prompt": "the cache",
+                                           "max_tokens": 2}, timeout=60)[0])
+            except OSError as exc:
+                results.append(exc)
+
+        threads = [threading.Thread(target=client) for _ in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert results == [200] * n
+
+
+def test_a_client_gone_before_decodes_whole_answer_aborts_it(monkeypatch: Any) -> None:
+    """The sequential hand-off, not streamed: a client that leaves while decode works
+    closes decode's request (vLLM aborts it), and the router lets it go at once, not
+    when decode would have answered."""
+    tok = byte_tokenizer()
+    gen = tok.encode(" of the cache block").ids
+    with scripted_proxy(tok, gen) as port:
+        monkeypatch.setattr(pd_proxy.Proxy, "handoff", "sequential")
+        monkeypatch.setattr(Scripted, "delay", 3.0)
+        body = json.dumps({"model": "m", "prompt": "the cache", "max_tokens": 4}).encode()
+        SEEN.clear()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: "
+                      + str(len(body)).encode() + b"\r\n\r\n" + body)
+            deadline = time.monotonic() + 10
+            while len(SEEN) < 2 and time.monotonic() < deadline:  # decode has it
+                time.sleep(0.02)
+        gone = time.monotonic()
+        while not _idle() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _idle() and time.monotonic() - gone < 2.0  # decode's answer: 3 s away
+        board = pd_proxy.Proxy.router.fleet.traffic.breakers
+        assert all(b.failures == 0 for b in board._breakers.values())
+
+
+def test_a_chat_without_a_generation_prompt_answers_in_the_last_messages_role() -> None:
+    from pd_proxy_handoff import event, response_role
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert response_role(chat) == "assistant"
+    assert response_role(dict(chat, add_generation_prompt=False)) == "user"
+    opening = event({}, True, None, None, None, None, role="user")
+    assert opening["choices"][0]["delta"] == {"role": "user", "content": ""}

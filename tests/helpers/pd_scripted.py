@@ -24,8 +24,16 @@ import pd_proxy  # noqa: E402
 SEEN: list[tuple[str, dict[str, Any]]] = []  # (role, request body) as the servers got them
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # as a real server's: a burst of connections waits
+
+
 def serve(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, threading.Thread]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    """``handler`` served on a loopback port (the router's own server class for the
+    router), in a thread."""
+    server_class = pd_proxy.BoundedServer if issubclass(handler, pd_proxy.Proxy) else _Server
+    server = server_class(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     return server, thread
@@ -59,6 +67,30 @@ def byte_tokenizer() -> Any:
     return tok
 
 
+def parsed(handler: BaseHTTPRequestHandler) -> Any:
+    """A stand-in server's reading of a request: its JSON body, or None once it
+    answered as vLLM's server does (404 for a path it does not serve, 400 for a body
+    that is not a JSON object)."""
+    data = handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
+    path = handler.requestline.split()[1].split("?", 1)[0]  # "//" kept, as uvicorn does
+    json_type = (handler.headers.get("Content-Type") or "").startswith("application/json")
+    try:
+        body = json.loads(data) if json_type and path in ("/v1/completions",
+                                                          "/v1/chat/completions") else None
+    except (ValueError, RecursionError):
+        body = None
+    if isinstance(body, dict):
+        return body
+    status, answer = (400, b'{"detail":"There was an error parsing the body"}') \
+        if path.startswith("/v1/c") else (404, b'{"detail":"Not Found"}')
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(answer)))
+    handler.end_headers()
+    handler.wfile.write(answer)
+    return None
+
+
 class Scripted(BaseHTTPRequestHandler):
     """Prefill and decode speaking vLLM's token-id fields, generating ``gen``: prefill
     its first token, decode the rest after the prompt plus that token."""
@@ -71,7 +103,9 @@ class Scripted(BaseHTTPRequestHandler):
     delay = 0.0  # seconds each answer waits first (a prefill that computes)
 
     def do_POST(self) -> None:  # noqa: N802
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = parsed(self)
+        if body is None:
+            return
         SEEN.append((self.role, body))
         time.sleep(self.delay)
         if self.role in self.refuse:  # the request's own error, as vLLM answers it
