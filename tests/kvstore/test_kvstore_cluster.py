@@ -130,6 +130,8 @@ def test_eviction_keeps_puts_going(cluster: tuple[Master, list[StorageNode]]) ->
 
 def test_lease_holds_space_until_released(cluster: tuple[Master, list[StorageNode]]) -> None:
     master, _ = cluster
+    with master._lock:  # the churn below may take the fixture's 2 s on a loaded host
+        master.lease_s = 60.0
     with Client(master.endpoint) as client:
         client.put(1, os.urandom(1 << 20))
         with raw_link(client) as request:  # take a lease the way a get does, and keep it
@@ -353,6 +355,8 @@ def test_put_without_waiting_is_seen_in_order_and_its_failures_come_at_flush() -
             master.wait_nodes(1)
             with Client(master.endpoint) as client, Client(master.endpoint) as other:
                 vals = _values(rng, 8)
+                with master._lock:  # 0.2 s for the stalled put below, not for this one
+                    master.put_timeout_s = 10.0
                 client.batch_put(range(8), vals, wait=False)
                 # the commit goes before this client's next request
                 assert client.batch_get(range(8)) == vals
@@ -360,6 +364,8 @@ def test_put_without_waiting_is_seen_in_order_and_its_failures_come_at_flush() -
                 assert other.batch_get(range(8)) == vals
                 # the node stalls past the put's deadline: the write is given up, and the
                 # commit stores nothing; the put returned, flush names the keys (once)
+                with master._lock:
+                    master.put_timeout_s = 0.2
                 os.kill(w0.proc.pid, signal.SIGSTOP)
                 timer = threading.Timer(0.6, os.kill, (w0.proc.pid, signal.SIGCONT))
                 timer.start()
