@@ -266,7 +266,7 @@ def test_get_into_races_overwrites_and_removes_byte_exact(
 
 def test_node_killed_mid_get_reads_other_replica_or_fails_precisely() -> None:
     rng = np.random.default_rng(6)
-    with Master(lease_s=5.0, node_interval=0.1, node_max_missed=5) as master:
+    with Master(lease_s=5.0, node_interval=0.1, node_max_missed=30) as master:
         with NodeProcess(master.endpoint, "p0", 96 << 20) as p0, \
                 NodeProcess(master.endpoint, "p1", 96 << 20) as p1:
             master.wait_nodes(2)
