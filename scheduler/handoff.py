@@ -66,6 +66,9 @@ def beyond(body: dict[str, Any], chat: bool = False) -> str | None:
     extra = sorted(set(body) - (CHAT_FIELDS if chat else FIRST_TOKEN_FIELDS))
     if extra:
         return f"fields {extra}"
+    if chat and any(name in body and type(body[name]) is not bool
+                    for name in ("add_generation_prompt", "continue_final_message")):
+        return "a boolean the server reads its own way"  # "false", 0: the role it names
     if not chat:
         prompt = body.get("prompt")
         if not (isinstance(prompt, str) or (

@@ -89,9 +89,9 @@ from pd_proxy_http import (  # noqa: E402
     ROUTED,
     BodyError,
     error_body,
-    linger,
     pass_on,
     read_body,
+    refuse,
     target,
 )
 from pd_proxy_routing import (  # noqa: E402
@@ -148,9 +148,7 @@ class Proxy(BaseHTTPRequestHandler):
         try:
             body = read_body(self) if self.command not in ("GET", "HEAD") else None
         except BodyError as exc:
-            self.close_connection = True
-            self._error(exc.status, str(exc))
-            linger(self)
+            refuse(self, exc)
             return
         self.path = target(self)
         pass_on(self, self.command, body, self.router.fleet.decode.urls,
@@ -161,10 +159,8 @@ class Proxy(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
         try:
             body = read_body(self)
-        except BodyError as exc:
-            self.close_connection = True  # what is left of it is no request
-            self._error(exc.status, str(exc))
-            linger(self)
+        except BodyError as exc:  # what is left of it is no request
+            refuse(self, exc)
             return
         self.path = target(self)
         path = self.path.split("?", 1)[0]  # a query changes nothing

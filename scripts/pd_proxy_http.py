@@ -17,7 +17,7 @@ from http import HTTPStatus
 from typing import Any
 
 __all__ = ["MAX_BODY", "ROUTED", "BodyError", "error_body", "read_body", "pass_on", "linger",
-           "target"]
+           "refuse", "target"]
 
 MAX_BODY = 16 << 20
 ROUTED = ("/v1/completions", "/v1/chat/completions")  # what the router routes itself
@@ -25,13 +25,33 @@ LINGER_S = 2.0  # seconds an unread body is taken and dropped, so its sender see
 _PASSED_HEADERS = ("Content-Type", "Accept", "Authorization")
 
 
-class BodyError(Exception):
-    """A request's body that cannot be read: answered with ``status``, and the connection
-    closes (what is left of the body is not a request)."""
+INVALID = "Invalid HTTP request received."  # a server's words for broken framing
 
-    def __init__(self, status: int, message: str) -> None:
+
+class BodyError(Exception):
+    """A request's body that cannot be read: answered with ``status`` (broken framing
+    in plain text, as a server words it), and the connection closes (what is left of
+    the body is not a request)."""
+
+    def __init__(self, status: int, message: str = INVALID) -> None:
         super().__init__(message)
         self.status = status
+
+
+def refuse(handler: Any, exc: BodyError) -> None:
+    """Answers a request whose body could not be read, then lingers (:func:`linger`)."""
+    handler.close_connection = True
+    if str(exc) == INVALID:
+        data = INVALID.encode()
+        handler.send_response(exc.status)
+        handler.send_header("Content-Type", "text/plain; charset=utf-8")
+        handler.send_header("Content-Length", str(len(data)))
+        handler.send_header("Connection", "close")
+        handler.end_headers()
+        handler.wfile.write(data)
+    else:
+        handler._error(exc.status, str(exc))
+    linger(handler)
 
 
 def target(handler: Any) -> str:
@@ -55,22 +75,19 @@ def read_body(handler: Any) -> bytes:
     """The request's whole body: ``Content-Length`` bytes, or its chunks with
     ``Transfer-Encoding: chunked``; at most :data:`MAX_BODY`, else :class:`BodyError`."""
     coding = (handler.headers.get("Transfer-Encoding") or "").lower()
-    if coding:
-        if coding.split(",")[-1].strip() != "chunked":
-            raise BodyError(501, f"transfer coding {coding!r} is not supported")
-        return _chunks(handler.rfile)
     raw = handler.headers.get("Content-Length")
-    try:
-        length = int(raw) if raw is not None else 0
-    except ValueError:
-        length = -1
-    if length < 0 or (raw is not None and not raw.strip().isdigit()):
-        raise BodyError(400, "bad Content-Length")
+    if coding:  # with a length too, the two could frame it two ways (smuggling)
+        if coding.strip() != "chunked" or raw is not None:
+            raise BodyError(400)
+        return _chunks(handler.rfile)
+    if raw is not None and not raw.strip().isdigit():
+        raise BodyError(400)
+    length = int(raw) if raw is not None else 0
     if length > MAX_BODY:
         raise BodyError(413, f"a body of at most {MAX_BODY} bytes is taken, not {length}")
     data = handler.rfile.read(length)
     if len(data) < length:
-        raise BodyError(400, "the body ended before its Content-Length")
+        raise BodyError(400)
     return bytes(data)
 
 
@@ -81,17 +98,17 @@ def _chunks(rfile: Any) -> bytes:
         try:
             size = int(line.split(b";")[0].strip(), 16)
         except ValueError:
-            raise BodyError(400, "bad chunk size") from None
+            raise BodyError(400) from None
         if size < 0 or len(out) + size > MAX_BODY:
             raise BodyError(413, f"a body of at most {MAX_BODY} bytes is taken")
         if size == 0:
             for _ in range(64):  # trailer fields, then the empty line
                 if rfile.readline(8192) in (b"\r\n", b"\n", b""):
                     return bytes(out)
-            raise BodyError(400, "too many trailer fields")
+            raise BodyError(400)
         chunk = rfile.read(size)
         if len(chunk) < size or rfile.readline(3) not in (b"\r\n", b"\n"):
-            raise BodyError(400, "a chunk ended early")
+            raise BodyError(400)
         out += chunk
 
 

@@ -244,6 +244,14 @@ def test_a_passed_on_body_is_never_a_request_and_logprobs_0_is_reproduced() -> N
                 got += chunk
         assert got.count(b"HTTP/1.1 ") == 1 and b" 400 " in got
         assert b"Connection: close" in got and SEEN == []
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            # framed two ways at once (a length and chunks): refused, never guessed
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5"
+                      b"\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + smuggled)
+            got = b""
+            while chunk := s.recv(65536):
+                got += chunk
+        assert got.count(b"HTTP/1.1 ") == 1 and b" 400 " in got and SEEN == []
         dec = _decode_request(port, {"model": "m", "prompt": "the cache", "max_tokens": 4,
                                      "logprobs": 0})
         assert dec["logprobs"] == 0 and dec["prompt"] == "the cache"
@@ -424,5 +432,10 @@ def test_a_chat_without_a_generation_prompt_answers_in_the_last_messages_role() 
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     assert response_role(chat) == "assistant"
     assert response_role(dict(chat, add_generation_prompt=False)) == "user"
+    # a server reads "false" or 0 its own way: such a request takes the sequential path
+    from scheduler.handoff import unsupported
+
+    assert unsupported(dict(chat, add_generation_prompt="false"), chat=True) is not None
+    assert unsupported(dict(chat, add_generation_prompt=False), chat=True) is None
     opening = event({}, True, None, None, None, None, role="user")
     assert opening["choices"][0]["delta"] == {"role": "user", "content": ""}
