@@ -105,6 +105,7 @@ from pd_proxy_upstream import (  # noqa: E402
     BoundedServer,
     DecodeWorkers,
     UpstreamError,
+    json_headers,
     post_json,
 )
 
@@ -300,7 +301,7 @@ class Proxy(BaseHTTPRequestHandler):
         name = fleet.prefill.names[d.prefill]
         try:
             conn, resp = post_json(fleet.prefill.urls[d.prefill], self.path, pre,
-                                   self.upstream_timeout)
+                                   self.upstream_timeout, auth=self.headers["Authorization"])
             try:
                 raw = resp.read()
             finally:
@@ -356,7 +357,8 @@ class Proxy(BaseHTTPRequestHandler):
         name = fleet.decode.names[d.decode]
         try:
             conn, resp = post_json(dec_url, self.path, decode_body, self.upstream_timeout,
-                                   None if request.get("stream") else self.connection)
+                                   None if request.get("stream") else self.connection,
+                                   self.headers["Authorization"])
         except ClientGone:  # before decode answered: it aborts the request
             self._release(d)
             self.close_connection = True
@@ -466,7 +468,7 @@ class Proxy(BaseHTTPRequestHandler):
                 conn = http.client.HTTPConnection(url.hostname or "127.0.0.1",
                                                   url.port or 80, timeout=self.upstream_timeout)
                 conn.request("POST", "/v1/completions", json.dumps(dec).encode(),
-                             {"Content-Type": "application/json"})
+                             json_headers(self.headers["Authorization"]))
                 if stream:  # the first token goes out while decode starts
                     emit(asm.delta(False), None, None)
                 resp = conn.getresponse()

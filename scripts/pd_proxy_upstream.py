@@ -17,7 +17,8 @@ from typing import Any
 
 from pd_proxy_handoff import ClientGone, client_gone
 
-__all__ = ["BoundedServer", "DecodeWorkers", "UpstreamError", "post_json", "get_json"]
+__all__ = ["BoundedServer", "DecodeWorkers", "UpstreamError", "post_json", "get_json",
+           "json_headers"]
 
 
 class UpstreamError(Exception):
@@ -25,18 +26,18 @@ class UpstreamError(Exception):
 
 
 def post_json(base: str, path: str, body: dict[str, Any], timeout: float,
-              client: socket.socket | None = None
+              client: socket.socket | None = None, auth: str | None = None
               ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-    """POSTs ``body``; the connection and the response, its status line read. With
-    ``client``, the one waiting for this answer: :class:`ClientGone` once it has gone
-    before the server answers (the request's connection closes: the server aborts
+    """POSTs ``body`` (with the client's ``Authorization`` value ``auth``, for servers
+    started with an API key); the connection and the response, its status line read.
+    With ``client``, the one waiting for this answer: :class:`ClientGone` once it has
+    gone before the server answers (the request's connection closes: the server aborts
     it, as it aborts one whose client left)."""
     url = urllib.parse.urlsplit(base)
     conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80,
                                       timeout=timeout)
     try:
-        conn.request("POST", path, json.dumps(body).encode(),
-                     {"Content-Type": "application/json"})
+        conn.request("POST", path, json.dumps(body).encode(), json_headers(auth))
         end = time.monotonic() + timeout
         while client is not None and (left := end - time.monotonic()) > 0:
             ready, _, _ = select.select([conn.sock, client], [], [], min(left, 1.0))
@@ -50,6 +51,11 @@ def post_json(base: str, path: str, body: dict[str, Any], timeout: float,
     except BaseException:
         conn.close()
         raise
+
+
+def json_headers(auth: str | None) -> dict[str, str]:
+    """A JSON request's headers, with the client's ``Authorization`` when it gave one."""
+    return {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
 
 
 def get_json(base: str, path: str, timeout: float) -> Any:

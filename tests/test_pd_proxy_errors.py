@@ -439,3 +439,29 @@ def test_a_chat_without_a_generation_prompt_answers_in_the_last_messages_role() 
     assert unsupported(dict(chat, add_generation_prompt=False), chat=True) is None
     opening = event({}, True, None, None, None, None, role="user")
     assert opening["choices"][0]["delta"] == {"role": "user", "content": ""}
+
+
+def test_the_clients_api_key_reaches_both_servers(monkeypatch: Any) -> None:
+    """Servers started with an API key: the client's ``Authorization`` goes with the
+    router's requests to prefill and decode, in both hand-offs."""
+    tok = byte_tokenizer()
+    gen = tok.encode(" of the cache block").ids
+    seen: list[tuple[str, Any]] = []
+    answer = Scripted.do_POST
+
+    def keyed(self: Any) -> None:
+        seen.append((self.role, self.headers["Authorization"]))
+        answer(self)
+
+    monkeypatch.setattr(Scripted, "do_POST", keyed)
+    with scripted_proxy(tok, gen) as port:
+        for handoff in ("first", "sequential"):
+            monkeypatch.setattr(pd_proxy.Proxy, "handoff", handoff)
+            seen.clear()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("POST", "/v1/completions", json.dumps(
+                {"model": "m", "prompt": "the cache", "max_tokens": 4}).encode(),
+                {"Content-Type": "application/json", "Authorization": "Bearer k1"})
+            assert conn.getresponse().status == 200
+            conn.close()
+            assert seen == [("prefill", "Bearer k1"), ("decode", "Bearer k1")], handoff
