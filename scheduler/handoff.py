@@ -75,8 +75,8 @@ def beyond(body: dict[str, Any], chat: bool = False) -> str | None:
                 isinstance(prompt, list) and prompt
                 and all(type(t) is int and 0 <= t < 1 << 31 for t in prompt))):
             return "not one prompt"
-    if ((body.get("stream_options") or {}) if isinstance(body.get("stream_options"), dict)
-            else {}).get("continuous_usage_stats"):
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("continuous_usage_stats"):
         return "fields ['stream_options.continuous_usage_stats']"  # usage in every chunk
     if body.get("n", 1) != 1 or body.get("best_of") not in (None, 1):
         return "n > 1"
