@@ -28,7 +28,15 @@ import threading
 import time
 from typing import Any
 
-from tests.helpers.pd_scripted import SEEN, Scripted, byte_tokenizer, pd_proxy, post, scripted_proxy
+from tests.helpers.pd_scripted import (
+    SEEN,
+    Scripted,
+    byte_tokenizer,
+    exchange,
+    pd_proxy,
+    post,
+    scripted_proxy,
+)
 
 CHAT = "/v1/chat/completions"
 
@@ -227,30 +235,18 @@ def test_a_passed_on_body_is_never_a_request_and_logprobs_0_is_reproduced() -> N
         smuggled = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
                     + str(len(inner)).encode() + b"\r\n\r\n" + inner)
         SEEN.clear()
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-            s.sendall(b"POST /v1/other HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                      b"Content-Length: " + str(len(smuggled)).encode() + b"\r\n\r\n"
-                      + smuggled)
-            got = b""
-            while chunk := s.recv(65536):
-                got += chunk
+        got = exchange(port, b"POST /v1/other HTTP/1.1\r\nHost: x\r\nConnection: close"
+                       b"\r\nContent-Length: " + str(len(smuggled)).encode() + b"\r\n\r\n"
+                       + smuggled)
         assert got.count(b"HTTP/1.1 ") == 1 and b" 404 " in got
         assert SEEN == []
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
-                      b"12x\r\n\r\n" + smuggled)
-            got = b""
-            while chunk := s.recv(65536):
-                got += chunk
+        got = exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                       b"12x\r\n\r\n" + smuggled)
         assert got.count(b"HTTP/1.1 ") == 1 and b" 400 " in got
         assert b"Connection: close" in got and SEEN == []
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-            # framed two ways at once (a length and chunks): refused, never guessed
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5"
-                      b"\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + smuggled)
-            got = b""
-            while chunk := s.recv(65536):
-                got += chunk
+        # framed two ways at once (a length and chunks): refused, never guessed
+        got = exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5"
+                       b"\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + smuggled)
         assert got.count(b"HTTP/1.1 ") == 1 and b" 400 " in got and SEEN == []
         dec = _decode_request(port, {"model": "m", "prompt": "the cache", "max_tokens": 4,
                                      "logprobs": 0})

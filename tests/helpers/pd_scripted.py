@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import socket
 import sys
 import threading
 import time
@@ -49,6 +50,17 @@ def post(port: int, body: dict[str, Any], timeout: float = 10.0,
         return resp.status, resp.read().decode()
     finally:
         conn.close()
+
+
+def exchange(port: int, data: bytes, timeout: float = 10.0) -> bytes:
+    """Sends ``data`` (raw HTTP, as a hand-written client would) and returns all the
+    router sends back until it closes the connection."""
+    got = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        while chunk := s.recv(65536):
+            got += chunk
+    return got
 
 
 def byte_tokenizer() -> Any:
