@@ -83,3 +83,17 @@ def shape(port: int, path: str, body: dict[str, Any]) -> Any:
             if not shapes or shapes[-1] != s:
                 shapes.append(s)
     return shapes
+
+
+def alike(got: list[Any], want: list[Any]) -> bool:
+    """Two :func:`shape` results a client parses alike: the same opening and closing
+    events, and middle events of shapes the other also sends. A loaded server may fold
+    every token after the first into the last event, so one side can lack the middle
+    shapes the other has; it never has one of its own."""
+    if len(got) <= 2 or len(want) <= 2:
+        return got == want
+    if got[0] != want[0] or got[-2:] != want[-2:]:
+        return False
+    a, b = ({json.dumps(s, sort_keys=True) for s in x[1:-2]} for x in (got, want))
+    return a <= b or b <= a
+
