@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import contextlib
+import functools
 import json
 import os
 import random
@@ -67,7 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hidden", type=int, default=256,
                     help="hidden size (heads of 64; 256: 32 KiB of KV per token with 16 "
                          "layers, 16 MiB per 512-token prompt)")
-    ap.add_argument("--tokens", type=int, default=512, help="prompt tokens")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[512],
+                    help="prompt tokens, one run each (several: where disaggregating "
+                         "starts to pay, the README's --local-below)")
     ap.add_argument("--streams", type=int, nargs="+", default=[0, 16],
                     help="other streams decode runs meanwhile, one run each")
     ap.add_argument("--rounds", type=int, default=8)
@@ -95,7 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.plot:
         from bench.charts import bars
 
-        groups = [f"{r['transport']}\n{r['decode_streams']} streams" for r in rows]
+        groups = [f"{r['transport']}\n{r['decode_streams']} streams"
+                  + (f"\n{r['prompt_tokens']} tokens" if len(args.tokens) > 1 else "")
+                  for r in rows]
         routes = ["local", *args.handoffs]
         series = {f"{route} {what}": [r[f"{route}_{key}_ms_p50"] for r in rows]
                   for route in routes for what, key in (("TTFT", "ttft"),
@@ -138,7 +143,7 @@ def run_transport(args: argparse.Namespace, transport: str) -> list[dict[str, An
             box = [] if args.no_taskset else ["taskset", "-c", cores]
             cmd = [*box, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                    str(model), "--port", str(ports[role]), "--dtype", "float32",
-                   "--block-size", "32", "--max-model-len", str(2 * args.tokens),
+                   "--block-size", "32", "--max-model-len", str(2 * max(args.tokens)),
                    "--enforce-eager", "--kv-transfer-config",
                    json.dumps(dict(kv, kv_role=kv_role, kv_connector_extra_config=extra))]
             procs[role] = stack.enter_context(servers.launched(cmd, tmp / f"{role}.log", dict(
@@ -160,18 +165,20 @@ def run_transport(args: argparse.Namespace, transport: str) -> list[dict[str, An
         rng = random.Random(7)
         name = str(model)
 
-        def prompt() -> list[int]:  # fresh: nothing of it cached anywhere
-            text = " ".join(rng.choice(servers.WORDS) for _ in range(args.tokens))
-            return list(tok(text)["input_ids"][:args.tokens])
+        def prompt(tokens: int = max(args.tokens)) -> list[int]:  # fresh: nothing cached
+            text = " ".join(rng.choice(servers.WORDS) for _ in range(tokens))
+            return list(tok(text)["input_ids"][:tokens])
 
         for route in ("local", *args.handoffs):  # warm every path once
             port = ports["decode" if route == "local" else route]
             stream_times(port, {"model": name, "prompt": prompt(), "max_tokens": 2,
                                 "temperature": 0})
-        for streams in args.streams:
-            rows.append(one_load(args, transport, streams, ports, name, prompt))
-            rows[-1]["identical"] = identical(args, ports, name, prompt)
-            print(json.dumps(rows[-1]), flush=True)
+        for tokens in args.tokens:
+            sized = functools.partial(prompt, tokens)
+            for streams in args.streams:
+                rows.append(one_load(args, transport, streams, ports, name, sized, tokens))
+                rows[-1]["identical"] = identical(args, ports, name, sized)
+                print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -193,7 +200,7 @@ def identical(args: argparse.Namespace, ports: dict[str, int], name: str, prompt
 
 
 def one_load(args: argparse.Namespace, transport: str, streams: int,
-             ports: dict[str, int], name: str, prompt: Any) -> dict[str, Any]:
+             ports: dict[str, int], name: str, prompt: Any, tokens: int) -> dict[str, Any]:
     from bench import vllm_servers as servers
 
     stop = threading.Event()
@@ -243,7 +250,7 @@ def one_load(args: argparse.Namespace, transport: str, streams: int,
     row: dict[str, Any] = {"transport": transport, "load": args.load,
                            "prefill_serve": args.prefill_serve,
                            "layers": args.layers, "hidden": args.hidden,
-                           "prompt_tokens": args.tokens,
+                           "prompt_tokens": tokens,
                            "decode_streams": streams, "rounds": args.rounds}
     for route in routes:
         for key, values in (("ttft", first[route]), ("second", second[route])):
@@ -274,7 +281,7 @@ def one_load(args: argparse.Namespace, transport: str, streams: int,
     row["external_kv_tokens"] = int(source_after.get("external_kv_transfer", 0)
                                     - source_before.get("external_kv_transfer", 0))
     row["external_kv_tokens_expected"] = args.rounds * sum(
-        args.tokens - (route == "sequential") for route in args.handoffs)
+        tokens - (route == "sequential") for route in args.handoffs)
 
     def grew(side: int, key: str) -> float:
         return te_after[side].get(key, 0.0) - te_before[side].get(key, 0.0)

@@ -200,7 +200,7 @@ class Proxy(BaseHTTPRequestHandler):
         first = self.handoff == "first" and unsupported(request, chat=chat) is None
         tok = None
         if (first or router.local_prefill_tokens > 0) and fleet.decode.urls:
-            tok = self.tokenizers.get(fleet.decode.urls[0])
+            tok = self.tokenizers.get(fleet.decode.urls[0], self.headers["Authorization"])
             first = first and unsupported(request, chat, self.tokenizers.max_model_len(
                 fleet.decode.urls[0])) is None
         req = request_of(request, router.cost.block_tokens * CHARS_PER_TOKEN, tok)
@@ -226,7 +226,8 @@ class Proxy(BaseHTTPRequestHandler):
                 continue
             try:
                 url = fleet.decode.urls[decision.decode]
-                tok = self.tokenizers.get(url) if first and not decision.local else None
+                tok = self.tokenizers.get(url, self.headers["Authorization"]) \
+                    if first and not decision.local else None
                 # without a limit of the request's, decode's is where the context ends
                 if tok is not None and (requested_max_tokens(request, chat) is not None
                                         or self.tokenizers.max_model_len(url)):
@@ -284,7 +285,7 @@ class Proxy(BaseHTTPRequestHandler):
         params: dict[str, Any] = {"do_remote_decode": True}
         if self.push is not None:
             workers = self.push.get(self.router.fleet.decode.urls[d.decode],
-                                    request.get("model"))
+                                    request.get("model"), self.headers["Authorization"])
             if workers:
                 params["push"] = {"room": secrets.token_urlsafe(24), "to": workers}
         return params
@@ -565,8 +566,9 @@ def main(argv: list[str] | None = None) -> None:
                                local_prefill_tokens=args.local_below)
     Proxy.upstream_timeout = args.timeout
     Proxy.handoff = args.handoff
-    Proxy.push = DecodeWorkers() if args.push else None
-    Proxy.tokenizers = Tokenizers(args.tokenizer)
+    key = f"Bearer {args.api_key}" if args.api_key else None
+    Proxy.push = DecodeWorkers(auth=key) if args.push else None
+    Proxy.tokenizers = Tokenizers(args.tokenizer, key)
     store = subscription = None
     try:
         if args.registry:

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from pd_proxy_upstream import get_json
+from pd_proxy_upstream import KeyRefused, get_json
 
 from scheduler.fleet import Fleet
 from scheduler.handoff import load_tokenizer
@@ -76,12 +77,15 @@ class Tokenizers:
     """The served model's tokenizer, per decode server: from ``--tokenizer`` or the
     model path its ``/v1/models`` names; a server without one is asked again a minute
     later (until then its requests take the sequential hand-off). Also the context
-    length ``/v1/models`` names (:meth:`max_model_len`)."""
+    length ``/v1/models`` names (:meth:`max_model_len`). A server started with an API key
+    is asked with ``auth`` (the router's own ``--api-key``), else with the key of the
+    request that needs the answer; a refused key is no answer (asked again)."""
 
     RETRY_S = 60.0
 
-    def __init__(self, path: str | None = None) -> None:
+    def __init__(self, path: str | None = None, auth: str | None = None) -> None:
         self.path = path
+        self.auth = auth
         self._by_path: dict[str, Any] = {}
         self._by_url: dict[str, tuple[float, Any]] = {}
         self._limits: dict[str, int] = {}
@@ -96,7 +100,7 @@ class Tokenizers:
                 tok = self._by_path.setdefault(path, tok)
         return tok
 
-    def get(self, url: str) -> Any:
+    def get(self, url: str, auth: str | None = None) -> Any:
         with self._lock:
             now = time.monotonic()
             known = self._by_url.get(url)
@@ -106,15 +110,18 @@ class Tokenizers:
             # meanwhile rather than wait for a server that may be slow to answer
             self._by_url[url] = (now + self.RETRY_S, None)
         tok = None
+        retry = self.RETRY_S
         try:
             model: Any = {}
             try:
-                model = get_json(url, "/v1/models", 10.0)["data"][0]
+                model = get_json(url, "/v1/models", 10.0, self.auth or auth)["data"][0]
                 limit = model.get("max_model_len")
                 if type(limit) is int and limit > 0:
                     with self._lock:
                         self._limits[url] = limit
-            except Exception:  # noqa: BLE001 - no limit known; a path may be given
+            except Exception as exc:  # noqa: BLE001 - no limit known; a path may be given
+                if isinstance(exc, KeyRefused):
+                    retry = 0.0  # the next request's key may be the right one
                 if not self.path:
                     raise
             tok = self._load(str(self.path or model["root"]))
@@ -122,7 +129,7 @@ class Tokenizers:
             sys.stderr.write(f"pd_proxy: no tokenizer for {url} ({exc!r:.200}); "
                              "its requests take the sequential hand-off\n")
         with self._lock:
-            self._by_url[url] = (time.monotonic() + self.RETRY_S, tok)
+            self._by_url[url] = (time.monotonic() + retry, tok)
         return tok
 
     def max_model_len(self, url: str) -> int | None:
@@ -157,6 +164,11 @@ def arguments(argv: list[str] | None, description: str) -> argparse.Namespace:
     ap.add_argument("--tokenizer", help="the served model's tokenizer (a path or hub "
                     "name; default: the model path decode's /v1/models names)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream call")
+    ap.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                    help="the servers' API key, for the router's own queries (the model's "
+                         "name and context, decode's workers; default $VLLM_API_KEY, else "
+                         "the key of the client's request); clients' requests carry "
+                         "their own"),
     args = ap.parse_args(argv)
     if not (args.prefill or args.decode or args.registry):
         ap.error("give --prefill/--decode URLs or --registry")

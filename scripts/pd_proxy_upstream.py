@@ -17,12 +17,17 @@ from typing import Any
 
 from pd_proxy_handoff import ClientGone, client_gone
 
-__all__ = ["BoundedServer", "DecodeWorkers", "UpstreamError", "post_json", "get_json",
-           "json_headers"]
+__all__ = ["BoundedServer", "DecodeWorkers", "KeyRefused", "UpstreamError", "post_json",
+           "get_json", "json_headers"]
 
 
 class UpstreamError(Exception):
     """An upstream call failed before anything reached the client: safe to retry."""
+
+
+class KeyRefused(OSError):
+    """A server refused the router's own query for its API key (401, 403): asked again
+    with the next request's key rather than remembered as an answer."""
 
 
 def post_json(base: str, path: str, body: dict[str, Any], timeout: float,
@@ -58,14 +63,16 @@ def json_headers(auth: str | None) -> dict[str, str]:
     return {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
 
 
-def get_json(base: str, path: str, timeout: float) -> Any:
+def get_json(base: str, path: str, timeout: float, auth: str | None = None) -> Any:
     url = urllib.parse.urlsplit(base)
     conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80,
                                       timeout=timeout)
     try:
-        conn.request("GET", path)
+        conn.request("GET", path, headers={"Authorization": auth} if auth else {})
         resp = conn.getresponse()
         data = resp.read()
+        if resp.status in (401, 403):
+            raise KeyRefused(f"GET {path} answered {resp.status}")
         if resp.status != 200:
             raise OSError(f"GET {path} answered {resp.status}")
         return json.loads(data)
@@ -78,25 +85,29 @@ class DecodeWorkers:
     (a one-token request whose kv_transfer_params ask for them, in the background;
     tried every second while the server does not answer, for ``wait_s``): prefill
     pushes a request's KV to them. Unknown until the answer is in, and for a server
-    whose connector does not say (prefill then pushes nothing, decode reads)."""
+    whose connector does not say (prefill then pushes nothing, decode reads). A server
+    started with an API key is asked with ``auth`` (the router's own ``--api-key``),
+    else with the key of the request that needs the answer."""
 
     RETRY_S = 30.0  # a server that did not say is asked again after this
 
-    def __init__(self, timeout: float = 30.0, wait_s: float = 600.0) -> None:
+    def __init__(self, timeout: float = 30.0, wait_s: float = 600.0,
+                 auth: str | None = None) -> None:
         self._timeout = timeout
         self._wait_s = wait_s
+        self._auth = auth
         self._known: dict[str, tuple[list[str], float]] = {}  # url -> (workers, when)
         self._asking: set[str] = set()
         self._lock = threading.Lock()
 
-    def get(self, url: str, model: Any) -> list[str] | None:
+    def get(self, url: str, model: Any, auth: str | None = None) -> list[str] | None:
         with self._lock:
             known, when = self._known.get(url, (None, 0.0))
             if url in self._asking or known or (
                     known is not None and time.monotonic() - when < self.RETRY_S):
                 return known or None
             self._asking.add(url)
-        threading.Thread(target=self._ask, args=(url, model), daemon=True,
+        threading.Thread(target=self._ask, args=(url, model, self._auth or auth), daemon=True,
                          name="pd-proxy-probe").start()
         return None
 
@@ -105,8 +116,9 @@ class DecodeWorkers:
         with self._lock:
             self._known.pop(url, None)
 
-    def _ask(self, url: str, model: Any) -> None:
+    def _ask(self, url: str, model: Any, auth: str | None) -> None:
         found: list[str] = []
+        refused = False
         body = {"prompt": ".", "max_tokens": 1, "stream": False,
                 "kv_transfer_params": {"te_probe": True}}
         if model is not None:
@@ -114,7 +126,9 @@ class DecodeWorkers:
         give_up = time.monotonic() + self._wait_s
         while True:
             try:
-                conn, resp = post_json(url, "/v1/completions", body, self._timeout)
+                conn, resp = post_json(url, "/v1/completions", body, self._timeout,
+                                       auth=auth)
+                refused = resp.status in (401, 403)
                 try:
                     answer = json.loads(resp.read()) if resp.status == 200 else None
                 finally:
@@ -132,10 +146,12 @@ class DecodeWorkers:
                 break
             time.sleep(1.0)  # not up yet
         sys.stderr.write(f"pd_proxy: decode {url}: connector workers {found or 'unknown'}"
-                         f"{'' if found else ' (prefill will not push to it)'}\n")
+                         f"{'' if found else ' (prefill will not push to it)'}"
+                         f"{' (refused the API key; asked again)' if refused else ''}\n")
         with self._lock:
             self._asking.discard(url)
-            self._known[url] = (found, time.monotonic())
+            if not refused:
+                self._known[url] = (found, time.monotonic())
 
 
 class BoundedServer(ThreadingHTTPServer):

@@ -40,7 +40,6 @@ from bench.vllm_servers import (
     by_source,
     core_halves,
     http_json,
-    stream_times,
     te_grown,
     te_metrics,
     vllm_metrics,
@@ -478,62 +477,6 @@ def test_first_token_handoff_events_have_the_single_servers_keys(
             assert alike(got, want), (path, extra, got, want)
 
 
-def test_figures_first_token_break_even(pd_servers: dict[str, Any]) -> None:
-    """TTFT of fresh prompts (nothing cached) sent straight to decode (it prefills
-    them itself), through the router's first-token hand-off and through its sequential
-    one, by prompt length, on an idle decode server and on one decoding 8 streams:
-    where disaggregating stops costing first-token time."""
-    import threading
-
-    ports, model = pd_servers["ports"], pd_servers["model"]
-    rng = random.Random(3)
-    for streams in (0, 8):
-        stop = threading.Event()
-
-        def load(k: int, stop: threading.Event = stop) -> None:
-            body = {"model": model, "prompt": " ".join(WORDS[k:k + 20]), "max_tokens": 64,
-                    "temperature": 0, "ignore_eos": True}
-            while not stop.is_set():
-                http_json(ports["decode"], "POST", "/v1/completions", body, timeout=300)
-
-        threads = [threading.Thread(target=load, args=(k,), daemon=True)
-                   for k in range(streams)]
-        for t in threads:
-            t.start()
-        time.sleep(2 if streams else 0)
-        rows = []
-        try:
-            for words in (8, 32, 64, 128, 256):
-                times: dict[str, list[float]] = {"local": [], "first": [], "sequential": []}
-                tokens = 0
-                for _ in range(FIGURE_ROUNDS):
-                    for route in ("local", "first", "sequential"):
-                        prompt = " ".join(rng.choice(WORDS) for _ in range(words))
-                        body = {"model": model, "prompt": prompt, "max_tokens": 4,
-                                "temperature": 0}
-                        port = ports[{"local": "decode", "first": "first-all"}.get(
-                            route, route)]
-                        seen = stream_times(port, body)
-                        times[route].append(seen[1] - seen[0])
-                        if route == "local":
-                            tokens = completion(ports["prefill"], dict(
-                                body, max_tokens=1))["usage"]["prompt_tokens"]
-                med = {k: statistics.median(v) for k, v in times.items()}
-                rows.append({"prompt_tokens": tokens,
-                             **{f"{k}_ttft_ms": round(v * 1e3, 1) for k, v in med.items()},
-                             "first_over_local": round(med["first"] / med["local"], 2),
-                             "sequential_over_local": round(med["sequential"] / med["local"],
-                                                            2)})
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(120)
-        print(f"\nfirst-token break-even, decode running {streams} other streams "
-              f"(medians of {FIGURE_ROUNDS}):")
-        for row in rows:
-            print(" ", json.dumps(row))
-
-
 def test_pd_serving_bench_runs_and_draws(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                                          ) -> None:
     """The README's serving benchmark, at its smallest: its rows carry every route's
@@ -542,16 +485,18 @@ def test_pd_serving_bench_runs_and_draws(tmp_path: Path, capsys: pytest.CaptureF
     does; the chart is drawn."""
     from bench.pd_serving import main
 
-    main(["--layers", "2", "--hidden", "128", "--tokens", "64", "--streams", "0", "2",
+    main(["--layers", "2", "--hidden", "128", "--tokens", "32", "64", "--streams", "0", "2",
           "--rounds", "1", "--transports", "tcp", "--handoffs", "first",
           "--plot", str(tmp_path / "chart.png")])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()
             if line.startswith("{")]
-    assert [r["decode_streams"] for r in rows] == [0, 2]
+    assert [(r["prompt_tokens"], r["decode_streams"]) for r in rows] == [
+        (32, 0), (32, 2), (64, 0), (64, 2)]
     for row in rows:
         assert row["local_ttft_ms_p50"] > 0 and row["first_second_ms_p90"] > 0
         assert row["phases"]["loads"] == 1 and row["phases"]["load_failures"] == 0
         assert row["identical"] is True
-        assert row["external_kv_tokens"] == row["external_kv_tokens_expected"] == 64
-    assert "gap_p99_ms_during_local" in rows[1] and "gap_p99_ms_during_local" not in rows[0]
+        tokens = row["prompt_tokens"]
+        assert row["external_kv_tokens"] == row["external_kv_tokens_expected"] == tokens
+        assert ("gap_p99_ms_during_local" in row) == (row["decode_streams"] > 0)
     assert any(tmp_path.glob("chart.*"))

@@ -461,3 +461,66 @@ def test_the_clients_api_key_reaches_both_servers(monkeypatch: Any) -> None:
             assert conn.getresponse().status == 200
             conn.close()
             assert seen == [("prefill", "Bearer k1"), ("decode", "Bearer k1")], handoff
+
+
+def test_the_routers_own_queries_carry_a_key_and_a_refused_key_is_asked_again(
+        tmp_path: Any) -> None:
+    """Servers started with an API key answer the router's own queries (the model and
+    its context, decode's workers) only with it: the router's ``--api-key`` when given,
+    else the key of the request that needs the answer. A refused key is no answer: the
+    next request, with the right key, gets the tokenizer and the workers."""
+    from http.server import BaseHTTPRequestHandler
+
+    from pd_proxy_upstream import DecodeWorkers
+
+    from tests.helpers.pd_scripted import serve
+
+    byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    asked: list[tuple[str, Any]] = []
+
+    class Keyed(BaseHTTPRequestHandler):
+        def _answer(self, body: dict[str, Any]) -> None:
+            asked.append((self.command, self.headers["Authorization"]))
+            ok = self.headers["Authorization"] == "Bearer k1"
+            data = json.dumps(body if ok else {"error": "Unauthorized"}).encode()
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:  # noqa: N802
+            self._answer({"data": [{"id": "m", "root": str(tmp_path),
+                                    "max_model_len": 96}]})
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._answer({"kv_transfer_params": {"te_endpoints": ["tcp://127.0.0.1:9"]}})
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server, thread = serve(Keyed)
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        toks = pd_proxy.Tokenizers()
+        assert toks.get(url, "Bearer wrong") is None and toks.max_model_len(url) is None
+        assert toks.get(url, "Bearer k1") is not None and toks.max_model_len(url) == 96
+        own = pd_proxy.Tokenizers(auth="Bearer k1")  # the router's own key wins
+        assert own.get(url, "Bearer wrong") is not None
+        assert [a for _, a in asked] == ["Bearer wrong", "Bearer k1", "Bearer k1"]
+
+        workers = DecodeWorkers(wait_s=5.0)
+        deadline = time.monotonic() + 10
+        assert workers.get(url, "m", "Bearer wrong") is None
+        while asked[-1] != ("POST", "Bearer wrong") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        found = None
+        while found is None and time.monotonic() < deadline:  # asked again, key right
+            found = workers.get(url, "m", "Bearer k1")
+            time.sleep(0.05)
+        assert found == ["tcp://127.0.0.1:9"]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

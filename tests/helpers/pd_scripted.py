@@ -184,7 +184,7 @@ def scripted_proxy(tok: Any, gen: list[int], max_model_len: int | None = None,
     pd_proxy.Proxy.handoff = "first"
 
     class Known(pd_proxy.Tokenizers):
-        def get(self, url: str) -> Any:
+        def get(self, url: str, auth: str | None = None) -> Any:
             return tok if url == urls[1] else super().get(url)
 
         def max_model_len(self, url: str) -> int | None:
