@@ -92,6 +92,38 @@ def test_engine_threads_leave_the_pinned_core_but_keep_to_the_server_cpus() -> N
     assert boxed == f"{given} {given}"
 
 
+def test_our_log_lines_go_through_vllms_handler_unless_the_application_set_logging(
+        ) -> None:
+    """Under vLLM (which gives only its own logger a handler) our info lines reach its
+    log, in its format; an application that configured logging keeps its own set-up."""
+    import io
+    import logging
+
+    from transfer_engine.connectors.vllm.config import log_with
+
+    out = io.StringIO()
+    host = logging.Logger("vllm-like", logging.INFO)
+    host.addHandler(logging.StreamHandler(out))
+    names = ("te-test-log", "te-test-log-too")
+    ours = [logging.getLogger(n) for n in names]
+    try:
+        log_with(host, names, root=logging.Logger("configured"))  # an empty root
+        logging.getLogger("te-test-log.scheduler_side").info("computing locally")
+        assert out.getvalue() == "computing locally\n"
+        assert all(lg.handlers == host.handlers for lg in ours)
+        for lg in ours:
+            lg.handlers.clear()
+            lg.setLevel(logging.NOTSET)
+        configured = logging.Logger("configured")
+        configured.addHandler(logging.NullHandler())
+        log_with(host, names, root=configured)  # the application's own: left alone
+        assert all(not lg.handlers and lg.level == logging.NOTSET for lg in ours)
+    finally:
+        for lg in ours:
+            lg.handlers.clear()
+            lg.setLevel(logging.NOTSET)
+
+
 # --- layout from strides --------------------------------------------------------------
 
 

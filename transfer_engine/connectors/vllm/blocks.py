@@ -41,8 +41,8 @@ def register_layers(engine: Engine, kv_caches: dict[str, Any], num_blocks: int,
                                    "cpu" if device == "cpu" else device), name=f"kv/{name}")
             seen[address] = seg
         out[name] = (seg, layout)
-        log.info("layer %s: shape %s strides %s -> %s", name, tuple(tensor.shape),
-                 tuple(tensor.stride()), layout)
+        log.debug("layer %s: shape %s strides %s -> %s", name, tuple(tensor.shape),
+                  tuple(tensor.stride()), layout)
     return out
 
 

@@ -1,8 +1,10 @@
-"""The connector's settings, its protocol constants, and where its threads run."""
+"""The connector's settings, its protocol constants, where its threads run, and where
+its log lines go."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -208,3 +210,24 @@ def _check_store_address(address: str) -> None:
     if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"store {address!r:.80} needs a host and a port in [1, 65535] "
                          "(tcp://host:port)")
+
+
+def log_with(host: logging.Logger, names: tuple[str, ...] = ("transfer_engine", "kvstore"),
+             root: logging.Logger | None = None) -> None:
+    """Our loggers write through ``host``'s handlers (vLLM's, in its format), from its
+    level, unless the application configured logging itself (a handler of ours or of
+    the root logger). vLLM gives only its own logger a handler, so ours reached Python's
+    last resort: warnings and up, bare, and no info line (a prompt computed locally
+    where a transfer was expected said so nowhere)."""
+    root = logging.getLogger() if root is None else root
+    if not host.handlers or root.handlers:
+        return
+    for name in names:
+        ours = logging.getLogger(name)
+        if ours.handlers:
+            continue
+        for handler in host.handlers:
+            ours.addHandler(handler)
+        if ours.level == logging.NOTSET:
+            ours.setLevel(host.getEffectiveLevel())
+

@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from transfer_engine.connectors.vllm.config import (
     TEConnectorConfig,
+    log_with,
 )
 from transfer_engine.connectors.vllm.metadata import (
     TEConnectorMetadata,
@@ -69,6 +70,7 @@ class TransferEngineConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        log_with(logging.getLogger("vllm"))
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
         self.config = TEConnectorConfig.from_extra_config(dict(ktc.kv_connector_extra_config))

@@ -256,8 +256,8 @@ class TEConnectorScheduler:
         gone = self._window_gone(parsed.block_ids, min(parsed.num_tokens, last))
         if gone is not None:
             self.refused[request.request_id] = gone
-            log.info("request %s: not loading remote KV: %s; computing locally",
-                     request.request_id, gone)
+            log.warning("request %s: not loading remote KV: %s; computing locally",
+                        request.request_id, gone)
             params["do_remote_prefill"] = False
             return 0, False
         self._parsed[request.request_id] = (parsed, num_computed_tokens)
