@@ -251,6 +251,28 @@ def test_scheduler_hands_over_and_holds() -> None:
     assert decode.get_num_new_matched_tokens(req, 0) == (0, False)
 
 
+def test_a_prompt_prefilled_in_chunks_is_read_not_pushed_and_said_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A push needs the whole prompt prefilled in one step; a prompt prefilled in
+    chunks is left to decode's read, and the log says so once, not per request."""
+    prefill = TEConnectorScheduler("p-engine", BLOCK, endpoint="tcp://p:1", push=True)
+    push = {"room": "r" * 24, "to": ["tcp://d:1"]}
+
+    def step(rid: str, scheduled: int) -> Any:
+        req = request(rid, {"do_remote_decode": True, "push": dict(push)}, prompt=40)
+        prefill.update_state_after_alloc(req, blocks([1, 2, 3]), 0)
+        return prefill.build_connector_meta(
+            SimpleNamespace(num_scheduled_tokens={rid: scheduled}))
+
+    with caplog.at_level("INFO", logger="transfer_engine"):
+        assert step("c1", 16).reqs_to_push == {}  # 16 of 40 tokens this step
+        assert step("c2", 32).reqs_to_push == {}
+        whole = step("w", 40).reqs_to_push["w"]
+    assert whole.block_ids == [1, 2, 3] and whole.num_tokens == 40
+    said = [r for r in caplog.records if "prefilled in chunks" in r.getMessage()]
+    assert len(said) == 1 and "c1" in said[0].getMessage()
+
+
 def test_scheduler_sync_load_leaves_the_last_prompt_token_to_compute() -> None:
     """Loading in the admitting step (the default): vLLM must compute at least one
     token there, so a hand-over of the whole prompt loads all but its last token; one

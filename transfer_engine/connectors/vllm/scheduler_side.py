@@ -116,6 +116,7 @@ class TEConnectorScheduler:
         # prefill: requests allocated this step whose KV may be pushed (pushed only when
         # the step prefills the whole prompt), and the room of each push started
         self._push_alloc: dict[str, tuple[Request, str, tuple[str, ...], list[int]]] = {}
+        self._told_chunked = False  # a chunked prefill's push fell back to a read
         self._pushes: dict[str, PushSpec] = {}
         self._rooms: dict[str, str] = {}  # request id -> room, until it finishes
 
@@ -345,7 +346,12 @@ class TEConnectorScheduler:
                          if scheduler_output is not None else 0)
             # vLLM has set the tokens it found cached, not yet added this step's
             if request.num_computed_tokens + scheduled < len(prompt):
-                continue  # prefilled in chunks: decode reads the blocks
+                if not self._told_chunked:  # once: it holds for every long prompt
+                    self._told_chunked = True
+                    log.info("request %s is prefilled in chunks: decode reads its blocks "
+                             "rather than taking a push, which needs the whole prompt in "
+                             "one step (said once)", rid)
+                continue
             self._pushes[rid] = PushSpec(rid, room, to, ids, len(prompt),
                                          prompt_hash(prompt, len(prompt)), self.lease_s)
             self._rooms[rid] = room
