@@ -168,7 +168,7 @@ def arguments(argv: list[str] | None, description: str) -> argparse.Namespace:
                     help="the servers' API key, for the router's own queries (the model's "
                          "name and context, decode's workers; default $VLLM_API_KEY, else "
                          "the key of the client's request); clients' requests carry "
-                         "their own"),
+                         "their own")
     args = ap.parse_args(argv)
     if not (args.prefill or args.decode or args.registry):
         ap.error("give --prefill/--decode URLs or --registry")
