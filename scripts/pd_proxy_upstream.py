@@ -30,6 +30,9 @@ class KeyRefused(OSError):
     with the next request's key rather than remembered as an answer."""
 
 
+KEY_REFUSED = (401, 403)  # the statuses of a server that refused the API key
+
+
 def post_json(base: str, path: str, body: dict[str, Any], timeout: float,
               client: socket.socket | None = None, auth: str | None = None
               ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
@@ -58,9 +61,14 @@ def post_json(base: str, path: str, body: dict[str, Any], timeout: float,
         raise
 
 
+def auth_headers(auth: str | None) -> dict[str, str]:
+    """The ``Authorization`` header when there is a key to send, else none."""
+    return {"Authorization": auth} if auth else {}
+
+
 def json_headers(auth: str | None) -> dict[str, str]:
     """A JSON request's headers, with the client's ``Authorization`` when it gave one."""
-    return {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
+    return {"Content-Type": "application/json", **auth_headers(auth)}
 
 
 def get_json(base: str, path: str, timeout: float, auth: str | None = None) -> Any:
@@ -68,10 +76,10 @@ def get_json(base: str, path: str, timeout: float, auth: str | None = None) -> A
     conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80,
                                       timeout=timeout)
     try:
-        conn.request("GET", path, headers={"Authorization": auth} if auth else {})
+        conn.request("GET", path, headers=auth_headers(auth))
         resp = conn.getresponse()
         data = resp.read()
-        if resp.status in (401, 403):
+        if resp.status in KEY_REFUSED:
             raise KeyRefused(f"GET {path} answered {resp.status}")
         if resp.status != 200:
             raise OSError(f"GET {path} answered {resp.status}")
@@ -128,7 +136,7 @@ class DecodeWorkers:
             try:
                 conn, resp = post_json(url, "/v1/completions", body, self._timeout,
                                        auth=auth)
-                refused = resp.status in (401, 403)
+                refused = resp.status in KEY_REFUSED
                 try:
                     answer = json.loads(resp.read()) if resp.status == 200 else None
                 finally:

@@ -96,4 +96,3 @@ def alike(got: list[Any], want: list[Any]) -> bool:
         return False
     a, b = ({json.dumps(s, sort_keys=True) for s in x[1:-2]} for x in (got, want))
     return a <= b or b <= a
-

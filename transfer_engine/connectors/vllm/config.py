@@ -230,4 +230,3 @@ def log_with(host: logging.Logger, names: tuple[str, ...] = ("transfer_engine", 
             ours.addHandler(handler)
         if ours.level == logging.NOTSET:
             ours.setLevel(host.getEffectiveLevel())
-

@@ -239,11 +239,14 @@ class TEConnectorScheduler:
                                  f"{user[0]!r:.80} (replayed); its blocks are not held "
                                  "for this one")
         except ValueError as exc:
-            self.refused[rid] = str(exc)
-            log.warning("request %s: not loading remote KV: %s; computing locally", rid,
-                        exc)
+            self._refuse(rid, str(exc))
             return None
         return parsed
+
+    def _refuse(self, rid: str, why: str) -> None:
+        """A request's remote KV is not loaded: vLLM computes its prompt here."""
+        self.refused[rid] = why
+        log.warning("request %s: not loading remote KV: %s; computing locally", rid, why)
 
     def _remote_match(self, request: Request, num_computed_tokens: int,
                       params: dict[str, Any]) -> tuple[int, bool]:
@@ -256,9 +259,7 @@ class TEConnectorScheduler:
         last = len(request.prompt_token_ids or ()) - 1
         gone = self._window_gone(parsed.block_ids, min(parsed.num_tokens, last))
         if gone is not None:
-            self.refused[request.request_id] = gone
-            log.warning("request %s: not loading remote KV: %s; computing locally",
-                        request.request_id, gone)
+            self._refuse(request.request_id, gone)
             params["do_remote_prefill"] = False
             return 0, False
         self._parsed[request.request_id] = (parsed, num_computed_tokens)
