@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 from tests.helpers.rails import (
+    SIZE,
     RawRail,
     handshake,
     tight_tcp,
 )
 from tests.helpers.transport_contract import random_bytes
 from transfer_engine import Descriptor, Engine
-from transfer_engine.transport.stream import HEADER, KIND_ANNOUNCE, KIND_WRITE
+from transfer_engine.transport.stream import HEADER, KIND_ANNOUNCE, KIND_WRITE, MAX_BODY
 
 
 def test_tcp_keeps_no_range_announcement(victim: tuple[Engine, np.ndarray, int]) -> None:
@@ -80,6 +81,42 @@ def test_a_full_server_sheds_the_busiest_names_oldest_idle_rail(
     finally:
         for rail in rails:
             rail.close()
+
+
+@pytest.mark.parametrize("part", ["payload", "body"])
+def test_a_large_request_trickled_in_is_cut_after_two_stalls(
+        make_engine: Callable[..., Engine], part: str) -> None:
+    """The pace a request must keep is checked as it comes, not only against its whole
+    size: a 1 MiB payload trickled in (whose average once allowed 16 s past a stall),
+    or a request's entries and 1 MiB body (once with no bound at all), is cut after
+    about two stalls, and the target serves others meanwhile and after."""
+    b, _, seg_id = tight_tcp(make_engine, 0.5)
+    _, credential = handshake(b)
+    rail = RawRail(b, credential)
+    started = time.monotonic()
+    try:
+        if part == "payload":
+            rail.sock.sendall(HEADER.pack(KIND_WRITE, 0, 1, 0, 0, 0, 1, 0, 0)
+                              + np.array([seg_id, 0, SIZE], dtype="<u8").tobytes())
+        else:
+            rail.sock.sendall(HEADER.pack(KIND_WRITE, 0, 1, 0, 0, MAX_BODY, 1, 0, 0))
+        closed = False
+        for _ in range(200):  # a byte every 0.05 s
+            try:
+                rail.sock.sendall(b"\x01")
+            except OSError:
+                closed = True
+                break
+            time.sleep(0.05)
+            if time.monotonic() - started > 1.0 and rail.closed_by_target(timeout=0.02):
+                closed = True
+                break
+        assert closed and time.monotonic() - started < 4
+        _legit_roundtrip_tcp(b)
+    finally:
+        rail.close()
+    b.segments["kv"].close(timeout=5)  # no pin left: returns at once
+    assert time.monotonic() - started < 10
 
 
 def _legit_roundtrip_tcp(b: Engine) -> None:

@@ -28,11 +28,37 @@ import numpy as np
 from transfer_engine.planner import Columns, WorkRequest, iovec_array
 from transfer_engine.segment import Segment
 
-__all__ = ["IOVEC_IO", "IOV_MAX", "RECV_CHUNK", "host_rows", "iov_views", "send_iov", "recv_iov",
-           "recv_iov_ready", "recv_ready", "send_ready"]
+__all__ = ["IOVEC_IO", "IOV_MAX", "RECV_CHUNK", "MIN_PAYLOAD_RATE", "Pace", "host_rows",
+           "iov_views", "send_iov", "recv_iov", "recv_iov_ready", "recv_ready", "send_ready"]
 
 IOV_MAX = 1024
 RECV_CHUNK = 1 << 20
+MIN_PAYLOAD_RATE = 64 << 10  # bytes per second a peer's message must keep, past one stall
+
+
+class Pace:
+    """How far behind a message from a peer may fall: by any moment, every byte but
+    those of one ``stall`` at :data:`MIN_PAYLOAD_RATE` must have come. A peer that
+    trickles (a byte every few seconds keeps each receive alive) is so cut after about
+    two stalls whatever the message's size, rather than after its size at that rate
+    (hours for a large one), and holds a serving thread that long at most. One pace
+    spans a message's calls (a bounce refilled, a drain in chunks): ``got`` counts
+    them all."""
+
+    __slots__ = ("_due", "got")
+
+    def __init__(self, stall: float) -> None:
+        self._due = time.monotonic() + stall
+        self.got = 0
+
+    def behind(self) -> bool:
+        return time.monotonic() > self._due + self.got / MIN_PAYLOAD_RATE
+
+    def check(self, left: int) -> None:
+        """Raises ``TimeoutError`` once behind (``left`` bytes still to come)."""
+        if self.behind():
+            raise TimeoutError(f"{left} bytes still to come, {self.got} received: the "
+                               f"peer keeps less than {MIN_PAYLOAD_RATE >> 10} KiB/s")
 
 
 class _MsgHdr(ctypes.Structure):
@@ -119,7 +145,7 @@ def send_iov(sock: socket.socket, iov: np.ndarray, nbytes: int) -> None:
 
 def recv_iov(sock: socket.socket, iov: np.ndarray, nbytes: int,
              chunk: bool = False, patient: bool = False,
-             deadline: float | None = None) -> None:
+             pace: Pace | None = None) -> None:
     """Fills the ``nbytes`` bytes described by ``iov`` in order (blocking socket).
 
     One ``MSG_WAITALL`` call for the whole request by default: each call that returns
@@ -131,16 +157,16 @@ def recv_iov(sock: socket.socket, iov: np.ndarray, nbytes: int,
     ``RECV_CHUNK``, which streamed 20-35% faster under BBR on loopback. Raises
     ``ConnectionResetError`` when the stream ends first. With ``patient``, a receive
     bound of the socket running out (EAGAIN) is no error: the call goes on waiting.
-    Past ``deadline`` (``time.monotonic()``), checked whenever a call returns short,
-    raises ``TimeoutError``: a peer that trickles its bytes does not hold the thread.
+    Behind ``pace``, checked whenever a call returns short, raises ``TimeoutError``: a
+    peer that trickles its bytes does not hold the thread.
     """
     assert _libc is not None
     iov = np.ascontiguousarray(iov, dtype=np.uint64)
     if chunk and nbytes > 2 * RECV_CHUNK:
         for part, size in _chunks(iov, nbytes):
-            _recv_all(sock, part, size, patient, deadline)
+            _recv_all(sock, part, size, patient, pace)
         return
-    _recv_all(sock, iov, nbytes, patient, deadline)
+    _recv_all(sock, iov, nbytes, patient, pace)
 
 
 def _chunks(iov: np.ndarray, nbytes: int) -> list[tuple[np.ndarray, int]]:
@@ -170,13 +196,12 @@ def _chunks(iov: np.ndarray, nbytes: int) -> list[tuple[np.ndarray, int]]:
 
 
 def _recv_all(sock: socket.socket, iov: np.ndarray, nbytes: int,
-              patient: bool = False, deadline: float | None = None) -> None:
+              patient: bool = False, pace: Pace | None = None) -> None:
     assert _libc is not None
     got = 0
     while got < nbytes:
-        if got and deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"{nbytes - got} of {nbytes} bytes still to come past the "
-                               "deadline")
+        if got and pace is not None:
+            pace.check(nbytes - got)
         try:
             n = _call(_libc.recvmsg, sock.fileno(), _advance(iov, got) if got else iov,
                       _WAITALL)
@@ -187,6 +212,8 @@ def _recv_all(sock: socket.socket, iov: np.ndarray, nbytes: int,
         if n == 0:
             raise ConnectionResetError("connection closed by peer")
         got += n
+        if pace is not None:
+            pace.got += n
 
 
 # Calls that cannot block, made while holding the GIL: a call that releases it must win

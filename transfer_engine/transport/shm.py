@@ -83,7 +83,6 @@ from transfer_engine.transport.stream import (
     encode_request,
     open_rail,
     pack_local,
-    recv_exact,
     send_bytes,
 )
 from transfer_engine.transport.stream.process import ServeProcess, serve_mode
@@ -300,7 +299,7 @@ class ShmServer(StreamServer):
         writable), sorted by address, as (start, end, writable) rows."""
         if body_len % 24 or body_len > MAX_ANNOUNCED * 24:
             raise ProtocolError("malformed announcement", peer=conn.peer)
-        rows = np.frombuffer(recv_exact(conn.sock, body_len), "<u8").reshape(-1, 3)
+        rows = np.frombuffer(self.take(conn.sock, body_len), "<u8").reshape(-1, 3)
         start, length = rows[:, 0], rows[:, 1]
         if len(rows) and bool(((length == 0) | (start > np.uint64(2**64 - 1) - length)).any()):
             raise ProtocolError("announced range is empty or wraps", peer=conn.peer)

@@ -65,7 +65,7 @@ from transfer_engine.planner import WorkRequest
 from transfer_engine.segment import Segment
 from transfer_engine.topology import Topology
 from transfer_engine.transport.base import Capabilities, Host, OnComplete, Rail, Transport, Work
-from transfer_engine.transport.iovec import host_rows
+from transfer_engine.transport.iovec import Pace, host_rows
 from transfer_engine.transport.reopen import Reopener
 from transfer_engine.transport.stream import (
     KIND_READ,
@@ -83,7 +83,7 @@ from transfer_engine.transport.stream import (
     send_gather,
     tune_socket,
 )
-from transfer_engine.transport.stream.io import Unsent, payload_deadline
+from transfer_engine.transport.stream.io import Unsent
 from transfer_engine.transport.stream.process import ServeProcess, serve_mode
 from transfer_engine.transport.tcp_congestion import (  # noqa: F401 - public here too
     AUTO,
@@ -197,8 +197,7 @@ class TcpServer(StreamServer):
         set_congestion(sock, self._congestion)
 
     def land(self, conn: Connection, views: Targets, local: np.ndarray | None) -> None:
-        recv_scatter(conn.sock, views.iov, views.nbytes,
-                     deadline=payload_deadline(self._stall, views.nbytes))
+        recv_scatter(conn.sock, views.iov, views.nbytes, pace=Pace(self._stall))
 
     def serve(self, conn: Connection, wr_id: int, views: Targets,
               local: np.ndarray | None) -> None:
@@ -206,7 +205,7 @@ class TcpServer(StreamServer):
                     views.headroom)
 
     def refuse_write(self, conn: Connection, nbytes: int) -> None:
-        drain(conn.sock, nbytes, payload_deadline(self._stall, nbytes))
+        drain(conn.sock, nbytes, Pace(self._stall))
 
 
 class TcpTransport(Transport):

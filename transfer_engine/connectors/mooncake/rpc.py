@@ -48,7 +48,7 @@ from collections.abc import Callable
 from typing import Any
 
 from transfer_engine.control.auth import AuthConfig, check_exposure
-from transfer_engine.transport.stream.io import MIN_PAYLOAD_RATE
+from transfer_engine.transport.iovec import MIN_PAYLOAD_RATE
 
 from .metadata import split_hostport
 

@@ -15,7 +15,6 @@ import fcntl
 import socket
 import struct
 import termios
-import time
 from bisect import bisect_right
 from collections.abc import Sequence
 from itertools import accumulate
@@ -26,6 +25,7 @@ import numpy as np
 from transfer_engine.transport import held
 from transfer_engine.transport.iovec import (
     IOVEC_IO,
+    Pace,
     _advance,
     iov_views,
     recv_iov,
@@ -35,16 +35,6 @@ from transfer_engine.transport.iovec import (
 _IOV_CHUNK = 1000  # sendmsg/recvmsg_into take at most IOV_MAX buffers
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
 EARLY_HEAD_BYTES = 256 << 10
-
-
-MIN_PAYLOAD_RATE = 64 << 10  # bytes per second a request's payload must keep, on average
-
-
-def payload_deadline(stall: float, nbytes: int) -> float:
-    """When ``nbytes`` of payload must have arrived, from now: one ``stall`` plus the
-    time they take at ``MIN_PAYLOAD_RATE``. A peer that trickles its bytes (one every
-    few seconds keeps each receive alive) so holds a serving thread for a bounded time."""
-    return time.monotonic() + stall + nbytes / MIN_PAYLOAD_RATE
 
 
 class PeerClosed(Exception):
@@ -76,12 +66,13 @@ def _rest(bufs: Sequence[Any], ends: list[int], done: int) -> list[Any]:
 
 def recv_into_views(sock: socket.socket, views: Sequence[Any],
                     nbytes: int | None = None, patient: bool = False,
-                    deadline: float | None = None) -> None:
+                    pace: Pace | None = None) -> None:
     """Fills ``views`` in order from ``sock``, scattering with recvmsg_into.
 
     ``nbytes`` is their total size when the caller knows it. With ``patient``, the
-    socket's receive bound running out is no error (see :func:`recv_head`). Bytes still
-    to come past ``deadline`` (``time.monotonic()``) raise :class:`PeerClosed`.
+    socket's receive bound running out is no error (see :func:`recv_head`). A peer
+    fallen behind ``pace`` (checked whenever a call returns short) raises
+    :class:`PeerClosed`.
     """
     if nbytes is None:
         nbytes = sum(map(len, views))
@@ -89,18 +80,27 @@ def recv_into_views(sock: socket.socket, views: Sequence[Any],
         return
     got = _recv_into(sock, views[:_IOV_CHUNK] if len(views) > _IOV_CHUNK else views,
                      patient)
+    if pace is not None:
+        pace.got += got
     if got == nbytes:
         return
     ends = list(accumulate(map(len, views)))
     while got < nbytes:
-        if deadline is not None and time.monotonic() > deadline:
-            raise PeerClosed(f"{nbytes - got} of {nbytes} bytes still to come past the "
-                             "deadline")
-        got += _recv_into(sock, _rest(views, ends, got), patient)
+        if pace is not None:
+            try:
+                pace.check(nbytes - got)
+            except TimeoutError as exc:
+                raise PeerClosed(str(exc)) from None
+        n = _recv_into(sock, _rest(views, ends, got), patient)
+        got += n
+        if pace is not None:
+            pace.got += n
 
 
-def recv_exact(sock: socket.socket, n: int, patient: bool = False) -> bytes:
-    """The next ``n`` bytes of the stream (``patient``: see :func:`recv_into_views`)."""
+def recv_exact(sock: socket.socket, n: int, patient: bool = False,
+               pace: Pace | None = None) -> bytes:
+    """The next ``n`` bytes of the stream (``patient`` and ``pace``: see
+    :func:`recv_into_views`)."""
     if n <= 0:
         return b""
     try:
@@ -118,7 +118,9 @@ def recv_exact(sock: socket.socket, n: int, patient: bool = False) -> bytes:
         return data
     buf = bytearray(n)
     buf[:len(data)] = data
-    recv_into_views(sock, [memoryview(buf)[len(data):]], n - len(data), patient)
+    if pace is not None:
+        pace.got += len(data)
+    recv_into_views(sock, [memoryview(buf)[len(data):]], n - len(data), patient, pace)
     return bytes(buf)
 
 
@@ -148,7 +150,8 @@ def recv_head(sock: socket.socket, n: int, linger: float | None = None,
     if not head:
         raise PeerClosed("connection closed by peer")
     if len(head) < n:
-        head += recv_exact(sock, n - len(head), patient=linger is None)
+        head += recv_exact(sock, n - len(head), patient=linger is None,
+                           pace=None if stall is None else Pace(stall))
     return head
 
 
@@ -273,34 +276,36 @@ def send_gather(sock: socket.socket, head: bytes, iov: np.ndarray | None, nbytes
 
 
 def recv_scatter(sock: socket.socket, iov: np.ndarray, nbytes: int,
-                 patient: bool = False, deadline: float | None = None) -> None:
+                 patient: bool = False, pace: Pace | None = None) -> None:
     """Fills the ``nbytes`` bytes ``iov`` describes from ``sock`` (``patient`` and
-    ``deadline``: see :func:`recv_into_views`)."""
+    ``pace``: see :func:`recv_into_views`)."""
     if not nbytes:
         return
     if not IOVEC_IO:
-        recv_into_views(sock, iov_views(iov), nbytes, patient, deadline)
+        recv_into_views(sock, iov_views(iov), nbytes, patient, pace)
         return
     try:
         until = held.until()
         if until is not None:  # the caller holds the GIL while the bytes come
             got = held.recv_rows(sock, np.ascontiguousarray(iov, dtype=np.uint64), nbytes,
                                  until)
+            if pace is not None:
+                pace.got += got
             if got == nbytes:
                 return
             iov, nbytes = _advance(iov, got), nbytes - got
-        recv_iov(sock, iov, nbytes, patient=patient, deadline=deadline)
+        recv_iov(sock, iov, nbytes, patient=patient, pace=pace)
     except OSError as exc:
         raise PeerClosed(str(exc)) from exc
 
 
-def drain(sock: socket.socket, nbytes: int, deadline: float | None = None) -> None:
-    """Receives and drops ``nbytes`` (by ``deadline``, ``time.monotonic()``, if given:
-    a payload a refused request still owes is bounded as an accepted one's is)."""
+def drain(sock: socket.socket, nbytes: int, pace: Pace | None = None) -> None:
+    """Receives and drops ``nbytes`` (at ``pace``, if given: a payload a refused
+    request still owes is bounded as an accepted one's is)."""
     scratch = memoryview(bytearray(min(nbytes, 1 << 20) or 1))
     while nbytes > 0:
         chunk = scratch[:min(nbytes, len(scratch))]
-        recv_into_views(sock, [chunk], len(chunk), deadline=deadline)
+        recv_into_views(sock, [chunk], len(chunk), pace=pace)
         nbytes -= len(chunk)
 
 

@@ -38,6 +38,7 @@ from transfer_engine.errors import (
 )
 from transfer_engine.segment import Segment
 from transfer_engine.transport.base import Host, Immediate
+from transfer_engine.transport.iovec import Pace
 from transfer_engine.transport.stream import pump
 from transfer_engine.transport.stream.io import (
     PeerClosed,
@@ -148,12 +149,11 @@ class StreamServer:
         self._buffer_bytes = buffer_bytes
         self._stall = stall_timeout
         self._lock = threading.Lock()
-        # connections by socket: the opening's thread, then None (served by the pump)
+        # by socket: the opening's thread, then None (served by the pump)
         self._conns: dict[socket.socket, threading.Thread | None] = {}
         self._open: dict[socket.socket, Connection] = {}
         self._shed: set[socket.socket] = set()  # idle rails shut to make room
-        self._opening: collections.OrderedDict[socket.socket, None] = (
-            collections.OrderedDict())  # oldest first
+        self._opening: collections.OrderedDict[socket.socket, None] = collections.OrderedDict()
         self._closed = False
         self.bytes_received = 0
         self.stats: collections.Counter[str] = collections.Counter()
@@ -369,21 +369,17 @@ class StreamServer:
         held = conn.pump
         assert held is not None
         try:
-            head = recv_exact(sock, HEADER.size) if has_bytes(sock) else None
+            head = self.take(sock, HEADER.size) if has_bytes(sock) else None
             while head is not None and not self._closed:
                 self._serve_one(conn, head)
                 if held.crowded():
                     break  # other rails wait for a worker
                 head = recv_head(sock, HEADER.size, pump.LINGER, self._stall)
-        except (PeerClosed, TimeoutError):
-            self._drop(sock, conn)
-            return
-        except TransferError as exc:
-            log.warning("%s rail from %s dropped: %s", self.transport_name, conn.peer, exc)
-            self._drop(sock, conn)
-            return
-        except Exception:
-            log.exception("%s server failed", self.transport_name)
+        except Exception as exc:  # the rail goes; the peer's other rails stay
+            if isinstance(exc, TransferError):
+                log.warning("%s rail from %s dropped: %s", self.transport_name, conn.peer, exc)
+            elif not isinstance(exc, PeerClosed | TimeoutError):
+                log.exception("%s server failed", self.transport_name)
             self._drop(sock, conn)
             return
         with self._lock:  # rearmed only while open: a dropped rail's number is reused
@@ -404,7 +400,7 @@ class StreamServer:
         if kind == KIND_DEVICES:
             if body_len > MAX_BODY:
                 raise ProtocolError("device announcement too large", peer=conn.peer)
-            self.announce_devices(conn, recv_exact(sock, body_len))
+            self.announce_devices(conn, self.take(sock, body_len))
             return
         if kind not in (KIND_WRITE, KIND_READ):
             raise ProtocolError(f"unknown request kind {kind}", peer=conn.peer)
@@ -414,7 +410,7 @@ class StreamServer:
         remote_end = (UNIFORM.size + n_remote * 8 if uniform
                       else n_remote * REMOTE_WORDS * 8)
         local_end = remote_end + n_local * LOCAL_DT.itemsize
-        blob = recv_exact(sock, local_end + body_len)  # entries and body: one call
+        blob = self.take(sock, local_end + body_len)  # entries and body: one call
         local = np.frombuffer(blob, LOCAL_DT, n_local, remote_end) if n_local else None
         first, body = take_first(flags, blob[local_end:], conn.peer)
         op = Op.WRITE if kind == KIND_WRITE else Op.READ
@@ -478,6 +474,10 @@ class StreamServer:
             for seg in pinned:
                 seg.unpin()
             pinned.clear()
+
+    def take(self, sock: socket.socket, n: int) -> bytes:
+        """The next ``n`` bytes of a request, at :class:`Pace` (no trickling)."""
+        return recv_exact(sock, n, pace=Pace(self._stall))
 
     def _announce(self, conn: Connection, body_len: int) -> None:
         """Initiators announce their ranges to shm only (its target copies from them)."""

@@ -36,12 +36,12 @@ import numpy as np
 from transfer_engine.errors import AuthenticationError, InvalidDescriptorError, ProtocolError
 from transfer_engine.segment import MemoryInfo, Segment, _view_at
 from transfer_engine.transport.base import Immediate
+from transfer_engine.transport.iovec import Pace
 from transfer_engine.transport.shm import ShmServer
 from transfer_engine.transport.stream.channel import Channel, ChannelClosed, FrameTooLarge
 from transfer_engine.transport.stream.io import (
     PeerClosed,
     drain,
-    payload_deadline,
     recv_into_views,
     recv_scatter,
     send_bytes,
@@ -266,10 +266,10 @@ class ServeTcpServer(TcpServer):
         super().__init__(listener, host, buffer_bytes, congestion, stall_timeout)
 
     def land(self, conn: Connection, views: Targets, local: np.ndarray | None) -> None:
-        deadline = payload_deadline(self._stall, views.nbytes)
+        pace = Pace(self._stall)
         iov = direct_rows(views)
         if iov is not None:
-            recv_scatter(conn.sock, iov, views.nbytes, deadline=deadline)
+            recv_scatter(conn.sock, iov, views.nbytes, pace=pace)
             return
         bounce = memoryview(bytearray(min(BOUNCE, views.nbytes)))
         taken = 0  # payload bytes received so far
@@ -277,11 +277,11 @@ class ServeTcpServer(TcpServer):
             for batch in _batches(views, bounce):
                 n = sum(row[1] for row in batch)
                 recv_into_views(conn.sock, [_view_at(a, k, True) for a, k, _ in batch], n,
-                                deadline=deadline)
+                                pace=pace)
                 taken += n
                 _through_mem(batch, os.pwrite, self._mem)
         except InvalidDescriptorError:  # the rest of the payload is still owed: taken
-            drain(conn.sock, views.nbytes - taken, deadline)  # so the stream stays in step
+            drain(conn.sock, views.nbytes - taken, pace)  # so the stream stays in step
             raise
 
     def serve(self, conn: Connection, wr_id: int, views: Targets,
