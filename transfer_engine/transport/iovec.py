@@ -131,16 +131,25 @@ def _call(fn: Any, fd: int, iov: np.ndarray, flags: int) -> int:
             raise OSError(err, os.strerror(err))
 
 
-def send_iov(sock: socket.socket, iov: np.ndarray, nbytes: int) -> None:
-    """Sends the ``nbytes`` bytes described by ``iov`` in order (blocking socket)."""
+def send_iov(sock: socket.socket, iov: np.ndarray, nbytes: int,
+             pace: Pace | None = None) -> None:
+    """Sends the ``nbytes`` bytes described by ``iov`` in order (blocking socket); a
+    peer that takes them slower than ``pace`` (checked whenever a call returns short)
+    raises ``TimeoutError``."""
     assert _libc is not None
     iov = np.ascontiguousarray(iov, dtype=np.uint64)
     sent = _call(_libc.sendmsg, sock.fileno(), iov, _NOSIGNAL)
+    if pace is not None:
+        pace.got += sent
     while sent < nbytes:
+        if pace is not None:
+            pace.check(nbytes - sent)
         n = _call(_libc.sendmsg, sock.fileno(), _advance(iov, sent), _NOSIGNAL)
         if n == 0:
             raise OSError(errno.EPIPE, "send made no progress")
         sent += n
+        if pace is not None:
+            pace.got += n
 
 
 def recv_iov(sock: socket.socket, iov: np.ndarray, nbytes: int,

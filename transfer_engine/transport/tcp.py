@@ -202,7 +202,7 @@ class TcpServer(StreamServer):
     def serve(self, conn: Connection, wr_id: int, views: Targets,
               local: np.ndarray | None) -> None:
         send_gather(conn.sock, self._answer(wr_id, None), views.iov, views.nbytes,
-                    views.headroom)
+                    views.headroom, pace=Pace(self._stall))
 
     def refuse_write(self, conn: Connection, nbytes: int) -> None:
         drain(conn.sock, nbytes, Pace(self._stall))

@@ -176,20 +176,29 @@ def has_bytes(sock: socket.socket) -> bool:
     return True
 
 
-def send_views(sock: socket.socket, bufs: Sequence[Any], nbytes: int | None = None) -> None:
+def send_views(sock: socket.socket, bufs: Sequence[Any], nbytes: int | None = None,
+               pace: Pace | None = None) -> None:
     """Sends every buffer in order, gathering with sendmsg (no concatenation copies).
 
-    ``nbytes`` is their total size when the caller knows it.
+    ``nbytes`` is their total size when the caller knows it; ``pace``: see
+    :func:`send_gather`.
     """
     if nbytes is None:
         nbytes = sum(map(len, bufs))
     try:
         sent = sock.sendmsg(bufs[:_IOV_CHUNK] if len(bufs) > _IOV_CHUNK else bufs)
+        if pace is not None:
+            pace.got += sent
         if sent == nbytes:
             return
         ends = list(accumulate(map(len, bufs)))
         while sent < nbytes:
-            sent += sock.sendmsg(_rest(bufs, ends, sent))
+            if pace is not None:
+                pace.check(nbytes - sent)
+            n = sock.sendmsg(_rest(bufs, ends, sent))
+            sent += n
+            if pace is not None:
+                pace.got += n
     except OSError as exc:
         raise PeerClosed(str(exc)) from exc
 
@@ -219,28 +228,32 @@ class Unsent(NamedTuple):
     keep: bytes
 
 
-def send_rest(sock: socket.socket, rest: Unsent, spill: bool = False) -> Unsent | None:
+def send_rest(sock: socket.socket, rest: Unsent, spill: bool = False,
+              pace: Pace | None = None) -> Unsent | None:
     """Sends ``rest`` (blocking socket). In a held window the socket takes what it can
     within the budget holding the GIL, then the rest goes the usual way or, with
-    ``spill``, is returned."""
+    ``spill``, is returned. ``pace``: see :func:`send_gather`."""
     rows, total = rest.rows, rest.nbytes
     try:
         until = held.until()
         if until is not None:  # the caller holds the GIL while the socket takes bytes
             sent = held.send_rows(sock, rows, total, until)
+            if pace is not None:
+                pace.got += sent
             if sent == total:
                 return None
             rows, total = _advance(rows, sent), total - sent
             if spill:
                 return Unsent(rows, total, rest.keep)
-        send_iov(sock, rows, total)
+        send_iov(sock, rows, total, pace)
     except OSError as exc:
         raise PeerClosed(str(exc)) from exc
     return None
 
 
 def send_gather(sock: socket.socket, head: bytes, iov: np.ndarray | None, nbytes: int,
-                headroom: np.ndarray | None = None, spill: bool = False) -> Unsent | None:
+                headroom: np.ndarray | None = None, spill: bool = False,
+                pace: Pace | None = None) -> Unsent | None:
     """Sends ``head`` and then the ``nbytes`` bytes ``iov`` describes.
 
     Above ``EARLY_HEAD_BYTES`` the head goes in a call of its own: with TCP_NODELAY it
@@ -249,19 +262,21 @@ def send_gather(sock: socket.socket, head: bytes, iov: np.ndarray | None, nbytes
     given, is ``iov`` with one spare row in front, which then describes the head. In
     a held window (:mod:`~transfer_engine.transport.held`) the socket takes what it can
     within the budget holding the GIL, and the rest the usual way, or, with ``spill``,
-    is returned (:func:`send_rest`).
+    is returned (:func:`send_rest`). A peer that takes the bytes slower than ``pace``
+    (a target's READ answer to a peer that reads at a trickle) raises
+    :class:`PeerClosed`, checked whenever a call returns short.
     """
     if iov is None or not nbytes:
         send_bytes(sock, head)
         return None
     if not IOVEC_IO:
-        send_views(sock, [head, *iov_views(iov)], len(head) + nbytes)
+        send_views(sock, [head, *iov_views(iov)], len(head) + nbytes, pace)
         return None
     until = held.until()
     if nbytes >= EARLY_HEAD_BYTES and until is None:
         send_bytes(sock, head)
         try:
-            send_iov(sock, iov, nbytes)
+            send_iov(sock, iov, nbytes, pace)
         except OSError as exc:
             raise PeerClosed(str(exc)) from exc
         return None
@@ -272,7 +287,7 @@ def send_gather(sock: socket.socket, head: bytes, iov: np.ndarray | None, nbytes
         rows[1:] = iov
     # the address of the bytes object's own buffer (no copy); ``head`` outlives the call
     rows[0] = (ctypes.cast(ctypes.c_char_p(head), ctypes.c_void_p).value or 0, len(head))
-    return send_rest(sock, Unsent(rows, len(head) + nbytes, head), spill)
+    return send_rest(sock, Unsent(rows, len(head) + nbytes, head), spill, pace)
 
 
 def recv_scatter(sock: socket.socket, iov: np.ndarray, nbytes: int,

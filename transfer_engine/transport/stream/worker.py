@@ -288,10 +288,11 @@ class ServeTcpServer(TcpServer):
               local: np.ndarray | None) -> None:
         iov = direct_rows(views)
         answer = self._answer(wr_id, None)
+        pace = Pace(self._stall)
         if iov is not None:
             headroom = np.empty((len(iov) + 1, 2), dtype=np.uint64)
             headroom[1:] = iov
-            send_gather(conn.sock, answer, iov, views.nbytes, headroom)
+            send_gather(conn.sock, answer, iov, views.nbytes, headroom, pace=pace)
             return
         # through one bounded bounce, sent (gathered) each time it is full: a READ that
         # names a piece many times must not cost its size in memory here
@@ -306,7 +307,7 @@ class ServeTcpServer(TcpServer):
                     return
                 raise PeerClosed(f"read answer cut short: {exc}") from None
             send_views(conn.sock, [answer] * first + [_view_at(a, k, False)
-                                                      for a, k, _ in batch])
+                                                      for a, k, _ in batch], pace=pace)
             first = False
         if first:
             send_views(conn.sock, [answer])
