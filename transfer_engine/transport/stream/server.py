@@ -17,8 +17,8 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -30,7 +30,6 @@ from transfer_engine.control.tickets import (
 from transfer_engine.descriptor import Op
 from transfer_engine.errors import (
     AuthenticationError,
-    InvalidDescriptorError,
     NotSupportedError,
     ProtocolError,
     TransferError,
@@ -49,7 +48,13 @@ from transfer_engine.transport.stream.io import (
     set_stall_timeout,
     tune_socket,
 )
-from transfer_engine.transport.stream.targets import Targets, stage, unstage
+from transfer_engine.transport.stream.targets import (
+    Targets,
+    check_entries,
+    refuse,
+    stage,
+    unstage,
+)
 from transfer_engine.transport.stream.wire import (
     ANSWER,
     FLAG_IMM,
@@ -106,34 +111,6 @@ class Connection:
 
 class Refused(Exception):
     """A connection that did not open: closed without an answer."""
-
-
-def _check_entries(conn: Connection, seg: Segment, rows: np.ndarray, write: bool, op: str,
-                   low: list[int] | None = None, high: list[int] | None = None) -> None:
-    """Raises the segment's precise error for the first (segment, offset, length) row it
-    may not serve; ``low``/``high`` are the rows' column minima and maxima if known.
-
-    Rows are unsigned: each bound is checked before the sum that could wrap.
-    """
-    limit = seg.length
-    low = rows.min(axis=0).tolist() if low is None else low
-    high = rows.max(axis=0).tolist() if high is None else high
-    if (seg.writable or not write) and low[2] > 0 and (
-            high[1] + high[2] <= limit  # the largest offset and length still fit
-            or (high[1] <= limit and high[2] <= limit
-                and int((rows[:, 1] + rows[:, 2]).max()) <= limit)):
-        return
-    _refuse(conn, seg, rows[:, 1:].tolist(), write, op)
-
-
-def _refuse(conn: Connection, seg: Segment, ranges: Iterable[Sequence[int]], write: bool,
-            op: str) -> NoReturn:
-    """Raises the segment's precise error for the first (offset, length) range it may not
-    serve, once the fast bounds check has failed."""
-    for offset, length in ranges:
-        seg.check(offset, length, write=write, op=op, peer=conn.peer)
-    raise InvalidDescriptorError("request refused", peer=conn.peer, op=op,
-                                 segment=seg.name)
 
 
 class StreamServer:
@@ -495,11 +472,11 @@ class StreamServer:
         if len(remote) and low[0] == high[0]:
             seg_id = low[0]
             segs[seg_id] = self._host.local_segment(seg_id, peer=conn.peer, op=opname)
-            _check_entries(conn, segs[seg_id], remote, write, opname, low, high)
+            check_entries(conn.peer, segs[seg_id], remote, write, opname, low, high)
         elif len(remote):
             for seg_id in np.unique(ids).tolist():
                 seg = self._host.local_segment(seg_id, peer=conn.peer, op=opname)
-                _check_entries(conn, seg, remote[ids == seg_id], write, opname)
+                check_entries(conn.peer, seg, remote[ids == seg_id], write, opname)
                 segs[seg_id] = seg
         self._pin(conn, opname, segs, pinned)
         if len(segs) <= 1:  # (offset, length) rows plus (base, 0): the iovec rows
@@ -524,7 +501,7 @@ class StreamServer:
         limit = seg.length
         if not (0 < length <= limit and (seg.writable or not write)
                 and int(offsets.max()) <= limit - length):
-            _refuse(conn, seg, ((offset, length) for offset in offsets.tolist()), write,
+            refuse(conn.peer, seg, ((offset, length) for offset in offsets.tolist()), write,
                     opname)
         self._pin(conn, opname, {seg_id: seg}, pinned)
         rows = np.empty((len(offsets) + 1, 2), dtype=np.uint64)  # row 0: the answer's head

@@ -12,17 +12,18 @@ are on the device), with the device's copier (:mod:`transfer_engine.devmem`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import NoReturn
 
 import numpy as np
 
 from transfer_engine import devmem
 from transfer_engine.descriptor import Op
-from transfer_engine.errors import BusyError, TransferError
+from transfer_engine.errors import BusyError, InvalidDescriptorError, TransferError
 from transfer_engine.segment import Segment
 from transfer_engine.staging import STAGING_ENV, limit_bytes
 
-__all__ = ["Targets", "stage", "unstage"]
+__all__ = ["Targets", "check_entries", "refuse", "stage", "unstage"]
 
 _budget = threading.Lock()
 _held = [0]  # bytes of server bounces in use, all connections together
@@ -131,3 +132,31 @@ def _stage(views: Targets, op: Op, peer: str | None
         copy(False)
         return staged, None
     return staged, lambda: copy(True)
+
+
+def check_entries(peer: str, seg: Segment, rows: np.ndarray, write: bool, op: str,
+                  low: list[int] | None = None, high: list[int] | None = None) -> None:
+    """Raises the segment's precise error for the first (segment, offset, length) row it
+    may not serve; ``low``/``high`` are the rows' column minima and maxima if known.
+
+    Rows are unsigned: each bound is checked before the sum that could wrap.
+    """
+    limit = seg.length
+    low = rows.min(axis=0).tolist() if low is None else low
+    high = rows.max(axis=0).tolist() if high is None else high
+    if (seg.writable or not write) and low[2] > 0 and (
+            high[1] + high[2] <= limit  # the largest offset and length still fit
+            or (high[1] <= limit and high[2] <= limit
+                and int((rows[:, 1] + rows[:, 2]).max()) <= limit)):
+        return
+    refuse(peer, seg, rows[:, 1:].tolist(), write, op)
+
+
+def refuse(peer: str, seg: Segment, ranges: Iterable[Sequence[int]], write: bool,
+           op: str) -> NoReturn:
+    """Raises the segment's precise error for the first (offset, length) range it may not
+    serve, once the fast bounds check has failed."""
+    for offset, length in ranges:
+        seg.check(offset, length, write=write, op=op, peer=peer)
+    raise InvalidDescriptorError("request refused", peer=peer, op=op,
+                                 segment=seg.name)
