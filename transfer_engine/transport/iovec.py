@@ -29,7 +29,8 @@ from transfer_engine.planner import Columns, WorkRequest, iovec_array
 from transfer_engine.segment import Segment
 
 __all__ = ["IOVEC_IO", "IOV_MAX", "RECV_CHUNK", "MIN_PAYLOAD_RATE", "Pace", "host_rows",
-           "iov_views", "send_iov", "recv_iov", "recv_iov_ready", "recv_ready", "send_ready"]
+           "iov_views", "send_iov", "recv_iov", "recv_some", "recv_iov_ready", "recv_ready",
+           "send_ready"]
 
 IOV_MAX = 1024
 RECV_CHUNK = 1 << 20
@@ -51,8 +52,12 @@ class Pace:
         self._due = time.monotonic() + stall
         self.got = 0
 
+    def until(self) -> float:
+        """When, should nothing more come, the peer falls behind (``time.monotonic()``)."""
+        return self._due + self.got / MIN_PAYLOAD_RATE
+
     def behind(self) -> bool:
-        return time.monotonic() > self._due + self.got / MIN_PAYLOAD_RATE
+        return time.monotonic() > self.until()
 
     def check(self, left: int) -> None:
         """Raises ``TimeoutError`` once behind (``left`` bytes still to come)."""
@@ -176,6 +181,22 @@ def recv_iov(sock: socket.socket, iov: np.ndarray, nbytes: int,
             _recv_all(sock, part, size, patient, pace)
         return
     _recv_all(sock, iov, nbytes, patient, pace)
+
+
+def recv_some(sock: socket.socket, iov: np.ndarray) -> int:
+    """One ``MSG_WAITALL`` receive into ``iov``, for as long as the socket's receive
+    timeout: the bytes that came (0: none in that time). Raises
+    ``ConnectionResetError`` at the stream's end, OSError otherwise."""
+    assert _libc is not None
+    try:
+        n = _call(_libc.recvmsg, sock.fileno(), iov, _WAITALL)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+            return 0
+        raise
+    if n == 0:
+        raise ConnectionResetError("connection closed by peer")
+    return n
 
 
 def _chunks(iov: np.ndarray, nbytes: int) -> list[tuple[np.ndarray, int]]:

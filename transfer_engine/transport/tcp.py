@@ -199,6 +199,9 @@ class TcpServer(StreamServer):
     def land(self, conn: Connection, views: Targets, local: np.ndarray | None) -> None:
         recv_scatter(conn.sock, views.iov, views.nbytes, pace=Pace(self._stall))
 
+    def stream_rows(self, views: Targets) -> np.ndarray | None:
+        return views.iov
+
     def serve(self, conn: Connection, wr_id: int, views: Targets,
               local: np.ndarray | None) -> None:
         send_gather(conn.sock, self._answer(wr_id, None), views.iov, views.nbytes,

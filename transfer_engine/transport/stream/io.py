@@ -16,7 +16,7 @@ import socket
 import struct
 import termios
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import accumulate
 from typing import Any, NamedTuple
 
@@ -29,12 +29,14 @@ from transfer_engine.transport.iovec import (
     _advance,
     iov_views,
     recv_iov,
+    recv_some,
     send_iov,
 )
 
 _IOV_CHUNK = 1000  # sendmsg/recvmsg_into take at most IOV_MAX buffers
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
 EARLY_HEAD_BYTES = 256 << 10
+PARK_AFTER = 0.1  # seconds a payload receive waits for a byte before its thread moves on
 
 
 class PeerClosed(Exception):
@@ -312,6 +314,34 @@ def recv_scatter(sock: socket.socket, iov: np.ndarray, nbytes: int,
         recv_iov(sock, iov, nbytes, patient=patient, pace=pace)
     except OSError as exc:
         raise PeerClosed(str(exc)) from exc
+
+
+def recv_steps(sock: socket.socket, iov: np.ndarray, nbytes: int, pace: Pace,
+               stall: float) -> Iterator[float]:
+    """Fills the ``nbytes`` bytes ``iov`` describes, as steps: once no byte has come
+    for :data:`PARK_AFTER`, yields when more must have come (``pace``), so that the
+    thread serves others meanwhile; resume it when the socket turns readable or at that
+    time. A fast payload still comes in one call. The socket's receive bound is
+    ``stall`` again at the end."""
+    iov = np.ascontiguousarray(iov, dtype=np.uint64)
+    got = 0
+    try:
+        set_recv_timeout(sock, PARK_AFTER)
+        while got < nbytes:
+            n = recv_some(sock, _advance(iov, got) if got else iov)
+            got += n
+            pace.got += n
+            if got < nbytes:
+                pace.check(nbytes - got)
+                if not n:
+                    yield pace.until()
+    except OSError as exc:
+        raise PeerClosed(str(exc)) from exc
+    finally:
+        try:
+            set_recv_timeout(sock, stall)
+        except OSError:
+            pass  # closed meanwhile
 
 
 def drain(sock: socket.socket, nbytes: int, pace: Pace | None = None) -> None:

@@ -92,6 +92,9 @@ class Pump:
         # sockets a caller reads itself for a while (hold): fd -> when the poller takes
         # them back, and the timer that tells it (never fires while callers keep up)
         self._held: dict[int, float] = {}
+        # sockets armed with a time limit (rearm's ``until``): fd -> when the handler runs
+        # even though nothing came (a parked request whose peer must keep a pace)
+        self._until: dict[int, float] = {}
         self._held_lock = threading.Lock()
         self._timer = held.timer() if held.AVAILABLE else None
         self._timer_at: float | None = None
@@ -124,8 +127,20 @@ class Pump:
         self._handlers[fd] = (handler, quick)
         self._epoll.register(fd, _EVENTS)
 
-    def rearm(self, fd: int) -> None:
+    def rearm(self, fd: int, until: float | None = None) -> None:
+        """Watches ``fd`` again; with ``until`` (``time.monotonic()``), its handler also
+        runs then should nothing have come (see :attr:`timed`)."""
+        if until is not None and self._timer is not None:
+            with self._held_lock:
+                self._until[fd] = until
+                if self._timer_at is None or until < self._timer_at:
+                    self._set_timer(until)
         self._modify(fd, _EVENTS)
+
+    @property
+    def timed(self) -> bool:
+        """Whether :meth:`rearm` keeps its ``until`` (the host has the timer for it)."""
+        return self._timer is not None
 
     def quiet(self, fd: int) -> None:
         """Stops watching ``fd`` until :meth:`rearm` (its reader waits on it itself)."""
@@ -149,7 +164,7 @@ class Pump:
     def unhold(self, fd: int) -> None:
         """The caller is done with ``fd``: watched again (from before :meth:`hold`)."""
         with self._held_lock:
-            if self._held.pop(fd, None) is not None and not self._held:
+            if self._held.pop(fd, None) is not None and not self._held and not self._until:
                 self._set_timer(None)  # the timer would wake the poller for nothing
             self._modify(fd, _EVENTS)
 
@@ -175,8 +190,17 @@ class Pump:
             due = [fd for fd, when in self._held.items() if when <= now]
             for fd in due:
                 del self._held[fd]
-                self.rearm(fd)
-            self._set_timer(min(self._held.values()) if self._held else None)
+                self._modify(fd, _EVENTS)
+            late = [fd for fd, when in self._until.items() if when <= now]
+            for fd in late:
+                del self._until[fd]
+                self._modify(fd, 0)  # its handler runs now, once
+            left = [*self._held.values(), *self._until.values()]
+            self._set_timer(min(left) if left else None)
+        for fd in late:
+            entry = self._handlers.get(fd)
+            if entry is not None:
+                self.submit(entry[0])
 
     def _modify(self, fd: int, events: int) -> None:
         # holding the GIL: the call never waits, and giving the GIL up would cost a
@@ -193,6 +217,7 @@ class Pump:
         """Stops watching ``fd`` (before it is closed: its number may come back)."""
         with self._held_lock:
             self._held.pop(fd, None)
+            self._until.pop(fd, None)
         if self._handlers.pop(fd, None) is not None:
             try:
                 self._epoll.unregister(fd)
@@ -227,6 +252,9 @@ class Pump:
                     entry = self._handlers.get(fd)
                     if entry is None:
                         continue
+                    if self._until:
+                        with self._held_lock:
+                            self._until.pop(fd, None)  # it came in time
                     handler, quick = entry
                     try:
                         if quick is not None and quick():

@@ -17,14 +17,13 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
 import numpy as np
 
 from transfer_engine.control.tickets import (
-    Ticket,
     new_challenge,
 )
 from transfer_engine.descriptor import Op
@@ -37,13 +36,15 @@ from transfer_engine.errors import (
 )
 from transfer_engine.segment import Segment
 from transfer_engine.transport.base import Host, Immediate
-from transfer_engine.transport.iovec import Pace
+from transfer_engine.transport.iovec import IOVEC_IO, Pace
 from transfer_engine.transport.stream import pump
+from transfer_engine.transport.stream.connection import Connection
 from transfer_engine.transport.stream.io import (
     PeerClosed,
     has_bytes,
     recv_exact,
     recv_head,
+    recv_steps,
     send_bytes,
     set_stall_timeout,
     tune_socket,
@@ -87,28 +88,6 @@ MAX_OPENING = 64  # connections opening at once
 MAX_CONNECTIONS = 4096  # connections open at once, per server
 
 
-class Connection:
-    """What the target knows of one open rail: the peer its ticket names (never what
-    its messages say), that peer's process, what the rail has pinned right now, and the
-    initiator ranges it announced (shm)."""
-
-    __slots__ = ("sock", "peer", "pid", "ticket", "pinned", "ranges", "pidfd", "pump", "busy",
-                 "devices")
-
-    def __init__(self, sock: socket.socket, peer: str, pid: int,
-                 ticket: Ticket | None = None) -> None:
-        self.sock = sock
-        self.peer = peer
-        self.pid = pid
-        self.ticket = ticket
-        self.pinned: list[Any] = []
-        self.ranges: np.ndarray | None = None  # (start, end, writable) rows, sorted
-        self.pidfd: int | None = None
-        self.pump: pump.Pump | None = None  # serves the rail once it is open
-        self.busy = False  # a pump worker is serving it (else the pump watches it)
-        self.devices: Any = None  # the initiator's device segments (shm IPC)
-
-
 class Refused(Exception):
     """A connection that did not open: closed without an answer."""
 
@@ -146,6 +125,22 @@ class StreamServer:
         (shm). Raising ``TransferError``, it has taken the whole payload off the
         stream (the error is answered and the rail goes on)."""
         raise NotImplementedError
+
+    def land_steps(self, conn: Connection, views: Targets, local: np.ndarray | None
+                   ) -> Iterator[float]:
+        """:meth:`land` as steps: where the payload comes over the stream, it yields
+        while the peer is slow (when more must have come) and its worker serves other
+        rails meanwhile (:func:`~.io.recv_steps`)."""
+        iov = self.stream_rows(views)
+        if iov is None or not IOVEC_IO or conn.pump is None or not conn.pump.timed:
+            self.land(conn, views, local)
+            return
+        yield from recv_steps(conn.sock, iov, views.nbytes, Pace(self._stall), self._stall)
+
+    def stream_rows(self, views: Targets) -> np.ndarray | None:
+        """Where a WRITE's payload that comes over the stream lands, as iovec rows
+        (None: it takes :meth:`land`'s way)."""
+        return None
 
     def serve(self, conn: Connection, wr_id: int, views: Targets,
               local: np.ndarray | None) -> None:
@@ -321,6 +316,11 @@ class StreamServer:
             self._open.pop(sock, None)
             self._shed.discard(sock)
             self._opening.pop(sock, None)
+            steps = None if conn is None else conn.parked
+            if steps is not None:
+                conn.parked = None  # type: ignore[union-attr]
+        if steps is not None:
+            steps.close()  # its pins and bounce go
         held = conn.pump if conn is not None else None
         if held is not None:
             held.forget(sock.fileno())
@@ -339,16 +339,25 @@ class StreamServer:
         """Serves the requests arriving on ``conn`` (a pump worker), then has the pump
         watch it again."""
         with self._lock:
-            if conn.busy or conn.sock not in self._open:
+            if conn.busy or conn.sock not in self._open or self._closed:
                 return
             conn.busy = True
+            steps, conn.parked = conn.parked, None
         sock = conn.sock
         held = conn.pump
         assert held is not None
+        until: float | None = None
         try:
-            head = self.take(sock, HEADER.size) if has_bytes(sock) else None
-            while head is not None and not self._closed:
-                self._serve_one(conn, head)
+            head = None
+            if steps is None and has_bytes(sock):
+                head = self.take(sock, HEADER.size)
+            while (steps is not None or head is not None) and not self._closed:
+                if steps is None:
+                    steps = self._serve_one(conn, head)  # type: ignore[arg-type]
+                until = next(steps, None)
+                if until is not None:
+                    break  # the peer is slow: the rail waits on the poller, not here
+                steps = None
                 if held.crowded():
                     break  # other rails wait for a worker
                 head = recv_head(sock, HEADER.size, pump.LINGER, self._stall)
@@ -363,11 +372,15 @@ class StreamServer:
             conn.busy = False
             live = sock in self._open and not self._closed
             if live:
-                held.rearm(sock.fileno())
+                conn.parked = steps if until is not None else None
+                held.rearm(sock.fileno(), until)
         if not live:
+            if steps is not None and until is not None:
+                steps.close()
             self._drop(sock, conn)
 
-    def _serve_one(self, conn: Connection, head: bytes) -> None:
+    def _serve_one(self, conn: Connection, head: bytes) -> Iterator[float]:
+        """One request, as steps (see :meth:`land_steps`)."""
         sock = conn.sock
         (kind, flags, n_remote, n_local, _, body_len, wr_id, transfer_id,
          expected) = HEADER.unpack(head)
@@ -431,7 +444,7 @@ class StreamServer:
             if op is Op.WRITE:
                 try:
                     if nbytes:
-                        self.land(conn, views, local)
+                        yield from self.land_steps(conn, views, local)
                         if landed is not None:
                             landed()
                 except TransferError as exc:

@@ -265,6 +265,9 @@ class ServeTcpServer(TcpServer):
         self._mem = mem_fd
         super().__init__(listener, host, buffer_bytes, congestion, stall_timeout)
 
+    def stream_rows(self, views: Targets) -> np.ndarray | None:
+        return direct_rows(views)  # else through the bounce, by land
+
     def land(self, conn: Connection, views: Targets, local: np.ndarray | None) -> None:
         pace = Pace(self._stall)
         iov = direct_rows(views)

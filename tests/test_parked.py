@@ -1,0 +1,98 @@
+"""A WRITE whose payload stops coming waits on the pump's poller, not on a worker:
+rails stalled mid-payload, more of them than the pump has workers, cost the other peers
+nothing; a parked payload lands whole and byte-exact when its bytes come; one whose
+peer keeps silent is cut at its pace and frees its pins. Spoken by hand over real
+loopback rails (``tests/helpers/rails.py``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from tests.helpers.rails import SIZE, RawRail, handshake, tight_tcp
+from tests.helpers.transport_contract import random_bytes
+from tests.test_attack_bounds import _legit_roundtrip_tcp
+from transfer_engine import Engine
+from transfer_engine.transport.stream import HEADER, KIND_WRITE, pump
+from transfer_engine.transport.stream.io import PARK_AFTER
+
+
+def _write_head(seg_id: int, length: int, wr_id: int = 1) -> bytes:
+    return (HEADER.pack(KIND_WRITE, 0, 1, 0, 0, 0, wr_id, 0, 0)
+            + np.array([seg_id, 0, length], dtype="<u8").tobytes())
+
+
+def test_payloads_stalled_on_more_rails_than_workers_leave_the_others_served(
+        make_engine: Callable[..., Engine]) -> None:
+    """Before, each rail stalled mid-payload held a pump worker until its pace ran
+    out (here 4 s): with more such rails than the pump may have workers, another
+    peer's 4 KiB WRITE waited that long. Now each waits on the poller after a tenth of
+    a second, and is cut once its pace runs out, leaving nothing pinned."""
+    stall = 4.0
+    b, _, seg_id = tight_tcp(make_engine, stall)
+    limit = 4 * pump.worker_count()
+    rails: list[RawRail] = []
+    try:
+        _, credential = handshake(b, "staller")
+        for _ in range(limit + 8):
+            rail = RawRail(b, credential)
+            assert rail.status == 0
+            rail.sock.sendall(_write_head(seg_id, SIZE) + b"\x05" * 1024)
+            rails.append(rail)
+        time.sleep(2 * PARK_AFTER)
+        started = time.monotonic()
+        _legit_roundtrip_tcp(b)
+        assert time.monotonic() - started < stall / 2
+        deadline = time.monotonic() + stall + 5
+        for rail in rails:  # each cut by the pump's timer: none of their bytes came
+            assert rail.closed_by_target(timeout=max(0.1, deadline - time.monotonic()))
+    finally:
+        for rail in rails:
+            rail.close()
+    closing = time.monotonic()
+    b.segments["kv"].close(timeout=5)  # no pin left: returns at once
+    assert time.monotonic() - closing < 1
+
+
+def test_a_parked_payload_lands_whole_when_the_rest_comes(
+        make_engine: Callable[..., Engine]) -> None:
+    """Half a payload, a pause past the park, the other half: one answer, success,
+    every byte where it belongs; and the rail serves the next request as before."""
+    b, _, seg_id = tight_tcp(make_engine, 5.0)
+    _, credential = handshake(b)
+    rail = RawRail(b, credential)
+    data = random_bytes(SIZE, 21).tobytes()
+    try:
+        rail.sock.sendall(_write_head(seg_id, SIZE) + data[:SIZE // 2])
+        time.sleep(3 * PARK_AFTER)
+        rail.sock.sendall(data[SIZE // 2:])
+        status, _ = rail.answer()
+        assert status == 0
+        assert b.segments["kv"].view().tobytes() == data
+        more = random_bytes(4096, 22).tobytes()
+        rail.sock.sendall(_write_head(seg_id, 4096, 2) + more)
+        assert rail.answer()[0] == 0
+        assert b.segments["kv"].view()[:4096].tobytes() == more
+    finally:
+        rail.close()
+
+
+def test_closing_a_segment_under_a_parked_payload_tears_its_rail_down(
+        make_engine: Callable[..., Engine]) -> None:
+    """A parked WRITE holds its segment pinned; closing the segment tears the rail
+    down after the close's timeout (as for a stalled peer on a worker), and the pin
+    goes then, long before the peer's pace would run out."""
+    b, _, seg_id = tight_tcp(make_engine, 20.0)
+    _, credential = handshake(b)
+    rail = RawRail(b, credential)
+    try:
+        rail.sock.sendall(_write_head(seg_id, SIZE) + b"\x06" * 4096)
+        time.sleep(3 * PARK_AFTER)
+        started = time.monotonic()
+        b.segments["kv"].close(timeout=0.5)  # raises if the pin stays past the grace
+        assert time.monotonic() - started < 3
+        assert rail.closed_by_target()
+    finally:
+        rail.close()
