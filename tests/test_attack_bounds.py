@@ -100,23 +100,27 @@ def test_a_large_request_trickled_in_is_cut_after_two_stalls(
                               + np.array([seg_id, 0, SIZE], dtype="<u8").tobytes())
         else:
             rail.sock.sendall(HEADER.pack(KIND_WRITE, 0, 1, 0, 0, MAX_BODY, 1, 0, 0))
-        closed = False
-        for _ in range(200):  # a byte every 0.05 s
-            try:
-                rail.sock.sendall(b"\x01")
-            except OSError:
-                closed = True
-                break
-            time.sleep(0.05)
-            if time.monotonic() - started > 1.0 and rail.closed_by_target(timeout=0.02):
-                closed = True
-                break
-        assert closed and time.monotonic() - started < 4
+        assert _cut_while_trickling(rail, started, every=0.05, count=200)
+        assert time.monotonic() - started < 4
         _legit_roundtrip_tcp(b)
     finally:
         rail.close()
     b.segments["kv"].close(timeout=5)  # no pin left: returns at once
     assert time.monotonic() - started < 10
+
+
+def _cut_while_trickling(rail: RawRail, started: float, every: float, count: int) -> bool:
+    """Sends a byte every ``every`` seconds, ``count`` at most; whether the target
+    closed the rail meanwhile (looked for from a second on)."""
+    for _ in range(count):
+        try:
+            rail.sock.sendall(b"\x01")
+        except OSError:
+            return True
+        time.sleep(every)
+        if time.monotonic() - started > 1.0 and rail.closed_by_target(timeout=0.02):
+            return True
+    return False
 
 
 def _legit_roundtrip_tcp(b: Engine) -> None:
@@ -147,18 +151,9 @@ def test_a_trickled_write_is_dropped_in_bounded_time(
         head = HEADER.pack(KIND_WRITE, 0, 1, 0, 0, 0, 1, 0, 0)
         rail.sock.sendall(head + np.array([4242 if refused else seg_id, 0, 4096],
                                           dtype="<u8").tobytes())
-        closed = False
-        for _ in range(100):  # a byte every 0.1 s would take 400 s
-            try:
-                rail.sock.sendall(b"\x01")
-            except OSError:
-                closed = True
-                break
-            time.sleep(0.1)
-            if time.monotonic() - started > 1.5 and rail.closed_by_target(timeout=0.05):
-                closed = True
-                break
-        assert closed and time.monotonic() - started < 5
+        # a byte every 0.1 s would take 400 s
+        assert _cut_while_trickling(rail, started, every=0.1, count=100)
+        assert time.monotonic() - started < 5
     finally:
         rail.close()
     b.segments["kv"].close(timeout=5)  # no pin left: returns at once

@@ -13,6 +13,7 @@ The transports say only how the payload moves: :class:`StreamServer`'s ``land`` 
 the initiator.
 """
 
+from transfer_engine.transport.stream.connection import Connection
 from transfer_engine.transport.stream.io import (
     PeerClosed,
     drain,
@@ -31,7 +32,6 @@ from transfer_engine.transport.stream.server import (
     MAX_OPENING,
     RESOURCE_ERRORS,
     STALL_TIMEOUT,
-    Connection,
     Refused,
     StreamServer,
 )

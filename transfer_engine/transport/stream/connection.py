@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any
 
 import numpy as np
@@ -35,4 +35,4 @@ class Connection:
         self.busy = False  # a pump worker is serving it (else the pump watches it)
         self.devices: Any = None  # the initiator's device segments (shm IPC)
         # a request waiting for its peer's bytes, resumed when they come (land_steps)
-        self.parked: Iterator[float] | None = None
+        self.parked: Generator[float, None, None] | None = None

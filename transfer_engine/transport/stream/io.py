@@ -16,7 +16,7 @@ import socket
 import struct
 import termios
 from bisect import bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from itertools import accumulate
 from typing import Any, NamedTuple
 
@@ -317,7 +317,7 @@ def recv_scatter(sock: socket.socket, iov: np.ndarray, nbytes: int,
 
 
 def recv_steps(sock: socket.socket, iov: np.ndarray, nbytes: int, pace: Pace,
-               stall: float) -> Iterator[float]:
+               stall: float) -> Generator[float, None, None]:
     """Fills the ``nbytes`` bytes ``iov`` describes, as steps: once no byte has come
     for :data:`PARK_AFTER`, yields when more must have come (``pace``), so that the
     thread serves others meanwhile; resume it when the socket turns readable or at that

@@ -17,7 +17,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import msgpack
@@ -127,7 +127,7 @@ class StreamServer:
         raise NotImplementedError
 
     def land_steps(self, conn: Connection, views: Targets, local: np.ndarray | None
-                   ) -> Iterator[float]:
+                   ) -> Generator[float, None, None]:
         """:meth:`land` as steps: where the payload comes over the stream, it yields
         while the peer is slow (when more must have come) and its worker serves other
         rails meanwhile (:func:`~.io.recv_steps`)."""
@@ -379,7 +379,7 @@ class StreamServer:
                 steps.close()
             self._drop(sock, conn)
 
-    def _serve_one(self, conn: Connection, head: bytes) -> Iterator[float]:
+    def _serve_one(self, conn: Connection, head: bytes) -> Generator[float, None, None]:
         """One request, as steps (see :meth:`land_steps`)."""
         sock = conn.sock
         (kind, flags, n_remote, n_local, _, body_len, wr_id, transfer_id,

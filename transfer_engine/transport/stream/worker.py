@@ -39,6 +39,7 @@ from transfer_engine.transport.base import Immediate
 from transfer_engine.transport.iovec import Pace
 from transfer_engine.transport.shm import ShmServer
 from transfer_engine.transport.stream.channel import Channel, ChannelClosed, FrameTooLarge
+from transfer_engine.transport.stream.connection import Connection
 from transfer_engine.transport.stream.io import (
     PeerClosed,
     drain,
@@ -48,7 +49,7 @@ from transfer_engine.transport.stream.io import (
     send_gather,
     send_views,
 )
-from transfer_engine.transport.stream.server import HELLO_TIMEOUT, Connection
+from transfer_engine.transport.stream.server import HELLO_TIMEOUT
 from transfer_engine.transport.stream.shared import MAP_POPULATE
 from transfer_engine.transport.stream.targets import Targets
 from transfer_engine.transport.tcp import TcpServer
