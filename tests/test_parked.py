@@ -10,13 +10,25 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 
-from tests.helpers.rails import SIZE, RawRail, handshake, tight_tcp
+from tests.helpers.rails import SIZE, RawRail, handshake
 from tests.helpers.transport_contract import random_bytes
 from tests.test_attack_bounds import _legit_roundtrip_tcp
 from transfer_engine import Engine
 from transfer_engine.transport.stream import HEADER, KIND_WRITE, pump
 from transfer_engine.transport.stream.io import PARK_AFTER
+from transfer_engine.transport.tcp import TcpTransport
+
+SERVE = pytest.mark.parametrize("serve", ["thread", "process"])
+
+
+def _target(make_engine: Callable[..., Engine], stall: float, serve: str
+            ) -> tuple[Engine, int]:
+    """An engine serving tcp (from its own threads or its serving process) with a
+    stall timeout of ``stall`` and a random 1 MiB segment, ``kv``."""
+    b = make_engine("victim", transports=[TcpTransport(stall_timeout=stall, serve=serve)])
+    return b, b.register(random_bytes(SIZE, 12), name="kv").id
 
 
 def _write_head(seg_id: int, length: int, wr_id: int = 1) -> bytes:
@@ -24,14 +36,15 @@ def _write_head(seg_id: int, length: int, wr_id: int = 1) -> bytes:
             + np.array([seg_id, 0, length], dtype="<u8").tobytes())
 
 
+@SERVE
 def test_payloads_stalled_on_more_rails_than_workers_leave_the_others_served(
-        make_engine: Callable[..., Engine]) -> None:
+        make_engine: Callable[..., Engine], serve: str) -> None:
     """Before, each rail stalled mid-payload held a pump worker until its pace ran
     out (here 4 s): with more such rails than the pump may have workers, another
     peer's 4 KiB WRITE waited that long. Now each waits on the poller after a tenth of
     a second, and is cut once its pace runs out, leaving nothing pinned."""
     stall = 4.0
-    b, _, seg_id = tight_tcp(make_engine, stall)
+    b, seg_id = _target(make_engine, stall, serve)
     limit = 4 * pump.worker_count()
     rails: list[RawRail] = []
     try:
@@ -56,11 +69,12 @@ def test_payloads_stalled_on_more_rails_than_workers_leave_the_others_served(
     assert time.monotonic() - closing < 1
 
 
+@SERVE
 def test_a_parked_payload_lands_whole_when_the_rest_comes(
-        make_engine: Callable[..., Engine]) -> None:
+        make_engine: Callable[..., Engine], serve: str) -> None:
     """Half a payload, a pause past the park, the other half: one answer, success,
     every byte where it belongs; and the rail serves the next request as before."""
-    b, _, seg_id = tight_tcp(make_engine, 5.0)
+    b, seg_id = _target(make_engine, 5.0, serve)
     _, credential = handshake(b)
     rail = RawRail(b, credential)
     data = random_bytes(SIZE, 21).tobytes()
@@ -79,12 +93,13 @@ def test_a_parked_payload_lands_whole_when_the_rest_comes(
         rail.close()
 
 
+@SERVE
 def test_closing_a_segment_under_a_parked_payload_tears_its_rail_down(
-        make_engine: Callable[..., Engine]) -> None:
+        make_engine: Callable[..., Engine], serve: str) -> None:
     """A parked WRITE holds its segment pinned; closing the segment tears the rail
     down after the close's timeout (as for a stalled peer on a worker), and the pin
     goes then, long before the peer's pace would run out."""
-    b, _, seg_id = tight_tcp(make_engine, 20.0)
+    b, seg_id = _target(make_engine, 20.0, serve)
     _, credential = handshake(b)
     rail = RawRail(b, credential)
     try:

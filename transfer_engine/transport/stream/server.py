@@ -92,6 +92,11 @@ class Refused(Exception):
     """A connection that did not open: closed without an answer."""
 
 
+def can_park(conn: Connection) -> bool:
+    """Whether a request on ``conn`` may wait for its peer on the poller."""
+    return IOVEC_IO and conn.pump is not None and conn.pump.timed
+
+
 class StreamServer:
     """Accepts rails and serves their requests against the host's segments."""
 
@@ -132,7 +137,7 @@ class StreamServer:
         while the peer is slow (when more must have come) and its worker serves other
         rails meanwhile (:func:`~.io.recv_steps`)."""
         iov = self.stream_rows(views)
-        if iov is None or not IOVEC_IO or conn.pump is None or not conn.pump.timed:
+        if iov is None or not can_park(conn):
             self.land(conn, views, local)
             return
         yield from recv_steps(conn.sock, iov, views.nbytes, Pace(self._stall), self._stall)

@@ -28,7 +28,7 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import numpy as np
@@ -43,13 +43,13 @@ from transfer_engine.transport.stream.connection import Connection
 from transfer_engine.transport.stream.io import (
     PeerClosed,
     drain,
-    recv_into_views,
     recv_scatter,
+    recv_steps,
     send_bytes,
     send_gather,
     send_views,
 )
-from transfer_engine.transport.stream.server import HELLO_TIMEOUT
+from transfer_engine.transport.stream.server import HELLO_TIMEOUT, can_park
 from transfer_engine.transport.stream.shared import MAP_POPULATE
 from transfer_engine.transport.stream.targets import Targets
 from transfer_engine.transport.tcp import TcpServer
@@ -267,21 +267,33 @@ class ServeTcpServer(TcpServer):
         super().__init__(listener, host, buffer_bytes, congestion, stall_timeout)
 
     def stream_rows(self, views: Targets) -> np.ndarray | None:
-        return direct_rows(views)  # else through the bounce, by land
+        return direct_rows(views)  # else through the bounce
+
+    def land_steps(self, conn: Connection, views: Targets, local: np.ndarray | None
+                   ) -> Generator[float, None, None]:
+        if self.stream_rows(views) is not None or not can_park(conn):
+            yield from super().land_steps(conn, views, local)
+        else:
+            yield from self._bounce_steps(conn, views)
 
     def land(self, conn: Connection, views: Targets, local: np.ndarray | None) -> None:
-        pace = Pace(self._stall)
         iov = direct_rows(views)
         if iov is not None:
-            recv_scatter(conn.sock, iov, views.nbytes, pace=pace)
+            recv_scatter(conn.sock, iov, views.nbytes, pace=Pace(self._stall))
             return
+        for _ in self._bounce_steps(conn, views):
+            pass  # no timer to wait on: wait here, at the same pace
+
+    def _bounce_steps(self, conn: Connection, views: Targets) -> Generator[float, None, None]:
+        """A payload through one bounce of the mem file, as steps (see land_steps)."""
+        pace = Pace(self._stall)
         bounce = memoryview(bytearray(min(BOUNCE, views.nbytes)))
         taken = 0  # payload bytes received so far
         try:
             for batch in _batches(views, bounce):
                 n = sum(row[1] for row in batch)
-                recv_into_views(conn.sock, [_view_at(a, k, True) for a, k, _ in batch], n,
-                                pace=pace)
+                rows = np.array([row[:2] for row in batch], dtype=np.uint64)
+                yield from recv_steps(conn.sock, rows, n, pace, self._stall)
                 taken += n
                 _through_mem(batch, os.pwrite, self._mem)
         except InvalidDescriptorError:  # the rest of the payload is still owed: taken
