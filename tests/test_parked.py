@@ -36,6 +36,17 @@ def _write_head(seg_id: int, length: int, wr_id: int = 1) -> bytes:
             + np.array([seg_id, 0, length], dtype="<u8").tobytes())
 
 
+def _write_with_a_pause(b: Engine, rail: RawRail, seg_id: int, seed: int) -> None:
+    """A WRITE of the whole segment: half its payload, a pause past the park, the
+    other half; answered with success, every byte where it belongs."""
+    data = random_bytes(SIZE, seed).tobytes()
+    rail.sock.sendall(_write_head(seg_id, SIZE) + data[:SIZE // 2])
+    time.sleep(3 * PARK_AFTER)
+    rail.sock.sendall(data[SIZE // 2:])
+    assert rail.answer()[0] == 0
+    assert b.segments["kv"].view().tobytes() == data
+
+
 @SERVE
 def test_payloads_stalled_on_more_rails_than_workers_leave_the_others_served(
         make_engine: Callable[..., Engine], serve: str) -> None:
@@ -61,6 +72,8 @@ def test_payloads_stalled_on_more_rails_than_workers_leave_the_others_served(
         deadline = time.monotonic() + stall + 5
         for rail in rails:  # each cut by the pump's timer: none of their bytes came
             assert rail.closed_by_target(timeout=max(0.1, deadline - time.monotonic()))
+        if serve == "thread":  # what they held while parked is given back
+            assert b.transports["tcp"]._server.parking.held == 0  # type: ignore[attr-defined]
     finally:
         for rail in rails:
             rail.close()
@@ -77,14 +90,8 @@ def test_a_parked_payload_lands_whole_when_the_rest_comes(
     b, seg_id = _target(make_engine, 5.0, serve)
     _, credential = handshake(b)
     rail = RawRail(b, credential)
-    data = random_bytes(SIZE, 21).tobytes()
     try:
-        rail.sock.sendall(_write_head(seg_id, SIZE) + data[:SIZE // 2])
-        time.sleep(3 * PARK_AFTER)
-        rail.sock.sendall(data[SIZE // 2:])
-        status, _ = rail.answer()
-        assert status == 0
-        assert b.segments["kv"].view().tobytes() == data
+        _write_with_a_pause(b, rail, seg_id, 21)
         more = random_bytes(4096, 22).tobytes()
         rail.sock.sendall(_write_head(seg_id, 4096, 2) + more)
         assert rail.answer()[0] == 0
@@ -111,3 +118,20 @@ def test_closing_a_segment_under_a_parked_payload_tears_its_rail_down(
         assert rail.closed_by_target()
     finally:
         rail.close()
+
+
+def test_past_the_parking_bound_a_stalled_payload_waits_on_its_worker(
+        make_engine: Callable[..., Engine]) -> None:
+    """What parked requests hold is bounded per server (their bodies and bounces):
+    past the bound a request waits for its peer on its worker, as before, and still
+    lands whole; parking's account returns to nothing."""
+    b, seg_id = _target(make_engine, 5.0, "thread")
+    parking = b.transports["tcp"]._server.parking  # type: ignore[attr-defined]
+    parking.limit = 0
+    _, credential = handshake(b)
+    rail = RawRail(b, credential)
+    try:
+        _write_with_a_pause(b, rail, seg_id, 23)
+    finally:
+        rail.close()
+    assert parking.refused >= 1 and parking.held == 0

@@ -1,9 +1,11 @@
-"""What a stream target knows of one open rail (:class:`Connection`)."""
+"""What a stream target knows of one open rail (:class:`Connection`), and what the
+requests waiting on the poller for their peers may hold (:class:`Parking`)."""
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Generator
+import threading
+from collections.abc import Callable, Generator
 from typing import Any
 
 import numpy as np
@@ -11,7 +13,10 @@ import numpy as np
 from transfer_engine.control.tickets import Ticket
 from transfer_engine.transport.stream import pump
 
-__all__ = ["Connection"]
+__all__ = ["Connection", "Parking", "PARK_BYTES", "PARK_COST"]
+
+PARK_BYTES = 64 << 20  # memory the requests parked on one server may hold
+PARK_COST = 64 << 10  # counted per parked request besides its body and bounce
 
 
 class Connection:
@@ -36,3 +41,41 @@ class Connection:
         self.devices: Any = None  # the initiator's device segments (shm IPC)
         # a request waiting for its peer's bytes, resumed when they come (land_steps)
         self.parked: Generator[float, None, None] | None = None
+
+
+class Parking:
+    """A request that waits for its peer's bytes on the poller frees its worker but
+    keeps its memory (a notification body, a bounce): bounded here, so that many
+    stalled rails cost no more than the workers they once held. A request that would
+    pass the bound waits on its worker, as before (and its peer's pace still ends it)."""
+
+    def __init__(self, limit: int = PARK_BYTES) -> None:
+        self.limit = limit
+        self.held = 0
+        self.refused = 0
+        self._lock = threading.Lock()
+
+    def steps(self, steps: Generator[float, None, None], costs: Callable[[], int]
+              ) -> Generator[float, None, None]:
+        """``steps``, yielding (parking) only while ``costs()`` more bytes fit (asked
+        at the first park: most requests never park)."""
+        cost = -1
+        try:
+            for until in steps:
+                if cost < 0:
+                    cost = PARK_COST + costs()
+                with self._lock:
+                    fits = self.held + cost <= self.limit
+                    if fits:
+                        self.held += cost
+                    else:
+                        self.refused += 1
+                if not fits:
+                    continue  # waits here: the next step receives again
+                try:
+                    yield until
+                finally:
+                    with self._lock:
+                        self.held -= cost
+        finally:
+            steps.close()

@@ -38,7 +38,7 @@ from transfer_engine.segment import Segment
 from transfer_engine.transport.base import Host, Immediate
 from transfer_engine.transport.iovec import IOVEC_IO, Pace
 from transfer_engine.transport.stream import pump
-from transfer_engine.transport.stream.connection import Connection
+from transfer_engine.transport.stream.connection import Connection, Parking
 from transfer_engine.transport.stream.io import (
     PeerClosed,
     has_bytes,
@@ -117,6 +117,7 @@ class StreamServer:
         self._opening: collections.OrderedDict[socket.socket, None] = collections.OrderedDict()
         self._closed = False
         self.bytes_received = 0
+        self.parking = Parking()
         self.stats: collections.Counter[str] = collections.Counter()
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
                                           name=f"te-{self.transport_name}-accept")
@@ -142,9 +143,12 @@ class StreamServer:
             return
         yield from recv_steps(conn.sock, iov, views.nbytes, Pace(self._stall), self._stall)
 
+    def park_cost(self, views: Targets) -> int:
+        """Bytes a parked WRITE into ``views`` holds beyond its request (a bounce)."""
+        return 0
+
     def stream_rows(self, views: Targets) -> np.ndarray | None:
-        """Where a WRITE's payload that comes over the stream lands, as iovec rows
-        (None: it takes :meth:`land`'s way)."""
+        """Where a WRITE's payload lands, as iovec rows (None: :meth:`land`'s way)."""
         return None
 
     def serve(self, conn: Connection, wr_id: int, views: Targets,
@@ -449,7 +453,8 @@ class StreamServer:
             if op is Op.WRITE:
                 try:
                     if nbytes:
-                        yield from self.land_steps(conn, views, local)
+                        yield from self.parking.steps(self.land_steps(
+                            conn, views, local), lambda: len(blob) + self.park_cost(views))
                         if landed is not None:
                             landed()
                 except TransferError as exc:

@@ -269,6 +269,9 @@ class ServeTcpServer(TcpServer):
     def stream_rows(self, views: Targets) -> np.ndarray | None:
         return direct_rows(views)  # else through the bounce
 
+    def park_cost(self, views: Targets) -> int:
+        return 0 if direct_rows(views) is not None else min(BOUNCE, views.nbytes)
+
     def land_steps(self, conn: Connection, views: Targets, local: np.ndarray | None
                    ) -> Generator[float, None, None]:
         if self.stream_rows(views) is not None or not can_park(conn):
