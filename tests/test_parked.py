@@ -16,7 +16,7 @@ from tests.helpers.rails import SIZE, RawRail, handshake
 from tests.helpers.transport_contract import random_bytes
 from tests.test_attack_bounds import _legit_roundtrip_tcp
 from transfer_engine import Engine
-from transfer_engine.transport.stream import HEADER, KIND_WRITE, pump
+from transfer_engine.transport.stream import HEADER, KIND_READ, KIND_WRITE, pump
 from transfer_engine.transport.stream.io import PARK_AFTER
 from transfer_engine.transport.tcp import TcpTransport
 
@@ -135,3 +135,60 @@ def test_past_the_parking_bound_a_stalled_payload_waits_on_its_worker(
     finally:
         rail.close()
     assert parking.refused >= 1 and parking.held == 0
+
+
+@SERVE
+def test_answers_read_by_nobody_on_more_rails_than_workers_leave_the_others_served(
+        make_engine: Callable[..., Engine], serve: str) -> None:
+    """The sending side: READs of 8 MiB on more rails than the pump may have workers,
+    whose peers never read their answers, once held a worker each until the stall (4
+    s) cut them; now each answer waits on the poller for room to send, another peer's
+    WRITE goes through meanwhile, and closing those rails frees what they held."""
+    stall = 4.0
+    b, seg_id = _target(make_engine, stall, serve)
+    rails: list[RawRail] = []
+    head = (HEADER.pack(KIND_READ, 0, 8, 0, 0, 0, 1, 0, 0)
+            + np.array([[seg_id, 0, SIZE]] * 8, dtype="<u8").tobytes())
+    try:
+        _, credential = handshake(b, "nonreader")
+        for _ in range(4 * pump.worker_count() + 4):
+            rail = RawRail(b, credential)
+            assert rail.status == 0
+            rail.sock.sendall(head)
+            rails.append(rail)
+        time.sleep(3 * PARK_AFTER)
+        started = time.monotonic()
+        _legit_roundtrip_tcp(b)
+        assert time.monotonic() - started < stall / 2
+    finally:
+        for rail in rails:
+            rail.close()
+    closing = time.monotonic()
+    b.segments["kv"].close(timeout=5)  # the answers' pins go with their rails
+    assert time.monotonic() - closing < 2
+    if serve == "thread":
+        assert b.transports["tcp"]._server.parking.held == 0  # type: ignore[attr-defined]
+
+
+@SERVE
+def test_an_answer_parked_for_a_slow_reader_arrives_whole(
+        make_engine: Callable[..., Engine], serve: str) -> None:
+    """A READ of 8 MiB whose reader takes nothing for a while (its answer parks) and
+    then reads: the whole answer, byte-exact, and the rail serves the next READ."""
+    b, seg_id = _target(make_engine, 5.0, serve)
+    mem = b.segments["kv"].view().tobytes()
+    _, credential = handshake(b)
+    rail = RawRail(b, credential)
+    try:
+        rail.sock.sendall(HEADER.pack(KIND_READ, 0, 8, 0, 0, 0, 1, 0, 0)
+                          + np.array([[seg_id, 0, SIZE]] * 8, dtype="<u8").tobytes())
+        time.sleep(3 * PARK_AFTER)
+        status, _ = rail.answer()
+        assert status == 0
+        assert rail.recv(8 * SIZE) == mem * 8
+        rail.sock.sendall(HEADER.pack(KIND_READ, 0, 1, 0, 0, 0, 2, 0, 0)
+                          + np.array([seg_id, 4096, 4096], dtype="<u8").tobytes())
+        assert rail.answer()[0] == 0
+        assert rail.recv(4096) == mem[4096:8192]
+    finally:
+        rail.close()

@@ -29,8 +29,8 @@ from transfer_engine.planner import Columns, WorkRequest, iovec_array
 from transfer_engine.segment import Segment
 
 __all__ = ["IOVEC_IO", "IOV_MAX", "RECV_CHUNK", "MIN_PAYLOAD_RATE", "Pace", "host_rows",
-           "iov_views", "send_iov", "recv_iov", "recv_some", "recv_iov_ready", "recv_ready",
-           "send_ready"]
+           "iov_views", "send_iov", "send_some", "recv_iov", "recv_some", "recv_iov_ready",
+           "recv_ready", "send_ready"]
 
 IOV_MAX = 1024
 RECV_CHUNK = 1 << 20
@@ -181,6 +181,18 @@ def recv_iov(sock: socket.socket, iov: np.ndarray, nbytes: int,
             _recv_all(sock, part, size, patient, pace)
         return
     _recv_all(sock, iov, nbytes, patient, pace)
+
+
+def send_some(sock: socket.socket, iov: np.ndarray) -> int:
+    """One ``sendmsg`` of ``iov``, for as long as the socket's send timeout: the bytes
+    it took (0: none in that time). Raises OSError."""
+    assert _libc is not None
+    try:
+        return _call(_libc.sendmsg, sock.fileno(), iov, _NOSIGNAL)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+            return 0
+        raise
 
 
 def recv_some(sock: socket.socket, iov: np.ndarray) -> int:

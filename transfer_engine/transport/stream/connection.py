@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from transfer_engine.control.tickets import Ticket
 from transfer_engine.transport.stream import pump
+from transfer_engine.transport.stream.io import Steps
 
 __all__ = ["Connection", "Parking", "PARK_BYTES", "PARK_COST"]
 
@@ -40,7 +41,7 @@ class Connection:
         self.busy = False  # a pump worker is serving it (else the pump watches it)
         self.devices: Any = None  # the initiator's device segments (shm IPC)
         # a request waiting for its peer's bytes, resumed when they come (land_steps)
-        self.parked: Generator[float, None, None] | None = None
+        self.parked: Steps | None = None
 
 
 class Parking:
@@ -55,8 +56,8 @@ class Parking:
         self.refused = 0
         self._lock = threading.Lock()
 
-    def steps(self, steps: Generator[float, None, None], costs: Callable[[], int]
-              ) -> Generator[float, None, None]:
+    def steps(self, steps: Steps, costs: Callable[[], int]
+              ) -> Steps:
         """``steps``, yielding (parking) only while ``costs()`` more bytes fit (asked
         at the first park: most requests never park)."""
         cost = -1

@@ -31,12 +31,24 @@ from transfer_engine.transport.iovec import (
     recv_iov,
     recv_some,
     send_iov,
+    send_some,
 )
 
 _IOV_CHUNK = 1000  # sendmsg/recvmsg_into take at most IOV_MAX buffers
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
 EARLY_HEAD_BYTES = 256 << 10
-PARK_AFTER = 0.1  # seconds a payload receive waits for a byte before its thread moves on
+PARK_AFTER = 0.1  # seconds a payload waits for the peer before its thread moves on
+
+
+class Wait(NamedTuple):
+    """What a request served as steps waits for: its socket turning readable (or
+    ``writable``), or ``until`` (``time.monotonic()``), when its peer falls behind."""
+
+    until: float
+    writable: bool = False
+
+
+Steps = Generator[Wait, None, None]
 
 
 class PeerClosed(Exception):
@@ -317,7 +329,7 @@ def recv_scatter(sock: socket.socket, iov: np.ndarray, nbytes: int,
 
 
 def recv_steps(sock: socket.socket, iov: np.ndarray, nbytes: int, pace: Pace,
-               stall: float) -> Generator[float, None, None]:
+               stall: float) -> Steps:
     """Fills the ``nbytes`` bytes ``iov`` describes, as steps: once no byte has come
     for :data:`PARK_AFTER`, yields when more must have come (``pace``), so that the
     thread serves others meanwhile; resume it when the socket turns readable or at that
@@ -334,7 +346,7 @@ def recv_steps(sock: socket.socket, iov: np.ndarray, nbytes: int, pace: Pace,
             if got < nbytes:
                 pace.check(nbytes - got)
                 if not n:
-                    yield pace.until()
+                    yield Wait(pace.until())
     except OSError as exc:
         raise PeerClosed(str(exc)) from exc
     finally:
@@ -342,6 +354,33 @@ def recv_steps(sock: socket.socket, iov: np.ndarray, nbytes: int, pace: Pace,
             set_recv_timeout(sock, stall)
         except OSError:
             pass  # closed meanwhile
+
+
+def send_steps(sock: socket.socket, rows: np.ndarray, nbytes: int, pace: Pace,
+               stall: float) -> Steps:
+    """Sends the ``nbytes`` bytes ``rows`` describe, as steps: once the socket has
+    taken nothing for :data:`PARK_AFTER` (a peer that reads slowly), yields until it
+    turns writable or the peer falls behind ``pace``. The socket's send bound is
+    ``stall`` again at the end."""
+    rows = np.ascontiguousarray(rows, dtype=np.uint64)
+    sent = 0
+    try:
+        set_send_timeout(sock, PARK_AFTER)
+        while sent < nbytes:
+            n = send_some(sock, _advance(rows, sent) if sent else rows)
+            sent += n
+            pace.got += n
+            if sent < nbytes:
+                pace.check(nbytes - sent)
+                if not n:
+                    yield Wait(pace.until(), writable=True)
+    except OSError as exc:
+        raise PeerClosed(str(exc)) from exc
+    finally:
+        try:
+            set_send_timeout(sock, stall)
+        except OSError:
+            pass
 
 
 def drain(sock: socket.socket, nbytes: int, pace: Pace | None = None) -> None:
@@ -370,6 +409,11 @@ def _timeval(seconds: float | None) -> bytes:
 def set_recv_timeout(sock: socket.socket, seconds: float | None) -> None:
     """Bounds each pause of a blocking receive on ``sock`` (SO_RCVTIMEO; None: none)."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+
+
+def set_send_timeout(sock: socket.socket, seconds: float | None) -> None:
+    """Bounds each pause of a blocking send on ``sock`` (SO_SNDTIMEO; None: none)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
 
 
 def set_stall_timeout(sock: socket.socket, seconds: float | None) -> None:

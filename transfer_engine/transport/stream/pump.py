@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Pump", "acquire", "release", "in_pump", "worker_count"]
 
 _EVENTS = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLONESHOT
+_WRITABLE = select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLONESHOT
 # seconds a worker waits on a socket it just served for its next bytes (12 ms, which
 # would cover the gaps a busy Python thread makes, measured slower when idle)
 LINGER = 0.002
@@ -127,15 +128,16 @@ class Pump:
         self._handlers[fd] = (handler, quick)
         self._epoll.register(fd, _EVENTS)
 
-    def rearm(self, fd: int, until: float | None = None) -> None:
-        """Watches ``fd`` again; with ``until`` (``time.monotonic()``), its handler also
-        runs then should nothing have come (see :attr:`timed`)."""
+    def rearm(self, fd: int, until: float | None = None, writable: bool = False) -> None:
+        """Watches ``fd`` again (for room to send, if ``writable``); with ``until``
+        (``time.monotonic()``), its handler also runs then should nothing have come
+        (see :attr:`timed`)."""
         if until is not None and self._timer is not None:
             with self._held_lock:
                 self._until[fd] = until
                 if self._timer_at is None or until < self._timer_at:
                     self._set_timer(until)
-        self._modify(fd, _EVENTS)
+        self._modify(fd, _WRITABLE if writable else _EVENTS)
 
     @property
     def timed(self) -> bool:

@@ -10,6 +10,7 @@ a stranger can make it hold is bounded (:mod:`.wire`'s notes and the constants h
 from __future__ import annotations
 
 import collections
+import ctypes
 import errno
 import logging
 import os
@@ -17,7 +18,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -29,7 +30,6 @@ from transfer_engine.control.tickets import (
 from transfer_engine.descriptor import Op
 from transfer_engine.errors import (
     AuthenticationError,
-    NotSupportedError,
     ProtocolError,
     TransferError,
     error_code,
@@ -41,17 +41,21 @@ from transfer_engine.transport.stream import pump
 from transfer_engine.transport.stream.connection import Connection, Parking
 from transfer_engine.transport.stream.io import (
     PeerClosed,
+    Steps,
+    Wait,
     has_bytes,
     recv_exact,
     recv_head,
     recv_steps,
     send_bytes,
+    send_steps,
     set_stall_timeout,
     tune_socket,
 )
 from transfer_engine.transport.stream.targets import (
     Targets,
     check_entries,
+    pin,
     refuse,
     stage,
     unstage,
@@ -133,10 +137,9 @@ class StreamServer:
         raise NotImplementedError
 
     def land_steps(self, conn: Connection, views: Targets, local: np.ndarray | None
-                   ) -> Generator[float, None, None]:
-        """:meth:`land` as steps: where the payload comes over the stream, it yields
-        while the peer is slow (when more must have come) and its worker serves other
-        rails meanwhile (:func:`~.io.recv_steps`)."""
+                   ) -> Steps:
+        """:meth:`land` as steps: a payload that the peer sends slowly waits on the
+        poller, its worker free (:func:`~.io.recv_steps`)."""
         iov = self.stream_rows(views)
         if iov is None or not can_park(conn):
             self.land(conn, views, local)
@@ -155,6 +158,20 @@ class StreamServer:
               local: np.ndarray | None) -> None:
         """Moves a READ's bytes to the initiator and answers."""
         raise NotImplementedError
+
+    def serve_steps(self, conn: Connection, wr_id: int, views: Targets,
+                    local: np.ndarray | None) -> Steps:
+        """:meth:`serve` as steps: an answer the peer takes slowly waits likewise."""
+        iov = self.stream_rows(views)
+        if iov is None or not can_park(conn):
+            self.serve(conn, wr_id, views, local)
+            return
+        head = self._answer(wr_id, None)  # the answer's head, then the bytes
+        rows = np.empty((len(iov) + 1, 2), dtype=np.uint64)
+        rows[1:] = iov
+        rows[0] = (ctypes.cast(ctypes.c_char_p(head), ctypes.c_void_p).value or 0, len(head))
+        yield from send_steps(conn.sock, rows, len(head) + views.nbytes, Pace(self._stall),
+                              self._stall)
 
     def announce_devices(self, conn: Connection, body: bytes) -> None:
         """An initiator's device segments (shm IPC); refused by other transports."""
@@ -355,7 +372,7 @@ class StreamServer:
         sock = conn.sock
         held = conn.pump
         assert held is not None
-        until: float | None = None
+        wait: Wait | None = None
         try:
             head = None
             if steps is None and has_bytes(sock):
@@ -363,8 +380,8 @@ class StreamServer:
             while (steps is not None or head is not None) and not self._closed:
                 if steps is None:
                     steps = self._serve_one(conn, head)  # type: ignore[arg-type]
-                until = next(steps, None)
-                if until is not None:
+                wait = next(steps, None)
+                if wait is not None:
                     break  # the peer is slow: the rail waits on the poller, not here
                 steps = None
                 if held.crowded():
@@ -381,14 +398,14 @@ class StreamServer:
             conn.busy = False
             live = sock in self._open and not self._closed
             if live:
-                conn.parked = steps if until is not None else None
-                held.rearm(sock.fileno(), until)
+                conn.parked = steps if wait is not None else None
+                held.rearm(sock.fileno(), *(wait or ()))
         if not live:
-            if steps is not None and until is not None:
+            if steps is not None and wait is not None:
                 steps.close()
             self._drop(sock, conn)
 
-    def _serve_one(self, conn: Connection, head: bytes) -> Generator[float, None, None]:
+    def _serve_one(self, conn: Connection, head: bytes) -> Steps:
         """One request, as steps (see :meth:`land_steps`)."""
         sock = conn.sock
         (kind, flags, n_remote, n_local, _, body_len, wr_id, transfer_id,
@@ -468,7 +485,8 @@ class StreamServer:
                         bool(flags & FLAG_RESENT))
                 send_bytes(sock, self._answer(wr_id, None))
             else:
-                self.serve(conn, wr_id, views, local)
+                yield from self.parking.steps(self.serve_steps(conn, wr_id, views, local),
+                                              lambda: self.park_cost(views))
         finally:
             unstage(views)
             for seg in pinned:
@@ -501,7 +519,7 @@ class StreamServer:
                 seg = self._host.local_segment(seg_id, peer=conn.peer, op=opname)
                 check_entries(conn.peer, seg, remote[ids == seg_id], write, opname)
                 segs[seg_id] = seg
-        self._pin(conn, opname, segs, pinned)
+        pin(segs, pinned, conn.peer, opname, self.transport_name, self.stages_device)
         if len(segs) <= 1:  # (offset, length) rows plus (base, 0): the iovec rows
             base = next(iter(segs.values())).address if segs else 0
             rows = np.empty((len(remote) + 1, 2), dtype=np.uint64)
@@ -526,29 +544,11 @@ class StreamServer:
                 and int(offsets.max()) <= limit - length):
             refuse(conn.peer, seg, ((offset, length) for offset in offsets.tolist()), write,
                     opname)
-        self._pin(conn, opname, {seg_id: seg}, pinned)
+        pin({seg_id: seg}, pinned, conn.peer, opname, self.transport_name, self.stages_device)
         rows = np.empty((len(offsets) + 1, 2), dtype=np.uint64)  # row 0: the answer's head
         np.add(offsets, np.uint64(seg.address), out=rows[1:, 0])
         rows[1:, 1] = length
         return Targets(rows[1:], nbytes, {seg_id: seg}, headroom=rows)
-
-    def _pin(self, conn: Connection, opname: str, segs: dict[int, Segment],
-             pinned: list[Any]) -> None:
-        """Pins host-memory ``segs`` into ``pinned``; raises (nothing pinned) otherwise."""
-        for seg in segs.values():
-            if seg.device != "cpu" and not self.stages_device:
-                raise NotSupportedError(f"{seg.device} memory is not reachable over "
-                                        f"{self.transport_name}", peer=conn.peer, op=opname,
-                                        transport=self.transport_name, segment=seg.name)
-        try:
-            for seg in segs.values():
-                seg.pin()
-                pinned.append(seg)
-        except TransferError:
-            for seg in pinned:
-                seg.unpin()
-            pinned.clear()
-            raise
 
     def _answer(self, wr_id: int, exc: TransferError | None) -> bytes:
         if exc is None:

@@ -19,11 +19,16 @@ import numpy as np
 
 from transfer_engine import devmem
 from transfer_engine.descriptor import Op
-from transfer_engine.errors import BusyError, InvalidDescriptorError, TransferError
+from transfer_engine.errors import (
+    BusyError,
+    InvalidDescriptorError,
+    NotSupportedError,
+    TransferError,
+)
 from transfer_engine.segment import Segment
 from transfer_engine.staging import STAGING_ENV, limit_bytes
 
-__all__ = ["Targets", "check_entries", "refuse", "stage", "unstage"]
+__all__ = ["Targets", "check_entries", "pin", "refuse", "stage", "unstage"]
 
 _budget = threading.Lock()
 _held = [0]  # bytes of server bounces in use, all connections together
@@ -160,3 +165,22 @@ def refuse(peer: str, seg: Segment, ranges: Iterable[Sequence[int]], write: bool
         seg.check(offset, length, write=write, op=op, peer=peer)
     raise InvalidDescriptorError("request refused", peer=peer, op=op,
                                  segment=seg.name)
+
+
+def pin(segs: dict[int, Segment], pinned: list[Segment], peer: str, op: str,
+        transport: str, stages_device: bool) -> None:
+    """Pins ``segs`` into ``pinned``, refusing device memory a transport that cannot
+    stage it would serve; raises (nothing pinned) otherwise."""
+    for seg in segs.values():
+        if seg.device != "cpu" and not stages_device:
+            raise NotSupportedError(f"{seg.device} memory is not reachable over {transport}",
+                                    peer=peer, op=op, transport=transport, segment=seg.name)
+    try:
+        for seg in segs.values():
+            seg.pin()
+            pinned.append(seg)
+    except TransferError:
+        for seg in pinned:
+            seg.unpin()
+        pinned.clear()
+        raise

@@ -28,13 +28,14 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from transfer_engine.errors import AuthenticationError, InvalidDescriptorError, ProtocolError
 from transfer_engine.segment import MemoryInfo, Segment, _view_at
+from transfer_engine.transport import held
 from transfer_engine.transport.base import Immediate
 from transfer_engine.transport.iovec import Pace
 from transfer_engine.transport.shm import ShmServer
@@ -42,12 +43,13 @@ from transfer_engine.transport.stream.channel import Channel, ChannelClosed, Fra
 from transfer_engine.transport.stream.connection import Connection
 from transfer_engine.transport.stream.io import (
     PeerClosed,
+    Steps,
     drain,
     recv_scatter,
     recv_steps,
     send_bytes,
     send_gather,
-    send_views,
+    send_steps,
 )
 from transfer_engine.transport.stream.server import HELLO_TIMEOUT, can_park
 from transfer_engine.transport.stream.shared import MAP_POPULATE
@@ -273,7 +275,7 @@ class ServeTcpServer(TcpServer):
         return 0 if direct_rows(views) is not None else min(BOUNCE, views.nbytes)
 
     def land_steps(self, conn: Connection, views: Targets, local: np.ndarray | None
-                   ) -> Generator[float, None, None]:
+                   ) -> Steps:
         if self.stream_rows(views) is not None or not can_park(conn):
             yield from super().land_steps(conn, views, local)
         else:
@@ -287,7 +289,7 @@ class ServeTcpServer(TcpServer):
         for _ in self._bounce_steps(conn, views):
             pass  # no timer to wait on: wait here, at the same pace
 
-    def _bounce_steps(self, conn: Connection, views: Targets) -> Generator[float, None, None]:
+    def _bounce_steps(self, conn: Connection, views: Targets) -> Steps:
         """A payload through one bounce of the mem file, as steps (see land_steps)."""
         pace = Pace(self._stall)
         bounce = memoryview(bytearray(min(BOUNCE, views.nbytes)))
@@ -313,8 +315,22 @@ class ServeTcpServer(TcpServer):
             headroom[1:] = iov
             send_gather(conn.sock, answer, iov, views.nbytes, headroom, pace=pace)
             return
-        # through one bounded bounce, sent (gathered) each time it is full: a READ that
-        # names a piece many times must not cost its size in memory here
+        for _ in self._answer_steps(conn, wr_id, views):
+            pass  # no timer to wait on: wait here, at the same pace
+
+    def serve_steps(self, conn: Connection, wr_id: int, views: Targets,
+                    local: np.ndarray | None) -> Steps:
+        if self.stream_rows(views) is not None or not can_park(conn):
+            yield from super().serve_steps(conn, wr_id, views, local)
+        else:
+            yield from self._answer_steps(conn, wr_id, views)
+
+    def _answer_steps(self, conn: Connection, wr_id: int, views: Targets) -> Steps:
+        """A READ's answer through one bounded bounce, sent each time it is full (a
+        READ that names a piece many times must not cost its size in memory here), as
+        steps (see serve_steps)."""
+        pace = Pace(self._stall)
+        answer = self._answer(wr_id, None)
         bounce = memoryview(bytearray(min(BOUNCE, views.nbytes) or 1))
         first = True
         for batch in _batches(views, bounce):
@@ -325,11 +341,13 @@ class ServeTcpServer(TcpServer):
                     send_bytes(conn.sock, self._answer(wr_id, exc))
                     return
                 raise PeerClosed(f"read answer cut short: {exc}") from None
-            send_views(conn.sock, [answer] * first + [_view_at(a, k, False)
-                                                      for a, k, _ in batch], pace=pace)
+            rows = np.array([row[:2] for row in batch], dtype=np.uint64)
+            if first:
+                rows = np.concatenate((held.buffer_rows(answer), rows))
+            yield from send_steps(conn.sock, rows, int(rows[:, 1].sum()), pace, self._stall)
             first = False
         if first:
-            send_views(conn.sock, [answer])
+            send_bytes(conn.sock, answer)
 
 
 class ServeShmServer(ShmServer):
