@@ -25,12 +25,15 @@ import numpy as np
 from transfer_engine.transport import held
 from transfer_engine.transport.iovec import (
     IOVEC_IO,
+    READY_BYTES,
     Pace,
     _advance,
     iov_views,
     recv_iov,
+    recv_iov_ready,
     recv_some,
     send_iov,
+    send_iov_ready,
     send_some,
 )
 
@@ -333,25 +336,42 @@ def recv_steps(sock: socket.socket, iov: np.ndarray, nbytes: int, pace: Pace,
     """Fills the ``nbytes`` bytes ``iov`` describes, as steps: once no byte has come
     for :data:`PARK_AFTER`, yields when more must have come (``pace``), so that the
     thread serves others meanwhile; resume it when the socket turns readable or at that
-    time. A fast payload still comes in one call. The socket's receive bound is
-    ``stall`` again at the end."""
+    time. What is there already is taken without waiting; the rest comes in one call
+    if it comes fast. The socket's receive bound is ``stall`` again at the end."""
     iov = np.ascontiguousarray(iov, dtype=np.uint64)
-    got = 0
+    try:  # what is there, holding the GIL: no hand-off to a busy thread for it
+        got = recv_iov_ready(sock, iov, READY_BYTES)
+    except OSError as exc:
+        raise PeerClosed(str(exc)) from exc
+    if got == 0:
+        raise PeerClosed("connection closed by peer")
+    got = max(got, 0)
+    pace.got += got
+    if got < nbytes:
+        yield from _waiting(sock, iov, got, nbytes, pace, stall, False)
+
+
+def _waiting(sock: socket.socket, rows: np.ndarray, done: int, nbytes: int, pace: Pace,
+             stall: float, writable: bool) -> Steps:
+    """The rest of :func:`recv_steps` (or :func:`send_steps`) once the bytes did not
+    all move at once: calls bounded by :data:`PARK_AFTER`, yielding after one that
+    moved nothing."""
+    move = send_some if writable else recv_some
+    bound = set_send_timeout if writable else set_recv_timeout
     try:
-        set_recv_timeout(sock, PARK_AFTER)
-        while got < nbytes:
-            n = recv_some(sock, _advance(iov, got) if got else iov)
-            got += n
+        bound(sock, PARK_AFTER)
+        while done < nbytes:
+            pace.check(nbytes - done)
+            n = move(sock, _advance(rows, done))
+            done += n
             pace.got += n
-            if got < nbytes:
-                pace.check(nbytes - got)
-                if not n:
-                    yield Wait(pace.until())
+            if not n and done < nbytes:
+                yield Wait(pace.until(), writable)
     except OSError as exc:
         raise PeerClosed(str(exc)) from exc
     finally:
         try:
-            set_recv_timeout(sock, stall)
+            bound(sock, stall)
         except OSError:
             pass  # closed meanwhile
 
@@ -363,24 +383,13 @@ def send_steps(sock: socket.socket, rows: np.ndarray, nbytes: int, pace: Pace,
     turns writable or the peer falls behind ``pace``. The socket's send bound is
     ``stall`` again at the end."""
     rows = np.ascontiguousarray(rows, dtype=np.uint64)
-    sent = 0
-    try:
-        set_send_timeout(sock, PARK_AFTER)
-        while sent < nbytes:
-            n = send_some(sock, _advance(rows, sent) if sent else rows)
-            sent += n
-            pace.got += n
-            if sent < nbytes:
-                pace.check(nbytes - sent)
-                if not n:
-                    yield Wait(pace.until(), writable=True)
+    try:  # what the socket takes now, holding the GIL
+        sent = max(0, send_iov_ready(sock, rows, READY_BYTES))
     except OSError as exc:
         raise PeerClosed(str(exc)) from exc
-    finally:
-        try:
-            set_send_timeout(sock, stall)
-        except OSError:
-            pass
+    pace.got += sent
+    if sent < nbytes:
+        yield from _waiting(sock, rows, sent, nbytes, pace, stall, True)
 
 
 def drain(sock: socket.socket, nbytes: int, pace: Pace | None = None) -> None:
