@@ -51,10 +51,10 @@ def _write_with_a_pause(b: Engine, rail: RawRail, seg_id: int, seed: int) -> Non
 def test_payloads_stalled_on_more_rails_than_workers_leave_the_others_served(
         make_engine: Callable[..., Engine], serve: str) -> None:
     """Before, each rail stalled mid-payload held a pump worker until its pace ran
-    out (here 4 s): with more such rails than the pump may have workers, another
+    out (here 6 s): with more such rails than the pump may have workers, another
     peer's 4 KiB WRITE waited that long. Now each waits on the poller after a tenth of
     a second, and is cut once its pace runs out, leaving nothing pinned."""
-    stall = 4.0
+    stall = 6.0
     b, seg_id = _target(make_engine, stall, serve)
     limit = 4 * pump.worker_count()
     rails: list[RawRail] = []
@@ -141,10 +141,10 @@ def test_past_the_parking_bound_a_stalled_payload_waits_on_its_worker(
 def test_answers_read_by_nobody_on_more_rails_than_workers_leave_the_others_served(
         make_engine: Callable[..., Engine], serve: str) -> None:
     """The sending side: READs of 8 MiB on more rails than the pump may have workers,
-    whose peers never read their answers, once held a worker each until the stall (4
+    whose peers never read their answers, once held a worker each until the stall (6
     s) cut them; now each answer waits on the poller for room to send, another peer's
     WRITE goes through meanwhile, and closing those rails frees what they held."""
-    stall = 4.0
+    stall = 6.0
     b, seg_id = _target(make_engine, stall, serve)
     rails: list[RawRail] = []
     head = (HEADER.pack(KIND_READ, 0, 8, 0, 0, 0, 1, 0, 0)
