@@ -30,7 +30,7 @@ from transfer_engine.segment import Segment
 
 __all__ = ["IOVEC_IO", "IOV_MAX", "RECV_CHUNK", "MIN_PAYLOAD_RATE", "Pace", "host_rows",
            "iov_views", "send_iov", "send_some", "recv_iov", "recv_some", "recv_iov_ready",
-           "send_iov_ready", "recv_ready", "send_ready"]
+           "recv_ready", "send_ready"]
 
 IOV_MAX = 1024
 RECV_CHUNK = 1 << 20
@@ -275,10 +275,8 @@ def _load_held() -> Any:
             fn = getattr(held, name)
             fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
             fn.restype = ctypes.c_ssize_t
-        for name in ("sendmsg", "recvmsg"):
-            fn = getattr(held, name)
-            fn.argtypes = [ctypes.c_int, ctypes.POINTER(_MsgHdr), ctypes.c_int]
-            fn.restype = ctypes.c_ssize_t
+        held.recvmsg.argtypes = [ctypes.c_int, ctypes.POINTER(_MsgHdr), ctypes.c_int]
+        held.recvmsg.restype = ctypes.c_ssize_t
     except (OSError, AttributeError):
         return None
     return held
@@ -324,17 +322,6 @@ def recv_iov_ready(sock: socket.socket, iov: np.ndarray, limit: int = READY_BYTE
     rows = head_rows(np.ascontiguousarray(iov, dtype=np.uint64), limit)[:IOV_MAX]
     hdr = _MsgHdr(None, 0, rows.ctypes.data, len(rows), None, 0, 0)
     return _held_result(int(_held.recvmsg(sock.fileno(), ctypes.byref(hdr), _DONTWAIT)))
-
-
-def send_iov_ready(sock: socket.socket, iov: np.ndarray, limit: int = READY_BYTES) -> int:
-    """Gathers from ``iov`` into the socket up to ``limit`` bytes, as many as its
-    buffer takes now, without giving up the GIL; returns how many (-1: none)."""
-    if _held is None:
-        return -1
-    rows = head_rows(np.ascontiguousarray(iov, dtype=np.uint64), limit)[:IOV_MAX]
-    hdr = _MsgHdr(None, 0, rows.ctypes.data, len(rows), None, 0, 0)
-    return _held_result(int(_held.sendmsg(sock.fileno(), ctypes.byref(hdr),
-                                          _DONTWAIT | _NOSIGNAL)))
 
 
 def host_rows(request: WorkRequest, segments: Sequence[Segment]) -> np.ndarray:

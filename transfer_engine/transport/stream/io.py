@@ -25,15 +25,12 @@ import numpy as np
 from transfer_engine.transport import held
 from transfer_engine.transport.iovec import (
     IOVEC_IO,
-    READY_BYTES,
     Pace,
     _advance,
     iov_views,
     recv_iov,
-    recv_iov_ready,
     recv_some,
     send_iov,
-    send_iov_ready,
     send_some,
 )
 
@@ -336,33 +333,24 @@ def recv_steps(sock: socket.socket, iov: np.ndarray, nbytes: int, pace: Pace,
     """Fills the ``nbytes`` bytes ``iov`` describes, as steps: once no byte has come
     for :data:`PARK_AFTER`, yields when more must have come (``pace``), so that the
     thread serves others meanwhile; resume it when the socket turns readable or at that
-    time. What is there already is taken without waiting; the rest comes in one call
-    if it comes fast. The socket's receive bound is ``stall`` again at the end."""
-    iov = np.ascontiguousarray(iov, dtype=np.uint64)
-    try:  # what is there, holding the GIL: no hand-off to a busy thread for it
-        got = recv_iov_ready(sock, iov, READY_BYTES)
-    except OSError as exc:
-        raise PeerClosed(str(exc)) from exc
-    if got == 0:
-        raise PeerClosed("connection closed by peer")
-    got = max(got, 0)
-    pace.got += got
-    if got < nbytes:
-        yield from _waiting(sock, iov, got, nbytes, pace, stall, False)
+    time. A payload that comes fast still comes in one call (with the GIL given up, so
+    that rails copy side by side). The socket's receive bound is ``stall`` again at the
+    end."""
+    yield from _steps(sock, np.ascontiguousarray(iov, dtype=np.uint64), 0, nbytes, pace,
+                        stall, False)
 
 
-def _waiting(sock: socket.socket, rows: np.ndarray, done: int, nbytes: int, pace: Pace,
-             stall: float, writable: bool) -> Steps:
-    """The rest of :func:`recv_steps` (or :func:`send_steps`) once the bytes did not
-    all move at once: calls bounded by :data:`PARK_AFTER`, yielding after one that
-    moved nothing."""
+def _steps(sock: socket.socket, rows: np.ndarray, done: int, nbytes: int, pace: Pace,
+           stall: float, writable: bool) -> Steps:
+    """:func:`recv_steps` or :func:`send_steps`: calls bounded by :data:`PARK_AFTER`,
+    yielding after one that moved nothing."""
     move = send_some if writable else recv_some
     bound = set_send_timeout if writable else set_recv_timeout
     try:
         bound(sock, PARK_AFTER)
         while done < nbytes:
             pace.check(nbytes - done)
-            n = move(sock, _advance(rows, done))
+            n = move(sock, _advance(rows, done) if done else rows)
             done += n
             pace.got += n
             if not n and done < nbytes:
@@ -382,14 +370,8 @@ def send_steps(sock: socket.socket, rows: np.ndarray, nbytes: int, pace: Pace,
     taken nothing for :data:`PARK_AFTER` (a peer that reads slowly), yields until it
     turns writable or the peer falls behind ``pace``. The socket's send bound is
     ``stall`` again at the end."""
-    rows = np.ascontiguousarray(rows, dtype=np.uint64)
-    try:  # what the socket takes now, holding the GIL
-        sent = max(0, send_iov_ready(sock, rows, READY_BYTES))
-    except OSError as exc:
-        raise PeerClosed(str(exc)) from exc
-    pace.got += sent
-    if sent < nbytes:
-        yield from _waiting(sock, rows, sent, nbytes, pace, stall, True)
+    yield from _steps(sock, np.ascontiguousarray(rows, dtype=np.uint64), 0, nbytes, pace,
+                        stall, True)
 
 
 def drain(sock: socket.socket, nbytes: int, pace: Pace | None = None) -> None:

@@ -10,7 +10,6 @@ a stranger can make it hold is bounded (:mod:`.wire`'s notes and the constants h
 from __future__ import annotations
 
 import collections
-import ctypes
 import errno
 import logging
 import os
@@ -166,12 +165,10 @@ class StreamServer:
         if iov is None or not can_park(conn):
             self.serve(conn, wr_id, views, local)
             return
-        head = self._answer(wr_id, None)  # the answer's head, then the bytes
-        rows = np.empty((len(iov) + 1, 2), dtype=np.uint64)
-        rows[1:] = iov
-        rows[0] = (ctypes.cast(ctypes.c_char_p(head), ctypes.c_void_p).value or 0, len(head))
-        yield from send_steps(conn.sock, rows, len(head) + views.nbytes, Pace(self._stall),
-                              self._stall)
+        # the head alone first: it leaves at once (TCP_NODELAY), and the initiator
+        # readies its receive while the bytes are still being copied in
+        send_bytes(conn.sock, self._answer(wr_id, None))
+        yield from send_steps(conn.sock, iov, views.nbytes, Pace(self._stall), self._stall)
 
     def announce_devices(self, conn: Connection, body: bytes) -> None:
         """An initiator's device segments (shm IPC); refused by other transports."""
