@@ -11,10 +11,11 @@ from typing import Any
 import numpy as np
 
 from transfer_engine.control.tickets import Ticket
+from transfer_engine.transport.iovec import IOVEC_IO
 from transfer_engine.transport.stream import pump
 from transfer_engine.transport.stream.io import Steps
 
-__all__ = ["Connection", "Parking", "PARK_BYTES", "PARK_COST"]
+__all__ = ["Connection", "Parking", "PARK_BYTES", "PARK_COST", "can_park"]
 
 PARK_BYTES = 64 << 20  # memory the requests parked on one server may hold
 PARK_COST = 64 << 10  # counted per parked request besides its body and bounce
@@ -40,8 +41,14 @@ class Connection:
         self.pump: pump.Pump | None = None  # serves the rail once it is open
         self.busy = False  # a pump worker is serving it (else the pump watches it)
         self.devices: Any = None  # the initiator's device segments (shm IPC)
-        # a request waiting for its peer's bytes, resumed when they come (land_steps)
+        # a request waiting for its peer to move, resumed when it does (land_steps,
+        # serve_steps)
         self.parked: Steps | None = None
+
+
+def can_park(conn: Connection) -> bool:
+    """Whether a request on ``conn`` may wait for its peer on the poller."""
+    return IOVEC_IO and conn.pump is not None and conn.pump.timed
 
 
 class Parking:
@@ -62,7 +69,7 @@ class Parking:
         at the first park: most requests never park)."""
         cost = -1
         try:
-            for until in steps:
+            for wait in steps:
                 if cost < 0:
                     cost = PARK_COST + costs()
                 with self._lock:
@@ -74,7 +81,7 @@ class Parking:
                 if not fits:
                     continue  # waits here: the next step receives again
                 try:
-                    yield until
+                    yield wait
                 finally:
                     with self._lock:
                         self.held -= cost

@@ -336,16 +336,17 @@ def recv_steps(sock: socket.socket, iov: np.ndarray, nbytes: int, pace: Pace,
     time. A payload that comes fast still comes in one call (with the GIL given up, so
     that rails copy side by side). The socket's receive bound is ``stall`` again at the
     end."""
-    yield from _steps(sock, np.ascontiguousarray(iov, dtype=np.uint64), 0, nbytes, pace,
-                        stall, False)
+    yield from _steps(sock, np.ascontiguousarray(iov, dtype=np.uint64), nbytes, pace, stall,
+                      False)
 
 
-def _steps(sock: socket.socket, rows: np.ndarray, done: int, nbytes: int, pace: Pace,
-           stall: float, writable: bool) -> Steps:
+def _steps(sock: socket.socket, rows: np.ndarray, nbytes: int, pace: Pace, stall: float,
+           writable: bool) -> Steps:
     """:func:`recv_steps` or :func:`send_steps`: calls bounded by :data:`PARK_AFTER`,
     yielding after one that moved nothing."""
     move = send_some if writable else recv_some
     bound = set_send_timeout if writable else set_recv_timeout
+    done = 0
     try:
         bound(sock, PARK_AFTER)
         while done < nbytes:
@@ -370,8 +371,8 @@ def send_steps(sock: socket.socket, rows: np.ndarray, nbytes: int, pace: Pace,
     taken nothing for :data:`PARK_AFTER` (a peer that reads slowly), yields until it
     turns writable or the peer falls behind ``pace``. The socket's send bound is
     ``stall`` again at the end."""
-    yield from _steps(sock, np.ascontiguousarray(rows, dtype=np.uint64), 0, nbytes, pace,
-                        stall, True)
+    yield from _steps(sock, np.ascontiguousarray(rows, dtype=np.uint64), nbytes, pace, stall,
+                      True)
 
 
 def drain(sock: socket.socket, nbytes: int, pace: Pace | None = None) -> None:

@@ -23,9 +23,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from transfer_engine.control.tickets import (
-    new_challenge,
-)
+from transfer_engine.control.tickets import new_challenge
 from transfer_engine.descriptor import Op
 from transfer_engine.errors import (
     AuthenticationError,
@@ -35,9 +33,9 @@ from transfer_engine.errors import (
 )
 from transfer_engine.segment import Segment
 from transfer_engine.transport.base import Host, Immediate
-from transfer_engine.transport.iovec import IOVEC_IO, Pace
+from transfer_engine.transport.iovec import Pace
 from transfer_engine.transport.stream import pump
-from transfer_engine.transport.stream.connection import Connection, Parking
+from transfer_engine.transport.stream.connection import Connection, Parking, can_park
 from transfer_engine.transport.stream.io import (
     PeerClosed,
     Steps,
@@ -95,11 +93,6 @@ class Refused(Exception):
     """A connection that did not open: closed without an answer."""
 
 
-def can_park(conn: Connection) -> bool:
-    """Whether a request on ``conn`` may wait for its peer on the poller."""
-    return IOVEC_IO and conn.pump is not None and conn.pump.timed
-
-
 class StreamServer:
     """Accepts rails and serves their requests against the host's segments."""
 
@@ -135,15 +128,19 @@ class StreamServer:
         stream (the error is answered and the rail goes on)."""
         raise NotImplementedError
 
-    def land_steps(self, conn: Connection, views: Targets, local: np.ndarray | None
-                   ) -> Steps:
+    def land_steps(self, conn: Connection, views: Targets, local: np.ndarray | None) -> Steps:
         """:meth:`land` as steps: a payload that the peer sends slowly waits on the
         poller, its worker free (:func:`~.io.recv_steps`)."""
-        iov = self.stream_rows(views)
-        if iov is None or not can_park(conn):
-            self.land(conn, views, local)
-            return
-        yield from recv_steps(conn.sock, iov, views.nbytes, Pace(self._stall), self._stall)
+        iov = self.stream_rows(views) if can_park(conn) else None
+        if iov is not None:
+            yield from recv_steps(conn.sock, iov, views.nbytes, Pace(self._stall), self._stall)
+        else:
+            yield from self.land_bounced(conn, views, local)
+
+    def land_bounced(self, conn: Connection, views: Targets, local: np.ndarray | None) -> Steps:
+        """:meth:`land_steps` where :meth:`stream_rows` places nothing: :meth:`land`."""
+        self.land(conn, views, local)
+        yield from ()
 
     def park_cost(self, views: Targets) -> int:
         """Bytes a parked WRITE into ``views`` holds beyond its request (a bounce)."""
@@ -161,14 +158,19 @@ class StreamServer:
     def serve_steps(self, conn: Connection, wr_id: int, views: Targets,
                     local: np.ndarray | None) -> Steps:
         """:meth:`serve` as steps: an answer the peer takes slowly waits likewise."""
-        iov = self.stream_rows(views)
-        if iov is None or not can_park(conn):
-            self.serve(conn, wr_id, views, local)
+        iov = self.stream_rows(views) if can_park(conn) else None
+        if iov is None:
+            yield from self.serve_bounced(conn, wr_id, views, local)
             return
-        # the head alone first: it leaves at once (TCP_NODELAY), and the initiator
-        # readies its receive while the bytes are still being copied in
+        # the head alone first: it leaves at once, and the initiator readies its receive
         send_bytes(conn.sock, self._answer(wr_id, None))
         yield from send_steps(conn.sock, iov, views.nbytes, Pace(self._stall), self._stall)
+
+    def serve_bounced(self, conn: Connection, wr_id: int, views: Targets,
+                      local: np.ndarray | None) -> Steps:
+        """:meth:`serve_steps` where :meth:`stream_rows` places nothing: :meth:`serve`."""
+        self.serve(conn, wr_id, views, local)
+        yield from ()
 
     def announce_devices(self, conn: Connection, body: bytes) -> None:
         """An initiator's device segments (shm IPC); refused by other transports."""
@@ -339,9 +341,9 @@ class StreamServer:
             self._open.pop(sock, None)
             self._shed.discard(sock)
             self._opening.pop(sock, None)
-            steps = None if conn is None else conn.parked
-            if steps is not None:
-                conn.parked = None  # type: ignore[union-attr]
+            steps = None
+            if conn is not None:
+                steps, conn.parked = conn.parked, None
         if steps is not None:
             steps.close()  # its pins and bounce go
         held = conn.pump if conn is not None else None

@@ -51,7 +51,7 @@ from transfer_engine.transport.stream.io import (
     send_gather,
     send_steps,
 )
-from transfer_engine.transport.stream.server import HELLO_TIMEOUT, can_park
+from transfer_engine.transport.stream.server import HELLO_TIMEOUT
 from transfer_engine.transport.stream.shared import MAP_POPULATE
 from transfer_engine.transport.stream.targets import Targets
 from transfer_engine.transport.tcp import TcpServer
@@ -274,12 +274,9 @@ class ServeTcpServer(TcpServer):
     def park_cost(self, views: Targets) -> int:
         return 0 if direct_rows(views) is not None else min(BOUNCE, views.nbytes)
 
-    def land_steps(self, conn: Connection, views: Targets, local: np.ndarray | None
-                   ) -> Steps:
-        if self.stream_rows(views) is not None or not can_park(conn):
-            yield from super().land_steps(conn, views, local)
-        else:
-            yield from self._bounce_steps(conn, views)
+    def land_bounced(self, conn: Connection, views: Targets, local: np.ndarray | None
+                     ) -> Steps:
+        return self._bounce_steps(conn, views)
 
     def land(self, conn: Connection, views: Targets, local: np.ndarray | None) -> None:
         iov = direct_rows(views)
@@ -318,12 +315,9 @@ class ServeTcpServer(TcpServer):
         for _ in self._answer_steps(conn, wr_id, views):
             pass  # no timer to wait on: wait here, at the same pace
 
-    def serve_steps(self, conn: Connection, wr_id: int, views: Targets,
-                    local: np.ndarray | None) -> Steps:
-        if self.stream_rows(views) is not None or not can_park(conn):
-            yield from super().serve_steps(conn, wr_id, views, local)
-        else:
-            yield from self._answer_steps(conn, wr_id, views)
+    def serve_bounced(self, conn: Connection, wr_id: int, views: Targets,
+                      local: np.ndarray | None) -> Steps:
+        return self._answer_steps(conn, wr_id, views)
 
     def _answer_steps(self, conn: Connection, wr_id: int, views: Targets) -> Steps:
         """A READ's answer through one bounded bounce, sent each time it is full (a
