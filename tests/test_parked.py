@@ -16,7 +16,7 @@ from tests.helpers.rails import SIZE, RawRail, handshake
 from tests.helpers.transport_contract import random_bytes
 from tests.test_attack_bounds import _legit_roundtrip_tcp
 from transfer_engine import Engine
-from transfer_engine.transport.stream import HEADER, KIND_READ, KIND_WRITE, pump
+from transfer_engine.transport.stream import FLAG_IMM, HEADER, KIND_READ, KIND_WRITE, pump
 from transfer_engine.transport.stream.io import PARK_AFTER
 from transfer_engine.transport.tcp import TcpTransport
 
@@ -47,6 +47,32 @@ def _write_with_a_pause(b: Engine, rail: RawRail, seg_id: int, seed: int) -> Non
     assert b.segments["kv"].view().tobytes() == data
 
 
+def _stopped_rails(b: Engine, name: str, sent: bytes, count: int) -> list[RawRail]:
+    """``count`` rails of peer ``name``, each of which sent ``sent`` and then nothing."""
+    _, credential = handshake(b, name)
+    rails: list[RawRail] = []
+    try:
+        for _ in range(count):
+            rail = RawRail(b, credential)
+            assert rail.status == 0
+            rail.sock.sendall(sent)
+            rails.append(rail)
+    except BaseException:
+        for rail in rails:
+            rail.close()
+        raise
+    return rails
+
+
+def _others_served(b: Engine, stall: float, settle: float) -> None:
+    """After ``settle`` seconds, another peer's 4 KiB WRITE takes well under half of
+    ``stall``."""
+    time.sleep(settle)
+    started = time.monotonic()
+    _legit_roundtrip_tcp(b)
+    assert time.monotonic() - started < stall / 2
+
+
 @SERVE
 def test_payloads_stalled_on_more_rails_than_workers_leave_the_others_served(
         make_engine: Callable[..., Engine], serve: str) -> None:
@@ -56,19 +82,10 @@ def test_payloads_stalled_on_more_rails_than_workers_leave_the_others_served(
     a second, and is cut once its pace runs out, leaving nothing pinned."""
     stall = 6.0
     b, seg_id = _target(make_engine, stall, serve)
-    limit = 4 * pump.worker_count()
-    rails: list[RawRail] = []
+    rails = _stopped_rails(b, "staller", _write_head(seg_id, SIZE) + b"\x05" * 1024,
+                           4 * pump.worker_count() + 8)
     try:
-        _, credential = handshake(b, "staller")
-        for _ in range(limit + 8):
-            rail = RawRail(b, credential)
-            assert rail.status == 0
-            rail.sock.sendall(_write_head(seg_id, SIZE) + b"\x05" * 1024)
-            rails.append(rail)
-        time.sleep(2 * PARK_AFTER)
-        started = time.monotonic()
-        _legit_roundtrip_tcp(b)
-        assert time.monotonic() - started < stall / 2
+        _others_served(b, stall, 2 * PARK_AFTER)
         deadline = time.monotonic() + stall + 5
         for rail in rails:  # each cut by the pump's timer: none of their bytes came
             assert rail.closed_by_target(timeout=max(0.1, deadline - time.monotonic()))
@@ -146,20 +163,11 @@ def test_answers_read_by_nobody_on_more_rails_than_workers_leave_the_others_serv
     WRITE goes through meanwhile, and closing those rails frees what they held."""
     stall = 6.0
     b, seg_id = _target(make_engine, stall, serve)
-    rails: list[RawRail] = []
     head = (HEADER.pack(KIND_READ, 0, 8, 0, 0, 0, 1, 0, 0)
             + np.array([[seg_id, 0, SIZE]] * 8, dtype="<u8").tobytes())
+    rails = _stopped_rails(b, "nonreader", head, 4 * pump.worker_count() + 4)
     try:
-        _, credential = handshake(b, "nonreader")
-        for _ in range(4 * pump.worker_count() + 4):
-            rail = RawRail(b, credential)
-            assert rail.status == 0
-            rail.sock.sendall(head)
-            rails.append(rail)
-        time.sleep(3 * PARK_AFTER)
-        started = time.monotonic()
-        _legit_roundtrip_tcp(b)
-        assert time.monotonic() - started < stall / 2
+        _others_served(b, stall, 3 * PARK_AFTER)
     finally:
         for rail in rails:
             rail.close()
@@ -192,3 +200,66 @@ def test_an_answer_parked_for_a_slow_reader_arrives_whole(
         assert rail.recv(4096) == mem[4096:8192]
     finally:
         rail.close()
+
+
+def _imm_write(seg_id: int, payload: bytes, notify: bytes, tid: int) -> list[bytes]:
+    """A WRITE with a notification, as its header, entries, body and payload."""
+    return [HEADER.pack(KIND_WRITE, FLAG_IMM, 1, 0, 0, len(notify), tid, tid, 1),
+            np.array([seg_id, 0, len(payload)], dtype="<u8").tobytes(), notify, payload]
+
+
+@SERVE
+@pytest.mark.parametrize("stop", ["header", "entries", "body"])
+def test_requests_stalled_before_their_payload_leave_the_others_served(
+        make_engine: Callable[..., Engine], serve: str, stop: str) -> None:
+    """Before, a rail whose peer sent part of a request's header, of its entries or of
+    its notification body, and then nothing, held a pump worker until its pace ran out
+    (a stall: 6 s here): with more such rails than the pump may have workers, another
+    peer's 4 KiB WRITE timed out. Now such a request waits on the poller as a stalled
+    payload does, and is cut at its pace."""
+    stall = 6.0
+    b, seg_id = _target(make_engine, stall, serve)
+    head, entries, notify, _ = _imm_write(seg_id, b"\x07" * 4096, b"n" * 1000, 3)
+    sent = {"header": head[:7], "entries": head + entries[:5],
+            "body": head + entries + notify[:1]}[stop]
+    rails = _stopped_rails(b, "staller", sent, 4 * pump.worker_count() + 8)
+    try:
+        _others_served(b, stall, 2 * PARK_AFTER)
+        deadline = time.monotonic() + stall + 5
+        for rail in rails:
+            assert rail.closed_by_target(timeout=max(0.1, deadline - time.monotonic()))
+        if serve == "thread":
+            assert b.transports["tcp"]._server.parking.held == 0  # type: ignore[attr-defined]
+    finally:
+        for rail in rails:
+            rail.close()
+    assert b.notifications(timeout=0.2) == []
+
+
+@SERVE
+def test_a_request_sent_in_pieces_with_pauses_is_served_once_and_whole(
+        make_engine: Callable[..., Engine], serve: str) -> None:
+    """Header, entries, notification body and payload, each cut in two with a pause
+    past the park between: one answer, success, the bytes where they belong and the
+    notification delivered once; the rail then serves the next request at once."""
+    b, seg_id = _target(make_engine, 5.0, serve)
+    _, credential = handshake(b, "pieces")
+    rail = RawRail(b, credential)
+    payload = random_bytes(SIZE, 31).tobytes()
+    try:
+        for part in _imm_write(seg_id, payload, b"note-31", 31):
+            half = max(1, len(part) // 2)
+            rail.sock.sendall(part[:half])
+            time.sleep(2 * PARK_AFTER)
+            rail.sock.sendall(part[half:])
+        assert rail.answer()[0] == 0
+        assert b.segments["kv"].view().tobytes() == payload
+        notes = b.notifications(timeout=5)
+        assert [(n.peer, n.payload) for n in notes] == [("pieces", b"note-31")]
+        more = random_bytes(4096, 32).tobytes()
+        rail.sock.sendall(_write_head(seg_id, 4096, 2) + more)
+        assert rail.answer()[0] == 0
+        assert b.segments["kv"].view()[:4096].tobytes() == more
+    finally:
+        rail.close()
+    assert b.notifications(timeout=0.3) == []

@@ -294,12 +294,14 @@ class ShmRail(StreamRail):
 class ShmServer(StreamServer):
     transport_name = "shm"
 
-    def _announce(self, conn: Connection, body_len: int) -> None:
-        """Records the initiator's registered ranges (rows of address, length,
-        writable), sorted by address, as (start, end, writable) rows."""
+    def check_announce(self, conn: Connection, body_len: int) -> None:
         if body_len % 24 or body_len > MAX_ANNOUNCED * 24:
             raise ProtocolError("malformed announcement", peer=conn.peer)
-        rows = np.frombuffer(self.take(conn.sock, body_len), "<u8").reshape(-1, 3)
+
+    def _announce(self, conn: Connection, body: bytes) -> None:
+        """Records the initiator's registered ranges (rows of address, length,
+        writable), sorted by address, as (start, end, writable) rows."""
+        rows = np.frombuffer(body, "<u8").reshape(-1, 3)
         start, length = rows[:, 0], rows[:, 1]
         if len(rows) and bool(((length == 0) | (start > np.uint64(2**64 - 1) - length)).any()):
             raise ProtocolError("announced range is empty or wraps", peer=conn.peer)

@@ -5,20 +5,21 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Generator
+from typing import Any, TypeVar
 
 import numpy as np
 
 from transfer_engine.control.tickets import Ticket
 from transfer_engine.transport.iovec import IOVEC_IO
 from transfer_engine.transport.stream import pump
-from transfer_engine.transport.stream.io import Steps
+from transfer_engine.transport.stream.io import Steps, Wait
 
 __all__ = ["Connection", "Parking", "PARK_BYTES", "PARK_COST", "can_park"]
 
 PARK_BYTES = 64 << 20  # memory the requests parked on one server may hold
 PARK_COST = 64 << 10  # counted per parked request besides its body and bounce
+T = TypeVar("T")
 
 
 class Connection:
@@ -63,13 +64,17 @@ class Parking:
         self.refused = 0
         self._lock = threading.Lock()
 
-    def steps(self, steps: Steps, costs: Callable[[], int]
-              ) -> Steps:
-        """``steps``, yielding (parking) only while ``costs()`` more bytes fit (asked
-        at the first park: most requests never park)."""
+    def steps(self, steps: Generator[Wait, None, T], costs: Callable[[], int]
+              ) -> Generator[Wait, None, T]:
+        """``steps`` (and what they return), yielding (parking) only while ``costs()``
+        more bytes fit (asked at the first park: most requests never park)."""
         cost = -1
         try:
-            for wait in steps:
+            while True:
+                try:
+                    wait = next(steps)
+                except StopIteration as end:
+                    return end.value  # type: ignore[no-any-return]
                 if cost < 0:
                     cost = PARK_COST + costs()
                 with self._lock:

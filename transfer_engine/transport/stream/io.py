@@ -117,29 +117,42 @@ def recv_exact(sock: socket.socket, n: int, patient: bool = False,
     :func:`recv_into_views`)."""
     if n <= 0:
         return b""
-    try:
-        data = sock.recv(n, _WAITALL)
-    except (BlockingIOError, TimeoutError) as exc:
-        if not patient:
-            raise PeerClosed(str(exc)) from exc
-        data = b""
-    except OSError as exc:
-        raise PeerClosed(str(exc)) from exc
-    else:
-        if not data:
-            raise PeerClosed("connection closed by peer")
+    data = _recv_first(sock, n, _WAITALL, patient)
     if len(data) == n:
         return data
-    buf = bytearray(n)
-    buf[:len(data)] = data
-    if pace is not None:
-        pace.got += len(data)
+    buf = _begun(n, data, pace)
     recv_into_views(sock, [memoryview(buf)[len(data):]], n - len(data), patient, pace)
     return bytes(buf)
 
 
+def _recv_first(sock: socket.socket, n: int, flags: int, patient: bool) -> bytes:
+    """What one receive of up to ``n`` bytes brings (nothing, if none came in time and
+    ``patient`` says to wait on)."""
+    try:
+        data = sock.recv(n, flags)
+    except (BlockingIOError, TimeoutError, InterruptedError) as exc:
+        if not patient:
+            raise PeerClosed(str(exc)) from exc
+        return b""
+    except OSError as exc:
+        raise PeerClosed(str(exc)) from exc
+    if not data:
+        raise PeerClosed("connection closed by peer")
+    return data
+
+
+def _begun(n: int, data: bytes, pace: Pace | None) -> bytearray:
+    """A buffer for ``n`` bytes holding the ``data`` they began with (counted by
+    ``pace``)."""
+    buf = bytearray(n)
+    buf[:len(data)] = data
+    if pace is not None:
+        pace.got += len(data)
+    return buf
+
+
 def recv_head(sock: socket.socket, n: int, linger: float | None = None,
-              stall: float | None = None) -> bytes | None:
+              stall: float | None = None, whole: bool = True) -> bytes | None:
     """The next ``n`` bytes (a request's or an answer's header) if they begin to come
     within ``linger`` seconds, else None. One system call when they come, as a plain
     blocking receive would be: a worker that lingers on a busy rail pays no more per
@@ -147,7 +160,8 @@ def recv_head(sock: socket.socket, n: int, linger: float | None = None,
 
     Without ``linger`` the socket's own receive bound is the wait, and the rest of the
     header is waited for patiently; with it, the bound is ``stall`` (None: unbounded)
-    again on return.
+    again on return. Not ``whole``: the part that came in that call, the rest being
+    the caller's to take (:func:`recv_bytes_steps`).
     """
     if linger is not None:
         set_recv_timeout(sock, linger)
@@ -163,7 +177,7 @@ def recv_head(sock: socket.socket, n: int, linger: float | None = None,
             set_recv_timeout(sock, stall)
     if not head:
         raise PeerClosed("connection closed by peer")
-    if len(head) < n:
+    if len(head) < n and whole:
         head += recv_exact(sock, n - len(head), patient=linger is None,
                            pace=None if stall is None else Pace(stall))
     return head
@@ -326,6 +340,21 @@ def recv_scatter(sock: socket.socket, iov: np.ndarray, nbytes: int,
         recv_iov(sock, iov, nbytes, patient=patient, pace=pace)
     except OSError as exc:
         raise PeerClosed(str(exc)) from exc
+
+
+def recv_bytes_steps(sock: socket.socket, n: int, pace: Pace, stall: float
+                     ) -> Generator[Wait, None, bytes]:
+    """The next ``n`` bytes (a request's header, entries or body) as steps: what the
+    socket holds at once, in one call, and the rest as :func:`recv_steps` takes a slow
+    peer's payload (``n`` > 0)."""
+    data = _recv_first(sock, n, socket.MSG_DONTWAIT, patient=True)
+    if len(data) == n:
+        return data
+    buf = _begun(n, data, pace)
+    rest = ctypes.addressof(ctypes.c_char.from_buffer(buf, len(data)))
+    yield from recv_steps(sock, np.array([(rest, n - len(data))], dtype=np.uint64),
+                          n - len(data), pace, stall)
+    return bytes(buf)
 
 
 def recv_steps(sock: socket.socket, iov: np.ndarray, nbytes: int, pace: Pace,

@@ -17,7 +17,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import msgpack
@@ -41,6 +41,7 @@ from transfer_engine.transport.stream.io import (
     Steps,
     Wait,
     has_bytes,
+    recv_bytes_steps,
     recv_exact,
     recv_head,
     recv_steps,
@@ -61,7 +62,6 @@ from transfer_engine.transport.stream.wire import (
     ANSWER,
     FLAG_IMM,
     FLAG_RESENT,
-    FLAG_UNIFORM,
     HEADER,
     KIND_ANNOUNCE,
     KIND_ANSWER,
@@ -69,15 +69,11 @@ from transfer_engine.transport.stream.wire import (
     KIND_HELLO,
     KIND_READ,
     KIND_WRITE,
-    LOCAL_DT,
     MAX_BODY,
-    MAX_ENTRIES,
-    MAX_REQUEST_BYTES,
-    REMOTE_WORDS,
-    UNIFORM,
     WIRE_VERSION,
+    decode_entries,
+    entries_size,
     pack_error,
-    take_first,
 )
 
 log = logging.getLogger(__name__)
@@ -373,9 +369,9 @@ class StreamServer:
         assert held is not None
         wait: Wait | None = None
         try:
-            head = None
-            if steps is None and has_bytes(sock):
-                head = self.take(sock, HEADER.size)
+            # a request's header, entries and body come as steps too: a peer that sends
+            # them slowly parks like a slow payload
+            head = b"" if steps is None and has_bytes(sock) else None
             while (steps is not None or head is not None) and not self._closed:
                 if steps is None:
                     steps = self._serve_one(conn, head)  # type: ignore[arg-type]
@@ -385,7 +381,7 @@ class StreamServer:
                 steps = None
                 if held.crowded():
                     break  # other rails wait for a worker
-                head = recv_head(sock, HEADER.size, pump.LINGER, self._stall)
+                head = recv_head(sock, HEADER.size, pump.LINGER, self._stall, whole=False)
         except Exception as exc:  # the rail goes; the peer's other rails stay
             if isinstance(exc, TransferError):
                 log.warning("%s rail from %s dropped: %s", self.transport_name, conn.peer, exc)
@@ -405,57 +401,37 @@ class StreamServer:
             self._drop(sock, conn)
 
     def _serve_one(self, conn: Connection, head: bytes) -> Steps:
-        """One request, as steps (see :meth:`land_steps`)."""
+        """One request, as steps (see :meth:`land_steps`), from the part of its header
+        already taken."""
         sock = conn.sock
+        if len(head) < HEADER.size:
+            head += yield from self.take_steps(conn, HEADER.size - len(head))
         (kind, flags, n_remote, n_local, _, body_len, wr_id, transfer_id,
          expected) = HEADER.unpack(head)
         if kind == KIND_ANNOUNCE:
-            self._announce(conn, body_len)
+            self.check_announce(conn, body_len)
+            self._announce(conn, (yield from self.take_steps(conn, body_len)))
             return
         if kind == KIND_DEVICES:
             if body_len > MAX_BODY:
                 raise ProtocolError("device announcement too large", peer=conn.peer)
-            self.announce_devices(conn, self.take(sock, body_len))
+            self.announce_devices(conn, (yield from self.take_steps(conn, body_len)))
             return
         if kind not in (KIND_WRITE, KIND_READ):
             raise ProtocolError(f"unknown request kind {kind}", peer=conn.peer)
-        if n_remote > MAX_ENTRIES or n_local > MAX_ENTRIES or body_len > MAX_BODY:
-            raise ProtocolError("request too large", peer=conn.peer)
-        uniform = flags & FLAG_UNIFORM
-        remote_end = (UNIFORM.size + n_remote * 8 if uniform
-                      else n_remote * REMOTE_WORDS * 8)
-        local_end = remote_end + n_local * LOCAL_DT.itemsize
-        blob = self.take(sock, local_end + body_len)  # entries and body: one call
-        local = np.frombuffer(blob, LOCAL_DT, n_local, remote_end) if n_local else None
-        first, body = take_first(flags, blob[local_end:], conn.peer)
+        blob = yield from self.take_steps(conn, entries_size(
+            flags, n_remote, n_local, body_len, conn.peer))
+        entries = decode_entries(blob, flags, n_remote, n_local, conn.peer)
+        local, body, nbytes = entries.local, entries.body, entries.nbytes
         op = Op.WRITE if kind == KIND_WRITE else Op.READ
-        nbytes = 0
-        if uniform:
-            seg_id, length = UNIFORM.unpack_from(blob)
-            offsets = np.frombuffer(blob, "<u8", n_remote, UNIFORM.size)
-            if length > MAX_REQUEST_BYTES:
-                raise ProtocolError("request too large", peer=conn.peer, length=length)
-            nbytes = n_remote * length
-        else:
-            remote = np.frombuffer(blob, "<u8", n_remote * REMOTE_WORDS).reshape(
-                n_remote, REMOTE_WORDS)
-            low = high = [0, 0, 0]  # column minima and maxima of the entries
-            if n_remote:
-                low, high = remote.min(axis=0).tolist(), remote.max(axis=0).tolist()
-                if high[2] > MAX_REQUEST_BYTES:
-                    raise ProtocolError("request too large", peer=conn.peer, length=high[2])
-                # no wrap-around: every length is bounded
-                nbytes = (n_remote * high[2] if low[2] == high[2]
-                          else int(remote[:, 2].sum()))
-        if nbytes > MAX_REQUEST_BYTES:
-            raise ProtocolError("request too large", peer=conn.peer, length=nbytes)
         pinned = conn.pinned
         try:
-            if uniform:
-                views = self._resolve_uniform(conn, op, seg_id, length, offsets, nbytes,
-                                              pinned)
+            if entries.uniform is not None:
+                views = self._resolve_uniform(conn, op, *entries.uniform, nbytes, pinned)
             else:
-                views = self._resolve(conn, op, remote, nbytes, low, high, pinned)
+                assert entries.remote is not None
+                views = self._resolve(conn, op, entries.remote, nbytes, entries.low,
+                                      entries.high, pinned)
             views, landed = self.stage(conn, views, op, local)
         except TransferError as exc:
             for seg in pinned:
@@ -479,7 +455,7 @@ class StreamServer:
                 self.bytes_received += nbytes
                 if flags & FLAG_IMM:
                     self._host.deliver_immediate(
-                        conn.peer, Immediate(transfer_id, expected, body or None, first),
+                        conn.peer, Immediate(transfer_id, expected, body or None, entries.first),
                         conn.ticket.id if conn.ticket is not None else b"", wr_id,
                         bool(flags & FLAG_RESENT))
                 send_bytes(sock, self._answer(wr_id, None))
@@ -492,14 +468,23 @@ class StreamServer:
                 seg.unpin()
             pinned.clear()
 
-    def take(self, sock: socket.socket, n: int) -> bytes:
-        """The next ``n`` bytes of a request, at :class:`Pace` (no trickling)."""
-        return recv_exact(sock, n, pace=Pace(self._stall))
+    def take_steps(self, conn: Connection, n: int) -> Generator[Wait, None, bytes]:
+        """The next ``n`` bytes of a request, at :class:`Pace` (no trickling): as steps
+        where the rail may park, so that a peer slow to send them holds no worker."""
+        if n <= 0:
+            return b""
+        if not can_park(conn):
+            return recv_exact(conn.sock, n, pace=Pace(self._stall))
+        return (yield from self.parking.steps(
+            recv_bytes_steps(conn.sock, n, Pace(self._stall), self._stall), lambda: n))
 
-    def _announce(self, conn: Connection, body_len: int) -> None:
+    def check_announce(self, conn: Connection, body_len: int) -> None:
         """Initiators announce their ranges to shm only (its target copies from them)."""
         raise ProtocolError(f"{self.transport_name} takes no range announcement",
                             peer=conn.peer)
+
+    def _announce(self, conn: Connection, body: bytes) -> None:
+        """Records an announcement :meth:`check_announce` let through."""
 
     def _resolve(self, conn: Connection, op: Op, remote: np.ndarray, nbytes: int,
                  low: list[int], high: list[int], pinned: list[Any]) -> Targets:

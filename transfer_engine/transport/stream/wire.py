@@ -57,6 +57,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from itertools import chain
+from typing import NamedTuple
 
 import msgpack
 import numpy as np
@@ -150,6 +151,65 @@ def take_first(flags: int, body: bytes, peer: str) -> tuple[int | None, bytes]:
         raise ProtocolError("a later attempt's immediate without its first attempt's id",
                             peer=peer)
     return FIRST.unpack_from(body)[0], body[FIRST.size:]
+
+
+class Entries(NamedTuple):
+    """A WRITE's or READ's entries and body as its target reads them, every length
+    bounded: the remote rows (segment, offset, length), or with ``FLAG_UNIFORM`` one
+    segment and length for all offsets; ``low`` and ``high`` the rows' column minima
+    and maxima; ``nbytes`` the bytes they name."""
+
+    remote: np.ndarray | None
+    uniform: tuple[int, int, np.ndarray] | None
+    low: list[int]
+    high: list[int]
+    local: np.ndarray | None
+    first: int | None
+    body: bytes
+    nbytes: int
+
+
+def entries_size(flags: int, n_remote: int, n_local: int, body_len: int, peer: str
+                 ) -> int:
+    """Bytes of a request's entries and body, which follow its header; ProtocolError
+    past the bounds, before any is read."""
+    if n_remote > MAX_ENTRIES or n_local > MAX_ENTRIES or body_len > MAX_BODY:
+        raise ProtocolError("request too large", peer=peer)
+    remote = UNIFORM.size + n_remote * 8 if flags & FLAG_UNIFORM else n_remote * REMOTE_WORDS * 8
+    return remote + n_local * LOCAL_DT.itemsize + body_len
+
+
+def decode_entries(blob: bytes, flags: int, n_remote: int, n_local: int, peer: str
+                   ) -> Entries:
+    """The :class:`Entries` of ``blob`` (:func:`entries_size` bytes); ProtocolError
+    for a request naming more than ``MAX_REQUEST_BYTES``."""
+    uniform = None
+    remote = None
+    low = high = [0, 0, 0]
+    nbytes = 0
+    if flags & FLAG_UNIFORM:
+        seg_id, length = UNIFORM.unpack_from(blob)
+        if length > MAX_REQUEST_BYTES:
+            raise ProtocolError("request too large", peer=peer, length=length)
+        uniform = (seg_id, length, np.frombuffer(blob, "<u8", n_remote, UNIFORM.size))
+        nbytes = n_remote * length
+        remote_end = UNIFORM.size + n_remote * 8
+    else:
+        remote = np.frombuffer(blob, "<u8", n_remote * REMOTE_WORDS).reshape(
+            n_remote, REMOTE_WORDS)
+        if n_remote:
+            low, high = remote.min(axis=0).tolist(), remote.max(axis=0).tolist()
+            if high[2] > MAX_REQUEST_BYTES:
+                raise ProtocolError("request too large", peer=peer, length=high[2])
+            # no wrap-around: every length is bounded
+            nbytes = n_remote * high[2] if low[2] == high[2] else int(remote[:, 2].sum())
+        remote_end = n_remote * REMOTE_WORDS * 8
+    if nbytes > MAX_REQUEST_BYTES:
+        raise ProtocolError("request too large", peer=peer, length=nbytes)
+    local_end = remote_end + n_local * LOCAL_DT.itemsize
+    local = np.frombuffer(blob, LOCAL_DT, n_local, remote_end) if n_local else None
+    first, body = take_first(flags, blob[local_end:], peer)
+    return Entries(remote, uniform, low, high, local, first, body, nbytes)
 
 
 def encode_announce(ranges: np.ndarray) -> bytes:
