@@ -6,8 +6,11 @@ loopback rails (``tests/helpers/rails.py``)."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -31,9 +34,9 @@ def _target(make_engine: Callable[..., Engine], stall: float, serve: str
     return b, b.register(random_bytes(SIZE, 12), name="kv").id
 
 
-def _write_head(seg_id: int, length: int, wr_id: int = 1) -> bytes:
+def _write_head(seg_id: int, length: int, wr_id: int = 1, offset: int = 0) -> bytes:
     return (HEADER.pack(KIND_WRITE, 0, 1, 0, 0, 0, wr_id, 0, 0)
-            + np.array([seg_id, 0, length], dtype="<u8").tobytes())
+            + np.array([seg_id, offset, length], dtype="<u8").tobytes())
 
 
 def _write_with_a_pause(b: Engine, rail: RawRail, seg_id: int, seed: int) -> None:
@@ -263,3 +266,70 @@ def test_a_request_sent_in_pieces_with_pauses_is_served_once_and_whole(
     finally:
         rail.close()
     assert b.notifications(timeout=0.3) == []
+
+
+@contextlib.contextmanager
+def _trickling(rails: list[RawRail], act: Callable[[socket.socket], object]
+               ) -> Iterator[None]:
+    """``act`` on every rail's socket twice per :data:`PARK_AFTER` meanwhile; the
+    rails are closed after."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(PARK_AFTER / 2):
+            for rail in rails:
+                with contextlib.suppress(OSError):
+                    act(rail.sock)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(5)
+        for rail in rails:
+            rail.close()
+
+
+@SERVE
+def test_payloads_trickled_faster_than_the_park_leave_the_others_served(
+        make_engine: Callable[..., Engine], serve: str) -> None:
+    """Before, a payload whose peer sent a byte more often than every tenth of a
+    second never parked: each such rail held a pump worker until its pace ran out, and
+    with more of them than the pump may have workers, another peer's WRITE waited for
+    them. Now a request parks once a receive has not brought everything, and takes
+    only what the socket holds whenever it turns readable."""
+    stall = 6.0
+    b, seg_id = _target(make_engine, stall, serve)
+    # into the segment's second half: the other peer writes its first 4 KiB
+    rails = _stopped_rails(b, "trickler", _write_head(seg_id, SIZE // 2, 1, SIZE // 2)
+                           + b"\x08", 4 * pump.worker_count() + 8)
+    with _trickling(rails, lambda sock: sock.send(b"\x08")):
+        _others_served(b, stall, 3 * PARK_AFTER)
+        _others_served(b, stall, 0)
+    closing = time.monotonic()
+    b.segments["kv"].close(timeout=5)  # their pins go with their rails
+    assert time.monotonic() - closing < 2
+
+
+@SERVE
+def test_answers_read_at_a_trickle_leave_the_others_served(
+        make_engine: Callable[..., Engine], serve: str) -> None:
+    """The sending side: readers that take 4 KiB of their 8 MiB answers twice per
+    park, on more rails than the pump may have workers. Each answer waits on the
+    poller for room, sending what the socket takes at each wake-up, and another peer's
+    WRITE goes through meanwhile."""
+    stall = 6.0
+    b, seg_id = _target(make_engine, stall, serve)
+    head = (HEADER.pack(KIND_READ, 0, 8, 0, 0, 0, 1, 0, 0)
+            + np.array([[seg_id, 0, SIZE]] * 8, dtype="<u8").tobytes())
+    rails = _stopped_rails(b, "sipper", head, 4 * pump.worker_count() + 4)
+    for rail in rails:
+        rail.sock.setblocking(False)
+    with _trickling(rails, lambda sock: sock.recv(4096)):
+        _others_served(b, stall, 3 * PARK_AFTER)
+        _others_served(b, stall, 0)
+    closing = time.monotonic()
+    b.segments["kv"].close(timeout=5)
+    assert time.monotonic() - closing < 2

@@ -183,25 +183,26 @@ def recv_iov(sock: socket.socket, iov: np.ndarray, nbytes: int,
     _recv_all(sock, iov, nbytes, patient, pace)
 
 
-def send_some(sock: socket.socket, iov: np.ndarray) -> int:
-    """One ``sendmsg`` of ``iov``, for as long as the socket's send timeout: the bytes
-    it took (0: none in that time). Raises OSError."""
+def send_some(sock: socket.socket, iov: np.ndarray, wait: bool = True) -> int:
+    """One ``sendmsg`` of ``iov``, for as long as the socket's send timeout (not at all
+    without ``wait``): the bytes it took (0: none in that time). Raises OSError."""
     assert _libc is not None
     try:
-        return _call(_libc.sendmsg, sock.fileno(), iov, _NOSIGNAL)
+        return _call(_libc.sendmsg, sock.fileno(), iov,
+                     _NOSIGNAL if wait else _NOSIGNAL | _DONTWAIT)
     except OSError as exc:
         if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
             return 0
         raise
 
 
-def recv_some(sock: socket.socket, iov: np.ndarray) -> int:
+def recv_some(sock: socket.socket, iov: np.ndarray, wait: bool = True) -> int:
     """One ``MSG_WAITALL`` receive into ``iov``, for as long as the socket's receive
-    timeout: the bytes that came (0: none in that time). Raises
-    ``ConnectionResetError`` at the stream's end, OSError otherwise."""
+    timeout (without ``wait``: what the socket holds now): the bytes that came (0:
+    none). Raises ``ConnectionResetError`` at the stream's end, OSError otherwise."""
     assert _libc is not None
     try:
-        n = _call(_libc.recvmsg, sock.fileno(), iov, _WAITALL)
+        n = _call(_libc.recvmsg, sock.fileno(), iov, _WAITALL if wait else _DONTWAIT)
     except OSError as exc:
         if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
             return 0
@@ -249,6 +250,8 @@ def _recv_all(sock: socket.socket, iov: np.ndarray, nbytes: int,
                       _WAITALL)
         except OSError as exc:
             if patient and exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                if pace is not None:  # none came within the socket's bound
+                    pace.check(nbytes - got)
                 continue
             raise
         if n == 0:

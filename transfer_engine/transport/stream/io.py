@@ -38,6 +38,7 @@ _IOV_CHUNK = 1000  # sendmsg/recvmsg_into take at most IOV_MAX buffers
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
 EARLY_HEAD_BYTES = 256 << 10
 PARK_AFTER = 0.1  # seconds a payload waits for the peer before its thread moves on
+PARK_CHUNK = 64 << 10  # bytes that wake a parked tcp receive (or the rest of it)
 
 
 class Wait(NamedTuple):
@@ -359,37 +360,53 @@ def recv_bytes_steps(sock: socket.socket, n: int, pace: Pace, stall: float
 
 def recv_steps(sock: socket.socket, iov: np.ndarray, nbytes: int, pace: Pace,
                stall: float) -> Steps:
-    """Fills the ``nbytes`` bytes ``iov`` describes, as steps: once no byte has come
-    for :data:`PARK_AFTER`, yields when more must have come (``pace``), so that the
-    thread serves others meanwhile; resume it when the socket turns readable or at that
-    time. A payload that comes fast still comes in one call (with the GIL given up, so
-    that rails copy side by side). The socket's receive bound is ``stall`` again at the
-    end."""
+    """Fills the ``nbytes`` bytes ``iov`` describes, as steps: once a receive has not
+    brought them all within :data:`PARK_AFTER`, yields when more must have come
+    (``pace``), so that the thread serves others meanwhile; resume it when the socket
+    turns readable or at that time. A payload that comes fast still comes in one call
+    (with the GIL given up, so that rails copy side by side). The socket's receive
+    bound is ``stall`` again at the end."""
     yield from _steps(sock, np.ascontiguousarray(iov, dtype=np.uint64), nbytes, pace, stall,
                       False)
 
 
 def _steps(sock: socket.socket, rows: np.ndarray, nbytes: int, pace: Pace, stall: float,
            writable: bool) -> Steps:
-    """:func:`recv_steps` or :func:`send_steps`: calls bounded by :data:`PARK_AFTER`,
-    yielding after one that moved nothing."""
+    """:func:`recv_steps` or :func:`send_steps`. The first call waits up to
+    :data:`PARK_AFTER`; once one has left bytes to move, the request parks, and every
+    call after a park moves only what the socket takes at once: a peer that sends (or
+    reads) a byte now and then, however often, holds no thread between them. While a
+    tcp receive is parked, its socket reports readable only once :data:`PARK_CHUNK`
+    bytes (or the rest) are there, so that a trickle wakes a worker per chunk."""
     move = send_some if writable else recv_some
     bound = set_send_timeout if writable else set_recv_timeout
+    chunked = not writable and sock.family != socket.AF_UNIX
     done = 0
+    low = 1
+    parked = False
     try:
         bound(sock, PARK_AFTER)
-        while done < nbytes:
-            pace.check(nbytes - done)
-            n = move(sock, _advance(rows, done) if done else rows)
+        while True:
+            n = move(sock, _advance(rows, done) if done else rows, not parked)
             done += n
             pace.got += n
-            if not n and done < nbytes:
-                yield Wait(pace.until(), writable)
+            if done >= nbytes:
+                return
+            pace.check(nbytes - done)  # after taking what came: it counts
+            if parked and n >= PARK_CHUNK:
+                continue  # the peer keeps up: more may be there already
+            if chunked and min(nbytes - done, PARK_CHUNK) != low:
+                low = min(nbytes - done, PARK_CHUNK)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, low)
+            parked = True
+            yield Wait(pace.until(), writable)
     except OSError as exc:
         raise PeerClosed(str(exc)) from exc
     finally:
         try:
             bound(sock, stall)
+            if low != 1:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
         except OSError:
             pass  # closed meanwhile
 
