@@ -18,6 +18,7 @@ from tests.helpers.faults import (
     BrokenPostTcpTransport,
     DroppingTcpTransport,
     RefusingShmTransport,
+    StallingTcpTransport,
 )
 from tests.helpers.transport_contract import random_bytes
 from transfer_engine import (
@@ -160,6 +161,32 @@ def test_connection_reset_mid_transfer(make_engine: Callable[..., Engine]) -> No
     p2 = a.connect(other.endpoint)
     a.write(p2, [(Descriptor(seg, 0, MiB), Descriptor(p2.segment("dst"), 0, MiB))]).wait(10)
     assert np.array_equal(other_dst, src[:MiB])
+
+
+def test_a_read_whose_target_stops_midway_fails_at_its_pace(
+        make_engine: Callable[..., Engine]) -> None:
+    """A target whose control plane answers on while its READ answer stops after 64
+    KiB once held the initiator's reader for ever (a transfer has no deadline by
+    default, and the peer answers its probes): the answer now keeps a pace, so the
+    transfer fails after about a stall and a second (64 KiB at 64 KiB/s), and the
+    initiator's other transfers go on."""
+    a = make_engine("a", transports=[TcpTransport(stall_timeout=1.0)])
+    b = make_engine("b", transports=[StallingTcpTransport()])
+    other = make_engine("c", transports=["tcp"])
+    b.register(random_bytes(8 * MiB, 3), name="src")
+    src = random_bytes(MiB, 4)
+    other.register(src, name="src")
+    seg = a.register(np.zeros(8 * MiB, dtype=np.uint8))
+    peer = a.connect(b.endpoint)
+    started = time.monotonic()
+    h = a.read(peer, [(Descriptor(seg, 0, MiB), Descriptor(peer.segment("src"), 0, MiB))])
+    with pytest.raises(PeerLostError) as info:
+        h.wait(30)
+    assert time.monotonic() - started < 6
+    assert info.value.peer == "b" and info.value.transport == "tcp"
+    p2 = a.connect(other.endpoint)
+    a.read(p2, [(Descriptor(seg, MiB, MiB), Descriptor(p2.segment("src"), 0, MiB))]).wait(10)
+    assert bytes(seg.view()[MiB:2 * MiB]) == src.tobytes()
 
 
 def test_shm_refused_falls_back_to_tcp(make_engine: Callable[..., Engine]) -> None:

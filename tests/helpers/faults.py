@@ -32,9 +32,17 @@ from transfer_engine.control.etcd_store import EtcdStore
 from transfer_engine.errors import NotSupportedError, TransferEngineError
 from transfer_engine.handle import TransferHandle
 from transfer_engine.transport.base import Transport, Work
+from transfer_engine.transport.iovec import head_rows, send_iov
 from transfer_engine.transport.shm import ShmServer, ShmTransport
 from transfer_engine.transport.stream import Connection, Targets
-from transfer_engine.transport.stream.io import recv_into_views
+from transfer_engine.transport.stream.io import (
+    PeerClosed,
+    Steps,
+    Wait,
+    has_bytes,
+    recv_into_views,
+    send_bytes,
+)
 from transfer_engine.transport.tcp import TcpRail, TcpServer, TcpTransport
 
 
@@ -133,6 +141,35 @@ class DroppingTcpTransport(TcpTransport):
         info = super().start(host)
         assert self._server is not None
         self._server.__class__ = DroppingTcpServer
+        return info
+
+
+class StallingTcpServer(TcpServer):
+    """Answers a READ with its head and its first 64 KiB, then sends nothing more,
+    its control plane answering on (a target's bug, or a peer that means harm)."""
+
+    sent = 64 << 10
+
+    def serve_steps(self, conn: Connection, wr_id: int, views: Targets,
+                    local: np.ndarray | None) -> Steps:
+        send_bytes(conn.sock, self._answer(wr_id, None))
+        n = min(self.sent, views.nbytes)
+        send_iov(conn.sock, head_rows(views.iov, n), n)
+        while not has_bytes(conn.sock):  # parked until the initiator gives up
+            yield Wait(time.monotonic() + 3600)
+        raise PeerClosed("the initiator closed the rail")
+
+
+class StallingTcpTransport(TcpTransport):
+    """A tcp transport whose target stalls every READ's answer (served from threads)."""
+
+    def __init__(self) -> None:
+        super().__init__(serve="thread")
+
+    def start(self, host: Any) -> dict[str, Any]:
+        info = super().start(host)
+        assert self._server is not None
+        self._server.__class__ = StallingTcpServer
         return info
 
 

@@ -551,6 +551,7 @@ class ShmTransport(Transport):
             raise
         rail = ShmRail(sock, peer, len(self._rails), on_complete, self._host, announced,
                        self._devices if info.get("ipc") is True else None)
+        rail.stall_timeout = self._stall
         self._rails.append(rail)
         rail.reopen = functools.partial(self.connect, peer, info, on_complete, timeout,
                                         credential)

@@ -177,7 +177,8 @@ class TcpRail(StreamRail):
         return None
 
     def _take_read(self, work: Work) -> None:
-        recv_scatter(self._sock, _host_iov(work), work.nbytes, patient=True)
+        recv_scatter(self._sock, _host_iov(work), work.nbytes, patient=True,
+                     pace=Pace(self.stall_timeout))
 
     def _payload_follows(self, work: Work) -> bool:
         return work.nbytes > 0
@@ -445,6 +446,7 @@ class TcpTransport(Transport):
             raise
         rail = TcpRail(sock, peer, len(self._rails), on_complete, self._host,
                        nic[0].name if nic else None, nic[2] if nic else 0.0)
+        rail.stall_timeout = self._stall
         self._rails.append(rail)
         rail.reopen = functools.partial(self._open, peer, key, nic, target, on_complete,
                                         timeout, credential)

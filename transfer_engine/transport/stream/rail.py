@@ -24,6 +24,7 @@ from transfer_engine.errors import (
 )
 from transfer_engine.transport import held
 from transfer_engine.transport.base import Completion, Host, OnComplete, Rail, TornDown, Work
+from transfer_engine.transport.iovec import Pace
 from transfer_engine.transport.stream import held_reading, pump
 from transfer_engine.transport.stream.io import (
     PeerClosed,
@@ -35,6 +36,7 @@ from transfer_engine.transport.stream.io import (
     send_rest,
     set_recv_timeout,
 )
+from transfer_engine.transport.stream.server import STALL_TIMEOUT
 from transfer_engine.transport.stream.wire import (
     ANSWER,
     KIND_ANSWER,
@@ -63,6 +65,9 @@ class StreamRail(Rail):
 
     transport_name = "stream"
     inline_bytes = 512 << 10  # largest work an idle rail sends in the caller's thread
+    # an answer (a READ's bytes too) keeps a Pace of this many seconds, or the rail
+    # fails: a target that stops sending midway holds no reader of ours for ever
+    stall_timeout = STALL_TIMEOUT
 
     def __init__(self, sock: socket.socket, peer: str, index: int, on_complete: OnComplete,
                  host: Host) -> None:
@@ -438,14 +443,14 @@ class StreamRail(Rail):
         None if it did not. False once the rail failed."""
         try:
             if head is None:
-                head = recv_head(self._sock, ANSWER.size)
+                head = recv_head(self._sock, ANSWER.size, stall=self.stall_timeout)
             if head is None:
                 return None
             kind, status, _, body_len, wr_id = ANSWER.unpack(head)
             if kind != KIND_ANSWER or body_len > MAX_BODY:
                 raise ProtocolError("malformed answer", peer=self.peer,
                                     transport=self.transport_name)
-            body = recv_exact(self._sock, body_len, patient=True)
+            body = recv_exact(self._sock, body_len, patient=True, pace=Pace(self.stall_timeout))
             with self._lock:
                 work = self._pending[0] if self._pending else None
                 take = (work is not None and work.wr_id == wr_id and not status
