@@ -39,12 +39,13 @@ def _write_head(seg_id: int, length: int, wr_id: int = 1, offset: int = 0) -> by
             + np.array([seg_id, offset, length], dtype="<u8").tobytes())
 
 
-def _write_with_a_pause(b: Engine, rail: RawRail, seg_id: int, seed: int) -> None:
+def _write_with_a_pause(b: Engine, rail: RawRail, seg_id: int, seed: int,
+                        pause: float = 3 * PARK_AFTER) -> None:
     """A WRITE of the whole segment: half its payload, a pause past the park, the
     other half; answered with success, every byte where it belongs."""
     data = random_bytes(SIZE, seed).tobytes()
     rail.sock.sendall(_write_head(seg_id, SIZE) + data[:SIZE // 2])
-    time.sleep(3 * PARK_AFTER)
+    time.sleep(pause)
     rail.sock.sendall(data[SIZE // 2:])
     assert rail.answer()[0] == 0
     assert b.segments["kv"].view().tobytes() == data
@@ -143,17 +144,21 @@ def test_closing_a_segment_under_a_parked_payload_tears_its_rail_down(
 def test_past_the_parking_bound_a_stalled_payload_waits_on_its_worker(
         make_engine: Callable[..., Engine]) -> None:
     """What parked requests hold is bounded per server (their bodies and bounces):
-    past the bound a request waits for its peer on its worker, as before, and still
-    lands whole; parking's account returns to nothing."""
+    past the bound a request waits for its peer on its worker, as before, without
+    spinning (a parked step's calls do not wait), and still lands whole; parking's
+    account returns to nothing."""
     b, seg_id = _target(make_engine, 5.0, "thread")
     parking = b.transports["tcp"]._server.parking  # type: ignore[attr-defined]
     parking.limit = 0
     _, credential = handshake(b)
     rail = RawRail(b, credential)
+    random_bytes(SIZE, 23)  # drawn before the CPU is counted
+    cpu = time.process_time()
     try:
-        _write_with_a_pause(b, rail, seg_id, 23)
+        _write_with_a_pause(b, rail, seg_id, 23, pause=1.0)
     finally:
         rail.close()
+    assert time.process_time() - cpu < 0.5
     assert parking.refused >= 1 and parking.held == 0
 
 

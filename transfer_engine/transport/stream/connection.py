@@ -3,8 +3,10 @@ requests waiting on the poller for their peers may hold (:class:`Parking`)."""
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
+import time
 from collections.abc import Callable, Generator
 from typing import Any, TypeVar
 
@@ -13,12 +15,13 @@ import numpy as np
 from transfer_engine.control.tickets import Ticket
 from transfer_engine.transport.iovec import IOVEC_IO
 from transfer_engine.transport.stream import pump
-from transfer_engine.transport.stream.io import Steps, Wait
+from transfer_engine.transport.stream.io import PARK_AFTER, Steps, Wait
 
-__all__ = ["Connection", "Parking", "PARK_BYTES", "PARK_COST", "can_park"]
+__all__ = ["Connection", "Parking", "PARK_BYTES", "PARK_COST", "PARK_PART", "can_park"]
 
 PARK_BYTES = 64 << 20  # memory the requests parked on one server may hold
 PARK_COST = 64 << 10  # counted per parked request besides its body and bounce
+PARK_PART = 4 << 10  # counted per parked header, entries or body besides their bytes
 T = TypeVar("T")
 
 
@@ -64,10 +67,11 @@ class Parking:
         self.refused = 0
         self._lock = threading.Lock()
 
-    def steps(self, steps: Generator[Wait, None, T], costs: Callable[[], int]
-              ) -> Generator[Wait, None, T]:
-        """``steps`` (and what they return), yielding (parking) only while ``costs()``
-        more bytes fit (asked at the first park: most requests never park)."""
+    def steps(self, steps: Generator[Wait, None, T], costs: Callable[[], int],
+              sock: socket.socket, base: int = PARK_COST) -> Generator[Wait, None, T]:
+        """``steps`` (and what they return), yielding (parking) only while ``base +
+        costs()`` more bytes fit (asked at the first park: most requests never park);
+        past that, waiting here for ``sock`` to turn ready, or for the wait's time."""
         cost = -1
         try:
             while True:
@@ -76,15 +80,16 @@ class Parking:
                 except StopIteration as end:
                     return end.value  # type: ignore[no-any-return]
                 if cost < 0:
-                    cost = PARK_COST + costs()
+                    cost = base + costs()
                 with self._lock:
                     fits = self.held + cost <= self.limit
                     if fits:
                         self.held += cost
                     else:
                         self.refused += 1
-                if not fits:
-                    continue  # waits here: the next step receives again
+                if not fits:  # waits on this thread (a parked step's calls never do)
+                    _ready(sock, wait)
+                    continue
                 try:
                     yield wait
                 finally:
@@ -92,3 +97,13 @@ class Parking:
                         self.held -= cost
         finally:
             steps.close()
+
+
+def _ready(sock: socket.socket, wait: Wait) -> None:
+    """Returns once ``sock`` is ready for what ``wait`` waits for, at ``wait.until``,
+    or after :data:`~.io.PARK_AFTER` at most (the step then looks again)."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLOUT if wait.writable else select.POLLIN)
+    left = min(PARK_AFTER, wait.until - time.monotonic())
+    if left > 0:
+        poller.poll(left * 1000)

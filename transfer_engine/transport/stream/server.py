@@ -35,7 +35,12 @@ from transfer_engine.segment import Segment
 from transfer_engine.transport.base import Host, Immediate
 from transfer_engine.transport.iovec import Pace
 from transfer_engine.transport.stream import pump
-from transfer_engine.transport.stream.connection import Connection, Parking, can_park
+from transfer_engine.transport.stream.connection import (
+    PARK_PART,
+    Connection,
+    Parking,
+    can_park,
+)
 from transfer_engine.transport.stream.io import (
     PeerClosed,
     Steps,
@@ -446,7 +451,8 @@ class StreamServer:
                 try:
                     if nbytes:
                         yield from self.parking.steps(self.land_steps(
-                            conn, views, local), lambda: len(blob) + self.park_cost(views))
+                            conn, views, local), lambda: len(blob) + self.park_cost(views),
+                            sock)
                         if landed is not None:
                             landed()
                 except TransferError as exc:
@@ -461,7 +467,7 @@ class StreamServer:
                 send_bytes(sock, self._answer(wr_id, None))
             else:
                 yield from self.parking.steps(self.serve_steps(conn, wr_id, views, local),
-                                              lambda: self.park_cost(views))
+                                              lambda: self.park_cost(views), sock)
         finally:
             unstage(views)
             for seg in pinned:
@@ -476,7 +482,8 @@ class StreamServer:
         if not can_park(conn):
             return recv_exact(conn.sock, n, pace=Pace(self._stall))
         return (yield from self.parking.steps(
-            recv_bytes_steps(conn.sock, n, Pace(self._stall), self._stall), lambda: n))
+            recv_bytes_steps(conn.sock, n, Pace(self._stall), self._stall), lambda: n,
+            conn.sock, PARK_PART))
 
     def check_announce(self, conn: Connection, body_len: int) -> None:
         """Initiators announce their ranges to shm only (its target copies from them)."""
