@@ -19,7 +19,15 @@ from tests.helpers.rails import SIZE, RawRail, handshake
 from tests.helpers.transport_contract import random_bytes
 from tests.test_attack_bounds import _legit_roundtrip_tcp
 from transfer_engine import Engine
-from transfer_engine.transport.stream import FLAG_IMM, HEADER, KIND_READ, KIND_WRITE, pump
+from transfer_engine.transport.shm import ShmTransport
+from transfer_engine.transport.stream import (
+    FLAG_IMM,
+    HEADER,
+    KIND_READ,
+    KIND_WRITE,
+    LOCAL_DT,
+    pump,
+)
 from transfer_engine.transport.stream.io import PARK_AFTER
 from transfer_engine.transport.tcp import TcpTransport
 
@@ -338,3 +346,45 @@ def test_answers_read_at_a_trickle_leave_the_others_served(
     closing = time.monotonic()
     b.segments["kv"].close(timeout=5)
     assert time.monotonic() - closing < 2
+
+
+@SERVE
+def test_shm_requests_trickled_in_are_served_whole(
+        make_engine: Callable[..., Engine], serve: str) -> None:
+    """Over a unix socket, whose readiness ignores a low-water mark, a parked
+    request that got a trickle waits a pause before it looks again (a wake-up per
+    byte would cost a worker's call each): 8 rails whose notification bodies come a
+    byte at a time are each served whole, the bytes copied from the announced range
+    and each notification delivered once."""
+    b = make_engine("victim", transports=[ShmTransport(serve=serve, stall_timeout=5.0)])
+    seg = b.register(np.zeros(SIZE, dtype=np.uint8), name="kv")
+    ours = random_bytes(8 * 4096, 51)
+    announced = np.array([(ours.ctypes.data, ours.nbytes, 1)], dtype=np.uint64)
+    _, credential = handshake(b, "dripper")
+    rails = [RawRail(b, credential, "shm", ranges=announced) for _ in range(8)]
+    try:
+        notes = [f"note-{i}-".encode() * 3 for i in range(len(rails))]
+        for i, (rail, note) in enumerate(zip(rails, notes, strict=True)):
+            assert rail.status == 0
+            local = np.array([(ours.ctypes.data + i * 4096, 4096)], dtype=LOCAL_DT)
+            rail.sock.sendall(HEADER.pack(KIND_WRITE, FLAG_IMM, 1, 1, 0, len(note), 1,
+                                          100 + i, 1)
+                              + np.array([seg.id, i * 4096, 4096], dtype="<u8").tobytes()
+                              + local.tobytes())
+        time.sleep(2 * PARK_AFTER)  # each request parks on its body
+        for k in range(len(notes[0])):
+            for rail, note in zip(rails, notes, strict=True):
+                rail.sock.send(note[k:k + 1])
+            time.sleep(0.002)
+        for rail in rails:
+            assert rail.answer()[0] == 0
+    finally:
+        for rail in rails:
+            rail.close()
+    assert seg.view().tobytes()[:8 * 4096] == ours.tobytes()
+    got: list[tuple[str, bytes]] = []
+    deadline = time.monotonic() + 10
+    while len(got) < len(notes) and time.monotonic() < deadline:
+        got += [(n.peer, n.payload) for n in b.notifications(timeout=1)]
+    assert sorted(got) == sorted(("dripper", n) for n in notes)
+    assert b.notifications(timeout=0.3) == []

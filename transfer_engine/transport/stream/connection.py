@@ -100,10 +100,15 @@ class Parking:
 
 
 def _ready(sock: socket.socket, wait: Wait) -> None:
-    """Returns once ``sock`` is ready for what ``wait`` waits for, at ``wait.until``,
-    or after :data:`~.io.PARK_AFTER` at most (the step then looks again)."""
+    """Returns once ``sock`` is ready for what ``wait`` waits for (if it watches it),
+    at ``wait.until``, or after :data:`~.io.PARK_AFTER` at most (the step then looks
+    again)."""
+    left = min(PARK_AFTER, wait.until - time.monotonic())
+    if left <= 0:
+        return
+    if not wait.watch:
+        time.sleep(left)
+        return
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLOUT if wait.writable else select.POLLIN)
-    left = min(PARK_AFTER, wait.until - time.monotonic())
-    if left > 0:
-        poller.poll(left * 1000)
+    poller.poll(left * 1000)

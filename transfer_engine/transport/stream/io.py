@@ -15,6 +15,7 @@ import fcntl
 import socket
 import struct
 import termios
+import time
 from bisect import bisect_right
 from collections.abc import Generator, Sequence
 from itertools import accumulate
@@ -39,14 +40,17 @@ _WAITALL = getattr(socket, "MSG_WAITALL", 0)
 EARLY_HEAD_BYTES = 256 << 10
 PARK_AFTER = 0.1  # seconds a payload waits for the peer before its thread moves on
 PARK_CHUNK = 64 << 10  # bytes that wake a parked tcp receive (or the rest of it)
+TRICKLE_PAUSE = 0.01  # seconds a parked unix receive that got a trickle waits for more
 
 
 class Wait(NamedTuple):
     """What a request served as steps waits for: its socket turning readable (or
-    ``writable``), or ``until`` (``time.monotonic()``), when its peer falls behind."""
+    ``writable``), or ``until`` (``time.monotonic()``), when its peer falls behind;
+    not ``watch``: ``until`` alone."""
 
     until: float
     writable: bool = False
+    watch: bool = True
 
 
 Steps = Generator[Wait, None, None]
@@ -377,7 +381,9 @@ def _steps(sock: socket.socket, rows: np.ndarray, nbytes: int, pace: Pace, stall
     call after a park moves only what the socket takes at once: a peer that sends (or
     reads) a byte now and then, however often, holds no thread between them. While a
     tcp receive is parked, its socket reports readable only once :data:`PARK_CHUNK`
-    bytes (or the rest) are there, so that a trickle wakes a worker per chunk."""
+    bytes (or the rest) are there, so that a trickle wakes a worker per chunk; a unix
+    socket's readiness ignores that mark, so there a parked receive that got less
+    waits :data:`TRICKLE_PAUSE` before it looks again."""
     move = send_some if writable else recv_some
     bound = set_send_timeout if writable else set_recv_timeout
     chunked = not writable and sock.family != socket.AF_UNIX
@@ -398,8 +404,12 @@ def _steps(sock: socket.socket, rows: np.ndarray, nbytes: int, pace: Pace, stall
             if chunked and min(nbytes - done, PARK_CHUNK) != low:
                 low = min(nbytes - done, PARK_CHUNK)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, low)
+            trickle = parked and n > 0 and not writable and not chunked
             parked = True
-            yield Wait(pace.until(), writable)
+            if trickle:
+                yield Wait(min(pace.until(), time.monotonic() + TRICKLE_PAUSE), False, False)
+            else:
+                yield Wait(pace.until(), writable)
     except OSError as exc:
         raise PeerClosed(str(exc)) from exc
     finally:

@@ -128,16 +128,19 @@ class Pump:
         self._handlers[fd] = (handler, quick)
         self._epoll.register(fd, _EVENTS)
 
-    def rearm(self, fd: int, until: float | None = None, writable: bool = False) -> None:
+    def rearm(self, fd: int, until: float | None = None, writable: bool = False,
+              watch: bool = True) -> None:
         """Watches ``fd`` again (for room to send, if ``writable``); with ``until``
         (``time.monotonic()``), its handler also runs then should nothing have come
-        (see :attr:`timed`)."""
+        (see :attr:`timed`); not ``watch``: only then."""
         if until is not None and self._timer is not None:
             with self._held_lock:
                 self._until[fd] = until
                 if self._timer_at is None or until < self._timer_at:
                     self._set_timer(until)
-        self._modify(fd, _WRITABLE if writable else _EVENTS)
+        elif not watch:
+            watch = True  # no timer to come back on: the socket's readiness must do
+        self._modify(fd, (_WRITABLE if writable else _EVENTS) if watch else 0)
 
     @property
     def timed(self) -> bool:
