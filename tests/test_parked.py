@@ -59,6 +59,14 @@ def _write_with_a_pause(b: Engine, rail: RawRail, seg_id: int, seed: int,
     assert b.segments["kv"].view().tobytes() == data
 
 
+def _serves_the_next(b: Engine, rail: RawRail, seg_id: int, seed: int) -> None:
+    """The rail serves the next request, a 4 KiB WRITE, at once and byte-exact."""
+    more = random_bytes(4096, seed).tobytes()
+    rail.sock.sendall(_write_head(seg_id, 4096, 2) + more)
+    assert rail.answer()[0] == 0
+    assert b.segments["kv"].view()[:4096].tobytes() == more
+
+
 def _stopped_rails(b: Engine, name: str, sent: bytes, count: int) -> list[RawRail]:
     """``count`` rails of peer ``name``, each of which sent ``sent`` and then nothing."""
     _, credential = handshake(b, name)
@@ -121,10 +129,7 @@ def test_a_parked_payload_lands_whole_when_the_rest_comes(
     rail = RawRail(b, credential)
     try:
         _write_with_a_pause(b, rail, seg_id, 21)
-        more = random_bytes(4096, 22).tobytes()
-        rail.sock.sendall(_write_head(seg_id, 4096, 2) + more)
-        assert rail.answer()[0] == 0
-        assert b.segments["kv"].view()[:4096].tobytes() == more
+        _serves_the_next(b, rail, seg_id, 22)
     finally:
         rail.close()
 
@@ -272,10 +277,7 @@ def test_a_request_sent_in_pieces_with_pauses_is_served_once_and_whole(
         assert b.segments["kv"].view().tobytes() == payload
         notes = b.notifications(timeout=5)
         assert [(n.peer, n.payload) for n in notes] == [("pieces", b"note-31")]
-        more = random_bytes(4096, 32).tobytes()
-        rail.sock.sendall(_write_head(seg_id, 4096, 2) + more)
-        assert rail.answer()[0] == 0
-        assert b.segments["kv"].view()[:4096].tobytes() == more
+        _serves_the_next(b, rail, seg_id, 32)
     finally:
         rail.close()
     assert b.notifications(timeout=0.3) == []

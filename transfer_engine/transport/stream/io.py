@@ -356,8 +356,7 @@ def recv_bytes_steps(sock: socket.socket, n: int, pace: Pace, stall: float
     if len(data) == n:
         return data
     buf = _begun(n, data, pace)
-    rest = ctypes.addressof(ctypes.c_char.from_buffer(buf, len(data)))
-    yield from recv_steps(sock, np.array([(rest, n - len(data))], dtype=np.uint64),
+    yield from recv_steps(sock, held.buffer_rows(memoryview(buf)[len(data):]),
                           n - len(data), pace, stall)
     return bytes(buf)
 
@@ -423,10 +422,10 @@ def _steps(sock: socket.socket, rows: np.ndarray, nbytes: int, pace: Pace, stall
 
 def send_steps(sock: socket.socket, rows: np.ndarray, nbytes: int, pace: Pace,
                stall: float) -> Steps:
-    """Sends the ``nbytes`` bytes ``rows`` describe, as steps: once the socket has
-    taken nothing for :data:`PARK_AFTER` (a peer that reads slowly), yields until it
-    turns writable or the peer falls behind ``pace``. The socket's send bound is
-    ``stall`` again at the end."""
+    """Sends the ``nbytes`` bytes ``rows`` describe, as steps: once a send has not
+    taken them all within :data:`PARK_AFTER` (a peer that reads slowly), yields until
+    the socket turns writable or the peer falls behind ``pace``. The socket's send
+    bound is ``stall`` again at the end."""
     yield from _steps(sock, np.ascontiguousarray(rows, dtype=np.uint64), nbytes, pace, stall,
                       True)
 
