@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvstore.master_state import I64, MasterState, Node
-from kvstore.protocol import JOURNAL, KvJournal, Op, wall_time
+from kvstore.protocol import JOURNAL, MAX_FENCE, KvJournal, Op, wall_time
 from transfer_engine.control.auth import seal
 from transfer_engine.control.reply import send_frame
 
@@ -61,6 +61,25 @@ class Journal(MasterState):
                 e["expires"] = wall_time(t.deadline[these], self._clock())
                 pool.node.outbox.append(ops)
 
+    def _fence(self, rows: I64, writer: str) -> bool:
+        """Has the nodes holding ``rows`` cut ``writer`` off their engines before they
+        apply the frees that follow (:class:`KvJournal` ``fence``); False, doing
+        nothing, where one of them fences :data:`MAX_FENCE` others in its next push."""
+        if not writer:
+            return True
+        t = self.table
+        nodes: dict[int, Node] = {}
+        for row in rows.tolist():
+            for p, _ in t.replicas(row):
+                pool = self._pools[p]
+                if pool.alive:
+                    nodes[id(pool.node)] = pool.node
+        if any(writer not in n.fence and len(n.fence) >= MAX_FENCE for n in nodes.values()):
+            return False
+        for node in nodes.values():
+            node.fence[writer] = None
+        return True
+
     def _flush(self) -> None:
         """Sends each node its pending journal operations."""
         now = self._clock()
@@ -75,11 +94,12 @@ class Journal(MasterState):
                 continue
             ops = np.concatenate(node.outbox)
             node.outbox = []
+            fence, node.fence = list(node.fence), {}
             for start in range(0, ops.size, _JOURNAL_CHUNK):
                 node.seq += 1
                 frame = seal(KvJournal(epoch=self.epoch, seq=node.seq,
-                                       ops=ops[start:start + _JOURNAL_CHUNK].tobytes()),
-                             self._signer)
+                                       ops=ops[start:start + _JOURNAL_CHUNK].tobytes(),
+                                       fence=fence), self._signer)
                 node.unacked.append((node.seq, now, frame))
                 self._send_node(node, frame)
             if node.frees:

@@ -7,7 +7,10 @@ Protocol (messages in :mod:`kvstore.protocol`, signed as every control message):
   object PENDING; the client writes the bytes to the nodes with the engine's one-sided
   WRITE; ``kv-commit`` then makes the objects visible, replacing older versions. A
   reader never finds a PENDING object, so it never sees half-written or uncommitted
-  bytes. A put not committed within ``put_timeout_s`` is dropped and its space freed.
+  bytes. A put not committed within ``put_timeout_s`` is dropped and its space freed,
+  fenced: the journal push carrying the frees names the writer's engine (``KvPut``
+  ``writer``), which each node cuts off its engine before it applies or acknowledges
+  the push, so a late WRITE of a stalled writer never lands in reused space.
 * **Get**: ``kv-get`` answers the replicas of each key and a lease; until the lease is
   released (piggybacked on the client's next request) or ``lease_s`` passes, the space
   of those objects is not reused, even if they are removed, replaced or evicted.
@@ -352,6 +355,8 @@ class Master(Placement, Reclaim, Journal, Nodes, Closeable):
         for put_id, put in list(self._puts.items()):
             if put.deadline > now:
                 break
+            if not self._fence(put.rows, put.writer):
+                continue  # its nodes fence enough writers this time: the next tick
             del self._puts[put_id]
             self.counters["puts_expired"] += 1
             self._free_rows(put.rows)

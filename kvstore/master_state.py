@@ -66,6 +66,7 @@ class Node:
         default_factory=collections.deque)
     outbox: list[np.ndarray] = field(default_factory=list)
     frees: list[tuple[int, int, int]] = field(default_factory=list)  # not yet sent
+    fence: dict[str, None] = field(default_factory=dict)  # writers cut with those frees
     quarantine: collections.deque[tuple[int, list[tuple[int, int, int]]]] = field(
         default_factory=collections.deque)
     moving: list[int] = field(default_factory=list)  # rows of tier copies not yet sent
@@ -99,6 +100,7 @@ class PendingPut:
     keys_placed: I64  # positions in the request of the keys that got rows
     rows: I64
     n: int
+    writer: str = ""  # the engine that writes the values (fenced off should it be late)
 
 
 def check_distinct(keys: np.ndarray) -> None:

@@ -40,6 +40,7 @@ from kvstore.link import locate_master, moved_master
 from kvstore.protocol import (
     ENTRY,
     JOURNAL,
+    MAX_FENCE,
     RETIRED_VERSION,
     KvBeat,
     KvBeatAck,
@@ -55,7 +56,8 @@ from transfer_engine.control.auth import AuthConfig
 from transfer_engine.control.etcd_client import ETCD_SCHEME
 from transfer_engine.control.messages import Message
 from transfer_engine.control.request import SignedClient
-from transfer_engine.errors import TransferEngineError
+from transfer_engine.control.tickets import valid_name
+from transfer_engine.errors import ClosedError, TransferEngineError
 
 __all__ = ["StorageNode", "main"]
 
@@ -140,6 +142,7 @@ class StorageNode(Closeable):
             self._copies: dict[tuple[int, int, int], set[tuple[int, int]]] = {}
             self.copies = 0  # tier copies made
             self.copy_failures = 0
+            self.fenced = 0  # writers cut off because their puts expired
             self.epoch = ""  # of the master we serve
             self.applied = 0  # last journal seq applied
             self.interval = 0.5
@@ -305,6 +308,8 @@ class StorageNode(Closeable):
         if msg.epoch != self.epoch:
             return
         if msg.seq == self.applied + 1:
+            if msg.fence and not self._fence(msg.fence):
+                return  # neither applied nor acknowledged: the master sends it again
             ops = column(msg.ops, JOURNAL, None, "ops")
             with self._lock:
                 for op, ((k0, k1), pool, off, length, ck, ver, exp) in ops.tolist():
@@ -320,6 +325,28 @@ class StorageNode(Closeable):
         if msg.seq <= self.applied:
             self._beat()  # acknowledge at once: the master reuses freed space only then
 
+
+    def _fence(self, writers: list[Any]) -> bool:
+        """Cuts ``writers`` (engines whose puts expired) off our engine before the
+        space they were given is freed; False if that did not hold within a heartbeat
+        interval (the master sends the push again, and we try again)."""
+        end = time.monotonic() + self.interval
+        if len(writers) > MAX_FENCE or not all(valid_name(w) for w in writers):
+            log.warning("node %s: journal push with a malformed fence ignored", self.name)
+            return False
+        for writer in writers:
+            if writer == self.engine.name:
+                continue  # a late put of our own process writes nothing through a rail
+            try:
+                cut = self.engine.cut_peer(writer, max(0.0, end - time.monotonic()))
+            except ClosedError:
+                return False
+            if not cut:
+                log.warning("node %s: a late write of %s is still landing; its expired "
+                            "put's space stays held", self.name, writer)
+                return False
+        self.fenced += len(writers)
+        return True
 
     def _add(self, entry: Entry) -> None:
         old = self.directory.get((entry[2], entry[3]))

@@ -24,6 +24,7 @@ from kvstore.moves import DISK
 from kvstore.objects import State
 from kvstore.protocol import KvCommit, KvCommitted, KvPlaced, KvPut, Status, column
 from transfer_engine.control.messages import ErrorReply, Message
+from transfer_engine.control.tickets import valid_name
 from transfer_engine.errors import ProtocolError
 
 __all__ = ["Placement", "SPREAD_BYTES"]
@@ -52,6 +53,8 @@ class Placement(MasterState):
             raise ProtocolError(f"replicas must be 1..{self.max_replicas}")
         if msg.ttl < 0:
             raise ProtocolError("ttl must be >= 0")
+        if msg.writer and not valid_name(msg.writer):
+            raise ProtocolError("writer: not an engine's name")
         check_distinct(keys)
         now = self._clock()
         status = np.zeros(n, dtype=np.int8)
@@ -148,7 +151,8 @@ class Placement(MasterState):
             t.pool[rows] = pools[placed]
             t.offset[rows] = offsets[placed]
             t.nrep[rows] = (pools[placed] >= 0).sum(axis=1)
-            self._puts[put_id] = PendingPut(now + self.put_timeout_s, placed, rows, n)
+            self._puts[put_id] = PendingPut(now + self.put_timeout_s, placed, rows, n,
+                                            msg.writer)
         self.counters["puts"] += int(placed.size)
         nodes, wire_pools = self._node_table(pools)
         return KvPlaced(put_id=put_id if placed.size else 0, status=status.tobytes(),

@@ -39,10 +39,12 @@ __all__ = [
     "Status", "ENTRY", "JOURNAL", "Op", "column", "pack",
     "KvPut", "KvPlaced", "KvCommit", "KvCommitted", "KvGet", "KvLocated", "KvQuery",
     "KvRemove", "KvFound", "KvStats", "KvStatsReply", "KvNode", "KvNodeWelcome", "KvBeat",
-    "KvBeatAck", "KvJournal",
+    "KvBeatAck", "KvJournal", "MAX_FENCE",
 ]
 
 MAX_BATCH = 1 << 16
+MAX_FENCE = 256
+"""Writers fenced by one journal push at most (names of up to 1,024 characters)."""
 """Keys per request at most (keeps every message under the control plane's limit)."""
 
 
@@ -119,7 +121,9 @@ class KvPut(Message):
     """Allocate space for ``keys`` (``uint64[n, 2]``) of ``lengths`` (``int64[n]``), with
     ``replicas`` copies each on distinct nodes; ``checksums`` (``uint64[n]``, 0: none)
     are recorded. ``ttl`` seconds (0: none). ``if_absent``: keys already stored answer
-    EXISTS and get no space."""
+    EXISTS and get no space. ``writer``: the name of the engine that will write the
+    values; should the put not be committed in time, the nodes fence that engine off
+    before its space is reused (empty: no fence)."""
 
     kind: ClassVar[str] = "kv-put"
     max_bytes: ClassVar[int] = _BIG
@@ -130,6 +134,7 @@ class KvPut(Message):
     ttl: float = 0.0
     if_absent: bool = False
     release: bytes = b""
+    writer: str = ""
 
 
 @message
@@ -316,10 +321,14 @@ class KvBeatAck(Message):
 @dataclass(frozen=True, slots=True)
 class KvJournal(Message):
     """Master -> node: apply ``ops`` (:data:`JOURNAL` records) in order, then
-    acknowledge ``seq`` with a beat."""
+    acknowledge ``seq`` with a beat. ``fence``: engines (at most :data:`MAX_FENCE`)
+    whose puts expired with space among these frees: the node cuts them off its engine
+    first, and neither applies nor acknowledges until that holds, so that a late WRITE
+    of a stalled writer never lands in space given to another object."""
 
     kind: ClassVar[str] = "kv-journal"
     max_bytes: ClassVar[int] = _BIG
     epoch: str = ""
     seq: int = 0
     ops: bytes = b""
+    fence: list[Any] = field(default_factory=list)

@@ -128,10 +128,12 @@ class Puts(ClientState):
         delay = 0.0005
         rewrites = 0
         while todo.size:
+            asked = time.monotonic()  # the master's deadline runs from after this
             placed = self._request(KvPut(
                 keys=rows[todo].tobytes(), lengths=pack(lens[todo], "<i8"),
                 checksums=pack(checks[todo], "<u8"), replicas=replicas or self.replicas,
-                ttl=float(ttl or 0.0), if_absent=if_absent, release=self._take_release()))
+                ttl=float(ttl or 0.0), if_absent=if_absent, release=self._take_release(),
+                writer=self.engine.name))
             placed = expect(placed, KvPlaced, self._link.address)
             where = Where.of(placed, todo.size, self._link.address)
             ok = np.flatnonzero(where.status == Status.OK)
@@ -145,8 +147,10 @@ class Puts(ClientState):
                             break
                         jobs.setdefault(p, []).append(
                             (int(addrs[j]), int(where.offsets[i, r]), int(lens[j]), j))
-                limit = min(deadline, time.monotonic() + 0.8 * placed.deadline_s)
-                bad = self._move(True, jobs, where.nodes, limit)
+                # no write starts past this, nor runs on: once the put expires, the
+                # nodes fence us off, and its space goes to others
+                limit = min(deadline, asked + 0.8 * placed.deadline_s)
+                bad = self._move(True, jobs, where.nodes, limit, start_by=limit)
                 reasons += [f"{where.nodes[b][0]}: {e}" for b, e in bad.items()]
                 versions = column(placed.versions, "<u8", todo.size, "versions")
                 if self._tier is not None:

@@ -22,7 +22,7 @@ import numpy.typing as npt
 from kvstore.client_state import I64, ClientState, Job
 from kvstore.errors import InvalidArgumentError, ObjectUnavailableError
 from transfer_engine import Blocks
-from transfer_engine.errors import TransferEngineError
+from transfer_engine.errors import TransferEngineError, TransferTimeout
 from transfer_engine.handle import TransferHandle
 from transfer_engine.peer import Peer
 from transfer_engine.segment import RemoteSegment, Segment
@@ -172,20 +172,23 @@ class Transfers(ClientState):
         self._staging = None
         self._staging_seg = None
 
-    def _move(self, write: bool, jobs: dict[int, list[Job]],
-              nodes: list[Any], deadline: float) -> dict[int, BaseException]:
+    def _move(self, write: bool, jobs: dict[int, list[Job]], nodes: list[Any],
+              deadline: float, start_by: float | None = None) -> dict[int, BaseException]:
         """Runs one engine WRITE/READ per node: ``jobs[node]`` rows are ``(local addr,
         remote offset, length, tag)``. Returns the nodes that failed, with why."""
-        handles, failed = self._post_moves(write, jobs, nodes)
+        handles, failed = self._post_moves(write, jobs, nodes, start_by=start_by)
         failed.update(self._wait_moves(handles, nodes, deadline))
         return failed
 
     def _post_moves(self, write: bool, jobs: dict[int, list[Job]],
-                    nodes: list[Any], blame: bool = True
+                    nodes: list[Any], blame: bool = True, start_by: float | None = None
                     ) -> tuple[list[tuple[int, TransferHandle]], dict[int, BaseException]]:
         """Starts :meth:`_move`'s transfers (copies to a node on our own engine happen
         now); returns their handles and the nodes that failed already. ``blame``: a
-        failed node is skipped for a while (else only its connection is dropped)."""
+        failed node is skipped for a while (else only its connection is dropped).
+        ``start_by``: a transfer not posted by then is not posted (a put's space may
+        be another's by then): the check comes after connecting, so that rails opened
+        later than the node fenced us off never carry it."""
         failed: dict[int, BaseException] = {}
         handles: list[tuple[int, TransferHandle]] = []
         for node, items in jobs.items():
@@ -201,6 +204,11 @@ class Transfers(ClientState):
                 continue
             try:
                 peer, remote = self._peer(nodes[node])
+                if start_by is not None and time.monotonic() >= start_by:
+                    failed[node] = TransferTimeout(
+                        "the put's time to write passed before its write began",
+                        peer=name, op="write")
+                    continue
                 arr = np.array([it[:3] for it in items], dtype=np.int64)
                 locs = self._local(arr[:, 0], arr[:, 2])
                 by_seg: dict[int, list[int]] = {}

@@ -8,6 +8,7 @@ first; concurrent connects to one address share one handshake.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -16,7 +17,7 @@ from transfer_engine.control.messages import (
     Hello,
     Welcome,
 )
-from transfer_engine.control.tickets import Credential
+from transfer_engine.control.tickets import Credential, check_name
 from transfer_engine.errors import (
     ConnectError,
     PeerLostError,
@@ -27,6 +28,7 @@ from transfer_engine.errors import (
 )
 from transfer_engine.peer import ControlClient, Peer, PeerInfo
 from transfer_engine.state import EngineState
+from transfer_engine.transport.base import Transport
 
 log = logging.getLogger(__name__)
 
@@ -225,3 +227,17 @@ class Peers(EngineState):
     def peers(self) -> dict[str, Peer]:
         with self._lock:
             return dict(self._peers)
+
+    def cut_peer(self, name: str, timeout: float = 5.0) -> bool:
+        """Fences engine ``name`` off this engine's memory: its rail tickets are revoked
+        and every rail it holds open here is closed, waiting up to ``timeout`` seconds
+        for the requests being served on them to stop. Its transfers to us fail; to
+        move more it must connect (say Hello) again. True once nothing it sent before
+        can land here; False if a request of its was still being served at the timeout
+        (call again). A store reuses a writer's space only after this (kvstore)."""
+        self._check_open("cut")
+        check_name(name)
+        if not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout >= 0):
+            raise ValueError(f"timeout must be a finite number of seconds >= 0, not {timeout!r}")
+        self._tickets.revoke_peer(name)
+        return Transport.cut_servers(self._transports.values(), name, float(timeout))

@@ -35,6 +35,7 @@ Protocol (who calls what, in which order):
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -242,6 +243,23 @@ class Transport(abc.ABC):
         refuses new ones. A torn WRITE may leave a prefix of its bytes; its immediate
         is not counted. The default does nothing (a transport whose requests cannot
         stall)."""
+
+    def cut(self, peer: str, timeout: float) -> bool:
+        """Closes every rail ``peer`` holds open to us (its tickets are already revoked,
+        and a rail admitted before that is refused) and waits up to ``timeout`` seconds
+        for the requests being served on them to stop; True once nothing of ``peer``'s
+        can land in our memory any more. The default cannot promise that: False."""
+        return False
+
+    @staticmethod
+    def cut_servers(servers: Iterable[Any], peer: str, timeout: float) -> bool:
+        """:meth:`cut` on each of ``servers`` that is not None, within one ``timeout``."""
+        end = time.monotonic() + timeout
+        done = True
+        for server in servers:
+            if server is not None:
+                done = server.cut(peer, max(0.0, end - time.monotonic())) and done
+        return done
 
     @abc.abstractmethod
     def reachable(self, peer_meta: dict[str, Any]) -> bool:

@@ -563,10 +563,12 @@ class ShmTransport(Transport):
         return rail.reopened() if isinstance(rail, ShmRail) else None
 
     def revoke(self, segment: Segment) -> None:
-        if self._process is not None:
-            self._process.revoke(segment)
-        if self._server is not None:
-            self._server.revoke(segment)
+        for server in (self._process, self._server):
+            if server is not None:
+                server.revoke(segment)
+
+    def cut(self, peer: str, timeout: float) -> bool:
+        return self.cut_servers((self._process, self._server), peer, timeout)
 
     def info(self, key: str) -> Any:
         if key == "serve":

@@ -572,10 +572,12 @@ class TcpTransport(Transport):
         return self.spread(rails)
 
     def revoke(self, segment: Segment) -> None:
-        if self._process is not None:
-            self._process.revoke(segment)
-        for server in self._servers():
-            server.revoke(segment)
+        for server in (self._process, *self._servers()):
+            if server is not None:
+                server.revoke(segment)
+
+    def cut(self, peer: str, timeout: float) -> bool:
+        return self.cut_servers((self._process, *self._servers()), peer, timeout)
 
     def _servers(self) -> list[TcpServer]:
         return ([self._server] if self._server is not None else []) + self._nic_servers

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from typing import Any
 
@@ -19,6 +20,7 @@ class _Inbound:
         # ``device``: the opened NIC, pyverbs' (verbs.Device) or the emulated one
         self.device, self.peer, self.rail = device, peer, rail
         self.origin = b""  # the rail ticket's id: immediates count per connection
+        self.side: socket.socket | None = None  # its side channel, shut to cut the peer
         self.qp = device.create_qp(send_wr=1, recv_wr=depth, send_sge=1)
         self.slot = slot
         self._lock = threading.Lock()  # a poller re-posting vs. a side thread closing

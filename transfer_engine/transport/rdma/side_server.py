@@ -18,6 +18,7 @@ from transfer_engine.errors import (
     TransferError,
     error_code,
 )
+from transfer_engine.transport.cuts import Cuts, shut, wait_until
 from transfer_engine.transport.rdma.inbound import _Inbound
 from transfer_engine.transport.rdma.plan import NOTIFY_HEADER, QpInfo, negotiate_mtu, random_psn
 from transfer_engine.transport.rdma.side import (
@@ -45,6 +46,7 @@ class SideServer:
         _listener: socket.socket | None
         _lock: threading.Lock
         _side_socks: set[socket.socket]
+        cuts: Cuts
         _inbound: dict[tuple[str, int], _Inbound]
         _by_name: dict[str, Any]
         _regions: MrTable
@@ -83,6 +85,7 @@ class SideServer:
         with self._lock:
             self._side_socks.add(sock)
         ticket: Ticket | None = None
+        mark = self.cuts.mark()
         try:
             ticket, proof, msg = self._open_side(sock)
             sock.settimeout(None)
@@ -97,9 +100,12 @@ class SideServer:
             psn = random_psn()
             dev.connect_qp(conn.qp, psn, theirs, negotiate_mtu(dev.mtu, theirs.mtu),
                            peer=peer)
+            conn.side = sock
             dev.add_inbound(conn)
             with self._lock:
                 self._inbound[(peer, conn.key)] = conn
+            if self.cuts.since(peer, mark):  # cut while it opened: its ticket is void
+                raise _SideRefused("peer cut")
             _send_frame(sock, {"qp": dev.qp_info(conn.qp, psn).to_wire(), "proof": proof,
                                "segments": self._regions.remote_keys(want, None)})
             while not self._closed:
@@ -129,10 +135,10 @@ class SideServer:
                 ticket.release()
             if conn is not None:
                 conn.device.remove_inbound(conn)
+                if not self._closed:
+                    conn.close()  # before it leaves the table: a cut waits for that
                 with self._lock:
                     self._inbound.pop((conn.peer, conn.key), None)
-                if not self._closed:
-                    conn.close()
                 if peer is not None and not self._peer_has_inbound(peer):
                     with self._lock:
                         self._unwrap.forget(peer)
@@ -154,6 +160,17 @@ class SideServer:
         except (TransferError, OSError) as exc:
             raise _SideRefused(str(exc)) from None
         return ticket, proof, msg
+
+    def cut(self, peer: str, timeout: float) -> bool:
+        """Ends ``peer``'s rails here (see ``Transport.cut``): their side channels are
+        shut, so that their serving threads destroy the queue pairs, after which the NIC
+        refuses whatever that peer still sends them."""
+        self.cuts.cut(peer)
+        with self._lock:
+            socks = [c.side for (p, _), c in self._inbound.items()
+                     if p == peer and c.side is not None]
+        shut(socks)
+        return wait_until(lambda: not self._peer_has_inbound(peer), timeout)
 
     def _peer_has_inbound(self, peer: str) -> bool:
         with self._lock:

@@ -39,6 +39,7 @@ from transfer_engine.transport.base import (
     Rail,
     Transport,
 )
+from transfer_engine.transport.cuts import Cuts
 from transfer_engine.transport.rdma.inbound import _RECV_BIT, _Inbound
 from transfer_engine.transport.rdma.placement import (
     MrTable,
@@ -156,6 +157,7 @@ class RdmaTransport(SideServer, Transport):
         self._wr_owner: dict[int, RdmaRail] = {}
         self._peer_rails: dict[str, list[RdmaRail]] = {}
         self._inbound: dict[tuple[str, int], _Inbound] = {}
+        self.cuts = Cuts()
         self._side_locks: dict[int, threading.Lock] = {}
         self._regions = MrTable(self._devices)
         self._unwrap = ImmUnwrapper()

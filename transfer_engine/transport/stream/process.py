@@ -357,6 +357,15 @@ class ServeProcess:
         except ChannelClosed:
             pass
 
+    def cut(self, peer: str, timeout: float) -> bool:
+        """As :meth:`StreamServer.cut`, in the serving process. True where that process
+        is gone (nothing it served can land now)."""
+        try:
+            return bool(self._call({"op": "cut", "peer": peer, "timeout": timeout},
+                                   timeout=CALL_TIMEOUT + timeout).get("ok"))
+        except ClosedError:
+            return not self.alive
+
     def stats(self) -> dict[str, Any]:
         if not self.alive:
             return {"bytes_received": 0, "stats": {}}

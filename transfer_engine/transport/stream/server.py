@@ -33,6 +33,7 @@ from transfer_engine.errors import (
 )
 from transfer_engine.segment import Segment
 from transfer_engine.transport.base import Host, Immediate
+from transfer_engine.transport.cuts import Cuts, Teardown
 from transfer_engine.transport.iovec import Pace
 from transfer_engine.transport.stream import pump
 from transfer_engine.transport.stream.connection import (
@@ -94,7 +95,7 @@ class Refused(Exception):
     """A connection that did not open: closed without an answer."""
 
 
-class StreamServer:
+class StreamServer(Teardown):
     """Accepts rails and serves their requests against the host's segments."""
 
     transport_name = "stream"
@@ -115,6 +116,7 @@ class StreamServer:
         self._closed = False
         self.bytes_received = 0
         self.parking = Parking()
+        self.cuts = Cuts()
         self.stats: collections.Counter[str] = collections.Counter()
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
                                           name=f"te-{self.transport_name}-accept")
@@ -305,6 +307,7 @@ class StreamServer:
         HELLO_TIMEOUT, and must not hold a pump thread); the open rail then goes to the
         pump, and this thread ends."""
         conn: Connection | None = None
+        mark = self.cuts.mark()
         try:
             try:
                 conn, proof = self._admit(sock)
@@ -322,8 +325,8 @@ class StreamServer:
             send_bytes(sock, ANSWER.pack(KIND_ANSWER, 0, 0, len(proof), 0) + proof)
             with self._lock:
                 self._opening.pop(sock, None)
-                if self._closed:
-                    raise PeerClosed("server closed")
+                if self._closed or self.cuts.since(conn.peer, mark):
+                    raise PeerClosed("server closed, or its peer cut")
                 self._open[sock] = conn
                 conn.pump = pump.acquire()
                 self._conns[sock] = None  # served by the pump from now on
@@ -546,22 +549,6 @@ class StreamServer:
             return ANSWER.pack(KIND_ANSWER, 0, 0, 0, wr_id)
         body = pack_error(exc)
         return ANSWER.pack(KIND_ANSWER, error_code(exc), 0, len(body), wr_id) + body
-
-    def revoke(self, segment: Segment) -> int:
-        """Tears down the rails that hold ``segment`` pinned mid-request (its owner is
-        closing it and the peer stalls), so that their pins drop; returns how many. What
-        a torn WRITE leaves: a prefix of its bytes may have landed; no immediate was
-        counted; the initiator's transfer fails."""
-        with self._lock:
-            stuck = [c for c in self._open.values() if any(p is segment for p in c.pinned)]
-        for conn in stuck:
-            log.warning("%s rail from %s torn down: segment %s is closing", self.transport_name,
-                        conn.peer, segment.name)
-            try:
-                conn.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        return len(stuck)
 
     def close(self) -> None:
         with self._lock:

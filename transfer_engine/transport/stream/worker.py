@@ -445,6 +445,8 @@ def main() -> None:
                 _add_segment(chan, host, server, msg, fds)
             elif op == "drop":
                 threading.Thread(target=_drop, args=(chan, host, msg), daemon=True).start()
+            elif op == "cut":
+                threading.Thread(target=_cut, args=(chan, server, msg), daemon=True).start()
             elif op == "revoke":
                 seg = host.segments.get(msg["seg"])
                 if seg is not None:
@@ -495,6 +497,14 @@ def _drop(chan: Channel, host: ProxyHost, msg: dict[str, Any]) -> None:
             seg.detach()
     try:
         chan.send(reply)
+    except ChannelClosed:
+        pass
+
+
+def _cut(chan: Channel, server: TcpServer | ShmServer, msg: dict[str, Any]) -> None:
+    ok = server.cut(str(msg["peer"]), float(msg.get("timeout", 5.0)))
+    try:
+        chan.send({"re": msg["id"], "ok": ok})
     except ChannelClosed:
         pass
 
