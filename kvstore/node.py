@@ -331,7 +331,8 @@ class StorageNode(Closeable):
         space they were given is freed; False if that did not hold within a heartbeat
         interval (the master sends the push again, and we try again)."""
         end = time.monotonic() + self.interval
-        if len(writers) > MAX_FENCE or not all(valid_name(w) for w in writers):
+        if (not isinstance(writers, list) or len(writers) > MAX_FENCE
+                or not all(valid_name(w) for w in writers)):
             log.warning("node %s: journal push with a malformed fence ignored", self.name)
             return False
         for writer in writers:
