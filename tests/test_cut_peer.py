@@ -70,6 +70,24 @@ def test_cutting_a_peer_never_seen_is_a_no_op(make_engine: Callable[..., Engine]
     assert b.cut_peer("nobody", timeout=0.0)
 
 
+def test_cut_covers_names_the_tickets_a_cut_that_stood_fenced(
+        make_engine: Callable[..., Engine]) -> None:
+    a = make_engine("a", transports=["tcp"])
+    b = make_engine("b", transports=["tcp"])
+    first = a.connect(b.endpoint)
+    assert len(first.ticket) == 16
+    assert not b.cut_covers("a", first.ticket)  # never cut
+    assert b.cut_peer("a", timeout=5.0)
+    assert b.cut_covers("a", first.ticket)
+    assert not b.cut_covers("other", first.ticket)  # the ticket is a's
+    assert not b.cut_covers("a", os.urandom(16))  # never issued here
+    assert not b.cut_covers("a", "not bytes")  # type: ignore[arg-type]
+    second = a.connect(b.endpoint)  # a new hello after the cut: a new ticket
+    assert second.ticket != first.ticket
+    assert not b.cut_covers("a", second.ticket)
+    assert b.cut_covers("a", first.ticket)
+
+
 @pytest.mark.parametrize("bad", [("", 1.0), ("x" * 1025, 1.0), ("a", -1.0),
                                  ("a", float("nan")), ("a", "1")])
 def test_cut_peer_checks_its_arguments(make_engine: Callable[..., Engine],

@@ -104,6 +104,8 @@ class Peer:
         self.health = PeerHealth([])  # filled as rails open (order.append)
         self._health_lock = threading.Lock()  # completions arrive on several threads
         self.lost: str | None = None  # why the peer was declared lost (Engine.peer_lost)
+        # the rail ticket's id (not its key): the peer's Engine.cut_covers takes it
+        self.ticket = b""
         self._client = client
         self._timeout = timeout
         self._segments: dict[str, RemoteSegment] = {}

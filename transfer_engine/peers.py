@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import socket
+import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -123,6 +124,7 @@ class Peers(EngineState):
             client.peer = name
             credential = Credential.from_welcome(reply.ticket, self._secret, name, self.name)
             peer = Peer(meta, client, timeout)
+            peer.ticket = credential.ticket
         except BaseException:
             client.close()
             raise
@@ -239,5 +241,16 @@ class Peers(EngineState):
         check_name(name)
         if not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout >= 0):
             raise ValueError(f"timeout must be a finite number of seconds >= 0, not {timeout!r}")
+        began = time.monotonic()
         self._tickets.revoke_peer(name)
-        return Transport.cut_servers(self._transports.values(), name, float(timeout))
+        done = Transport.cut_servers(self._transports.values(), name, float(timeout))
+        if done:
+            self._tickets.cut(name, began)
+        return done
+
+    def cut_covers(self, name: str, ticket: bytes) -> bool:
+        """Whether a cut of engine ``name`` that stood (:meth:`cut_peer` returned True)
+        came after rail ticket ``ticket`` was issued to it here: nothing sent on rails
+        of that ticket can land any more. The ticket is what the peer's own engine calls
+        :attr:`Peer.ticket`; False for one this engine does not know (any more)."""
+        return isinstance(ticket, bytes) and self._tickets.cut_covers(name, ticket)

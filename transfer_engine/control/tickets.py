@@ -33,6 +33,7 @@ import hashlib
 import hmac
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TypeGuard
 
@@ -174,6 +175,11 @@ class TicketBook:
         self._rails_of: collections.Counter[str] = collections.Counter()  # by peer name
         self._lock = threading.Lock()
         self.refused = 0
+        # when each ticket was issued (longer than the book keeps it), and when the last
+        # cut of each peer that stood began: what cut_covers answers from
+        self._issued: collections.OrderedDict[bytes, tuple[str, float]] = (
+            collections.OrderedDict())
+        self._cuts: collections.OrderedDict[str, float] = collections.OrderedDict()
 
     def issue(self, peer: str, pid: int = 0) -> dict[str, bytes]:
         """A new ticket for ``peer``; returns its wire form for the ``Welcome``."""
@@ -186,6 +192,9 @@ class TicketBook:
             wire = {"id": ticket_id, "key": key}
         with self._lock:
             self._tickets[ticket_id] = Ticket(ticket_id, peer, key, pid, book=self)
+            self._issued[ticket_id] = (peer, time.monotonic())
+            while len(self._issued) > 4 * self._max:
+                self._issued.popitem(last=False)
             ids = self._by_peer.setdefault(peer, collections.deque())
             ids.append(ticket_id)
             while len(ids) > self._per_peer:
@@ -250,6 +259,23 @@ class TicketBook:
         with self._lock:
             for ticket_id in self._by_peer.pop(peer, ()):
                 self._tickets.pop(ticket_id, None)
+
+    def cut(self, peer: str, began: float) -> None:
+        """A cut of ``peer`` that began at ``began`` (``time.monotonic()``) stood: every
+        rail it had open here was closed and no request of it was still served."""
+        with self._lock:
+            self._cuts[peer] = max(began, self._cuts.pop(peer, began))
+            while len(self._cuts) > self._max:
+                self._cuts.popitem(last=False)
+
+    def cut_covers(self, peer: str, ticket_id: bytes) -> bool:
+        """Whether a cut of ``peer`` that stood began after ticket ``ticket_id`` was
+        issued to it (False for a ticket not known, or not known any more)."""
+        with self._lock:
+            issued = self._issued.get(ticket_id)
+            cut = self._cuts.get(peer)
+        return issued is not None and issued[0] == peer and cut is not None \
+            and issued[1] < cut
 
     def __len__(self) -> int:
         with self._lock:
