@@ -14,7 +14,9 @@ prefill's bootstrap host, port and a room). Settings come from the environment
 (:class:`~.config.SGLangBackendConfig`): ``TE_SGLANG_HOST`` (the address this rank's
 engine listens on; default ``SGLANG_HOST_IP`` or the host's outbound address),
 ``TE_SGLANG_BOOTSTRAP_HOST``, ``TE_SGLANG_TRANSPORTS``, ``TE_CONTROL_SECRET`` and the
-timeouts (SGLang's ``SGLANG_DISAGGREGATION_*`` timeout variables are honoured).
+timeouts (SGLang's ``SGLANG_DISAGGREGATION_*`` timeout variables are honoured;
+``TE_SGLANG_FENCE_TIMEOUT`` bounds how long a failed room's pages wait for prefill to
+say its writes ended before decode cuts it off, :mod:`.fences`).
 
 Classes (SGLang's disaggregation base classes, from ``sglang.srt.disaggregation.base``):
 
@@ -26,7 +28,8 @@ Classes (SGLang's disaggregation base classes, from ``sglang.srt.disaggregation.
 - :class:`TransferEngineKVBootstrapServer` (``BaseKVBootstrapServer``): :mod:`.bootstrap`;
 - the mount itself: :mod:`.plugin`;
 - underneath: :mod:`.messages` (wire messages), :mod:`.channel` (side channels),
-  :mod:`.rooms` (per-request state, chunk notifications), :mod:`.config`.
+  :mod:`.rooms` (per-request state, chunk notifications), :mod:`.fences` (no late
+  write in pages given back), :mod:`.config`.
 
 Scope: MHA and MLA token-to-KV pools (any pool that hands SGLang page-indexed buffers),
 equal tensor-parallel sizes on both sides, no data-parallel attention; state pools

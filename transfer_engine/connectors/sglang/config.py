@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from collections.abc import Mapping
@@ -44,6 +45,9 @@ class SGLangBackendConfig:
     :param heartbeat_s: decode: seconds between liveness pings of the prefill ranks it
         waits on; a rank that misses ``heartbeat_misses`` in a row fails its rooms.
     :param heartbeat_misses: see ``heartbeat_s``.
+    :param fence_timeout_s: decode: seconds a failed room waits for prefill to say its
+        writes ended before decode cuts the prefill engine off (fences.py); its pages are
+        given back only then. Also the longest one cut waits for served requests.
     :param register_attempts: prefill: tries to reach the bootstrap server at start-up
         (backing off between them) before giving up.
     """
@@ -57,12 +61,15 @@ class SGLangBackendConfig:
     heartbeat_s: float = 5.0
     heartbeat_misses: int = 2
     register_attempts: int = 5
+    fence_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "bootstrap_timeout_s", "waiting_timeout_s",
-                     "heartbeat_s"):
+                     "heartbeat_s", "fence_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not math.isfinite(self.fence_timeout_s):
+            raise ValueError(f"fence_timeout_s must be finite, got {self.fence_timeout_s}")
         if self.heartbeat_misses < 1 or self.register_attempts < 1:
             raise ValueError("heartbeat_misses and register_attempts must be at least 1")
 
@@ -99,6 +106,7 @@ class SGLangBackendConfig:
             heartbeat_misses=int(pick("TE_SGLANG_HEARTBEAT_MAX_FAILURE",
                                       "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE")
                                  or cls.heartbeat_misses),
+            fence_timeout_s=float(pick("TE_SGLANG_FENCE_TIMEOUT") or cls.fence_timeout_s),
         )
 
 

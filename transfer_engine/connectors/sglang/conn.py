@@ -38,6 +38,13 @@ for a bad room or incompatible caches, ``RemoteError`` for what the other side
 reported, ``NotSupportedError`` for what this backend does not do (state/hybrid pools,
 host destinations, data-parallel attention), ``ClosedError`` after ``abort()``. A side
 that fails tells the other through its side channel (best effort).
+
+A room that fails on decode after its request went out keeps ``poll`` at
+``Transferring`` until no write of prefill's can land in its pages any more (prefill
+says its writes ended, or decode cut prefill's engine off: :mod:`.fences`); only then
+does it return ``Failed``, after which SGLang gives the pages to other requests. Where
+SGLang defers that release itself, ``poll`` fails at once and SGLang waits for
+``kv_mgr.is_abort_release_safe``.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from sglang.srt.disaggregation.base.conn import (
     KVTransferMetric,
 )
 
+from transfer_engine.connectors.sglang.fences import Fence
 from transfer_engine.connectors.sglang.manager import TransferEngineKVManager
 from transfer_engine.connectors.sglang.messages import RoomStatus
 from transfer_engine.connectors.sglang.rooms import PrefillEntry, check_room, note_payload
@@ -62,6 +70,7 @@ from transfer_engine.errors import (
     ClosedError,
     InvalidDescriptorError,
     NotSupportedError,
+    PeerLostError,
     ProtocolError,
     RemoteError,
     TransferEngineError,
@@ -128,6 +137,8 @@ class TransferEngineKVSender(BaseKVSender):  # type: ignore[misc]
             if tell_decode and claim is not None:
                 self.kv_mgr.post(claim.decode_channel,
                                  RoomStatus(self._room, claim.nonce, False, str(exc)))
+            if claim is not None:  # decode hears once the writes posted ended
+                self.kv_mgr.stop_room(claim)
         self.conclude_state = KVPoll.Failed
         return int(KVPoll.Failed)
 
@@ -196,9 +207,8 @@ class TransferEngineKVSender(BaseKVSender):  # type: ignore[misc]
             return
         if self._started is None:
             self._started = time.perf_counter()
-        self._handles.append(self.kv_mgr.engine.write(
-            claim.peer, pairs,
-            notify=note_payload(self._room, claim.nonce, seq, seq + 1 if last else -1)))
+        self._handles.append(self.kv_mgr.post_write(
+            claim, pairs, note_payload(self._room, claim.nonce, seq, seq + 1 if last else -1)))
 
     def poll(self) -> int:
         if self.conclude_state is not None:
@@ -288,6 +298,8 @@ class TransferEngineKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         self._reason = ""
         self._prefill: PrefillEntry | None = None
         self._sent_at: float | None = None
+        self._asked = False  # the room request may have reached prefill
+        self._fence: Fence | None = None  # failed after asking: pages not to give back yet
         self._opened = False
         self._nonce = 0
         self._room = -1
@@ -306,6 +318,12 @@ class TransferEngineKVReceiver(BaseKVReceiver):  # type: ignore[misc]
             recv = self.kv_mgr.recv_room(self._room) if self._opened else None
             if recv is not None:
                 recv.done = True  # no more heartbeats on its behalf
+            fences = self.kv_mgr.fences
+            if self._asked and self._prefill is not None and fences is not None \
+                    and not (recv is not None and recv.complete):
+                self._fence = fences.start(self._room, self._nonce, self._prefill.name,
+                                           lost=isinstance(exc, PeerLostError))
+                self.ensure_abort_notified()  # prefill stops, and says when it has
         self.conclude_state = KVPoll.Failed
         return int(KVPoll.Failed)
 
@@ -350,18 +368,20 @@ class TransferEngineKVReceiver(BaseKVReceiver):  # type: ignore[misc]
             msg = self.kv_mgr.room_request(recv, pages,
                                            -1 if aux_index is None else int(aux_index),
                                            int(decode_prefix_len or 0))
+            self._asked = True
             self.kv_mgr.request_room(self._prefill, msg)
         except TransferEngineError as exc:
+            # unanswered, the request may still reach prefill (fenced: it is told not to
+            # serve it); refused, nothing will be written
+            self._asked = self._asked and isinstance(exc, TransferTimeout)
             self._fail(exc)
-            if isinstance(exc, TransferTimeout) and self._prefill is not None:
-                # the request may still reach prefill: make sure it is not served
-                self.abort_notified = True
-                self.kv_mgr.post(self._prefill.channel,
-                                 RoomStatus(self._room, self._nonce, False, str(exc)))
             return
         self._sent_at = time.monotonic()
 
     def poll(self) -> int:
+        if self._fence is not None and not self._fence.fenced \
+                and not self.kv_mgr.enable_deferred_decode_kv_release:
+            return int(KVPoll.Transferring)  # failed, but prefill may still write
         if self.conclude_state is not None:
             return self.conclude_state
         if self._prefill is None:
@@ -401,7 +421,7 @@ class TransferEngineKVReceiver(BaseKVReceiver):  # type: ignore[misc]
 
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
         """Tells the prefill rank to stop writing this room (once, best effort)."""
-        if self.abort_notified or self._sent_at is None or self._prefill is None:
+        if self.abort_notified or not self._asked or self._prefill is None:
             return
         self.abort_notified = True
         reason = self._reason or "decode aborted the room"
@@ -412,6 +432,8 @@ class TransferEngineKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         if self._opened:
             self._opened = False
             self.kv_mgr.forget_recv_room(self._room)
+        if self._fence is not None and self.kv_mgr.fences is not None:
+            self.kv_mgr.fences.forget(self._fence)
 
     def __repr__(self) -> str:
         return (f"<TransferEngineKVReceiver room={self.bootstrap_room} "

@@ -8,8 +8,13 @@ One :class:`TransferEngineKVManager` per SGLang scheduler rank. It owns
 - a side channel (:class:`~.channel.Service`) where the peer ranks send room requests,
   room statuses and pings;
 - a background thread that turns engine notifications into room progress (decode),
-  sends best-effort statuses, pings the prefill ranks a decode rank waits on, and drops
-  claimed rooms that no prefill request took up in time (prefill).
+  sends best-effort statuses, pings the prefill ranks a decode rank waits on, fences
+  failed rooms (decode) and tells decode when a failed room's writes ended (prefill),
+  and drops claimed rooms that no prefill request took up in time (prefill).
+
+A failed room's pages go back to SGLang only once no write of it can land
+(:mod:`.fences`); with SGLang's deferred release on, SGLang asks
+:meth:`~TransferEngineKVManager.is_abort_release_safe`.
 
 Closing it stops the threads, closes the channel and the engine (in-flight transfers
 fail with ``ClosedError``).
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -39,6 +45,7 @@ from transfer_engine.connectors.sglang.channel import (
     Links,
 )
 from transfer_engine.connectors.sglang.config import SGLangBackendConfig, device_memory
+from transfer_engine.connectors.sglang.fences import Drains, Fences
 from transfer_engine.connectors.sglang.kv_buffers import kv_buffers, page_layout
 from transfer_engine.connectors.sglang.messages import (
     BACKEND_VERSION,
@@ -81,6 +88,18 @@ log = logging.getLogger(__name__)
 
 LOOKUP_WAIT_S = 0.1  # longest a scheduler cycle waits for a prefill lookup
 MAX_LOOKUPS = 64  # prefill lookups under way at once (more wait for a later cycle)
+
+
+def _sglang_defers() -> bool:
+    """Whether the SGLang running us defers a failed room's release (its
+    ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE``); read only where SGLang
+    already imported its settings."""
+    envs = getattr(sys.modules.get("sglang.srt.environ"), "envs", None)
+    flag = getattr(envs, "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", None)
+    try:
+        return bool(flag.get()) if flag is not None else False
+    except Exception:  # noqa: BLE001 - an SGLang without the setting
+        return False
 
 
 def _mode(mode: Any) -> str:
@@ -141,6 +160,12 @@ class TransferEngineKVManager(BaseKVManager, Closeable, RoomClaims):  # type: ig
         # prefill: (room, nonce) decode gave up before its request arrived (bounded)
         self._given_up: collections.OrderedDict[tuple[int, int], str] = (
             collections.OrderedDict())
+        self._recent: collections.OrderedDict[tuple[int, int], SendRoom] = (
+            collections.OrderedDict())  # prefill: rooms let go, for a late abort
+        self._drains = Drains()  # prefill: stopped rooms whose writes may be in flight
+        self.fences: Fences | None = None  # decode: failed rooms not to give back yet
+        # SGLang (decode) holds a failed room's pages until is_abort_release_safe
+        self.enable_deferred_decode_kv_release = self.mode == "decode" and _sglang_defers()
         self._clients: dict[str, ControlClient] = {}
         self._outbox: collections.deque[tuple[str, Message]] = collections.deque(maxlen=4096)
         self._epoch = 0
@@ -155,6 +180,9 @@ class TransferEngineKVManager(BaseKVManager, Closeable, RoomClaims):  # type: ig
                                  transports=self.config.transports,
                                  timeout=self.config.timeout_s, role=self.mode, auth=auth)
             self._stack.callback(self.engine.close)
+            if self.mode == "decode":
+                self.fences = Fences(self.engine, self.config.fence_timeout_s, self.stats)
+                self._stack.callback(self.fences.close)
             self.register_buffer_to_engine()
             self._zctx: zmq.Context[Any] = zmq.Context()
             self._stack.callback(self._term_context)
@@ -377,8 +405,10 @@ class TransferEngineKVManager(BaseKVManager, Closeable, RoomClaims):  # type: ig
 
     def forget_send_room(self, room: int) -> None:
         with self._lock:
-            self.transfer_infos.pop(room, None)
+            claim = self.transfer_infos.pop(room, None)
             self._senders.discard(room)
+            if claim is not None:
+                self._remember(claim)
 
     def pairs(self, claim: SendRoom, src_pages: list[int], dst_pages: list[int],
               src_aux: int | None) -> list[Blocks]:
@@ -436,6 +466,19 @@ class TransferEngineKVManager(BaseKVManager, Closeable, RoomClaims):  # type: ig
                 recv.total = total
         self.stats["chunks_received"] += 1
 
+    # --- decode: SGLang's deferred release of a failed room's pages ---------------------
+
+    supports_deferred_decode_kv_release = True
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 0) -> bool:
+        """Whether no write of a failed use of ``bootstrap_room`` can land any more
+        (SGLang's deferred release asks; the acks it counts are our fence)."""
+        return self.fences is None or self.fences.safe(int(bootstrap_room))
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        if self.fences is not None:
+            self.fences.drop(int(bootstrap_room))
+
     # --- background thread ------------------------------------------------------------
 
     def _background(self) -> None:
@@ -447,10 +490,14 @@ class TransferEngineKVManager(BaseKVManager, Closeable, RoomClaims):  # type: ig
             while not self._bg_stop.is_set():
                 for note in self.engine.notifications(timeout=0.05):
                     self._on_note(note)
+                now = time.monotonic()
+                if self.fences is not None:
+                    self.fences.advance(now)
+                else:
+                    self._post_quiet()
                 while self._outbox:
                     endpoint, msg = self._outbox.popleft()
                     links.send(endpoint, msg)
-                now = time.monotonic()
                 if now < next_beat:
                     continue
                 next_beat = now + beat
@@ -512,6 +559,7 @@ class TransferEngineKVManager(BaseKVManager, Closeable, RoomClaims):  # type: ig
             reason = (f"no prefill request for bootstrap room {claim.room} reached prefill "
                       f"rank {self.rank} within {limit}s")
             self.post(claim.decode_channel, RoomStatus(claim.room, claim.nonce, False, reason))
+            self.stop_room(claim)  # nothing was written: decode hears so at once
 
     # --- life cycle -------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ backend itself exchanges, checked in the bootstrap lookup and in every room requ
 Backend versions:
     1: prefill ranks register at the bootstrap server; decode sends a room request
        (its page indices) to the prefill rank's side channel; prefill writes pages with
-       one notification per chunk; statuses and pings on the side channels.
+       one notification per chunk; statuses and pings on the side channels; prefill
+       tells decode when a room that failed has no write in flight (``RoomQuiet``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, ClassVar
 from transfer_engine.control.messages import SMALL, Message, message
 
 __all__ = ["BACKEND_VERSION", "PrefillRegister", "PrefillLookup", "PrefillInfo",
-           "RoomRequest", "RoomStatus", "Ping"]
+           "RoomRequest", "RoomStatus", "RoomQuiet", "Ping"]
 
 BACKEND_VERSION = 1
 
@@ -104,6 +105,23 @@ class RoomStatus(Message):
     ok: bool = False
     reason: str = ""
     chunks: int = 0
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class RoomQuiet(Message):
+    """Prefill rank -> decode rank, once a room that failed (or that decode gave up)
+    has no write in flight and will start none: decode may give its pages back
+    (fences.py). ``clean``: every write of the room completed (its bytes landed);
+    ``ticket``: the rail ticket id the room's writes went on (``b""``: none was
+    posted), for decode's ``Engine.cut_covers``."""
+
+    kind: ClassVar[str] = "sglang/quiet"
+    max_bytes: ClassVar[int] = SMALL
+    room: int = 0
+    nonce: int = 0
+    clean: bool = False
+    ticket: bytes = b""
 
 
 @message

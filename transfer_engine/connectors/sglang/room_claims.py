@@ -1,6 +1,8 @@
 """What a rank answers on its side channel (the service thread): pings, room statuses
-(decode's aborts reach prefill, prefill's outcome reaches decode), and, on prefill,
-decode's room requests, checked and claimed for the sender that will write them.
+(decode's aborts reach prefill, prefill's outcome reaches decode), prefill's word that a
+failed room's writes ended (decode), and, on prefill, decode's room requests, checked
+and claimed for the sender that will write them, whose writes it posts and tracks until
+decode was told they ended (fences.py).
 
 The service thread never waits on the network: every field of a room request is
 checked at the door, and a decode engine this rank has not connected to yet (or whose
@@ -22,10 +24,12 @@ from typing import Any
 import numpy as np
 
 from transfer_engine.connectors.sglang.config import SGLangBackendConfig
+from transfer_engine.connectors.sglang.fences import Drains, Fences
 from transfer_engine.connectors.sglang.kv_buffers import remote_buffers
 from transfer_engine.connectors.sglang.messages import (
     BACKEND_VERSION,
     Ping,
+    RoomQuiet,
     RoomRequest,
     RoomStatus,
 )
@@ -38,6 +42,7 @@ from transfer_engine.connectors.sglang.rooms import (
     check_room,
 )
 from transfer_engine.control.messages import Ack, Message
+from transfer_engine.descriptor import Blocks
 from transfer_engine.engine import Engine
 from transfer_engine.errors import (
     BusyError,
@@ -49,6 +54,7 @@ from transfer_engine.errors import (
     TransferEngineError,
     TransferError,
 )
+from transfer_engine.handle import TransferHandle
 from transfer_engine.peer import Peer
 
 __all__ = ["RoomClaims", "Connected", "CONNECT_THREADS", "MAX_CONNECTS",
@@ -61,6 +67,8 @@ MAX_CONNECTS = 256  # of them connected or waiting for a thread, in all: then re
 MAX_CONNECTS_PER_PEER = 2  # of them for one decode engine name
 MAX_NAME_CHARS = 512  # longest engine name or endpoint a room request may carry
 MAX_PAGE = (1 << 31) - 1  # page indices and the metadata row are int32 on both sides
+MAX_TICKET = 64  # bytes of a rail ticket id a RoomQuiet may name
+RECENT_ROOMS = 4096  # prefill: rooms SGLang let go, kept to answer a late abort
 
 Connected = tuple[Peer, RemoteBuffers, RemoteBuffers]  # a decode engine and its buffers
 
@@ -138,6 +146,9 @@ class RoomClaims:
     _connects: dict[tuple[str, str, int], Future[Connected]]
     _connect_pool: ThreadPoolExecutor
     _recv_rooms: dict[int, RecvRoom]
+    fences: Fences | None  # decode
+    _drains: Drains  # prefill
+    _recent: collections.OrderedDict[tuple[int, int], SendRoom]  # prefill, bounded
     post: Callable[[str, Message], None]  # best-effort send (the manager's)
 
     def _on_request(self, msg: Message) -> Message:
@@ -148,6 +159,9 @@ class RoomClaims:
             return Ack()
         if isinstance(msg, RoomRequest) and self.mode == "prefill":
             self._claim(msg)
+            return Ack()
+        if isinstance(msg, RoomQuiet) and self.fences is not None:
+            self._on_quiet(msg)
             return Ack()
         raise ProtocolError(f"unexpected {msg.kind} on a {self.mode} side channel")
 
@@ -171,7 +185,8 @@ class RoomClaims:
             other = self.transfer_infos.get(room)
             given_up = self._given_up.pop((room, msg.nonce), None)
             cached = self._decode_peers.get(name)
-        if given_up is not None:
+        if given_up is not None:  # nothing will be written: decode may let the pages go
+            self.post(msg.decode_channel, RoomQuiet(room, msg.nonce, True, b""))
             raise ProtocolError(f"decode gave bootstrap room {room} up before its request "
                                 f"arrived: {given_up}", peer=name)
         if other is not None:
@@ -267,6 +282,7 @@ class RoomClaims:
         log.info("bootstrap room %s: %s", claim.room, error)
         self.post(claim.decode_channel, RoomStatus(claim.room, claim.nonce, False,
                                                    str(error)[:4096]))
+        self.stop_room(claim)
 
     def _on_status(self, msg: RoomStatus) -> None:
         if isinstance(msg.chunks, bool) or not 0 <= msg.chunks <= MAX_NONCE:
@@ -277,8 +293,12 @@ class RoomClaims:
                 claim = self.transfer_infos.get(msg.room)
                 if msg.ok:
                     return
+                if claim is None:  # SGLang let it go already, or it is yet to come
+                    claim = self._recent.get((msg.room, msg.nonce))
                 if claim is not None and claim.nonce == msg.nonce:
-                    claim.aborted = msg.reason or "aborted"
+                    claim.aborted = claim.aborted or msg.reason or "aborted"
+                    claim.stopped = True  # no more writes; decode hears when they ended
+                    self._drains.watch(claim)
                 elif claim is None:  # the abort overtook the request
                     self._given_up[(msg.room, msg.nonce)] = msg.reason or "aborted"
                     while len(self._given_up) > 4096:
@@ -292,3 +312,65 @@ class RoomClaims:
             elif recv.error is None:
                 recv.error = RemoteError(f"prefill failed the room: {msg.reason}",
                                          peer=recv.prefill.name, op="sglang-recv")
+
+    def _on_quiet(self, msg: RoomQuiet) -> None:
+        """Decode: prefill says a failed room's writes ended (fences.py)."""
+        room = check_room(msg.room)
+        if not 0 <= msg.nonce <= MAX_NONCE or len(msg.ticket) > MAX_TICKET:
+            raise ProtocolError(f"room quiet: nonce must lie in [0, 2**32) and the ticket "
+                                f"be at most {MAX_TICKET} bytes")
+        assert self.fences is not None
+        self.fences.quiet(room, msg.nonce, msg.clean, msg.ticket)
+
+    # --- prefill: the writes of a room -------------------------------------------------
+
+    def post_write(self, claim: SendRoom, pairs: list[Blocks], notify: bytes
+                   ) -> TransferHandle:
+        """Posts one chunk's WRITE of ``claim`` (kept in ``claim.writes``), unless the
+        room takes no more (``RemoteError`` if decode gave it up)."""
+        with self._lock:
+            if claim.aborted is not None:
+                raise RemoteError(f"decode gave the room up: {claim.aborted}")
+            if claim.stopped:
+                raise ClosedError(f"bootstrap room {claim.room} was stopped")
+            claim.posting += 1
+        handle: TransferHandle | None = None
+        try:
+            assert claim.peer is not None
+            handle = self.engine.write(claim.peer, pairs, notify=notify)
+        finally:
+            with self._lock:
+                claim.posting -= 1
+                if handle is not None:
+                    claim.writes.append(handle)
+        return handle
+
+    def stop_room(self, claim: SendRoom) -> None:
+        """``claim`` takes no more writes; decode hears ``RoomQuiet`` once those posted
+        ended (:meth:`_post_quiet`)."""
+        with self._lock:
+            claim.stopped = True
+            self._drains.watch(claim)
+
+    def _post_quiet(self) -> None:
+        """Background thread (prefill): tells decode of every stopped room whose writes
+        all ended. A write that failed may have broken the connection's state on either
+        side: the decode engine is connected afresh for its next room."""
+        with self._lock:
+            due = self._drains.due()
+            for claim, clean in due:
+                if not clean and claim.peer is not None:
+                    cached = self._decode_peers.get(claim.peer.name)
+                    if cached is not None and cached[0] is claim.peer:
+                        del self._decode_peers[claim.peer.name]
+        for claim, clean in due:
+            ticket = claim.peer.ticket if claim.peer is not None and claim.writes else b""
+            self.post(claim.decode_channel, RoomQuiet(claim.room, claim.nonce, clean, ticket))
+            self.stats["rooms_quieted"] += 1
+
+    def _remember(self, claim: SendRoom) -> None:
+        """Prefill: SGLang let ``claim`` go; kept a while to answer a late abort (holding
+        ``_lock``)."""
+        self._recent[(claim.room, claim.nonce)] = claim
+        while len(self._recent) > RECENT_ROOMS:
+            self._recent.popitem(last=False)

@@ -11,6 +11,7 @@ import numpy as np
 
 from transfer_engine.connectors.sglang.messages import PrefillInfo
 from transfer_engine.errors import ProtocolError, TransferError
+from transfer_engine.handle import TransferHandle
 from transfer_engine.layout import BlockLayout
 from transfer_engine.peer import Peer
 from transfer_engine.segment import RemoteSegment
@@ -80,7 +81,8 @@ class SendRoom:
     """Prefill side: where decode wants room ``room`` written.
 
     ``peer`` stays None (and the buffers empty) while decode's engine is being
-    connected; ``error`` says why that failed (the room fails with it)."""
+    connected; ``error`` says why that failed (the room fails with it). Every write of
+    the room is kept in ``writes`` until decode was told it ended (``RoomQuiet``)."""
 
     room: int
     peer: Peer | None
@@ -94,6 +96,11 @@ class SendRoom:
     claimed: float  # monotonic
     aborted: str | None = None
     error: TransferError | None = None
+    # what fences.py needs to tell decode when the room's writes ended (manager's lock)
+    writes: list[TransferHandle] = field(default_factory=list)
+    posting: int = 0  # writes being posted right now
+    stopped: bool = False  # the room takes no more writes
+    late: bool = False  # decode's engine was connected for this room, after its request
 
 
 @dataclass
