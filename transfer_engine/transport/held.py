@@ -37,7 +37,7 @@ from transfer_engine.transport.iovec import _call as iovec_call
 
 __all__ = ["AVAILABLE", "Contention", "Turn", "contention", "turn", "budget", "window",
            "until", "grace", "send_rows", "recv_rows", "queued", "peek", "wait_for",
-           "recv_exact", "default_budget"]
+           "recv_exact", "default_budget", "hung_up"]
 
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
@@ -284,6 +284,20 @@ def _poll(fd: int, events: int, until: float) -> bool:
         err = ctypes.get_errno()
         if err != errno.EINTR:
             raise OSError(err, os.strerror(err))
+
+
+_HUP = getattr(select, "POLLRDHUP", 0x2000) | select.POLLHUP
+
+
+def hung_up(sock: socket.socket, wait: float = 0.0) -> bool:
+    """Whether the peer of ``sock`` shut its end down or closed it, even with bytes of
+    its still unread here (or the socket failed). Looked at once holding the GIL, or
+    waited for up to ``wait`` seconds giving it up (the peer may be this process)."""
+    if _lib is not None and wait <= 0:
+        return _poll(sock.fileno(), _HUP, 0.0)
+    poller = select.poll()
+    poller.register(sock.fileno(), _HUP)
+    return bool(poller.poll(max(0.0, wait) * 1e3))
 
 
 def _check(result: int) -> int:

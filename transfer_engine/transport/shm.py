@@ -67,6 +67,7 @@ from transfer_engine.errors import (
 )
 from transfer_engine.planner import WorkRequest
 from transfer_engine.segment import Segment
+from transfer_engine.transport import held
 from transfer_engine.transport.base import Capabilities, Host, OnComplete, Rail, Transport, Work
 from transfer_engine.transport.iovec import host_rows
 from transfer_engine.transport.shm_ipc import DeviceTable, PeerDevices, ipc_copy
@@ -75,6 +76,7 @@ from transfer_engine.transport.stream import (
     KIND_WRITE,
     STALL_TIMEOUT,
     Connection,
+    PeerClosed,
     Refused,
     StreamRail,
     StreamServer,
@@ -359,6 +361,8 @@ class ShmServer(StreamServer):
             raise PeerLostError("peer process is gone", peer=conn.peer, op=op,
                                 transport="shm")
         for ours, part, after in self.copies(views, theirs, write_to_peer):
+            if held.hung_up(conn.sock):  # its transfer was stopped: nothing more moves
+                raise PeerClosed("the initiator hung up")
             try:
                 cross_copy(conn.pid, ours, part, write=write_to_peer)
             except OSError as exc:

@@ -18,7 +18,19 @@ from transfer_engine.transport.base import Work
 from transfer_engine.transport.stream.io import PeerClosed
 from transfer_engine.transport.stream.wire import ANSWER, KIND_ANSWER
 
-__all__ = ["assist", "whole_answer"]
+__all__ = ["assist", "waits_only", "whole_answer"]
+
+
+def waits_only(rail: Any, works: Sequence[Work]) -> bool:
+    """Every request of ``works`` sent whole (a WRITE's payload too), and no READ's
+    bytes to come to us (unless the target copies them itself)."""
+    if not rail.peer_copies and any(work.op is Op.READ for work in works):
+        return False
+    ids = {id(work) for work in works}
+    with rail._lock:
+        return not (any(key in ids for key in rail._queued)
+                    or any(key in ids for key in rail._touched)
+                    or (rail._parked is not None and id(rail._parked[0]) in ids))
 
 
 def assist(rail: Any, works: Sequence[Work]) -> bool:

@@ -8,6 +8,7 @@ in order, on a pump worker (:mod:`.pump`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import socket
 import struct
@@ -427,15 +428,7 @@ class StreamRail(Rail):
     peer_copies = False  # the target moves a work's bytes; only requests and answers travel
 
     def waits_only(self, works: Sequence[Work]) -> bool:
-        """Every request sent whole (a WRITE's payload too), and no READ's bytes to
-        come to us (unless the target copies them itself)."""
-        if not self.peer_copies and any(work.op is Op.READ for work in works):
-            return False
-        ids = {id(work) for work in works}
-        with self._lock:
-            return not (any(key in ids for key in self._queued)
-                        or any(key in ids for key in self._touched)
-                        or (self._parked is not None and id(self._parked[0]) in ids))
+        return held_reading.waits_only(self, works)
 
     def _answer(self, head: bytes | None = None) -> bool | None:
         """Takes one answer (whose header the caller may have read: ``head``),
@@ -576,6 +569,17 @@ class StreamRail(Rail):
             if self._closed:
                 return
             self._closed = True
+            copying = self.peer_copies and not self._released and any(
+                w.op is Op.READ for w in self._pending)
+            if copying:
+                self._enter()  # the socket stays open meanwhile
+        if copying:  # the peer copies into our memory: seeing us hang up, it stops after
+            try:  # the copy under way and closes its end
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_WR)
+                    held.hung_up(self._sock, 5.0)
+            finally:
+                self._leave()
         self._fail_all(self._error(ClosedError, "rail is closed"))
         me = threading.get_ident()
         deadline = time.monotonic() + 5
