@@ -8,6 +8,7 @@ of it is :class:`NicPort`."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -20,6 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from transfer_engine.transport import held
 from transfer_engine.transport.rdma.batch import WrBatch
 from transfer_engine.transport.rdma.emulated_types import (
     ACCESS_LOCAL_WRITE,
@@ -337,17 +339,27 @@ class QueuePair:
             self.nic.doorbell()  # a request waiting for a receive may go on
 
     def close(self) -> None:
-        """Destroys the queue pair; its connection closes (idempotent)."""
+        """Destroys the queue pair; its connection closes (idempotent). As on hardware,
+        nothing lands in our memory once it returned: with READs outstanding, the
+        responder (which copies their bytes into us) is told we hung up, and waited for
+        (up to 5 s) to close its end."""
         with self.nic.lock:
             if self._closed:
                 return
             self._closed = True
             self.state = QpState.ERR
+            reading = any(e.spec.opcode is Opcode.READ for e in self.inflight)
             self.posted.clear()
             self.sq.clear()
             self.inflight.clear()
             self.rq.clear()
-            wire, self.wire = self.wire, None
+            wire = self.wire
+        if wire is not None and reading:
+            with contextlib.suppress(OSError, ValueError):  # closed by the NIC meanwhile
+                wire.sock.shutdown(socket.SHUT_WR)
+                held.hung_up(wire.sock, 5.0)
+        with self.nic.lock:
+            self.wire = None
             self.nic.remove_qp(self)
         if wire is not None:
             self.nic.drop_wire(wire)

@@ -10,6 +10,7 @@ import socket
 import time
 from collections.abc import Sequence
 
+from transfer_engine.transport import held
 from transfer_engine.transport.rdma.emulated_nic_base import NicBase
 from transfer_engine.transport.rdma.emulated_objects import CompletionQueue, QueuePair, Wire
 from transfer_engine.transport.rdma.emulated_types import (
@@ -60,6 +61,9 @@ class ResponderSide(NicBase):
         qp = wire.qp
         assert qp is not None
         while len(buf) - pos >= REQ.size:
+            if held.hung_up(wire.sock):  # its queue pair is gone: nothing more is served
+                self._close_wire(wire)
+                return
             _, opcode, nsge, seq, raddr, rkey, length, imm, flags = REQ.unpack_from(buf, pos)
             end = pos + REQ.size + nsge * SGE.size
             if len(buf) < end:

@@ -1,9 +1,12 @@
-"""A cancelled shm READ lands nothing in our memory once ``cancel()`` returned.
+"""A cancelled READ lands nothing in our memory once ``cancel()`` returned.
 
 Over shm the target copies a READ's bytes into the initiator itself
-(``process_vm_writev``), so tearing our end of the rail down is not enough: requests
+(``process_vm_writev``), and so does the responder of the emulated RDMA provider (a NIC
+DMA-ing READ responses on hardware): tearing our end down is not enough, requests
 already queued at the target would still be served into memory the application took
-back. The rail tells the target it hung up and waits for it to let go."""
+back. The shm rail tells the target it hung up and waits for it to let go; the RDMA
+rail destroys its queue pair before it fails the work, and the emulated queue pair
+waits for its responder the same way."""
 
 from __future__ import annotations
 
@@ -62,20 +65,24 @@ def frozen(pids: list[int], thaw_after: float) -> Iterator[None]:
         thaw()
 
 
-@pytest.mark.parametrize("serve", ["thread", "process"])
-def test_a_cancelled_shm_read_lands_nothing_after_cancel_returns(
-        spawn_peer: Spawn, monkeypatch: pytest.MonkeyPatch, serve: str) -> None:
+@pytest.mark.parametrize(("transport", "serve"),
+                         [("shm", "thread"), ("shm", "process"), ("rdma", "thread")])
+def test_a_cancelled_read_lands_nothing_after_cancel_returns(
+        spawn_peer: Spawn, monkeypatch: pytest.MonkeyPatch, transport: str,
+        serve: str) -> None:
     """The target, a process of its own (and its serving process), is stopped with the
-    READ's requests queued at it, and resumed 0.3 s into the cancel."""
+    READ's requests queued at it, and resumed 0.3 s into the cancel. RDMA runs on the
+    emulated provider (no NIC here)."""
     monkeypatch.setenv("TE_SERVE", serve)
+    monkeypatch.setenv("TE_RDMA_PROVIDER", "emulated")
     size = 16 * MiB
-    proc, endpoint = spawn_peer("src", size, 5, "shm")
+    proc, endpoint = spawn_peer("src", size, 5, transport)
     want = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
-    with Engine("a", transports=["shm"], timeout=5.0) as a:
+    with Engine("a", transports=[transport], timeout=5.0) as a:
         dst = np.zeros(size, dtype=np.uint8)
         seg = a.register(dst)
         peer = a.connect(endpoint)
-        assert peer.transport == "shm"
+        assert peer.transport == transport
         remote = peer.segment("dst")
         pairs = [(Descriptor(seg, i * MiB, MiB), Descriptor(remote, i * MiB, MiB))
                  for i in range(16)]
