@@ -168,6 +168,9 @@ def test_one_cut_fences_every_room_whose_writes_went_on_its_ticket(
     assert decode.stats["fence_cuts"] == 1
     # prefill connected afresh (a new ticket) and more of its rooms failed: those on the
     # old ticket cost no cut; one on the new ticket does
+    claim = prefill.send_room(74)
+    with pytest.raises(TransferEngineError):  # prefill learns it was cut
+        prefill.engine.write(claim.peer, prefill.pairs(claim, [1], [5], None)).wait(10)
     peer = prefill.engine.connect(decode.engine.endpoint)
     assert peer.ticket and peer.ticket != ticket
     fences.start(84, 84, name)

@@ -74,6 +74,7 @@ def test_cut_covers_names_the_tickets_a_cut_that_stood_fenced(
         make_engine: Callable[..., Engine]) -> None:
     a = make_engine("a", transports=["tcp"])
     b = make_engine("b", transports=["tcp"])
+    b.register(np.zeros(MiB, dtype=np.uint8), name="dst")
     first = a.connect(b.endpoint)
     assert len(first.ticket) == 16
     assert not b.cut_covers("a", first.ticket)  # never cut
@@ -82,6 +83,10 @@ def test_cut_covers_names_the_tickets_a_cut_that_stood_fenced(
     assert not b.cut_covers("other", first.ticket)  # the ticket is a's
     assert not b.cut_covers("a", os.urandom(16))  # never issued here
     assert not b.cut_covers("a", "not bytes")  # type: ignore[arg-type]
+    seg = a.register(random_bytes(MiB, 6))
+    with pytest.raises(TransferEngineError):  # a learns it was cut
+        a.write(first, [(Descriptor(seg, 0, MiB),
+                         Descriptor(first.segment("dst"), 0, MiB))]).wait(10)
     second = a.connect(b.endpoint)  # a new hello after the cut: a new ticket
     assert second.ticket != first.ticket
     assert not b.cut_covers("a", second.ticket)

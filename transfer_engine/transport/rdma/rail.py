@@ -358,13 +358,15 @@ class RdmaRail(Rail):
             self._transport.forget_wr_ids(list(self._inflight))
             self._inflight.clear()
             self._backlog.clear()
-        self._transport.forget_rail(self)
-        self._sock.close()
-        self.device.destroy_qp(self._qp)  # first: the NIC writes no READ's bytes after
-        self._notify_mr.close()
-        for work in pending:
-            self._on_complete(Completion(work, error or ClosedError(
-                "rail closed", peer=self.peer, op=str(work.op), transport="rdma")))
+        try:
+            self._transport.forget_rail(self)
+            self._sock.close()
+            self.device.destroy_qp(self._qp)  # first: the NIC writes no READ's bytes after
+            self._notify_mr.close()
+        finally:  # a queue pair that would not go still fails its work
+            for work in pending:
+                self._on_complete(Completion(work, error or ClosedError(
+                    "rail closed", peer=self.peer, op=str(work.op), transport="rdma")))
 
     def __repr__(self) -> str:
         return (f"<Rail rdma→{self.peer}#{self.index} {self.device.name}→"
