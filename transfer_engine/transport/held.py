@@ -37,7 +37,7 @@ from transfer_engine.transport.iovec import _call as iovec_call
 
 __all__ = ["AVAILABLE", "Contention", "Turn", "contention", "turn", "budget", "window",
            "until", "grace", "send_rows", "recv_rows", "queued", "peek", "wait_for",
-           "recv_exact", "default_budget", "hung_up"]
+           "recv_exact", "default_budget", "hung_up", "hang_up"]
 
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
@@ -298,6 +298,14 @@ def hung_up(sock: socket.socket, wait: float = 0.0) -> bool:
     poller = select.poll()
     poller.register(sock.fileno(), _HUP)
     return bool(poller.poll(max(0.0, wait) * 1e3))
+
+
+def hang_up(sock: socket.socket, wait: float) -> None:
+    """Shuts our sending side of ``sock`` down and waits up to ``wait`` seconds for the
+    peer to close its end (a socket closed meanwhile ends the wait)."""
+    with contextlib.suppress(OSError, ValueError):
+        sock.shutdown(socket.SHUT_WR)
+        hung_up(sock, wait)
 
 
 def _check(result: int) -> int:

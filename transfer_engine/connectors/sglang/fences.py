@@ -56,10 +56,11 @@ class Fence:
     nonce: int
     prefill: str  # the prefill engine's name
     since: float  # monotonic: when the room failed here
-    lost: bool = False  # prefill stopped answering: no word will come
     quiet: bool | None = None  # prefill's word: writes ended, all landed (True) or not
     ticket: bytes = b""  # the rail ticket of the room's writes, as the quiet named it
-    due: float = math.inf  # monotonic: when a cut became needed
+    # monotonic: when a cut became needed (at once for a prefill that stopped answering,
+    # when a failed write was reported, at the latest fence_timeout_s after ``since``)
+    due: float = math.inf
     fenced: bool = False
     fenced_at: float = 0.0
     forgotten: bool = False  # the receiver (or SGLang) is done with it
@@ -85,7 +86,8 @@ class Fences:
     def start(self, room: int, nonce: int, prefill: str, lost: bool = False) -> Fence:
         """Room ``room`` (request ``nonce``) failed here after its request went to the
         prefill engine ``prefill`` (``lost``: which stopped answering)."""
-        fence = Fence(room, nonce, prefill, time.monotonic(), lost=lost)
+        now = time.monotonic()
+        fence = Fence(room, nonce, prefill, now, due=now if lost else math.inf)
         with self._lock:
             self._rooms.setdefault(room, []).append(fence)
             self._count += 1
@@ -135,9 +137,7 @@ class Fences:
                         if fence.forgotten or now - fence.fenced_at > FENCED_TTL_S:
                             self._remove(fence)
                         continue
-                    if fence.lost or now - fence.since > self._timeout:
-                        fence.due = min(fence.due, now if fence.lost else
-                                        fence.since + self._timeout)
+                    fence.due = min(fence.due, fence.since + self._timeout)
                     if fence.due > now:
                         continue  # prefill's word may still come
                     if self._covered(fence):
@@ -236,6 +236,3 @@ class Drains:
             del self._rooms[key]
             out.append((claim, all(h.state is TransferState.DONE for h in claim.writes)))
         return out
-
-    def __len__(self) -> int:
-        return len(self._rooms)

@@ -297,8 +297,7 @@ class RoomClaims:
                     claim = self._recent.get((msg.room, msg.nonce))
                 if claim is not None and claim.nonce == msg.nonce:
                     claim.aborted = claim.aborted or msg.reason or "aborted"
-                    claim.stopped = True  # no more writes; decode hears when they ended
-                    self._drains.watch(claim)
+                    self._stop(claim)
                 elif claim is None:  # the abort overtook the request
                     self._given_up[(msg.room, msg.nonce)] = msg.reason or "aborted"
                     while len(self._given_up) > 4096:
@@ -349,8 +348,12 @@ class RoomClaims:
         """``claim`` takes no more writes; decode hears ``RoomQuiet`` once those posted
         ended (:meth:`_post_quiet`)."""
         with self._lock:
-            claim.stopped = True
-            self._drains.watch(claim)
+            self._stop(claim)
+
+    def _stop(self, claim: SendRoom) -> None:
+        """:meth:`stop_room`, holding ``_lock``."""
+        claim.stopped = True
+        self._drains.watch(claim)
 
     def _post_quiet(self) -> None:
         """Background thread (prefill): tells decode of every stopped room whose writes

@@ -8,7 +8,6 @@ of it is :class:`NicPort`."""
 from __future__ import annotations
 
 import collections
-import contextlib
 import ctypes
 import errno
 import mmap
@@ -355,9 +354,7 @@ class QueuePair:
             self.rq.clear()
             wire = self.wire
         if wire is not None and reading:
-            with contextlib.suppress(OSError, ValueError):  # closed by the NIC meanwhile
-                wire.sock.shutdown(socket.SHUT_WR)
-                held.hung_up(wire.sock, 5.0)
+            held.hang_up(wire.sock, 5.0)
         with self.nic.lock:
             self.wire = None
             self.nic.remove_qp(self)

@@ -8,7 +8,6 @@ in order, on a pump worker (:mod:`.pump`).
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import socket
 import struct
@@ -575,9 +574,7 @@ class StreamRail(Rail):
                 self._enter()  # the socket stays open meanwhile
         if copying:  # the peer copies into our memory: seeing us hang up, it stops after
             try:  # the copy under way and closes its end
-                with contextlib.suppress(OSError):
-                    self._sock.shutdown(socket.SHUT_WR)
-                    held.hung_up(self._sock, 5.0)
+                held.hang_up(self._sock, 5.0)
             finally:
                 self._leave()
         self._fail_all(self._error(ClosedError, "rail is closed"))
