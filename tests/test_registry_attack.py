@@ -258,7 +258,10 @@ def test_join_flood_from_one_address_is_rate_limited() -> None:
                 reply = neighbour.ask(MemberRecord("neighbour", "n").to_message("t" * 32))
                 assert isinstance(reply, Registered)
             assert "legit" in [r.name for r in legit.list()]
-            assert reg.stats["expires"] == 0
+            # the legitimate member was never dropped (admitted fakes stop heartbeating
+            # and may expire while a slow machine is still sending the flood)
+            assert legit.stats["forgotten"] == 0
+            assert reg.stats["expires"] <= admitted
 
 
 def test_member_cap_holds_and_members_keep_working() -> None:

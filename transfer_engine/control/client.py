@@ -400,6 +400,7 @@ class RegistryClient:
         if isinstance(reply, HeartbeatAck):
             self.stats["heartbeats"] += 1
             if not reply.known:
+                self.stats["forgotten"] += 1
                 log.info("registry client %s: registry does not know us; registering again",
                          self.name)
                 with self._lock:
