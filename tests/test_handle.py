@@ -54,3 +54,36 @@ def test_every_waiter_sees_the_error() -> None:
     assert len(errors) == 3 and h.state is TransferState.FAILED
     with pytest.raises(PeerLostError):
         h.wait(0)
+
+
+def test_done_callbacks_run_once_with_the_outcome(caplog: pytest.LogCaptureFixture) -> None:
+    h = TransferHandle(3, Op.WRITE, "b", 10)
+    seen: list[tuple[str, TransferState]] = []
+
+    def boom(_: TransferHandle) -> None:
+        raise RuntimeError("callback bug")
+
+    h.add_done_callback(lambda x: seen.append(("first", x.state)))
+    h.add_done_callback(boom)  # logged; the others still run
+    h.add_done_callback(lambda x: seen.append(("second", x.state)))
+    assert not seen
+    with caplog.at_level("ERROR", logger="transfer_engine.handle"):
+        assert finish_as_engine(h, PeerLostError("gone", peer="b"))
+    assert seen == [("first", TransferState.FAILED), ("second", TransferState.FAILED)]
+    assert "callback bug" in caplog.text
+    assert not finish_as_engine(h)
+    h.add_done_callback(lambda x: seen.append(("late", x.state)))  # finished: at once
+    assert seen[-1] == ("late", TransferState.FAILED) and len(seen) == 3
+    with pytest.raises(PeerLostError):
+        h.wait(0)
+
+
+def test_a_done_callback_added_while_the_transfer_finishes_runs_exactly_once() -> None:
+    for i in range(200):
+        h = TransferHandle(100 + i, Op.READ, "b", 1)
+        calls: list[TransferHandle] = []
+        t = threading.Thread(target=finish_as_engine, args=(h,))
+        t.start()
+        h.add_done_callback(calls.append)
+        t.join(10)
+        assert calls == [h] and h.state is TransferState.DONE

@@ -28,6 +28,7 @@ still complete in our memory if that peer was stalled and resumes.
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from transfer_engine.errors import TransferEngineError
 
 __all__ = ["TransferState", "TransferHandle"]
+
+log = logging.getLogger(__name__)
 
 CANCEL_WAIT = 5.0  # seconds cancel() waits for threads in a system call to let go
 
@@ -59,7 +62,7 @@ class TransferHandle:
 
     __slots__ = ("id", "op", "peer", "nbytes", "transport", "_state", "_error",
                  "_bytes_done", "_latch", "_lock", "_canceller", "_assist", "_lagged",
-                 "_done_at", "__weakref__")
+                 "_done_at", "_callbacks", "__weakref__")
 
     def __init__(self, transfer_id: int, op: Op, peer: str, nbytes: int) -> None:
         self.id = transfer_id
@@ -83,6 +86,7 @@ class TransferHandle:
         # set by the engine: hears how long after the finish a blocked waiter woke
         self._lagged: Callable[[float], None] | None = None
         self._done_at = 0.0
+        self._callbacks: list[Callable[[TransferHandle], None]] | None = None
 
     @property
     def state(self) -> TransferState:
@@ -123,6 +127,18 @@ class TransferHandle:
         if self._error is not None:
             raise self._error
 
+    def add_done_callback(self, fn: Callable[[TransferHandle], None]) -> None:
+        """Calls ``fn(handle)`` once the transfer finished, done or failed: at once, in
+        this thread, if it has; else in the thread that finishes it (a transport's:
+        ``fn`` must be quick and never wait). An exception from ``fn`` is logged."""
+        with self._lock:
+            if self._state is TransferState.PENDING:
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(fn)
+                return
+        _call(fn, self)
+
     def cancel(self) -> bool:
         """Stops the transfer: it fails with :class:`TransferCancelled`. Returns False
         (and changes nothing) if it had already finished, True if this call cancelled
@@ -159,9 +175,19 @@ class TransferHandle:
             else:
                 self._state = TransferState.DONE
             self._done_at = time.monotonic()
+            callbacks, self._callbacks = self._callbacks, None
         self._latch.release()
+        for fn in callbacks or ():
+            _call(fn, self)
         return True
 
     def __repr__(self) -> str:
         return (f"<TransferHandle {self.id:#x} {self.op.name} \u2192{self.peer} "
                 f"{self._bytes_done}/{self.nbytes}B via {self.transport} {self._state.name}>")
+
+
+def _call(fn: Callable[[TransferHandle], None], handle: TransferHandle) -> None:
+    try:
+        fn(handle)
+    except Exception:
+        log.exception("done callback of %r failed", handle)

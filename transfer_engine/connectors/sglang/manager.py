@@ -168,6 +168,7 @@ class TransferEngineKVManager(BaseKVManager, Closeable, RoomClaims):  # type: ig
         self.enable_deferred_decode_kv_release = self.mode == "decode" and _sglang_defers()
         self._clients: dict[str, ControlClient] = {}
         self._outbox: collections.deque[tuple[str, Message]] = collections.deque(maxlen=4096)
+        self._wake = threading.Event()
         self._epoch = 0
         self._kv_segments: list[Segment] = []
         self._aux_segments: list[Segment] = []
@@ -200,6 +201,7 @@ class TransferEngineKVManager(BaseKVManager, Closeable, RoomClaims):  # type: ig
                                         name=f"te-sglang-bg-{self.name}")
             self._bg.start()
             self._stack.callback(self._bg.join, 5)
+            self._stack.callback(self._wake.set)
             self._stack.callback(self._bg_stop.set)
             self._lookup_pool = ThreadPoolExecutor(
                 max_workers=2, thread_name_prefix=f"te-sglang-lookup-{self.name}")
@@ -371,9 +373,10 @@ class TransferEngineKVManager(BaseKVManager, Closeable, RoomClaims):  # type: ig
             raise ProtocolError(f"expected ack, got {reply.kind}", peer=entry.name)
 
     def post(self, endpoint: str, msg: Message) -> None:
-        """Sends ``msg`` from the background thread, best effort (answers are not
-        awaited); the oldest is dropped when thousands are queued."""
+        """Sends ``msg`` from the background thread (woken for it), best effort
+        (answers are not awaited); the oldest is dropped when thousands are queued."""
         self._outbox.append((endpoint, msg))
+        self._wake.set()
 
     def _term_context(self) -> None:
         channel = getattr(self, "_channel", None)
@@ -482,13 +485,20 @@ class TransferEngineKVManager(BaseKVManager, Closeable, RoomClaims):  # type: ig
     # --- background thread ------------------------------------------------------------
 
     def _background(self) -> None:
+        """Rounds every 50 ms, and at once when a notification arrives, a message is
+        posted or a room stops (``_wake``): an aborted room's pages wait a round trip,
+        not a round."""
         links = Links(self._zctx, self._signer)
         beat = self.config.heartbeat_s
         next_beat = time.monotonic() + beat
         misses: dict[str, int] = {}
+        wake = self._wake
+        self.engine.on_notify(lambda _note: wake.set())
         try:
             while not self._bg_stop.is_set():
-                for note in self.engine.notifications(timeout=0.05):
+                wake.wait(0.05)
+                wake.clear()  # before taking: what comes after sets it again
+                for note in self.engine.notifications(timeout=0):
                     self._on_note(note)
                 now = time.monotonic()
                 if self.fences is not None:

@@ -148,6 +148,7 @@ class RoomClaims:
     _recv_rooms: dict[int, RecvRoom]
     fences: Fences | None  # decode
     _drains: Drains  # prefill
+    _wake: threading.Event  # set: the background thread runs a round now
     _recent: collections.OrderedDict[tuple[int, int], SendRoom]  # prefill, bounded
     post: Callable[[str, Message], None]  # best-effort send (the manager's)
 
@@ -342,7 +343,13 @@ class RoomClaims:
                 claim.posting -= 1
                 if handle is not None:
                     claim.writes.append(handle)
+        handle.add_done_callback(lambda _: self._write_ended(claim))
         return handle
+
+    def _write_ended(self, claim: SendRoom) -> None:
+        """A transport thread: a stopped room's decode hears now, not a round later."""
+        if claim.stopped:
+            self._wake.set()
 
     def stop_room(self, claim: SendRoom) -> None:
         """``claim`` takes no more writes; decode hears ``RoomQuiet`` once those posted
@@ -354,6 +361,7 @@ class RoomClaims:
         """:meth:`stop_room`, holding ``_lock``."""
         claim.stopped = True
         self._drains.watch(claim)
+        self._wake.set()  # decode hears at once if no write is in flight
 
     def _post_quiet(self) -> None:
         """Background thread (prefill): tells decode of every stopped room whose writes
