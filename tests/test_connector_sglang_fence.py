@@ -97,6 +97,28 @@ def test_an_abort_gives_pages_back_only_after_prefills_writes_ended(
         prefill.post_write(prefill.send_room(71), [], b"")
 
 
+def test_the_word_that_a_room_is_quiet_goes_out_when_it_is_due_not_on_a_timer(
+        sg: sw.SGLang, te: Any, ranks: Callable[..., Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The background threads' timed rounds are pushed out to 60 s: decode's abort,
+    prefill's stop of the room, the end of its write and its quiet each wake the thread
+    that acts on them, so both aborts below (nothing in flight; 12 MiB in flight) are
+    fenced by prefill's word long before any round would have come."""
+    monkeypatch.setattr(te.TransferEngineKVManager, "ROUND_S", 60.0)
+    prefill, decode, addr = _pair(ranks)
+    decode.enable_deferred_decode_kv_release = True
+    pages = list(range(1, 50))
+    for room, sent in ((73, 0), (74, 48)):
+        sender, receiver = _started(sg, te, prefill, decode, addr, room, pages, sent=sent)
+        receiver.abort()
+        assert _until(lambda r=room: bool(decode.is_abort_release_safe(r, 1)), 20.0), room
+        assert all(h.state is not TransferState.PENDING for h in sender._handles)
+        decode.clear_deferred_abort_state(room)
+        receiver.clear()
+        sender.clear()
+    assert decode.stats["fences_quiet"] == 2 and decode.stats["fence_cuts"] == 0
+
+
 def test_poll_holds_a_failed_room_while_prefill_may_still_write(
         sg: sw.SGLang, te: Any, ranks: Callable[..., Any]) -> None:
     """Prefill's quiet is held back (its background thread paused): ``poll`` reports

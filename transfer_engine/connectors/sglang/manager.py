@@ -472,6 +472,7 @@ class TransferEngineKVManager(BaseKVManager, Closeable, RoomClaims):  # type: ig
     # --- decode: SGLang's deferred release of a failed room's pages ---------------------
 
     supports_deferred_decode_kv_release = True
+    ROUND_S = 0.05  # the background thread's longest sleep (see _background)
 
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 0) -> bool:
         """Whether no write of a failed use of ``bootstrap_room`` can land any more
@@ -485,9 +486,9 @@ class TransferEngineKVManager(BaseKVManager, Closeable, RoomClaims):  # type: ig
     # --- background thread ------------------------------------------------------------
 
     def _background(self) -> None:
-        """Rounds every 50 ms, and at once when a notification arrives, a message is
-        posted or a room stops (``_wake``): an aborted room's pages wait a round trip,
-        not a round."""
+        """Rounds every :attr:`ROUND_S`, and at once when a notification arrives, a
+        message is posted, a room stops or a stopped room's write ends (``_wake``): an
+        aborted room's pages wait a round trip, not a round."""
         links = Links(self._zctx, self._signer)
         beat = self.config.heartbeat_s
         next_beat = time.monotonic() + beat
@@ -496,7 +497,7 @@ class TransferEngineKVManager(BaseKVManager, Closeable, RoomClaims):  # type: ig
         self.engine.on_notify(lambda _note: wake.set())
         try:
             while not self._bg_stop.is_set():
-                wake.wait(0.05)
+                wake.wait(self.ROUND_S)
                 wake.clear()  # before taking: what comes after sets it again
                 for note in self.engine.notifications(timeout=0):
                     self._on_note(note)
