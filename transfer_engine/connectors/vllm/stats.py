@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -113,6 +113,8 @@ def empty() -> dict[str, Any]:
 @dataclass
 class TEConnectorStats(KVConnectorStats):
     """Counts and times of one interval, plain ints and lists (they cross processes)."""
+
+    data: dict[str, Any] = field(default_factory=dict)  # vLLM's field, typed here
 
     def __post_init__(self) -> None:
         if not self.data:
