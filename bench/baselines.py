@@ -34,7 +34,11 @@ import numpy as np
 
 from bench.fleet import end_process
 from bench.stats import cpu_seconds, fill_random
-from transfer_engine.transport.tcp import check_congestion, congestion_of, set_congestion
+from transfer_engine.transport.tcp_congestion import (
+    check_congestion,
+    congestion_of,
+    set_congestion,
+)
 
 __all__ = ["socket_gbps", "socket_baseline", "memcpy_gbps", "Child", "child_env"]
 

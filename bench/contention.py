@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.baselines import Child, child_env
+from bench.baselines import Child, child_env, memcpy_gbps, socket_gbps
 from bench.stats import fill_random, median, percentile
 from transfer_engine.transport import held
 
@@ -244,6 +244,18 @@ def _shape(text: str) -> tuple[int, int]:
     return int(bs.rstrip("km")) * mult, int(n)
 
 
+def _baselines(shapes: list[tuple[int, int]], duration: float) -> dict[str, dict[str, float]]:
+    """Per shape, in this run: what the host gives one raw loopback TCP stream (batches
+    of the shape's blocks per ``sendmsg``) and one thread's memcpy of those blocks. The
+    idle figures swing with the host; against these they can be compared across runs."""
+    out = {}
+    for bs, n in shapes:
+        out[f"{bs}x{n}"] = {
+            "socket_gbps": round(socket_gbps(bs, duration=duration, batch_size=n), 4),
+            "memcpy_gbps": round(memcpy_gbps(bs, duration=min(duration, 1.0)), 4)}
+    return out
+
+
 def _table(results: dict[str, dict[str, Any]]) -> str:
     lines = [f"{'case':<16}" + "".join(f"{c:>16}" for c in CASES)]
     for proto, shapes in results.items():
@@ -273,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--serve", choices=("thread", "process"),
                    default=os.environ.get("TE_SERVE") or "thread",
                    help="where the target serves tcp rails (TcpTransport(serve=...))")
+    p.add_argument("--baseline", action="store_true",
+                   help="also measure, per shape, one raw loopback TCP stream and memcpy, "
+                        "and report idle against them (idle_vs_socket, idle_vs_memcpy)")
     p.add_argument("--json", metavar="PATH", default=None)
     p.add_argument("--_target", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--protocol", default="tcp", help=argparse.SUPPRESS)
@@ -296,10 +311,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         results[proto] = measure_protocol(proto, shapes, a.duration, a.repeat, a.warmup,
                                           a.seed, a.switch_interval)
         print(f"# {proto} done", file=sys.stderr, flush=True)
+    baselines = _baselines(shapes, a.duration * a.repeat) if a.baseline else {}
+    for shape_results in results.values():
+        for shape, r in shape_results.items():
+            if shape in baselines:
+                r["idle_vs_socket"] = round(r["idle_gbps"] / baselines[shape]["socket_gbps"], 3)
+                r["idle_vs_memcpy"] = round(r["idle_gbps"] / baselines[shape]["memcpy_gbps"], 3)
     print(_table(results))
+    for shape, b in baselines.items():
+        print(f"baseline {shape}: raw loopback socket {b['socket_gbps']:.3f} GB/s, "
+              f"memcpy {b['memcpy_gbps']:.3f} GB/s")
     doc = {"duration": a.duration, "repeat": a.repeat, "cpus": os.cpu_count(),
            "switch_interval": sys.getswitchinterval(), "serve": a.serve,
-           "results": results}
+           "results": results, "baselines": baselines}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(doc, f, indent=2)

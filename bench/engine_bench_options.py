@@ -7,7 +7,7 @@ import argparse
 import os
 
 from transfer_engine.topology import load_topology_file
-from transfer_engine.transport.tcp import check_congestion
+from transfer_engine.transport.tcp_congestion import check_congestion
 
 __all__ = ["DEFAULT_BUFFER", "SEGMENT_NAME", "EXIT_USAGE", "WAIT_TIMEOUT",
            "TARGET_START_TIMEOUT", "CPU_SAMPLE_TIMEOUT", "UsageError", "build_parser",

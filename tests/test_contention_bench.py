@@ -16,8 +16,8 @@ def test_one_short_run_reports_every_case_and_verifies(tmp_path: Path) -> None:
     out = tmp_path / "contention.json"
     proc = subprocess.run(
         [sys.executable, "-m", "bench.contention", "--protocols", "tcp", "--shapes",
-         "64kx8", "--duration", "0.1", "--repeat", "1", "--warmup", "0.1", "--json",
-         str(out)], capture_output=True, text=True, timeout=100, env=child_env())
+         "64kx8", "--duration", "0.1", "--repeat", "1", "--warmup", "0.1", "--baseline",
+         "--json", str(out)], capture_output=True, text=True, timeout=100, env=child_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     case = doc["results"]["tcp"]["65536x8"]
@@ -28,3 +28,7 @@ def test_one_short_run_reports_every_case_and_verifies(tmp_path: Path) -> None:
         if name != "idle":
             assert case[f"{name}_vs_idle"] > 0
     assert case["p99_ms"] == case["idle_p99_ms"]
+    base = doc["baselines"]["65536x8"]  # measured in the same run
+    assert base["socket_gbps"] > 0 and base["memcpy_gbps"] > 0
+    assert case["idle_vs_socket"] > 0 and case["idle_vs_memcpy"] > 0
+    assert "baseline 65536x8: raw loopback socket" in proc.stdout
