@@ -338,10 +338,26 @@ def test_a_turn_begins_again_after_time_off_the_cpu_or_a_long_wait(
     assert turn.expect("shm", 4096) is None
     turn.learned("shm", 4096, 0.002)
     turn.learned("shm", 5000, 0.004)  # same size class (13 bits)
-    turn.learned("tcp", 5000, 0.009)  # another kind: kept apart
+    turn.learned("tcp", 5000, 0.003)  # another kind: kept apart
     assert turn.expect("shm", 8191) == pytest.approx(0.8 * 0.002 + 0.2 * 0.004)
     assert turn.expect("shm", 8192) is None
-    assert turn.expect("tcp", 4096) == 0.009
+    assert turn.expect("tcp", 4096) == 0.003
+    # waits longer than a turn: expected long (kept as two turns) once at least three
+    # quarters of the last KEEP were, and then one wait in PROBE holds to measure again
+    big = 1 << 24
+    for _ in range(3):
+        turn.learned("shm", big, 0.030)
+    assert turn.expect("shm", big) is None and not turn.probe("shm", big)  # too few yet
+    turn.learned("shm", big, 0.030)
+    assert turn.expect("shm", big) == pytest.approx(0.010)
+    assert [turn.probe("shm", big) for _ in range(2 * held.Turn.PROBE)].count(True) == 2
+    for seconds in [0.002] * 3 + [0.030] * 5:  # 3 of the last 8 fitted: short again
+        turn.learned("shm", big, seconds)
+    assert turn.expect("shm", big) == pytest.approx(0.002)
+    assert not turn.probe("shm", big)
+    for seconds in [0.001] * 6 + [0.030] * 2:  # a few slowed by the host: still short
+        turn.learned("tcp", big, seconds)
+    assert turn.expect("tcp", big) == pytest.approx(0.001)
     before = time.monotonic()
     turn.give()  # nobody wants the GIL: back at once, a new turn
     assert before <= turn.began == turn.last <= time.monotonic()

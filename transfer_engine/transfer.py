@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Hashable
 from typing import Any
 
 from transfer_engine import interrupts
@@ -343,7 +344,7 @@ class Transfers(EngineState):
                         for rail, work in items:
                             by_rail.setdefault(id(rail), (rail, []))[1].append(work)
                         if step == 0 and not notifying and self._give_turn(
-                                turn, turn.expect(kind, handle.nbytes), timeout, by_rail):
+                                turn, kind, handle.nbytes, timeout, by_rail):
                             gave = True
                             start = time.monotonic()
                             self.stats["gil_given"] += 1
@@ -358,21 +359,21 @@ class Transfers(EngineState):
                             return
             finally:
                 end = time.monotonic()
-                if not gave and handle.state is not TransferState.PENDING and (
-                        end - start < sys.getswitchinterval()):
+                if not gave and handle.state is not TransferState.PENDING:
                     turn.learned(kind, handle.nbytes, end - start)
                 turn.pause(end, end - start)
 
     @staticmethod
-    def _give_turn(turn: held.Turn, expected: float | None, timeout: float | None,
+    def _give_turn(turn: held.Turn, kind: Hashable, nbytes: int, timeout: float | None,
                    by_rail: dict[int, tuple[Rail, list[Work]]]) -> bool:
-        """Gives the GIL up before the wait (held.Turn) where it is ``expected`` to
-        outlast this thread's turn with it and only the peer has work left; True if
-        it did."""
+        """Gives the GIL up before the wait (held.Turn) where it is expected to outlast
+        this thread's turn with it and only the peer has work left; True if it did."""
         interval = sys.getswitchinterval()
+        expected = turn.expect(kind, nbytes)
         if (expected is None or (timeout is not None and timeout < 2 * interval)
                 or turn.left(time.monotonic()) >= expected
-                or not all(rail.waits_only(works) for rail, works in by_rail.values())):
+                or not all(rail.waits_only(works) for rail, works in by_rail.values())
+                or turn.probe(kind, nbytes)):
             return False
         turn.give()
         return True

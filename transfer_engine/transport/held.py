@@ -17,6 +17,7 @@ may hold: a target served by this very process could not move a byte meanwhile.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import errno
@@ -156,25 +157,55 @@ class Turn:
     """
 
     GAP = 0.001
+    #: one wait in so many that would give the turn for being long holds instead, so
+    #: that it is measured again (the host may have become faster)
+    PROBE = 16
+    #: held waits kept per kind and size class (see :meth:`expect`)
+    KEEP = 8
     __slots__ = ("began", "last", "cpu", "_waits")
 
     def __init__(self) -> None:
         self.began = 0.0
         self.last = -math.inf  # time.monotonic() and time.thread_time() of the last call
         self.cpu = 0.0
-        # (kind, size class) -> seconds a held wait took
-        self._waits: dict[tuple[Hashable, int], float] = {}
+        # (kind, size class) -> what its held waits took
+        self._waits: dict[tuple[Hashable, int], _Waits] = {}
 
     def expect(self, kind: Hashable, nbytes: int) -> float | None:
         """How long a held wait for a transfer of this ``kind`` (say, its transport and
-        operation) and of about ``nbytes`` took lately (None: no such wait was seen)."""
-        return self._waits.get((kind, nbytes.bit_length()))
+        operation) and of about ``nbytes`` is expected to take (None: no such wait was
+        seen). Long (more than a turn) once at least three quarters of the last
+        :data:`KEEP` were; else the mean of the recent ones that were not. Giving the
+        turn early wastes the rest of it where the wait would have fitted, so waits
+        the host slowed now and then must not make it expected long; a wait that is
+        long for its size (a large transfer) is long nearly every time."""
+        seen = self._waits.get((kind, nbytes.bit_length()))
+        if seen is None:
+            return None
+        long = seen.long(self.KEEP // 2)
+        return seen.short if long is None else long
 
     def learned(self, kind: Hashable, nbytes: int, seconds: float) -> None:
-        """A held wait for such a transfer ended after ``seconds``, not switched out."""
+        """A held wait for such a transfer ended after ``seconds``. One longer than a
+        turn is kept as two turns: past its budget it gave the GIL up and waited for
+        it again, so it only tells that the wait outlasts any turn."""
         key = (kind, nbytes.bit_length())
-        before = self._waits.get(key)
-        self._waits[key] = seconds if before is None else 0.8 * before + 0.2 * seconds
+        seen = self._waits.get(key)
+        if seen is None:
+            seen = self._waits[key] = _Waits(self.KEEP)
+        interval = sys.getswitchinterval()
+        seen.last.append(min(seconds, 2 * interval))
+        if seconds <= interval:
+            seen.short = seconds if seen.short is None else 0.8 * seen.short + 0.2 * seconds
+
+    def probe(self, kind: Hashable, nbytes: int) -> bool:
+        """Whether this wait, which would give the turn, holds instead to be measured
+        again: one in :data:`PROBE` of those expected long."""
+        seen = self._waits.get((kind, nbytes.bit_length()))
+        if seen is None or seen.long(self.KEEP // 2) is None:
+            return False
+        seen.gives = (seen.gives + 1) % self.PROBE
+        return seen.gives == 0
 
     def resume(self, now: float, cpu: float | None = None) -> None:
         """The engine runs in this thread again at ``now`` (``cpu``: the thread's
@@ -201,6 +232,25 @@ class Turn:
         time.sleep(0)
         self.began = self.last = time.monotonic()
         self.cpu = time.thread_time()
+
+
+class _Waits:
+    """What held waits of one kind and size class took (:meth:`Turn.expect`)."""
+
+    __slots__ = ("last", "short", "gives")
+
+    def __init__(self, keep: int) -> None:
+        self.last: collections.deque[float] = collections.deque(maxlen=keep)
+        self.short: float | None = None  # the mean of those that fitted in a turn
+        self.gives = 0  # since the last probe
+
+    def long(self, enough: int) -> float | None:
+        """The lower quartile of the last waits, if there are ``enough`` and it is
+        longer than a turn; else None."""
+        if len(self.last) < enough:
+            return None
+        quartile = sorted(self.last)[len(self.last) // 4]
+        return quartile if quartile > sys.getswitchinterval() else None
 
 
 def turn() -> Turn:
