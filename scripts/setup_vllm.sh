@@ -72,8 +72,11 @@ then
     # but lacks; pip's own status still decides, through pipefail)
     # (three tries, 20 s apart: a registry that drops a connection mid-download
     # should not fail the whole test run)
+    # (--no-compile: byte-compiling every module of vLLM and its dependencies took a
+    # third of the install, about a minute on 2 cores; Python compiles the few it
+    # imports on first use and keeps them)
     tries=0
-    until "$VPY" -m pip install -q --disable-pip-version-check \
+    until "$VPY" -m pip install -q --no-compile --disable-pip-version-check \
             -c "$VENV/te-constraints.txt" "$SPEC" 2>&1 \
             | { grep -v "is ignored: it is neither a file nor a directory" || true; }; do
         tries=$((tries + 1))
