@@ -418,7 +418,8 @@ class ShmTransport(Transport):
 
     :param rails: connections opened per peer (copies of different rails run in
         parallel on the target).
-    :param slice_size: bytes per work request.
+    :param slice_size: bytes per work request (8 MiB against 4: half the requests, less
+        initiator CPU, a request queued behind one waits 2-3 ms of copying at most).
     :param socket_dir: folder in which the transport makes its private (0700) socket
         folder (default: the system temp folder).
     :param stall_timeout: longest pause the target allows inside a request or an
@@ -431,7 +432,7 @@ class ShmTransport(Transport):
 
     name = "shm"
 
-    def __init__(self, rails: int = 2, slice_size: int = 4 << 20,
+    def __init__(self, rails: int = 2, slice_size: int = 8 << 20,
                  socket_dir: str | None = None, stall_timeout: float = STALL_TIMEOUT,
                  serve: str | None = None) -> None:
         self._serve = serve_mode(serve)
