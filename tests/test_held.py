@@ -411,3 +411,31 @@ def test_a_waiter_gives_its_turn_only_while_the_peer_works(
     assert given > 0 if protocol == "shm" else given == 0
     if protocol == "tcp":  # nor for the notification's answer, a small WRITE's
         assert rounds("read", notify=b"read") == 0
+
+
+def test_a_waiter_sends_a_large_payload_first_and_then_gives_its_turn(
+        make_engine: Callable[..., Engine], spawn_peer: Spawn, busy_python: None) -> None:
+    """A tcp WRITE above the size sent inline is queued for a worker, which a busy
+    thread keeps waiting for the GIL: the waiter sends the payload itself, and once it
+    is sent only the peer's part is left, so the waiter may give its turn up as over
+    shm (before, it never did for such a WRITE). Bytes exact at the peer."""
+    block, count = MiB, 8
+    size = block * count
+    _, a, src, seg, peer, remote = _far(make_engine, spawn_peer, size, 4, 11, "tcp")
+    rng = np.random.default_rng(6)
+    model = np.zeros((count, block), dtype=np.uint8)
+    rows = src.reshape(count, block)
+    deadline = time.monotonic() + 30
+    done = 0
+    while time.monotonic() < deadline and done < 300 and (
+            done < 30 or a.stats["gil_given"] == 0):
+        perm = rng.permutation(count)
+        a.write(peer, Blocks(seg, remote, np.arange(count) * block, perm * block, block)
+                ).wait(30)
+        model[perm] = rows
+        done += 1
+    assert a.stats["gil_given"] > 0, done
+    back = np.zeros(size, dtype=np.uint8)
+    bseg = a.register(back, name="back")
+    a.read(peer, [(Descriptor(bseg, 0, size), Descriptor(remote, 0, size))]).wait(30)
+    assert np.array_equal(back.reshape(count, block), model)

@@ -343,6 +343,12 @@ class Transfers(EngineState):
                         by_rail: dict[int, tuple[Rail, list[Work]]] = {}
                         for rail, work in items:
                             by_rail.setdefault(id(rail), (rail, []))[1].append(work)
+                        if step == 0 and not notifying:
+                            # a payload a worker has not begun is ours to send first:
+                            # then only the peer's part may be left (a tcp WRITE)
+                            for rail, works in by_rail.values():
+                                rail.send_queued(works)
+                            start = time.monotonic()  # what is learned: the wait after
                         if step == 0 and not notifying and self._give_turn(
                                 turn, kind, handle.nbytes, timeout, by_rail):
                             gave = True

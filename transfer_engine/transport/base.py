@@ -195,6 +195,13 @@ class Rail(abc.ABC):
         completions come as they would."""
         return False
 
+    def send_queued(self, works: Sequence[Work]) -> None:
+        """Sends, in the calling thread (inside a held window), those of ``works`` still
+        queued for a thread of the transport that has not begun them, so that only the
+        peer's part is left before the caller decides to wait (:meth:`waits_only`).
+        The default sends nothing: :meth:`assist` does what it can."""
+        return None
+
     def waits_only(self, works: Sequence[Work]) -> bool:
         """Whether all that is left of ``works`` is the peer's to do: every request
         sent, and no byte for this side to move (the peer copies). A waiter may then

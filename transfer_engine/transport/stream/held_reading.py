@@ -18,7 +18,7 @@ from transfer_engine.transport.base import Work
 from transfer_engine.transport.stream.io import PeerClosed
 from transfer_engine.transport.stream.wire import ANSWER, KIND_ANSWER
 
-__all__ = ["assist", "waits_only", "whole_answer"]
+__all__ = ["assist", "send_queued", "waits_only", "whole_answer"]
 
 
 def waits_only(rail: Any, works: Sequence[Work]) -> bool:
@@ -41,16 +41,8 @@ def assist(rail: Any, works: Sequence[Work]) -> bool:
     does not take goes on in a worker, and an answer (with a READ's bytes) is taken
     only once it is whole in the kernel. Returns whether it took any answer."""
     ids = {id(work) for work in works}
-    me = threading.get_ident()
-    with rail._lock:
-        if rail._released or rail._failure is not None:
-            return False
-        if rail._drainer is not None and rail._drainer != me:
-            return False
-        unsent = (any(key in ids for key in rail._queued)
-                  or (rail._parked is not None and id(rail._parked[0]) in ids))
-    if unsent:  # a drain is scheduled, not begun: this thread sends them itself
-        rail._drain_sends(spill=True)
+    if not send_queued(rail, works, ids):
+        return False
     with rail._lock:
         if (rail._released or any(key in ids for key in rail._queued)
                 or (rail._parked is not None and id(rail._parked[0]) in ids)
@@ -93,6 +85,24 @@ def assist(rail: Any, works: Sequence[Work]) -> bool:
             rail._pump.unhold(rail._fd)
         rail._leave()
     return took
+
+
+def send_queued(rail: Any, works: Sequence[Work], ids: set[int] | None = None) -> bool:
+    """Sends those of ``works`` still queued in this thread, unless a worker is sending
+    on the rail (it needs the GIL this thread would hold): False then, or if the rail
+    is done."""
+    ids = {id(work) for work in works} if ids is None else ids
+    me = threading.get_ident()
+    with rail._lock:
+        if rail._released or rail._failure is not None:
+            return False
+        if rail._drainer is not None and rail._drainer != me:
+            return False
+        unsent = (any(key in ids for key in rail._queued)
+                  or (rail._parked is not None and id(rail._parked[0]) in ids))
+    if unsent:  # a drain is scheduled, not begun: this thread sends them itself
+        rail._drain_sends(spill=True)
+    return True
 
 
 def whole_answer(rail: Any, until: float) -> bool:

@@ -424,6 +424,9 @@ class StreamRail(Rail):
     def assist(self, works: Sequence[Work]) -> bool:
         return held_reading.assist(self, works)
 
+    def send_queued(self, works: Sequence[Work]) -> None:
+        held_reading.send_queued(self, works)
+
     peer_copies = False  # the target moves a work's bytes; only requests and answers travel
 
     def waits_only(self, works: Sequence[Work]) -> bool:
