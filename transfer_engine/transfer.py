@@ -349,15 +349,14 @@ class Transfers(EngineState):
                             for rail, works in by_rail.values():
                                 rail.send_queued(works)
                             start = time.monotonic()  # what is learned: the wait after
-                        if step == 0 and not notifying and self._give_turn(
-                                turn, kind, handle.nbytes, timeout, by_rail):
-                            gave = True
-                            start = time.monotonic()
-                            self.stats["gil_given"] += 1
-                            if deadline is not None:  # the turn given took its share
-                                if deadline <= start:
-                                    return
-                                windows.enter_context(held.window(deadline - start))
+                            if self._give_turn(turn, kind, handle.nbytes, timeout, by_rail):
+                                gave = True
+                                start = time.monotonic()
+                                self.stats["gil_given"] += 1
+                                if deadline is not None:  # the turn given took its share
+                                    if deadline <= start:
+                                        return
+                                    windows.enter_context(held.window(deadline - start))
                         took = False
                         for rail, works in by_rail.values():
                             took = rail.assist(works) or took
