@@ -14,6 +14,10 @@ and reports GB/s, the ratio to idle and the p99 latency of a batch per case::
 
     python -m bench.contention --duration 2 --repeat 3 --json contention.json
 
+Every case runs once per serve mode (``--serve process,thread``, the default): the
+target serving its rails from a serving process, as a process whose Python is busy
+should (``results``), then from its own threads, the engine's default (``other_serve``).
+
 The target is a child process; its busy thread is switched on and off with SIGUSR1 /
 SIGUSR2 (it answers ``BUSY 1`` / ``BUSY 0``), so every case of one protocol runs against
 the same target, and the cases are interleaved per repeat (medians reported), which
@@ -282,9 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--switch-interval", "--switch_interval", dest="switch_interval",
                    type=float, default=None, metavar="SECONDS",
                    help="sys.setswitchinterval in both processes (default: Python's 0.005)")
-    p.add_argument("--serve", choices=("thread", "process"),
-                   default=os.environ.get("TE_SERVE") or "thread",
-                   help="where the target serves tcp rails (TcpTransport(serve=...))")
+    p.add_argument("--serve", default=os.environ.get("TE_SERVE") or "process,thread",
+                   help="comma-separated: where the target serves its rails, each mode a "
+                        "run of every case (serve=... of the transports): process, as a "
+                        "busy process should (the first mode's figures are `results`), "
+                        "thread, the engine's default (`other_serve`)")
     p.add_argument("--baseline", action="store_true",
                    help="also measure, per shape, one raw loopback TCP stream and memcpy, "
                         "and report idle against them (idle_vs_socket, idle_vs_memcpy)")
@@ -299,31 +305,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.switch_interval is not None:
         sys.setswitchinterval(a.switch_interval)
-    os.environ["TE_SERVE"] = a.serve  # the target child inherits it
-    if a._target:
+    if a._target:  # serves as the parent's TE_SERVE says
         return run_target(a.protocol, a.buffer_size, a.seed)
+    modes = [m for m in a.serve.split(",") if m]
+    protocols = [p for p in a.protocols.split(",") if p]
+    for bad in [m for m in modes if m not in ("thread", "process")] or \
+            [p for p in protocols if p not in ("tcp", "shm")]:
+        print(f"unknown serve mode or protocol {bad!r}", file=sys.stderr)
+        return 2
+    if not modes or not protocols:
+        print("--serve and --protocols name at least one each", file=sys.stderr)
+        return 2
     shapes = [_shape(s) for s in a.shapes.split(",") if s]
-    results: dict[str, dict[str, Any]] = {}
-    for proto in [p for p in a.protocols.split(",") if p]:
-        if proto not in ("tcp", "shm"):
-            print(f"unknown protocol {proto!r}", file=sys.stderr)
-            return 2
-        results[proto] = measure_protocol(proto, shapes, a.duration, a.repeat, a.warmup,
-                                          a.seed, a.switch_interval)
-        print(f"# {proto} done", file=sys.stderr, flush=True)
+    by_mode: dict[str, dict[str, dict[str, Any]]] = {}
+    for mode in modes:
+        os.environ["TE_SERVE"] = mode  # both engines' transports; the target inherits it
+        results = by_mode[mode] = {}
+        for proto in protocols:
+            results[proto] = measure_protocol(proto, shapes, a.duration, a.repeat,
+                                              a.warmup, a.seed, a.switch_interval)
+            print(f"# {proto} served from a {mode} done", file=sys.stderr, flush=True)
     baselines = _baselines(shapes, a.duration * a.repeat) if a.baseline else {}
-    for shape_results in results.values():
-        for shape, r in shape_results.items():
-            if shape in baselines:
-                r["idle_vs_socket"] = round(r["idle_gbps"] / baselines[shape]["socket_gbps"], 3)
-                r["idle_vs_memcpy"] = round(r["idle_gbps"] / baselines[shape]["memcpy_gbps"], 3)
-    print(_table(results))
+    for results in by_mode.values():
+        for shape_results in results.values():
+            for shape, r in shape_results.items():
+                if shape in baselines:
+                    b = baselines[shape]
+                    r["idle_vs_socket"] = round(r["idle_gbps"] / b["socket_gbps"], 3)
+                    r["idle_vs_memcpy"] = round(r["idle_gbps"] / b["memcpy_gbps"], 3)
+    for mode, results in by_mode.items():
+        print(f"served from a {mode}:")
+        print(_table(results))
     for shape, b in baselines.items():
         print(f"baseline {shape}: raw loopback socket {b['socket_gbps']:.3f} GB/s, "
               f"memcpy {b['memcpy_gbps']:.3f} GB/s")
     doc = {"duration": a.duration, "repeat": a.repeat, "cpus": os.cpu_count(),
-           "switch_interval": sys.getswitchinterval(), "serve": a.serve,
-           "results": results, "baselines": baselines}
+           "switch_interval": sys.getswitchinterval(), "serve": modes[0],
+           "results": by_mode[modes[0]],
+           "other_serve": {m: by_mode[m] for m in modes[1:]}, "baselines": baselines}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(doc, f, indent=2)
