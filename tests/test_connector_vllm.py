@@ -32,15 +32,11 @@ import pytest
 
 from tests.helpers.clock import FakeClock
 from tests.helpers.faults import before_later_reads, early_sent_notes
+from tests.helpers.vllm_required import vllm_torch
 
 with warnings.catch_warnings():  # vLLM and torch warn at import; not our concern here
     warnings.simplefilter("ignore")
-    if os.environ.get("TE_VLLM_REQUIRED") == "1":  # scripts/test.sh: fail, never skip
-        import torch
-        import vllm  # noqa: F401
-    else:
-        pytest.importorskip("vllm", reason="vllm is not installed (scripts/setup_vllm.sh)")
-        torch = pytest.importorskip("torch")
+    torch = vllm_torch()
 
     from tests.helpers.vllm_workers import (
         COMPAT,

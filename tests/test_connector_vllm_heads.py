@@ -7,7 +7,6 @@ caches as CPU torch tensors (as in ``test_connector_vllm.py``)."""
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from typing import Any
@@ -15,15 +14,11 @@ from typing import Any
 import pytest
 
 from tests.helpers.clock import FakeClock
+from tests.helpers.vllm_required import vllm_torch
 
 with warnings.catch_warnings():  # vLLM and torch warn at import; not our concern here
     warnings.simplefilter("ignore")
-    if os.environ.get("TE_VLLM_REQUIRED") == "1":  # scripts/test.sh: fail, never skip
-        import torch
-        import vllm  # noqa: F401
-    else:
-        pytest.importorskip("vllm", reason="vllm is not installed (scripts/setup_vllm.sh)")
-        torch = pytest.importorskip("torch")
+    torch = vllm_torch()
 
     from tests.helpers.vllm_workers import COMPAT, NUM_BLOCKS, spec, wait_results
     from transfer_engine.connectors.vllm import RecvSpec, TEConnectorConfig, TEConnectorWorker

@@ -16,15 +16,11 @@ from typing import Any
 import pytest
 
 from tests.helpers.clock import FakeClock
+from tests.helpers.vllm_required import vllm_torch
 
 with warnings.catch_warnings():  # vLLM and torch warn at import; not our concern here
     warnings.simplefilter("ignore")
-    if os.environ.get("TE_VLLM_REQUIRED") == "1":  # scripts/test.sh: fail, never skip
-        import torch
-        import vllm  # noqa: F401
-    else:
-        pytest.importorskip("vllm", reason="vllm is not installed (scripts/setup_vllm.sh)")
-        torch = pytest.importorskip("torch")
+    torch = vllm_torch()
 
     import numpy as np
 

@@ -17,7 +17,6 @@ accounting says so) and its greedy tokens are identical to an engine without a s
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from collections.abc import Iterator
@@ -27,14 +26,11 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.vllm_required import vllm_torch
+
 with warnings.catch_warnings():  # vLLM and torch warn at import; not our concern here
     warnings.simplefilter("ignore")
-    if os.environ.get("TE_VLLM_REQUIRED") == "1":  # scripts/test.sh: fail, never skip
-        import torch
-        import vllm  # noqa: F401
-    else:
-        pytest.importorskip("vllm", reason="vllm is not installed (scripts/setup_vllm.sh)")
-        torch = pytest.importorskip("torch")
+    torch = vllm_torch()
     from vllm.v1.request import RequestStatus
 
     from kvstore.client import Lookup
