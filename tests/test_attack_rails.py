@@ -130,22 +130,19 @@ def test_a_tcp_ticket_does_not_open_another_transport(
         rail.close()
 
 
-@pytest.mark.parametrize("frame", [
-    b"",  # nothing at all, then close
-    b"\x00" * 7,  # a truncated header
-    HEADER.pack(1, 0, 0, 0, 0, 1 << 30, 0, 0, 0),  # a hello claiming a 1 GiB body
-    HEADER.pack(1, 0, 0, 0, 0, 5, 0, 0, 0) + b"\xc1\xc1\xc1\xc1\xc1",  # not msgpack
-    HEADER.pack(1, 0, 0, 0, 0, 1, 0, 0, 0) + b"\x90",  # msgpack, not a map
-    HEADER.pack(9, 0, 0, 0, 0, 0, 0, 0, 0),  # an unknown kind
-    bytes(random_bytes(4096, 31)),  # noise
-], ids=["empty", "truncated", "huge-body", "not-msgpack", "not-a-map", "unknown-kind",
-        "noise"])
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_malformed_openings_cost_nothing(make_engine: Callable[..., Engine],
-                                         victim: tuple[Engine, np.ndarray, int],
-                                         transport: str, frame: bytes) -> None:
-    b, mem, _ = victim
-    before = mem.copy()
+MALFORMED = {
+    "empty": b"",  # nothing at all, then close
+    "truncated": b"\x00" * 7,  # a truncated header
+    "huge-body": HEADER.pack(1, 0, 0, 0, 0, 1 << 30, 0, 0, 0),  # a hello claiming 1 GiB
+    "not-msgpack": HEADER.pack(1, 0, 0, 0, 0, 5, 0, 0, 0) + b"\xc1\xc1\xc1\xc1\xc1",
+    "not-a-map": HEADER.pack(1, 0, 0, 0, 0, 1, 0, 0, 0) + b"\x90",  # msgpack, no map
+    "unknown-kind": HEADER.pack(9, 0, 0, 0, 0, 0, 0, 0, 0),
+    "noise": bytes(random_bytes(4096, 31)),
+}
+
+
+def _send_malformed(b: Engine, transport: str, frame: bytes) -> None:
+    """Sends ``frame`` as a rail's opening; the target must close the connection."""
     rail = RawRail(b, None, transport)
     try:
         try:
@@ -157,8 +154,51 @@ def test_malformed_openings_cost_nothing(make_engine: Callable[..., Engine],
         assert rail.closed_by_target(timeout=10)
     finally:
         rail.close()
+
+
+@pytest.mark.parametrize("frame", list(MALFORMED.values()), ids=list(MALFORMED))
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_malformed_openings_cost_nothing(make_engine: Callable[..., Engine],
+                                         victim: tuple[Engine, np.ndarray, int],
+                                         transport: str, frame: bytes) -> None:
+    b, mem, _ = victim
+    before = mem.copy()
+    _send_malformed(b, transport, frame)
     assert np.array_equal(mem, before)
     _legit_roundtrip(make_engine, b, mem, [transport])
+
+
+def test_a_serving_process_takes_malformed_openings_and_bad_requests_in_its_stride(
+        make_engine: Callable[..., Engine]) -> None:
+    """The same openings, and requests a ticket's holder gets wrong, against a target
+    served from a serving process (the Mooncake drop-in's default): each is refused
+    or closed, the memory is untouched, and the same serving process goes on serving
+    both transports."""
+    from tests.helpers.serving import serve_pid  # noqa: PLC0415
+
+    b = make_engine("victim", transports=["shm", "tcp"], serve="process")
+    mem = random_bytes(SIZE, 11)
+    seg_id = b.register(mem, name="kv").id
+    pid = serve_pid(b)
+    before = mem.copy()
+    for transport in TRANSPORTS:
+        for name, frame in MALFORMED.items():
+            if name != "empty":  # a silent opening waits out the opening timer (5 s)
+                _send_malformed(b, transport, frame)
+    _, credential = handshake(b)
+    for entries in ([(seg_id, SIZE - 8, 64)], [(seg_id + 7, 0, 64)],
+                    [(seg_id, 1 << 62, 64)]):  # past the end, no such segment, overflow
+        rail = RawRail(b, credential)
+        try:
+            status, body = rail.request(KIND_WRITE, entries, b"\xee" * 64)
+            assert isinstance(unpack_error(body, status, "?", "write", "tcp"),
+                              InvalidDescriptorError)
+        finally:
+            rail.close()
+    assert np.array_equal(mem, before)
+    assert serve_pid(b) == pid  # no respawn: nothing reached it as a crash
+    _legit_roundtrip(make_engine, b, mem, ["tcp"])
+    _legit_roundtrip(make_engine, b, mem, ["shm", "tcp"])
 
 
 def test_with_a_secret_the_welcome_carries_no_key_and_a_sniffed_ticket_opens_nothing(
