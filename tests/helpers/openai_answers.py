@@ -85,13 +85,32 @@ def shape(port: int, path: str, body: dict[str, Any]) -> Any:
     return shapes
 
 
+def _earlier(event: Any, last: Any) -> bool:
+    """Whether ``event`` has the shape of a stream's ``last`` event before its end:
+    no key the last one lacks, and the same values but where it still has None (no
+    finish reason yet)."""
+    if event is None:
+        return True
+    if isinstance(event, dict) and isinstance(last, dict):
+        return event.keys() <= last.keys() and all(_earlier(v, last[k])
+                                                   for k, v in event.items())
+    if isinstance(event, list) and isinstance(last, list):
+        return len(event) == len(last) and all(map(_earlier, event, last))
+    return bool(event == last)
+
+
 def alike(got: list[Any], want: list[Any]) -> bool:
     """Two :func:`shape` results a client parses alike: the same opening and closing
     events, and middle events of shapes the other also sends. A loaded server may fold
     every token after the first into the last event, so one side can lack the middle
-    shapes the other has; it never has one of its own."""
+    shapes the other has; it never has one of its own. One folded into its closing
+    event alone matches a stream whose earlier events are that event's, unfinished."""
     if len(got) <= 2 or len(want) <= 2:
-        return got == want
+        if got == want:
+            return True
+        short, full = sorted((got, want), key=len)
+        return (len(short) == 2 and full[-2:] == short
+                and all(_earlier(e, full[-2]) for e in full[:-2]))
     if got[0] != want[0] or got[-2:] != want[-2:]:
         return False
     a, b = ({json.dumps(s, sort_keys=True) for s in x[1:-2]} for x in (got, want))
