@@ -43,6 +43,7 @@ import numpy as np
 from bench.baselines import Child, child_env, memcpy_gbps, socket_gbps
 from bench.stats import fill_random, median, percentile
 from transfer_engine.transport import held
+from transfer_engine.transport.stream.process import serve_mode
 
 __all__ = ["main", "CASES"]
 
@@ -309,9 +310,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_target(a.protocol, a.buffer_size, a.seed)
     modes = [m for m in a.serve.split(",") if m]
     protocols = [p for p in a.protocols.split(",") if p]
-    for bad in [m for m in modes if m not in ("thread", "process")] or \
-            [p for p in protocols if p not in ("tcp", "shm")]:
-        print(f"unknown serve mode or protocol {bad!r}", file=sys.stderr)
+    try:
+        for mode in modes:
+            serve_mode(mode)  # the transports' own check of a mode
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    unknown = [p for p in protocols if p not in ("tcp", "shm")]
+    if unknown:
+        print(f"unknown protocol {unknown[0]!r}", file=sys.stderr)
         return 2
     if not modes or not protocols:
         print("--serve and --protocols name at least one each", file=sys.stderr)
